@@ -1,0 +1,88 @@
+"""The pipeline contract: the one Triton interface the gateway calls.
+
+Two models with the same inputs and outputs are deployed side by side:
+
+* ``OFFLINE_MODEL`` (non-decoupled): one request -> exactly one response holding the whole waveform
+  of one text segment.
+* ``STREAMING_MODEL`` (decoupled): one request -> N >= 1 responses, each holding the next waveform
+  chunk; the last response carries the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag *together with* its
+  data (the grpc.aio client cannot ask for an empty final response).
+
+Both take ``max_batch_size: 0`` shapes (no batch dimension): batching happens inside the pipeline.
+The gateway sends one request per text segment, in order. This module is import-light (numpy only)
+because the torch-free gateway, the Triton model adapters and the stand-in test model all use it.
+See docs/pipeline-contract.md for the prose version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+OFFLINE_MODEL = "cosyvoice2"
+STREAMING_MODEL = "cosyvoice2_stream"
+
+#: Reference audio must be 16 kHz mono; the waveform the pipeline returns is 24 kHz mono.
+REFERENCE_SAMPLE_RATE = 16_000
+OUTPUT_SAMPLE_RATE = 24_000
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    triton_dtype: str  # the config.pbtxt/tritonclient name, e.g. "FP32", "BYTES"
+    dims: tuple[int, ...]
+    optional: bool = False
+
+    @property
+    def numpy_dtype(self) -> type:
+        return _NUMPY_DTYPES[self.triton_dtype]
+
+    @property
+    def pbtxt_dtype(self) -> str:
+        return "TYPE_STRING" if self.triton_dtype == "BYTES" else f"TYPE_{self.triton_dtype}"
+
+
+_NUMPY_DTYPES: dict[str, type] = {
+    "FP32": np.float32,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT64": np.uint64,
+    "BYTES": np.object_,
+}
+
+# Inputs ---------------------------------------------------------------------------------------
+REFERENCE_WAV = TensorSpec("reference_wav", "FP32", (-1,))  # 16 kHz mono float in [-1, 1]
+REFERENCE_WAV_LEN = TensorSpec("reference_wav_len", "INT32", (1,))  # valid samples in reference_wav
+REFERENCE_TEXT = TensorSpec("reference_text", "BYTES", (1,))  # UTF-8 transcript of the reference
+TARGET_TEXT = TensorSpec("target_text", "BYTES", (1,))  # UTF-8 text of ONE segment to speak
+#: Keys the server-side voice-prompt cache: a content hash of (audio, transcript), computed by the
+#: gateway once per voice. Never a bare name: two voices with one transcript must not collide.
+VOICE_ID = TensorSpec("voice_id", "BYTES", (1,))
+SEED = TensorSpec("seed", "UINT64", (1,), optional=True)  # sampling seed; absent = random per request
+
+INPUTS: tuple[TensorSpec, ...] = (REFERENCE_WAV, REFERENCE_WAV_LEN, REFERENCE_TEXT, TARGET_TEXT, VOICE_ID, SEED)
+
+# Outputs --------------------------------------------------------------------------------------
+WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # 24 kHz mono float32 samples (may be empty)
+#: Usage, cumulative for the request so far; the final response holds the totals.
+INPUT_TOKENS = TensorSpec("input_tokens", "INT32", (1,))  # text tokens the LLM read (prompt text + target)
+OUTPUT_TOKENS = TensorSpec("output_tokens", "INT32", (1,))  # speech tokens the LLM generated
+
+OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS)
+
+#: Error messages raised by pipeline models start with one of these tags so the gateway can map
+#: them to HTTP statuses without parsing free text (Triton's gRPC status codes are coarse).
+ERROR_INVALID_INPUT = "[invalid_input]"  # -> 400
+ERROR_OVERLOADED = "[overloaded]"  # -> 503 with Retry-After
+
+
+def pbtxt_io_block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
+    """Render an ``input [...]`` or ``output [...]`` block of a config.pbtxt from specs."""
+    items = []
+    for spec in specs:
+        dims = ", ".join(str(d) for d in spec.dims)
+        optional = " optional: true" if spec.optional and kind == "input" else ""
+        items.append(f'  {{ name: "{spec.name}" data_type: {spec.pbtxt_dtype} dims: [ {dims} ]{optional} }}')
+    return f"{kind} [\n" + ",\n".join(items) + "\n]"

@@ -1,0 +1,209 @@
+"""Start and stop the `tritonserver` binary shipped in the `nvidia-pytriton` wheel.
+
+Used by the local stack (`make run`) and by the test fixtures. The facts behind each step are in
+shared/reference/triton-cpu.md: the python-backend stub must sit in a private backend dir, find its
+libraries through LD_LIBRARY_PATH, and run in an environment with numpy < 2; a server with a stream
+in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class TritonLaunchError(RuntimeError):
+    """tritonserver could not be found, started, or did not become ready."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pytriton_dir() -> Path:
+    try:
+        import pytriton  # noqa: PLC0415 - optional dependency, only needed to launch
+    except ImportError as exc:  # pragma: no cover - depends on install
+        raise TritonLaunchError("nvidia-pytriton is not installed: pip install '.[triton]'") from exc
+    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+
+
+@dataclass
+class TritonServer:
+    """One tritonserver process on loopback with free ports.
+
+    ``env_prefix`` is the Python environment the python-backend stubs run in (it must have numpy < 2
+    and whatever the models import); it defaults to the running interpreter's environment.
+    """
+
+    model_repository: Path
+    env_prefix: Path = field(default_factory=lambda: Path(sys.prefix))
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
+    log_path: Path | None = None
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
+    _proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    _workdir: Path | None = field(default=None, init=False, repr=False)
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def shm_prefix(self) -> str:
+        return f"cvs{self.grpc_port}_"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, ready_timeout: float = 120.0) -> TritonServer:
+        if self._proc is not None:
+            raise TritonLaunchError("server already started")
+        ts_dir = _pytriton_dir()
+        for attr in ("http_port", "grpc_port", "metrics_port"):
+            if not getattr(self, attr):
+                setattr(self, attr, free_port())
+        if self._workdir is None:  # a restart (same ports) reuses the backend dir and log
+            self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
+        backends = self._workdir / "backends"
+        if not backends.exists():
+            self._make_backend_dir(ts_dir, backends)
+        if self.log_path is None:
+            self.log_path = self._workdir / "tritonserver.log"
+        cmd = [
+            str(ts_dir / "bin" / "tritonserver"),
+            f"--model-repository={self.model_repository}",
+            f"--backend-directory={backends}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--http-address={self.host}",
+            f"--grpc-address={self.host}",
+            f"--metrics-address={self.host}",
+            "--strict-readiness=true",
+            "--exit-on-error=true",
+            "--disable-auto-complete-config",
+            "--allow-gpu-metrics=false",
+            "--pinned-memory-pool-byte-size=0",
+            "--exit-timeout-secs=3",
+            "--backend-config=python,shm-default-byte-size=4194304",
+            "--backend-config=python,shm-growth-byte-size=4194304",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            *self.extra_args,
+        ]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our arguments
+                cmd, env=self._env(ts_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            self.wait_ready(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _env(self, ts_dir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        libs = [str(ts_dir.parent.parent / "nvidia_pytriton.libs")]
+        pylib = sysconfig.get_config_var("LIBDIR")
+        if pylib:
+            libs.append(pylib)  # the stub links libpython: prefer ours over the distro's
+        if env.get("LD_LIBRARY_PATH"):
+            libs.append(env["LD_LIBRARY_PATH"])
+        env["LD_LIBRARY_PATH"] = ":".join(libs)
+        # The stub resolves its Python environment from `python3` on PATH.
+        env["PATH"] = f"{self.env_prefix / 'bin'}:{env.get('PATH', '')}"
+        # Models import our packages from this checkout, whatever is installed.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.extra_env)
+        return env
+
+    @staticmethod
+    def _make_backend_dir(ts_dir: Path, backends: Path) -> None:
+        py = backends / "python"
+        py.mkdir(parents=True)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy2(ts_dir / "backends" / "python" / name, py / name)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = ts_dir / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not stub.exists():
+            raise TritonLaunchError(f"no python backend stub for Python {version} in {stub.parent.parent}")
+        shutil.copy2(stub, py / stub.name)
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as r:  # noqa: S310
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc is None or self._proc.poll() is not None:
+                raise TritonLaunchError(f"tritonserver exited early; log:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.2)
+        raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, grace: float = 5.0) -> None:
+        """TERM, a grace period, then KILL the process group; remove leaked shm regions."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc is not None:
+            # Orphaned stubs stay in the group and ignore TERM: always KILL the whole group.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            with contextlib.suppress(OSError):
+                region.unlink()
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
