@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 run: venv
-	$(PY) -m gateway.stack
+	$(PY) -m gateway
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
