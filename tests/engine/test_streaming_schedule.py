@@ -1,0 +1,77 @@
+"""The chunk schedule object on its own (spec §5): pure arithmetic, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosyvoice2.streaming import Chunk, ChunkSchedule
+
+
+def test_spec_worked_example_aligned_prompt_needs_28_tokens() -> None:
+    # spec §3.3: P = 75 prompt tokens -> pad 0, the first chunk needs 25 + 3 tokens
+    schedule = ChunkSchedule(prompt_tokens=75)
+    assert schedule.prompt_pad == 0
+    assert schedule.next_chunk(0, 0, available=27, finished=False) is None
+    assert schedule.next_chunk(0, 0, available=28, finished=False) == Chunk(0, 25, 28, final=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "hops"),
+    [
+        (75, [25, 50, 100, 100, 100]),
+        (40, [35, 50, 100, 100, 100]),  # pad 10: prompt + first hop = 75, on the 25 grid
+        (1, [49, 50, 100, 100, 100]),
+        (0, [25, 50, 100, 100, 100]),
+    ],
+)
+def test_hops_grow_by_two_capped_at_100_with_prompt_pad(prompt_tokens: int, hops: list[int]) -> None:
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens)
+    assert [schedule.hop(i) for i in range(5)] == hops
+    assert (prompt_tokens + schedule.hop(0)) % 25 == 0
+
+
+def test_configurable_first_hop_keeps_doubling_from_it() -> None:
+    schedule = ChunkSchedule(prompt_tokens=50, first_hop=15)
+    assert [schedule.hop(i) for i in range(5)] == [15, 30, 60, 100, 100]
+
+
+def test_chunks_of_a_finished_stream() -> None:
+    # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
+    # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.
+    chunks = ChunkSchedule(prompt_tokens=40).chunks(300)
+    assert chunks == [
+        Chunk(0, 35, 38, False),
+        Chunk(35, 85, 88, False),
+        Chunk(85, 185, 188, False),
+        Chunk(185, 285, 288, False),
+        Chunk(285, 300, 300, True),
+    ]
+
+
+@pytest.mark.parametrize("n_tokens", [0, 1, 27, 28, 29, 77, 78, 181, 182, 500])
+def test_chunks_tile_the_tokens_and_the_final_rest_is_short(n_tokens: int) -> None:
+    schedule = ChunkSchedule(prompt_tokens=75)
+    chunks = schedule.chunks(n_tokens)
+    assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[0].start == 0 and chunks[-1].stop == n_tokens
+    for previous, chunk in zip(chunks, chunks[1:]):
+        assert chunk.start == previous.stop
+    for index, chunk in enumerate(chunks[:-1]):
+        assert chunk.hop == schedule.hop(index) and chunk.feed == chunk.stop + 3
+    # the final chunk exists because a further non-final one was impossible
+    assert chunks[-1].hop < schedule.hop(len(chunks) - 1) + 3
+
+
+def test_too_short_stream_is_one_final_chunk_like_offline() -> None:
+    assert ChunkSchedule(prompt_tokens=75).chunks(27) == [Chunk(0, 27, 27, True)]
+
+
+def test_waiting_until_enough_tokens_then_final_when_finished() -> None:
+    schedule = ChunkSchedule(prompt_tokens=75)
+    assert schedule.next_chunk(25, 1, available=77, finished=False) is None  # hop 50 needs 78
+    assert schedule.next_chunk(25, 1, available=77, finished=True) == Chunk(25, 77, 77, True)
+
+
+def test_rejects_first_hop_below_the_hift_cache() -> None:
+    with pytest.raises(ValueError, match="first_hop"):
+        ChunkSchedule(first_hop=3)
