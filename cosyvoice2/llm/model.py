@@ -1,0 +1,130 @@
+"""CosyVoice2LM: the Qwen2 body plus CosyVoice2's speech-token embedding and head (upstream ``Qwen2LM``).
+
+State-dict keys equal ``llm.pt`` exactly: ``llm_embedding.weight`` (row 0 = SOS, row 1 = TASK_ID),
+``llm.model.model.*`` / ``llm.model.lm_head.weight`` (the Qwen2 body; upstream nests ``Qwen2ForCausalLM`` as
+``Qwen2Encoder.model``), ``speech_embedding.weight`` and ``llm_decoder.weight/bias`` (6561 speech ids + 3 end ids).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, StaticKVCache
+
+SOS_INDEX = 0
+TASK_ID_INDEX = 1
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """CosyVoice2 LLM hyper-parameters; defaults are the released CosyVoice2-0.5B values."""
+
+    qwen: Qwen2Config = field(default_factory=Qwen2Config)
+    speech_token_size: int = 6561
+
+    @property
+    def hidden_size(self) -> int:
+        return self.qwen.hidden_size
+
+    @property
+    def num_speech_classes(self) -> int:
+        """Speech ids 0..6560 plus the end ids 6561 (EOS), 6562, 6563 (FILL)."""
+        return self.speech_token_size + 3
+
+    @property
+    def eos_id(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+
+    @classmethod
+    def from_harness(cls, llm: Mapping[str, Any]) -> "LLMConfig":
+        """From the parity harness's ``llm`` section (``qwen`` = HF Qwen2 config fields)."""
+        return cls(qwen=Qwen2Config.from_dict(llm["qwen"]), speech_token_size=int(llm["speech_token_size"]))
+
+
+class Qwen2Encoder(nn.Module):
+    """Holder that reproduces upstream's nesting (``llm.model`` is the ``Qwen2ForCausalLM``)."""
+
+    def __init__(self, config: Qwen2Config) -> None:
+        super().__init__()
+        self.model = Qwen2ForCausalLM(config)
+
+
+def _as_ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
+
+
+class CosyVoice2LM(nn.Module):
+    def __init__(self, config: LLMConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or LLMConfig()
+        hidden = self.config.hidden_size
+        self.llm_embedding = nn.Embedding(2, hidden)
+        self.llm = Qwen2Encoder(self.config.qwen)
+        self.llm_decoder = nn.Linear(hidden, self.config.num_speech_classes)
+        self.speech_embedding = nn.Embedding(self.config.num_speech_classes, hidden)
+
+    @property
+    def body(self):
+        """The Qwen2 decoder stack (``llm.model.model``)."""
+        return self.llm.model.model
+
+    def embed_prefix(
+        self,
+        text: Sequence[int] | torch.Tensor,
+        prompt_text: Sequence[int] | torch.Tensor = (),
+        prompt_speech_tokens: Sequence[int] | torch.Tensor = (),
+    ) -> torch.Tensor:
+        """``[1, 1 + Lp + Lt + 1 + P, hidden]`` = [SOS, embed(prompt_text ++ text), TASK_ID, embed(prompt speech)].
+
+        The x-vector is not part of CosyVoice2's LLM input (upstream accepts and ignores it).
+        """
+        device = self.llm_embedding.weight.device
+        text_ids = torch.cat([_as_ids(prompt_text, device), _as_ids(text, device)])
+        parts = [
+            self.llm_embedding.weight[SOS_INDEX : SOS_INDEX + 1],
+            self.body.embed_tokens(text_ids),
+            self.llm_embedding.weight[TASK_ID_INDEX : TASK_ID_INDEX + 1],
+            self.speech_embedding(_as_ids(prompt_speech_tokens, device)),
+        ]
+        return torch.cat(parts, dim=0).unsqueeze(0)
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.speech_embedding(tokens)
+
+    def hidden(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: StaticKVCache | None = None,
+        slot: int | None = None,
+    ) -> torch.Tensor:
+        """Last hidden state after the final RMSNorm (see ``Qwen2Model.forward`` for the cache arguments)."""
+        return self.body(inputs_embeds, positions, cache, slot)
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the 6564 speech classes, in fp32."""
+        return F.log_softmax(self.llm_decoder(hidden).float(), dim=-1)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: StaticKVCache | None = None,
+        slot: int | None = None,
+    ) -> torch.Tensor:
+        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slot))
+
+    def new_cache(
+        self, num_slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> StaticKVCache:
+        weight = self.llm_decoder.weight
+        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)

@@ -1,0 +1,1 @@
+"""Text frontend: tokenizer (needs transformers), normalization and segmentation (pure Python)."""

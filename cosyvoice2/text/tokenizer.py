@@ -1,0 +1,65 @@
+"""The CosyVoice2 text tokenizer: Qwen2 byte-level BPE from ``<model_dir>/CosyVoice-BlankEN`` plus 17 specials.
+
+Upstream registers ``<|endoftext|>`` as eos/pad and then the 19 additional specials below, in this order. The first
+two already exist in the base tokenizer, so the 17 new ones get consecutive ids right after it
+(released model: ``<|endofprompt|>`` = 151646 ... ``[mn]`` = 151662, ``len(tokenizer)`` = 151663).
+Encoding adds no BOS/EOS.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from transformers import AutoTokenizer
+
+TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
+
+ADDITIONAL_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|im_start|>", "<|im_end|>", "<|endofprompt|>",
+    "[breath]", "<strong>", "</strong>", "[noise]",
+    "[laughter]", "[cough]", "[clucking]", "[accent]",
+    "[quick_breath]",
+    "<laughter>", "</laughter>",
+    "[hissing]", "[sigh]", "[vocalized-noise]",
+    "[lipsmack]", "[mn]",
+)
+ENDOFTEXT = "<|endoftext|>"
+ENDOFPROMPT = "<|endofprompt|>"
+
+
+class CosyVoice2Tokenizer:
+    """Text -> Qwen2 token ids, as CosyVoice2's frontend computes them."""
+
+    def __init__(self, tokenizer_dir: str | Path) -> None:
+        self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        self._hf.add_special_tokens(
+            {
+                "eos_token": ENDOFTEXT,
+                "pad_token": ENDOFTEXT,
+                "additional_special_tokens": list(ADDITIONAL_SPECIAL_TOKENS),
+            }
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> "CosyVoice2Tokenizer":
+        return cls(Path(model_dir) / TOKENIZER_SUBDIR)
+
+    def __len__(self) -> int:
+        return len(self._hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._hf([text])["input_ids"][0])
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int:
+        token_id = self._hf.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self._hf.unk_token_id:
+            raise KeyError(f"unknown token {token!r}")
+        return int(token_id)
+
+    def count(self, text: str) -> int:
+        """Number of tokens of ``text``: the length function the English paragraph splitter uses."""
+        return len(self.encode(text))
