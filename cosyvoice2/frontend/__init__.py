@@ -1,0 +1,1 @@
+"""Voice-prompt frontend: audio loading/resampling, acoustic features, ONNX models, VoicePrompt."""
