@@ -1,0 +1,3 @@
+from cosyvoice_build.cli import main
+
+raise SystemExit(main())
