@@ -23,7 +23,7 @@ def euler_schedule(n_timesteps: int) -> list[tuple[float, float]]:
 
     Mirrors upstream's float32 recurrence (t accumulates dt, dt = t_span[k+1] - t) so every step sees the same t.
     """
-    grid = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, dtype=torch.float32) * 0.5 * math.pi)
+    grid = 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, dtype=torch.float32, device="cpu") * 0.5 * math.pi)
     steps = []
     t, dt = grid[0], grid[1] - grid[0]
     for k in range(1, n_timesteps + 1):
