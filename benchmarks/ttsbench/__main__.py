@@ -1,0 +1,3 @@
+from ttsbench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""Per-request records, per-level summaries, the text table and the JSON document (all pure)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ttsbench.stats import Summary, summarize
+
+JSON_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one measured request did. Times are seconds, measured from the moment it was sent."""
+
+    item_id: str
+    #: Arrival time of every non-empty audio piece, in order.
+    chunk_offsets: tuple[float, ...]
+    #: Until the response was complete (or failed).
+    total: float
+    audio_seconds: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def first_chunk(self) -> float | None:
+        return self.chunk_offsets[0] if self.chunk_offsets else None
+
+    @property
+    def second_chunk(self) -> float | None:
+        """Gap between the first and the second audio piece (the upstream client's definition)."""
+        return self.chunk_offsets[1] - self.chunk_offsets[0] if len(self.chunk_offsets) > 1 else None
+
+    @property
+    def rtf(self) -> float | None:
+        return self.total / self.audio_seconds if self.audio_seconds > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "item_id": self.item_id,
+            "chunk_offsets": list(self.chunk_offsets),
+            "total": self.total,
+            "audio_seconds": self.audio_seconds,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    """All measured requests of one (mode, concurrency) level, warm-up excluded."""
+
+    mode: str
+    concurrency: int
+    #: From the first measured send to the last measured completion.
+    wall_seconds: float
+    records: tuple[RequestRecord, ...]
+
+
+@dataclass(frozen=True)
+class LevelSummary:
+    mode: str
+    concurrency: int
+    requests: int
+    errors: int
+    wall_seconds: float
+    audio_seconds: float
+    first_chunk: Summary | None
+    second_chunk: Summary | None
+    total: Summary | None
+    rtf: Summary | None
+    #: Wall time of the level / audio seconds produced by it (the upstream client's "RTF").
+    aggregate_rtf: float | None
+    audio_seconds_per_second: float
+    records: tuple[RequestRecord, ...] = field(default=(), repr=False)
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "errors": self.errors,
+            "wall_seconds": self.wall_seconds,
+            "audio_seconds": self.audio_seconds,
+            "aggregate_rtf": self.aggregate_rtf,
+            "audio_seconds_per_second": self.audio_seconds_per_second,
+        }
+        for name in ("first_chunk", "second_chunk", "total", "rtf"):
+            summary: Summary | None = getattr(self, name)
+            out[name] = summary.to_dict() if summary else None
+        if with_records:
+            out["records"] = [r.to_dict() for r in self.records]
+        return out
+
+
+def summarize_level(result: LevelResult) -> LevelSummary:
+    """Statistics over the successful requests; failures only count as errors."""
+    ok = [r for r in result.records if r.ok]
+    audio = math.fsum(r.audio_seconds for r in ok)
+
+    def present(values: Iterable[float | None]) -> list[float]:
+        return [v for v in values if v is not None]
+
+    return LevelSummary(
+        mode=result.mode,
+        concurrency=result.concurrency,
+        requests=len(result.records),
+        errors=len(result.records) - len(ok),
+        wall_seconds=result.wall_seconds,
+        audio_seconds=audio,
+        first_chunk=summarize(present(r.first_chunk for r in ok)),
+        second_chunk=summarize(present(r.second_chunk for r in ok)),
+        total=summarize([r.total for r in ok]),
+        rtf=summarize(present(r.rtf for r in ok)),
+        aggregate_rtf=result.wall_seconds / audio if audio > 0 else None,
+        audio_seconds_per_second=audio / result.wall_seconds if result.wall_seconds > 0 else 0.0,
+        records=result.records,
+    )
+
+
+# Text table ------------------------------------------------------------------------------------
+
+_STATS = ("avg", "p50", "p90", "p95", "p99")
+#: (group title, LevelSummary attribute, scale, format) of the summarized columns.
+_GROUPS: tuple[tuple[str, str, float, str], ...] = (
+    ("first chunk (ms)", "first_chunk", 1000.0, "{:.1f}"),
+    ("second chunk gap (ms)", "second_chunk", 1000.0, "{:.1f}"),
+    ("total latency (ms)", "total", 1000.0, "{:.1f}"),
+    ("RTF per request", "rtf", 1.0, "{:.4f}"),
+)
+_MISSING = "-"
+
+
+def format_table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    groups: Sequence[tuple[str, int]] = (),
+    gap: int = 2,
+) -> str:
+    """Right-aligned plain-text columns under a header row.
+
+    ``groups`` optionally adds a line above the header with titles spanning consecutive columns,
+    as (title, number of columns) pairs covering the columns left to right.
+    """
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    sep = " " * gap
+    lines = []
+    if groups:
+        if sum(n for _, n in groups) != len(header):
+            raise ValueError("column groups must cover every column")
+        cells, col = [], 0
+        for title, n in groups:
+            span = sum(widths[col : col + n]) + gap * (n - 1)
+            if len(title) > span:  # widen the group's last column so the title fits
+                widths[col + n - 1] += len(title) - span
+                span = len(title)
+            cells.append(title.center(span))
+            col += n
+        lines.append(sep.join(cells).rstrip())
+    lines.append(sep.join(cell.rjust(w) for cell, w in zip(header, widths, strict=True)))
+    lines.append("-" * len(lines[-1]))
+    lines.extend(sep.join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
+    return "\n".join(lines)
+
+
+def _summary_cells(summary: Summary | None, scale: float, fmt: str) -> list[str]:
+    if summary is None:
+        return [_MISSING] * len(_STATS)
+    return [fmt.format(getattr(summary, s) * scale) for s in _STATS]
+
+
+def level_table(summaries: Sequence[LevelSummary]) -> str:
+    """One table for one mode: a row per concurrency level."""
+    header = ["conc", "ok", "err"]
+    groups: list[tuple[str, int]] = [("", 3)]
+    for title, *_ in _GROUPS:
+        header += list(_STATS)
+        groups.append((title, len(_STATS)))
+    header += ["agg RTF", "audio s/s"]
+    groups.append(("throughput", 2))
+    rows = []
+    for s in summaries:
+        row = [str(s.concurrency), str(s.requests - s.errors), str(s.errors)]
+        for _, attr, scale, fmt in _GROUPS:
+            row += _summary_cells(getattr(s, attr), scale, fmt)
+        row += [_MISSING if s.aggregate_rtf is None else f"{s.aggregate_rtf:.4f}", f"{s.audio_seconds_per_second:.2f}"]
+        rows.append(row)
+    return format_table(header, rows, groups)
+
+
+def render_report(summaries: Sequence[LevelSummary]) -> str:
+    """A titled table per mode, modes in first-seen order."""
+    modes = list(dict.fromkeys(s.mode for s in summaries))
+    blocks = []
+    for mode in modes:
+        mine = [s for s in summaries if s.mode == mode]
+        blocks.append(f"== {mode} ==\n{level_table(mine)}")
+    return "\n\n".join(blocks)
+
+
+def report_document(summaries: Sequence[LevelSummary], run: dict[str, Any], with_records: bool = True) -> dict[str, Any]:
+    """The JSON document ``--json`` writes: the run's settings and one entry per level."""
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "run": run,
+        "levels": [s.to_dict(with_records=with_records) for s in summaries],
+    }

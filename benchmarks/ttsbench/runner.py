@@ -1,0 +1,119 @@
+"""Closed-loop load: N workers, each with one request in flight, timing every audio piece."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from ttsbench.inputs import BenchRequest
+from ttsbench.report import LevelResult, RequestRecord
+
+#: What a target yields as audio arrives: a float32 array (Triton) or response bytes (HTTP).
+AudioPiece = np.ndarray | bytes
+
+
+class Target(Protocol):
+    """One way of asking the service for speech. Targets only talk; the runner keeps time."""
+
+    mode: str
+
+    def synthesize(self, request: BenchRequest) -> AsyncIterator[AudioPiece]:
+        """Send one request and yield its audio pieces as they arrive; raise on failure."""
+        ...
+
+    def audio_seconds(self, pieces: Sequence[AudioPiece]) -> float:
+        """Duration of the audio in a finished response (called after its timing ended)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+Clock = Callable[[], float]
+
+
+async def measure(target: Target, request: BenchRequest, timeout: float, clock: Clock = time.perf_counter) -> tuple[float, RequestRecord]:
+    """Send one request; return its send time and its record (failures become records too)."""
+    start = clock()
+    offsets: list[float] = []
+    pieces: list[AudioPiece] = []
+
+    async def consume() -> None:
+        async for piece in target.synthesize(request):
+            if len(piece):
+                offsets.append(clock() - start)
+                pieces.append(piece)
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+    except Exception as exc:  # noqa: BLE001 - any failure of one request is a counted error
+        total = clock() - start
+        message = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+        return start, RequestRecord(request.id, tuple(offsets), total, 0.0, error=message)
+    total = clock() - start
+    return start, RequestRecord(request.id, tuple(offsets), total, target.audio_seconds(pieces))
+
+
+async def _drive(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    keep_going: Callable[[int], bool],
+    timeout: float,
+    clock: Clock,
+) -> tuple[list[float], list[float], list[RequestRecord]]:
+    """Run workers until ``keep_going(index)`` says stop; request i uses item ``i % len``."""
+    counter = itertools.count()
+    starts: list[float] = []
+    ends: list[float] = []
+    records: list[RequestRecord] = []
+
+    async def worker() -> None:
+        while keep_going(index := next(counter)):
+            start, record = await measure(target, requests[index % len(requests)], timeout, clock)
+            starts.append(start)
+            ends.append(start + record.total)
+            records.append(record)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return starts, ends, records
+
+
+async def run_level(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    concurrency: int,
+    *,
+    num_requests: int | None = None,
+    duration: float | None = None,
+    warmup_per_worker: int = 1,
+    timeout: float = 300.0,
+    clock: Clock = time.perf_counter,
+) -> LevelResult:
+    """Warm up (discarded), then measure either ``num_requests`` requests or ``duration`` seconds.
+
+    In duration mode no request starts after the deadline; those in flight finish and count.
+    """
+    if not requests:
+        raise ValueError("no requests to send")
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+    if (num_requests is None) == (duration is None):
+        raise ValueError("give exactly one of num_requests and duration")
+
+    warmups = concurrency * warmup_per_worker
+    if warmups:
+        await _drive(target, requests, concurrency, lambda i: i < warmups, timeout, clock)
+
+    if num_requests is not None:
+        keep_going: Callable[[int], bool] = lambda i: i < num_requests  # noqa: E731
+    else:
+        deadline = clock() + duration  # type: ignore[operator]
+        keep_going = lambda _i: clock() < deadline  # noqa: E731
+    starts, ends, records = await _drive(target, requests, concurrency, keep_going, timeout, clock)
+    wall = max(ends) - min(starts) if records else 0.0
+    return LevelResult(target.mode, concurrency, wall, tuple(records))

@@ -1,0 +1,196 @@
+"""The two things tts-bench can load: Triton directly (gRPC) and the OpenAI gateway (HTTP).
+
+A target sends one request and yields audio pieces as they arrive; it never reads a clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+import av
+import httpx
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+
+from triton_repo import contract
+from ttsbench.inputs import BenchRequest
+
+PCM_BYTES_PER_SAMPLE = 2  # the gateway's pcm: s16le mono at OUTPUT_SAMPLE_RATE
+
+
+class TritonTarget:
+    """The pipeline's Triton models over gRPC: unary infer (offline) or a decoupled stream.
+
+    ``fresh_voice_ids`` gives every request its own voice id, so the server's prompt cache never
+    hits (the "without speaker cache" numbers).
+    """
+
+    def __init__(self, url: str, streaming: bool, seed: int | None = None, fresh_voice_ids: bool = False) -> None:
+        self.streaming = streaming
+        self.model = contract.STREAMING_MODEL if streaming else contract.OFFLINE_MODEL
+        self.mode = f"triton/{'streaming' if streaming else 'offline'}"
+        self._client = grpcclient.InferenceServerClient(url)
+        self._seed = seed
+        self._fresh_voice_ids = fresh_voice_ids
+        self._ids = itertools.count()
+
+    def _inputs(self, request: BenchRequest) -> list[grpcclient.InferInput]:
+        voice = request.voice
+        vid = f"{voice.id}-{uuid.uuid4().hex}" if self._fresh_voice_ids else voice.id
+        values: list[tuple[contract.TensorSpec, np.ndarray]] = [
+            (contract.REFERENCE_WAV, voice.samples),
+            (contract.REFERENCE_WAV_LEN, [voice.samples.size]),
+            (contract.REFERENCE_TEXT, [voice.transcript.encode()]),
+            (contract.TARGET_TEXT, [request.target_text.encode()]),
+            (contract.VOICE_ID, [vid.encode()]),
+        ]
+        if self._seed is not None:
+            values.append((contract.SEED, [self._seed]))
+        inputs = []
+        for spec, value in values:
+            array = np.asarray(value, dtype=spec.numpy_dtype)
+            tensor = grpcclient.InferInput(spec.name, list(array.shape), spec.triton_dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        return inputs
+
+    async def synthesize(self, request: BenchRequest) -> AsyncIterator[np.ndarray]:
+        inputs = self._inputs(request)
+        request_id = f"bench-{next(self._ids)}"
+        if not self.streaming:
+            result = await self._client.infer(self.model, inputs, request_id=request_id)
+            yield result.as_numpy(contract.WAVEFORM.name)
+            return
+
+        async def one_request() -> AsyncIterator[dict]:
+            # One request per stream, then half-close: the stream ends when the request is final.
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+
+        responses = self._client.stream_infer(one_request())
+        error: Exception | None = None
+        finished = False
+        try:
+            async for result, failure in responses:
+                if failure is not None:
+                    error = error or failure  # keep reading: the stream ends on its own
+                    continue
+                waveform = result.as_numpy(contract.WAVEFORM.name)
+                if waveform is not None:
+                    yield waveform
+            finished = True
+        finally:
+            if not finished:  # abandoned (timeout): tell the server to stop working on it
+                responses.cancel()
+        if error is not None:
+            raise error
+
+    def audio_seconds(self, pieces: Sequence[np.ndarray]) -> float:
+        return sum(p.size for p in pieces) / contract.OUTPUT_SAMPLE_RATE
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+class GatewayError(RuntimeError):
+    """A non-2xx answer or an error event from the gateway."""
+
+
+def encoded_seconds(data: bytes, response_format: str) -> float:
+    """Duration of a complete response body in ``response_format``."""
+    if response_format == "pcm":
+        return len(data) / PCM_BYTES_PER_SAMPLE / contract.OUTPUT_SAMPLE_RATE
+    samples, rate = 0, contract.OUTPUT_SAMPLE_RATE
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(audio=0):
+            samples += frame.samples
+            rate = frame.sample_rate
+    return samples / rate
+
+
+class GatewayTarget:
+    """``POST /v1/audio/speech`` with OpenAI requests; ``voice`` is the voice id (content hash),
+    so the gateway must know every voice of the run (see ``missing_voices``)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        streaming: bool,
+        response_format: str = "pcm",
+        stream_format: str = "audio",
+        model: str = "tts-1",
+        api_key: str | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self.streaming = streaming
+        self.response_format = response_format
+        self.stream_format = stream_format if streaming else "audio"
+        self.model = model
+        self.seed = seed
+        self.mode = f"gateway/{f'streaming-{self.stream_format}' if streaming else 'offline'}"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(None),  # the runner owns the deadline
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    async def missing_voices(self, requests: Sequence[BenchRequest]) -> list[str]:
+        """Voice ids of ``requests`` that ``GET /v1/audio/voices`` does not list."""
+        response = await self._http.get("/v1/audio/voices")
+        if response.status_code != 200:
+            raise GatewayError(f"GET /v1/audio/voices: HTTP {response.status_code} {response.text[:200]}")
+        known = {v["id"] for v in response.json()["voices"]} | {v["name"] for v in response.json()["voices"]}
+        return sorted({r.voice.id for r in requests} - known)
+
+    def _body(self, request: BenchRequest) -> dict:
+        body = {
+            "model": self.model,
+            "input": request.target_text,
+            "voice": request.voice.id,
+            "response_format": self.response_format,
+            "stream_format": self.stream_format,
+            "stream": self.streaming,
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed
+        return body
+
+    async def synthesize(self, request: BenchRequest) -> AsyncIterator[bytes]:
+        async with self._http.stream("POST", "/v1/audio/speech", json=self._body(request)) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                raise GatewayError(f"HTTP {response.status_code}: {detail}")
+            if self.stream_format == "sse":
+                async for piece in _sse_audio(response):
+                    yield piece
+            else:
+                async for piece in response.aiter_bytes():
+                    yield piece
+
+    def audio_seconds(self, pieces: Sequence[bytes]) -> float:
+        return encoded_seconds(b"".join(pieces), self.response_format)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+async def _sse_audio(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The audio of ``speech.audio.delta`` events until ``speech.audio.done``; other events fail."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        event = json.loads(line[len("data:") :])
+        kind = event.get("type")
+        if kind == "speech.audio.delta":
+            yield base64.b64decode(event["audio"])
+        elif kind == "speech.audio.done":
+            return
+        else:
+            raise GatewayError(f"SSE event {kind}: {json.dumps(event)[:300]}")
+    raise GatewayError("SSE stream ended without speech.audio.done")
