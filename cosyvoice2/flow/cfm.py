@@ -38,6 +38,8 @@ class CausalCFM(nn.Module):
     """Runs the estimator n_timesteps times on a (2B, ...) batch: conditional rows then unconditional rows.
 
     For a given frame count T every estimator call has identical shapes (graph capture / compile friendly).
+    `rand_noise` is a non-persistent buffer created on CPU even under a meta-device build; it is not in the
+    state dict, so load with `assign=True` rather than `to_empty()`, which would overwrite it with garbage.
     """
 
     def __init__(self, estimator: CausalUNetEstimator, config: CFMConfig, noise: Optional[torch.Tensor] = None) -> None:
