@@ -1,0 +1,110 @@
+"""Sampling and stop rules of the speech-token decoder (spec §2.4, §2.5), each on logits where the outcome is certain."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, LLMConfig, Qwen2Config, SamplingParams, generate_tokens
+from cosyvoice2.llm.sampling import make_generator, nucleus_sample, ras_sample
+
+NUM_CLASSES = 6564
+EOS, EOS2, FILL = 6561, 6562, 6563
+
+
+def log_probs(probs: dict[int, float], rest: float = 0.0) -> torch.Tensor:
+    """Log-probs with the given entries and ``rest`` probability spread evenly over all other classes."""
+    p = torch.full((NUM_CLASSES,), rest / (NUM_CLASSES - len(probs)), dtype=torch.float64)
+    for index, value in probs.items():
+        p[index] = value
+    return p.float().log()
+
+
+def draws(logp: torch.Tensor, history: list[int], n: int = 200, **params) -> list[int]:
+    g = make_generator(0, "cpu")
+    return [ras_sample(logp, history, SamplingParams(**params), g) for _ in range(n)]
+
+
+def test_nucleus_keeps_the_entry_that_crosses_top_p() -> None:
+    logp = log_probs({10: 0.5, 11: 0.25, 12: 0.2, 13: 0.05})
+    g = make_generator(0, "cpu")
+    seen = {nucleus_sample(logp, 0.8, 25, g) for _ in range(400)}
+    assert seen == {10, 11, 12}
+
+
+def test_nucleus_keeps_at_most_top_k_entries() -> None:
+    uniform = torch.full((NUM_CLASSES,), -math.log(NUM_CLASSES))
+    g = make_generator(0, "cpu")
+    seen = {nucleus_sample(uniform, 0.8, 25, g) for _ in range(400)}
+    assert seen <= set(range(25))  # stable sort: ties keep index order
+    assert len(seen) > 15
+
+
+def test_repetition_in_window_resamples_from_full_distribution() -> None:
+    logp = log_probs({5: 0.9}, rest=0.1)
+    assert set(draws(logp, history=[1, 2, 3])) == {5}
+    repeated = draws(logp, history=[5, 1, 2, 3])
+    assert 5 not in repeated  # the repeated id is excluded
+    assert len(set(repeated)) > 100  # drawn from all classes, not from the nucleus
+
+
+def test_repetition_outside_window_is_ignored() -> None:
+    logp = log_probs({5: 0.9}, rest=0.1)
+    history = [5] + list(range(100, 110))  # the 5 is 11 tokens back, window is 10
+    assert set(draws(logp, history)) == {5}
+    assert 5 not in draws(logp, history, win_size=20, tau_r=0.05)
+
+
+def test_repetition_threshold_is_win_size_times_tau_r() -> None:
+    logp = log_probs({5: 0.9}, rest=0.1)
+    assert set(draws(logp, [5, 1, 2], tau_r=0.2)) == {5}  # needs 2 occurrences
+    assert 5 not in draws(logp, [5, 1, 5], tau_r=0.2)
+
+
+def tiny_model(bias: dict[int, float]) -> CosyVoice2LM:
+    """A small random LM whose speech logits are exactly ``llm_decoder.bias`` (zero head weight)."""
+    torch.manual_seed(0)
+    qwen = Qwen2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       intermediate_size=32, vocab_size=64)
+    model = CosyVoice2LM(LLMConfig(qwen=qwen)).eval()
+    with torch.no_grad():
+        model.llm_decoder.weight.zero_()
+        model.llm_decoder.bias.zero_()
+        for index, value in bias.items():
+            model.llm_decoder.bias[index] = value
+    return model
+
+
+TEXT = [3, 4, 5, 6, 7]  # 5 target tokens: min_len 10, max_len 100
+
+
+@pytest.mark.parametrize("end_id", [EOS, EOS2, FILL])
+def test_every_end_id_stops_and_is_never_emitted(end_id: int) -> None:
+    tokens = list(generate_tokens(tiny_model({end_id: 30.0}), DecodeRequest(text=TEXT, sampling=SamplingParams(seed=1))))
+    assert all(t < 6561 for t in tokens)
+    # Only EOS is masked below the minimum length (upstream's ignore_eos); 6562/6563 stop at once.
+    assert len(tokens) == (10 if end_id == EOS else 0)
+
+
+def test_minimum_length_suppresses_eos_with_prompt_text_not_counted() -> None:
+    request = DecodeRequest(text=TEXT, prompt_text=[9] * 7, prompt_speech_tokens=[1, 2, 3],
+                            sampling=SamplingParams(seed=2, min_token_text_ratio=3))
+    assert len(list(generate_tokens(tiny_model({EOS: 30.0}), request))) == 15
+
+
+def test_maximum_length_stops() -> None:
+    model = tiny_model({EOS: -1e4, EOS2: -1e4, FILL: -1e4})
+    tokens = list(generate_tokens(model, DecodeRequest(text=TEXT, prompt_text=[1, 2], sampling=SamplingParams(seed=3))))
+    assert len(tokens) == 100
+
+
+def test_seed_reproduces_and_different_seeds_differ() -> None:
+    model = tiny_model({EOS: -1e4, EOS2: -1e4, FILL: -1e4})  # uniform over speech ids: 25 choices per step
+
+    def run(seed: int) -> list[int]:
+        return list(generate_tokens(model, DecodeRequest(text=TEXT[:2], sampling=SamplingParams(seed=seed))))
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
