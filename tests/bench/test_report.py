@@ -1,0 +1,93 @@
+import json
+
+import pytest
+
+from ttsbench.report import (
+    LevelResult,
+    RequestRecord,
+    format_table,
+    level_table,
+    render_report,
+    report_document,
+    summarize_level,
+)
+
+
+def _level(mode="triton/streaming", concurrency=2):
+    records = (
+        RequestRecord("a", (0.10, 0.30, 0.50), total=1.0, audio_seconds=2.0),
+        RequestRecord("b", (0.20,), total=0.6, audio_seconds=1.0),
+        RequestRecord("c", (0.05,), total=0.2, audio_seconds=0.0, error="HTTP 500: boom"),
+    )
+    return LevelResult(mode, concurrency, wall_seconds=1.5, records=records)
+
+
+def test_record_derived_metrics():
+    r = RequestRecord("a", (0.1, 0.35, 0.5), total=1.0, audio_seconds=4.0)
+    assert r.first_chunk == 0.1
+    assert r.second_chunk == pytest.approx(0.25)  # gap between first and second piece
+    assert r.rtf == 0.25
+    single = RequestRecord("b", (0.4,), total=0.4, audio_seconds=0.0)
+    assert single.second_chunk is None and single.rtf is None
+    assert RequestRecord("c", (), total=0.1, audio_seconds=0.0).first_chunk is None
+
+
+def test_summary_excludes_failures_and_aggregates():
+    s = summarize_level(_level())
+    assert (s.requests, s.errors) == (3, 1)
+    assert s.audio_seconds == 3.0
+    assert s.first_chunk.count == 2 and s.first_chunk.avg == pytest.approx(0.15)
+    assert s.second_chunk.count == 1 and s.second_chunk.p50 == pytest.approx(0.2)
+    assert s.total.p50 == pytest.approx(0.8)
+    assert s.rtf.avg == pytest.approx((0.5 + 0.6) / 2)
+    assert s.aggregate_rtf == pytest.approx(1.5 / 3.0)
+    assert s.audio_seconds_per_second == pytest.approx(2.0)
+
+
+def test_summary_of_all_failed_level():
+    level = LevelResult("m", 1, 0.5, (RequestRecord("x", (), 0.5, 0.0, error="timeout"),))
+    s = summarize_level(level)
+    assert s.errors == 1 and s.total is None and s.aggregate_rtf is None and s.audio_seconds_per_second == 0.0
+    assert "-" in level_table([s]).splitlines()[-1]
+
+
+def test_format_table_aligns_and_spans_groups():
+    text = format_table(["a", "bb"], [["1", "22222"], ["333", "4"]], groups=[("a very long title", 2)])
+    lines = text.splitlines()
+    assert lines[0].strip() == "a very long title"
+    body = lines[1:]
+    assert len({len(line) for line in body}) == 1  # header, rule, rows: one width
+    assert lines[-1].endswith("    4") and lines[-2].endswith("22222")
+    with pytest.raises(ValueError):
+        format_table(["a", "b"], [["1", "2"]], groups=[("x", 1)])
+
+
+def test_level_table_has_a_row_per_level_with_all_columns():
+    summaries = [summarize_level(_level(concurrency=c)) for c in (1, 4)]
+    lines = level_table(summaries).splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["conc", "ok", "err"]
+    assert header.count("p99") == 4 and header[-3:] == ["RTF", "audio", "s/s"]
+    rows = [line.split() for line in lines[3:]]
+    assert [row[0] for row in rows] == ["1", "4"]
+    assert rows[0][1:3] == ["2", "1"]
+    assert rows[0][3] == "150.0"  # first chunk avg, ms
+    assert all(len(row) == len(rows[0]) == 3 + 4 * 5 + 2 for row in rows)
+
+
+def test_render_report_one_table_per_mode():
+    text = render_report([summarize_level(_level("triton/offline")), summarize_level(_level("triton/streaming"))])
+    assert text.count("== triton/offline ==") == 1 and text.count("== triton/streaming ==") == 1
+
+
+def test_json_document_shape():
+    summary = summarize_level(_level())
+    doc = json.loads(json.dumps(report_document([summary], {"target": "triton"})))
+    assert doc["schema_version"] == 1 and doc["run"] == {"target": "triton"}
+    (level,) = doc["levels"]
+    assert level["mode"] == "triton/streaming" and level["concurrency"] == 2
+    assert level["requests"] == 3 and level["errors"] == 1
+    assert set(level["first_chunk"]) == {"count", "avg", "p50", "p90", "p95", "p99"}
+    assert level["records"][2]["error"] == "HTTP 500: boom"
+    assert level["records"][0]["chunk_offsets"] == [0.1, 0.3, 0.5]
+    assert "records" not in report_document([summary], {}, with_records=False)["levels"][0]
