@@ -1,0 +1,1 @@
+"""OpenAI-compatible ``/v1/audio/speech`` gateway in front of the Triton CosyVoice2 pipeline."""

@@ -1,0 +1,87 @@
+"""``create_app(settings)``: the FastAPI application with its services wired in."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.routes import health, models, speech, voices
+from gateway.dependencies import ApiKeyDep
+from gateway.services.speech import SpeechService
+from gateway.services.text import segment_text
+from gateway.services.voices import VoiceRegistry
+from gateway.settings import Settings
+from gateway.triton_client import TritonClient
+
+logger = logging.getLogger(__name__)
+
+SPEECH_PATH = "/v1/audio/speech"
+
+
+class SpeechRequestCounter:
+    """Counts speech requests by final HTTP status and response format (also those refused by
+    validation before the route ran). A pure ASGI middleware so streaming and disconnects pass through."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self._app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != SPEECH_PATH:
+            await self._app(scope, receive, send)
+            return
+        status = "499"  # the client left before a response started
+
+        async def send_and_observe(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self._app(scope, receive, send_and_observe)
+        finally:
+            response_format = scope.get("state", {}).get("response_format", "unknown")
+            self._metrics.requests.labels(status, response_format).inc()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases)
+        triton = TritonClient(
+            settings.triton_url,
+            settings.offline_model,
+            settings.streaming_model,
+            timeout_s=settings.request_timeout_s,
+            retry_after_s=settings.retry_after_s,
+        )
+        app.state.voices = registry
+        app.state.triton = triton
+        app.state.speech_service = SpeechService(settings, registry, triton, metrics, segment_text)
+        logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
+        try:
+            yield
+        finally:
+            await triton.close()
+
+    app = FastAPI(title="cosyvoice-serve gateway", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.started_at = int(time.time())
+    install_error_handlers(app)
+    app.include_router(health.router)
+    for router in (speech.router, voices.router, models.router):
+        app.include_router(router, dependencies=[ApiKeyDep])
+    app.add_middleware(SpeechRequestCounter, metrics=metrics)
+    return app

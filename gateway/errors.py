@@ -1,0 +1,175 @@
+"""One exception hierarchy, rendered by one handler as OpenAI's ``{"error": {...}}`` body."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and OpenAI ``type``/``code``/``param``."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    default_code: ClassVar[str | None] = None
+    #: Seconds for ``Retry-After``; set on transient errors (429/503).
+    retry_after: int | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after is not None:
+            return {"Retry-After": str(self.retry_after)}
+        if self.status >= 500:
+            # The SDK retries 5xx by default; a request that failed in the model fails again.
+            return {"x-should-retry": "false"}
+        return {}
+
+
+class InvalidRequest(ApiError):
+    status = 400
+    type = "invalid_request_error"
+    default_code = "invalid_value"
+
+
+class VoiceNotFound(InvalidRequest):
+    default_code = "voice_not_found"
+
+
+class Unauthorized(ApiError):
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class NotFound(ApiError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    default_code = "model_not_found"
+
+
+class _Transient(ApiError):
+    def __init__(self, message: str, *, retry_after: int, code: str | None = None) -> None:
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+
+class TooManyRequests(_Transient):
+    """The gateway's own in-flight limit is reached."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+
+
+class BackendUnavailable(_Transient):
+    """Triton is unreachable or the pipeline models are not ready."""
+
+    status = 503
+    type = "server_error"
+    default_code = "backend_unavailable"
+
+
+class BackendOverloaded(_Transient):
+    """The pipeline refused the request (``[overloaded]``)."""
+
+    status = 503
+    type = "server_error"
+    default_code = "backend_overloaded"
+
+
+class SynthesisTimeout(ApiError):
+    status = 504
+    type = "server_error"
+    default_code = "timeout"
+
+
+class SynthesisFailed(ApiError):
+    status = 500
+    type = "server_error"
+    default_code = "synthesis_failed"
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+# pydantic error type -> OpenAI error code
+_VALIDATION_CODES = {
+    "missing": "missing_required_parameter",
+    "string_too_long": "string_above_max_length",
+    "string_too_short": "string_below_min_length",
+    "string_type": "invalid_type",
+    "float_type": "invalid_type",
+    "float_parsing": "invalid_type",
+    "int_type": "invalid_type",
+    "int_parsing": "invalid_type",
+    "bool_type": "invalid_type",
+    "bool_parsing": "invalid_type",
+    "model_type": "invalid_type",
+    "dict_type": "invalid_type",
+    "extra_forbidden": "unknown_parameter",
+}
+
+
+def validation_error(exc: RequestValidationError) -> InvalidRequest:
+    """The first problem of a request validation failure, as one OpenAI error."""
+    errors = exc.errors()
+    if not errors:
+        return InvalidRequest("Invalid request.")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return InvalidRequest(
+            "We could not parse the JSON body of your request. Send valid JSON.", code="invalid_json"
+        )
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members add their type name to the location (voice -> "str"/"VoiceRef"): keep the field.
+    param = loc[0] if loc else None
+    if param is None:
+        return InvalidRequest("The request body must be a JSON object.", code="invalid_type")
+    message = f"Invalid value for '{'.'.join(loc)}': {first.get('msg', 'invalid')}."
+    return InvalidRequest(message, param=param, code=_VALIDATION_CODES.get(first.get("type", ""), "invalid_value"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(exc))
+
+    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        error_cls: type[ApiError] = NotFound if exc.status_code == 404 else InvalidRequest
+        error = error_cls(str(exc.detail))
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return error_response(SynthesisFailed("Internal server error.", code="internal_error"))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+

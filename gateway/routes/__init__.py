@@ -1,0 +1,1 @@
+"""HTTP routes: translate HTTP <-> service calls, nothing else."""

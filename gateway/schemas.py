@@ -1,0 +1,71 @@
+"""Request and response bodies of the OpenAI audio API (plus our documented extensions)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ResponseFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+StreamFormat = Literal["audio", "sse"]
+
+MAX_INPUT_CHARS = 4096
+
+
+class VoiceRef(BaseModel):
+    """OpenAI's custom-voice form of ``voice``: ``{"id": "voice_..."}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str = Field(min_length=1)
+
+
+class SpeechRequest(BaseModel):
+    """``POST /v1/audio/speech``. Unknown fields are ignored (clients send peer extensions through
+    ``extra_body``), except ``sample_rate``, which the service checks because ignoring it would hand
+    the client audio at a rate it did not ask for."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1, max_length=MAX_INPUT_CHARS)
+    voice: str | VoiceRef
+    instructions: str | None = Field(None, max_length=MAX_INPUT_CHARS)
+    response_format: ResponseFormat = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: StreamFormat = "audio"
+    # Extensions ---------------------------------------------------------------------------------
+    seed: int | None = Field(None, ge=0, le=2**64 - 1, description="Sampling seed (reproducible output).")
+    stream: bool | None = Field(
+        None, description="Relay audio as it is produced (default from settings); false = one complete file."
+    )
+
+    @property
+    def voice_key(self) -> str:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+
+class Usage(BaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+
+
+class VoiceInfo(BaseModel):
+    id: str
+    name: str
+
+
+class VoiceList(BaseModel):
+    voices: list[VoiceInfo]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

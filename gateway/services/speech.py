@@ -1,0 +1,293 @@
+"""SpeechService: one OpenAI speech request -> segments -> Triton requests -> encoded audio bytes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from gateway.errors import ApiError, InvalidRequest, ModelNotFound, TooManyRequests
+from gateway.metrics import GatewayMetrics
+from gateway.schemas import ResponseFormat, SpeechRequest, Usage
+from gateway.services.audio_encoding import MEDIA_TYPES, create_encoder
+from gateway.services.voices import Voice, VoiceRegistry
+from gateway.settings import Settings
+from gateway.triton_client import SegmentRequest, SynthesisChunk, TritonClient
+from triton_repo.contract import OUTPUT_SAMPLE_RATE
+
+logger = logging.getLogger(__name__)
+
+SSE_MEDIA_TYPE = "text/event-stream"
+#: ``sample_rate`` is a common peer extension; we only produce the native 24 kHz.
+SUPPORTED_SAMPLE_RATES = (OUTPUT_SAMPLE_RATE,)
+
+Segmenter = Callable[[str], list[str]]
+
+
+class InFlightSlot:
+    def __init__(self, limiter: InFlightLimiter) -> None:
+        self._limiter: InFlightLimiter | None = limiter
+
+    def release(self) -> None:
+        if self._limiter is not None:
+            self._limiter.release()
+            self._limiter = None
+
+
+class InFlightLimiter:
+    """At most ``limit`` speech requests at a time; the next one is refused at once with 429."""
+
+    def __init__(self, limit: int, retry_after_s: int, metrics: GatewayMetrics) -> None:
+        self._limit = limit
+        self._retry_after_s = retry_after_s
+        self._metrics = metrics
+        self._count = 0
+
+    def acquire(self) -> InFlightSlot:
+        if self._count >= self._limit:
+            raise TooManyRequests(
+                f"Too many speech requests in flight (limit {self._limit}); retry later.",
+                retry_after=self._retry_after_s,
+            )
+        self._count += 1
+        self._metrics.in_flight.set(self._count)
+        return InFlightSlot(self)
+
+    def release(self) -> None:
+        self._count -= 1
+        self._metrics.in_flight.set(self._count)
+
+
+@dataclass
+class SpeechPlan:
+    """A validated request, ready to run."""
+
+    request_id: str
+    model: str
+    voice: Voice
+    segments: list[str]
+    response_format: ResponseFormat
+    speed: float
+    seed: int | None
+    stream: bool  # relay chunks as they come (streaming model) instead of one complete file
+    sse: bool
+    characters: int
+
+
+@dataclass
+class _Progress:
+    """What one request did, for its log line, metrics and SSE usage."""
+
+    started: float = field(default_factory=time.monotonic)
+    first_chunk_at: float | None = None
+    samples: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    outcome: str = "ok"
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.samples / OUTPUT_SAMPLE_RATE
+
+    def usage(self) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            total_tokens=self.input_tokens + self.output_tokens,
+        )
+
+
+class SpeechStream:
+    """The response body: its first element was already produced (so errors at the start became
+    proper HTTP errors); ``aclose()`` stops the synthesis and returns the in-flight slot."""
+
+    def __init__(self, media_type: str, first: bytes, rest: AsyncIterator[bytes]) -> None:
+        self.media_type = media_type
+        self._first: bytes | None = first
+        self._rest = rest
+
+    def __aiter__(self) -> SpeechStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await self._rest.__anext__()
+
+    async def aclose(self) -> None:
+        await self._rest.aclose()  # type: ignore[attr-defined]
+
+
+def _sse_event(payload: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SpeechService:
+    def __init__(
+        self,
+        settings: Settings,
+        voices: VoiceRegistry,
+        triton: TritonClient,
+        metrics: GatewayMetrics,
+        segmenter: Segmenter,
+    ) -> None:
+        self._settings = settings
+        self._voices = voices
+        self._triton = triton
+        self._metrics = metrics
+        self._segmenter = segmenter
+        self._limiter = InFlightLimiter(settings.max_in_flight, settings.retry_after_s, metrics)
+
+    # Validation ----------------------------------------------------------------------------------
+    def plan(self, request: SpeechRequest, request_id: str) -> SpeechPlan:
+        """Everything that can be refused before synthesis starts (beyond the schema)."""
+        if request.model not in self._settings.served_models:
+            raise ModelNotFound(f"The model '{request.model}' does not exist.", param="model")
+        sample_rate = (request.model_extra or {}).get("sample_rate")
+        if sample_rate is not None and sample_rate not in SUPPORTED_SAMPLE_RATES:
+            raise InvalidRequest(
+                f"sample_rate {sample_rate} is not supported; the output is {OUTPUT_SAMPLE_RATE} Hz.",
+                param="sample_rate",
+                code="unsupported_value",
+            )
+        voice = self._voices.resolve(request.voice_key)
+        segments = self._segmenter(request.input)
+        if not segments:
+            raise InvalidRequest("The input contains nothing to speak.", param="input")
+        sse = request.stream_format == "sse"
+        stream = sse or (self._settings.stream_by_default if request.stream is None else request.stream)
+        return SpeechPlan(
+            request_id=request_id,
+            model=request.model,
+            voice=voice,
+            segments=segments,
+            response_format=request.response_format,
+            speed=request.speed,
+            seed=request.seed,
+            stream=stream,
+            sse=sse,
+            characters=len(request.input),
+        )
+
+    # Running -------------------------------------------------------------------------------------
+    async def create_speech(self, request: SpeechRequest, request_id: str) -> SpeechStream | tuple[str, bytes]:
+        """A primed SpeechStream when streaming, else ``(media_type, complete file)``.
+
+        Raises ApiError for anything that goes wrong before the first audio chunk.
+        """
+        plan = self.plan(request, request_id)
+        body = self._run(plan, self._limiter.acquire())
+        media_type = SSE_MEDIA_TYPE if plan.sse else MEDIA_TYPES[plan.response_format]
+        try:
+            first = await body.__anext__()
+            if plan.stream:
+                return SpeechStream(media_type, first, body)
+            rest = [part async for part in body]
+        except BaseException:
+            await body.aclose()
+            raise
+        return media_type, first + b"".join(rest)
+
+    async def _run(self, plan: SpeechPlan, slot: InFlightSlot) -> AsyncIterator[bytes]:
+        """The encoded body; owns the in-flight slot, records metrics and the log line at the end."""
+        progress = _Progress()
+        sent_any = False
+        try:
+            body = self._sse_body(plan, progress) if plan.sse else self._audio_body(plan, progress)
+            async with aclosing(body) as parts:
+                async for part in parts:
+                    sent_any = True
+                    yield part
+        except ApiError as exc:
+            progress.outcome = f"error {exc.status} {exc.code}"
+            if sent_any:
+                self._metrics.stream_failures.labels(plan.response_format).inc()
+            raise
+        except BaseException:  # cancelled task or closed generator: the client went away
+            progress.outcome = "client disconnected"
+            raise
+        finally:
+            slot.release()
+            self._record(plan, progress)
+
+    async def _audio_body(self, plan: SpeechPlan, progress: _Progress) -> AsyncIterator[bytes]:
+        encoder = create_encoder(plan.response_format, streaming=plan.stream, speed=plan.speed)
+        async with aclosing(self._chunks(plan, progress)) as chunks:
+            async for chunk in chunks:
+                yield encoder.encode(chunk.waveform)
+        yield encoder.finish()
+
+    async def _sse_body(self, plan: SpeechPlan, progress: _Progress) -> AsyncIterator[bytes]:
+        encoder = create_encoder(plan.response_format, streaming=True, speed=plan.speed)
+
+        def delta(data: bytes) -> bytes:
+            return _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if data else b""
+
+        try:
+            async with aclosing(self._chunks(plan, progress)) as chunks:
+                async for chunk in chunks:
+                    yield delta(encoder.encode(chunk.waveform))
+            yield delta(encoder.finish())
+        except ApiError as exc:
+            if progress.first_chunk_at is None:
+                raise  # nothing sent yet: still a proper HTTP error
+            self._metrics.stream_failures.labels(plan.response_format).inc()
+            progress.outcome = f"error {exc.status} {exc.code} (sse event)"
+            yield _sse_event({"type": "error", **exc.body()})
+            return
+        yield _sse_event({"type": "speech.audio.done", "usage": progress.usage().model_dump()})
+
+    async def _chunks(self, plan: SpeechPlan, progress: _Progress) -> AsyncIterator[SynthesisChunk]:
+        """Pipeline chunks of all segments, one Triton request per segment, in order."""
+        for index, text in enumerate(plan.segments):
+            segment = SegmentRequest(
+                request_id=f"{plan.request_id}-{index}",
+                voice_id=plan.voice.id,
+                reference_wav=plan.voice.samples,
+                reference_text=plan.voice.transcript,
+                target_text=text,
+                seed=plan.seed,
+            )
+            last: SynthesisChunk | None = None
+            if plan.stream:
+                async with aclosing(self._triton.synthesize_stream(segment)) as chunks:
+                    async for chunk in chunks:
+                        last = self._account(progress, chunk)
+                        yield chunk
+            else:
+                last = self._account(progress, await self._triton.synthesize_offline(segment))
+                yield last
+            if last is not None:  # usage outputs are cumulative per segment request
+                progress.input_tokens += last.input_tokens
+                progress.output_tokens += last.output_tokens
+
+    @staticmethod
+    def _account(progress: _Progress, chunk: SynthesisChunk) -> SynthesisChunk:
+        if progress.first_chunk_at is None:
+            progress.first_chunk_at = time.monotonic()
+        progress.samples += chunk.waveform.size
+        return chunk
+
+    def _record(self, plan: SpeechPlan, progress: _Progress) -> None:
+        total = time.monotonic() - progress.started
+        first_ms = (progress.first_chunk_at - progress.started) * 1000 if progress.first_chunk_at else None
+        rtf = total / progress.audio_seconds if progress.audio_seconds else None
+        if first_ms is not None:
+            self._metrics.time_to_first_byte.observe(first_ms / 1000)
+        if rtf is not None and progress.outcome == "ok":
+            self._metrics.real_time_factor.observe(rtf)
+        self._metrics.audio_seconds.inc(progress.audio_seconds)
+        logger.info(
+            "speech request_id=%s model=%s voice=%s characters=%d segments=%d format=%s speed=%g stream=%s "
+            "sse=%s first_byte_ms=%s total_ms=%.1f audio_s=%.3f rtf=%s tokens_in=%d tokens_out=%d outcome=%s",
+            plan.request_id, plan.model, plan.voice.name, plan.characters, len(plan.segments),
+            plan.response_format, plan.speed, plan.stream, plan.sse,
+            f"{first_ms:.1f}" if first_ms is not None else "-", total * 1000, progress.audio_seconds,
+            f"{rtf:.3f}" if rtf is not None else "-", progress.input_tokens, progress.output_tokens,
+            progress.outcome,
+        )  # fmt: skip

@@ -1,0 +1,70 @@
+"""The one settings object of the gateway (environment variables with the ``TTS_`` prefix)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from triton_repo import contract
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: OpenAI's voice names; each maps to one of the shipped reference voices unless configured.
+OPENAI_VOICE_NAMES = (
+    "alloy", "ash", "ballad", "coral", "echo", "fable", "onyx",
+    "nova", "sage", "shimmer", "verse", "marin", "cedar",
+)  # fmt: skip
+_DEFAULT_VOICE_ALIASES = {
+    "alloy": "amy", "ash": "ben", "ballad": "ben", "coral": "clara", "echo": "ben", "fable": "clara",
+    "onyx": "dave", "nova": "amy", "sage": "clara", "shimmer": "amy", "verse": "dave", "marin": "clara",
+    "cedar": "dave",
+}  # fmt: skip
+
+CommaList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    """Every knob of the gateway. Lists accept JSON or comma-separated values in the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="TTS_", env_file=".env", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds to.")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port of the gateway.")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    triton_url: str = Field("127.0.0.1:8001", description="Triton gRPC endpoint (host:port).")
+    offline_model: str = Field(contract.OFFLINE_MODEL, description="Triton model for whole-segment requests.")
+    streaming_model: str = Field(contract.STREAMING_MODEL, description="Decoupled Triton model for streaming.")
+    served_models: CommaList = Field(
+        default_factory=lambda: ["tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice2"],
+        description="Model ids accepted in `model` and listed by /v1/models (all run the same pipeline).",
+    )
+
+    voices_dir: Path = Field(REPO_ROOT / "ref_audios", description="Reference voices: <name>.<audio> + <name>.txt.")
+    voice_aliases: dict[str, str] = Field(
+        default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES),
+        description="OpenAI voice name -> reference voice name (JSON object).",
+    )
+
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")
+    max_in_flight: int = Field(16, ge=1, description="Concurrent speech requests; more get 429.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 429 and 503.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Triton request (one segment).")
+    ready_timeout_s: float = Field(2.0, gt=0, description="Deadline of the Triton checks behind /ready.")
+    stream_by_default: bool = Field(
+        True, description="Default of the `stream` extension: relay audio as it is produced (streaming model)."
+    )
+
+    @field_validator("served_models", "api_keys", mode="before")
+    @classmethod
+    def _split_comma_list(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = value.strip()
+            if value.startswith("["):
+                return json.loads(value)
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value

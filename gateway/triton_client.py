@@ -1,0 +1,209 @@
+"""The gateway's only door to Triton: gRPC (aio) calls of the pipeline contract.
+
+Maps every failure to the gateway's errors: unreachable or not-ready Triton -> BackendUnavailable,
+model errors tagged ``[invalid_input]`` -> InvalidRequest, ``[overloaded]`` -> BackendOverloaded,
+deadlines -> SynthesisTimeout, anything else -> SynthesisFailed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tritonclient.grpc import InferenceServerException, InferInput, InferRequestedOutput
+from tritonclient.grpc import aio as grpcclient
+
+from gateway.errors import (
+    ApiError,
+    BackendOverloaded,
+    BackendUnavailable,
+    InvalidRequest,
+    SynthesisFailed,
+    SynthesisTimeout,
+)
+from triton_repo import contract
+
+logger = logging.getLogger(__name__)
+
+_MAX_MESSAGE_BYTES = 2**31 - 1
+# A restarted Triton must be found again quickly: cap gRPC's reconnect back-off (default 120 s).
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+_UNAVAILABLE_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.NOT_FOUND"}
+
+
+@dataclass(frozen=True)
+class SegmentRequest:
+    """One text segment to speak with one reference voice."""
+
+    request_id: str
+    voice_id: str
+    reference_wav: np.ndarray  # float32, 16 kHz mono
+    reference_text: str
+    target_text: str
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class SynthesisChunk:
+    waveform: np.ndarray  # float32, 24 kHz mono; may be empty
+    input_tokens: int  # cumulative for the segment request
+    output_tokens: int  # cumulative for the segment request
+    final: bool
+
+
+def _input(spec: contract.TensorSpec, value: np.ndarray) -> InferInput:
+    tensor = InferInput(spec.name, list(value.shape), spec.triton_dtype)
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+def build_inputs(request: SegmentRequest) -> list[InferInput]:
+    def text(value: str) -> np.ndarray:
+        return np.array([value.encode("utf-8")], dtype=np.object_)
+
+    wav = np.ascontiguousarray(request.reference_wav, dtype=np.float32)
+    inputs = [
+        _input(contract.REFERENCE_WAV, wav),
+        _input(contract.REFERENCE_WAV_LEN, np.array([wav.size], dtype=np.int32)),
+        _input(contract.REFERENCE_TEXT, text(request.reference_text)),
+        _input(contract.TARGET_TEXT, text(request.target_text)),
+        _input(contract.VOICE_ID, text(request.voice_id)),
+    ]
+    if request.seed is not None:
+        inputs.append(_input(contract.SEED, np.array([request.seed], dtype=np.uint64)))
+    return inputs
+
+
+def _requested_outputs() -> list[InferRequestedOutput]:
+    return [InferRequestedOutput(spec.name) for spec in contract.OUTPUTS]
+
+
+def _first_int(result: object, name: str) -> int:
+    value = result.as_numpy(name)  # type: ignore[attr-defined]
+    return int(value.reshape(-1)[0]) if value is not None and value.size else 0
+
+
+def _chunk(result: object, final: bool) -> SynthesisChunk:
+    waveform = result.as_numpy(contract.WAVEFORM.name)  # type: ignore[attr-defined]
+    return SynthesisChunk(
+        waveform=np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False),
+        input_tokens=_first_int(result, contract.INPUT_TOKENS.name),
+        output_tokens=_first_int(result, contract.OUTPUT_TOKENS.name),
+        final=final,
+    )
+
+
+def _is_final(result: object) -> bool:
+    params = result.get_response().parameters  # type: ignore[attr-defined]
+    return "triton_final_response" in params and params["triton_final_response"].bool_param
+
+
+def map_error(message: str, status: str | None, *, retry_after: int) -> ApiError:
+    """A Triton/gRPC failure as the gateway error the client should see."""
+    if contract.ERROR_INVALID_INPUT in message:
+        return InvalidRequest(message.split(contract.ERROR_INVALID_INPUT, 1)[1].strip() or message)
+    if contract.ERROR_OVERLOADED in message:
+        return BackendOverloaded("The speech backend is overloaded; retry later.", retry_after=retry_after)
+    if status == "StatusCode.DEADLINE_EXCEEDED":
+        return SynthesisTimeout("The speech backend did not finish in time.")
+    if status in _UNAVAILABLE_CODES or "failed to connect" in message.lower() or "not ready" in message.lower():
+        return BackendUnavailable(f"The speech backend is unavailable: {message}", retry_after=retry_after)
+    return SynthesisFailed(f"Synthesis failed: {message}")
+
+
+def _from_exception(exc: Exception, retry_after: int) -> ApiError:
+    if isinstance(exc, InferenceServerException):
+        return map_error(exc.message() or str(exc), exc.status(), retry_after=retry_after)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return map_error(exc.details() or "", str(exc.code()), retry_after=retry_after)
+    return SynthesisFailed(f"Synthesis failed: {exc}")
+
+
+class TritonClient:
+    """gRPC client of the offline and streaming pipeline models. Create it inside the event loop."""
+
+    def __init__(
+        self, url: str, offline_model: str, streaming_model: str, *, timeout_s: float, retry_after_s: int
+    ) -> None:
+        self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
+        self._offline_model = offline_model
+        self._streaming_model = streaming_model
+        self._timeout_s = timeout_s
+        self._retry_after_s = retry_after_s
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def check_ready(self, timeout_s: float) -> None:
+        """Raise BackendUnavailable unless Triton and both pipeline models are ready."""
+        try:
+            if not await self._client.is_server_ready(client_timeout=timeout_s):
+                raise BackendUnavailable("Triton is not ready.", retry_after=self._retry_after_s)
+            for model in (self._offline_model, self._streaming_model):
+                if not await self._client.is_model_ready(model, client_timeout=timeout_s):
+                    raise BackendUnavailable(f"Model '{model}' is not ready.", retry_after=self._retry_after_s)
+        except (InferenceServerException, grpc.RpcError) as exc:
+            raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
+
+    async def synthesize_offline(self, request: SegmentRequest) -> SynthesisChunk:
+        """One unary request on the offline model: the whole waveform of one segment."""
+        try:
+            result = await self._client.infer(
+                self._offline_model,
+                build_inputs(request),
+                outputs=_requested_outputs(),
+                request_id=request.request_id,
+                client_timeout=self._timeout_s,
+            )
+        except (InferenceServerException, grpc.RpcError) as exc:
+            raise _from_exception(exc, self._retry_after_s) from exc
+        return _chunk(result, final=True)
+
+    async def synthesize_stream(self, request: SegmentRequest) -> AsyncIterator[SynthesisChunk]:
+        """The decoupled model's chunks for one segment, in order.
+
+        The request stream is half-closed right after the request, so the call ends by itself after
+        the FINAL response and is read to that end. If the consumer stops early (cancelled task,
+        closed generator) the gRPC call is cancelled, which Triton reports to the model as
+        ``request.is_cancelled()``.
+        """
+
+        async def one_request() -> AsyncIterator[dict[str, object]]:
+            yield {
+                "model_name": self._streaming_model,
+                "inputs": build_inputs(request),
+                "outputs": _requested_outputs(),
+                "request_id": request.request_id,
+            }
+
+        call = self._client.stream_infer(one_request(), stream_timeout=self._timeout_s)
+        ended = False
+        try:
+            final_seen = False
+            async for result, error in call:
+                if error is not None:
+                    raise _from_exception(error, self._retry_after_s)
+                final_seen = _is_final(result)
+                yield _chunk(result, final_seen)
+            ended = True
+            if not final_seen:
+                raise SynthesisFailed("The speech stream ended without its final response.")
+        except (InferenceServerException, grpc.RpcError) as exc:
+            ended = True
+            raise _from_exception(exc, self._retry_after_s) from exc
+        finally:
+            if not ended:
+                call.cancel()

@@ -1,0 +1,210 @@
+"""STAND-IN pipeline model: a test double, NOT speech synthesis.
+
+It implements the pipeline contract (triton_repo/contract.py) for both the offline (one response)
+and the streaming (decoupled, N responses, FINAL with the last one) model, so the gateway can be
+tested against a real tritonserver without the CosyVoice2 engine. Its audio is a deterministic sine
+derived from the target text, so tests can predict duration, pitch and order.
+
+Behaviour switches, as words anywhere in ``target_text`` (case-insensitive, letters only so text
+normalization leaves them alone):
+
+* ``failstart``     error before any audio
+* ``failmid``       streaming: one chunk, then an error
+* ``invalidinput``  error tagged ``[invalid_input]``; ``overloaded``: tagged ``[overloaded]``
+* ``holdstream``    after the first chunk, wait until ``<marker_dir>/<tag>.release`` exists (or the
+  request is cancelled, or 30 s pass -> error)
+* ``zq<letters>``   the request's tag, used for marker files
+
+Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``. Observations go to
+``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
+``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SAMPLE_RATE = 24_000
+SECONDS_PER_CHAR = 0.02
+MIN_SECONDS = 0.25
+#: CosyVoice2's speech tokens are 25 Hz.
+SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
+HOLD_TIMEOUT_S = 30.0
+
+
+def frequency_for(text: str) -> float:
+    """The sine frequency (Hz) of a segment: 200..575 Hz in 25 Hz steps, from a text hash."""
+    return 200.0 + (zlib.crc32(text.encode("utf-8")) % 16) * 25.0
+
+
+def samples_for(text: str) -> int:
+    return round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE)
+
+
+def waveform_for(text: str) -> np.ndarray:
+    t = np.arange(samples_for(text), dtype=np.float64) / SAMPLE_RATE
+    return (0.5 * np.sin(2 * np.pi * frequency_for(text) * t)).astype(np.float32)
+
+
+def input_tokens_for(reference_text: str, target_text: str) -> int:
+    return len(reference_text.split()) + len(target_text.split())
+
+
+def output_tokens_for(samples: int) -> int:
+    return samples // SAMPLES_PER_TOKEN
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+class StandinFailure(Exception):
+    pass
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, Any]) -> None:
+        global pb_utils  # noqa: PLW0603 - only importable inside the Triton stub
+        import triton_python_backend_utils as pb_utils  # noqa: PLC0415
+
+        config = json.loads(args["model_config"])
+        self.model_name = config["name"]
+        self.decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        self.chunk_count = int(params.get("chunk_count", "4"))
+        self.chunk_delay_s = int(params.get("chunk_delay_ms", "20")) / 1000
+        self.marker_dir = Path(params["marker_dir"])
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+
+    async def execute(self, requests: list[Any]) -> list[Any] | None:
+        if self.decoupled:
+            await asyncio.gather(*(self._stream(r) for r in requests))
+            return None
+        return list(await asyncio.gather(*(self._offline(r) for r in requests)))
+
+    # Request handling --------------------------------------------------------------------------
+    def _read(self, request: Any) -> dict[str, Any]:
+        def text(name: str) -> str:
+            return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0].decode("utf-8")
+
+        wav = pb_utils.get_input_tensor_by_name(request, "reference_wav").as_numpy().reshape(-1)
+        wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
+        seed = pb_utils.get_input_tensor_by_name(request, "seed")
+        target = text("target_text")
+        words = _words(target)
+        return {
+            "model": self.model_name,
+            "tag": next((w for w in sorted(words) if w.startswith("zq")), None),
+            "words": words,
+            "target_text": target,
+            "reference_text": text("reference_text"),
+            "voice_id": text("voice_id"),
+            "reference_samples": int(wav.size),
+            "reference_wav_len": wav_len,
+            "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
+            "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
+        }
+
+    @staticmethod
+    def _error_message(words: set[str]) -> str | None:
+        if "invalidinput" in words:
+            return "[invalid_input] the stand-in was asked to reject this text"
+        if "overloaded" in words:
+            return "[overloaded] the stand-in was asked to be overloaded"
+        if "failstart" in words:
+            return "stand-in failure at start"
+        return None
+
+    def _response(self, chunk: np.ndarray, reference_text: str, target_text: str, samples_so_far: int) -> Any:
+        return pb_utils.InferenceResponse(
+            output_tensors=[
+                pb_utils.Tensor("waveform", chunk.astype(np.float32)),
+                pb_utils.Tensor("input_tokens", np.array([input_tokens_for(reference_text, target_text)], np.int32)),
+                pb_utils.Tensor("output_tokens", np.array([output_tokens_for(samples_so_far)], np.int32)),
+            ]
+        )
+
+    async def _offline(self, request: Any) -> Any:
+        info = self._read(request)
+        error = self._error_message(info["words"]) or ("stand-in failure" if "failmid" in info["words"] else None)
+        if error:
+            self._log(info, "failed", 0)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+        await asyncio.sleep(self.chunk_delay_s)
+        wave = waveform_for(info["target_text"])
+        self._log(info, "done", wave.size)
+        return self._response(wave, info["reference_text"], info["target_text"], wave.size)
+
+    async def _stream(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        info = self._read(request)
+        error = self._error_message(info["words"])
+        if error:
+            self._log(info, "failed", 0)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error)), flags=final)
+            return
+        wave = waveform_for(info["target_text"])
+        chunks = np.array_split(wave, self.chunk_count)
+        sent = 0
+        try:
+            for index, chunk in enumerate(chunks):
+                if index > 0:
+                    await asyncio.sleep(self.chunk_delay_s)
+                if index == 1:
+                    if "failmid" in info["words"]:
+                        raise StandinFailure("stand-in failure mid-stream")
+                    if "holdstream" in info["words"]:
+                        await self._hold(request, info["tag"])
+                if request.is_cancelled():
+                    raise asyncio.CancelledError
+                sent += chunk.size
+                response = self._response(chunk, info["reference_text"], info["target_text"], sent)
+                sender.send(response, flags=final if index == len(chunks) - 1 else 0)
+        except asyncio.CancelledError:
+            self._mark(info["tag"], "cancelled")
+            self._log(info, "cancelled", sent)
+            sender.send(flags=final)
+            return
+        except StandinFailure as exc:
+            self._log(info, "failed", sent)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
+            return
+        self._log(info, "done", sent)
+
+    async def _hold(self, request: Any, tag: str | None) -> None:
+        self._mark(tag, "holding")
+        release = self.marker_dir / f"{tag}.release"
+        deadline = time.monotonic() + HOLD_TIMEOUT_S
+        while not release.exists():
+            if request.is_cancelled():
+                raise asyncio.CancelledError
+            if time.monotonic() > deadline:
+                raise StandinFailure("stand-in hold timed out")
+            await asyncio.sleep(0.01)
+
+    # Observations ------------------------------------------------------------------------------
+    def _mark(self, tag: str | None, what: str) -> None:
+        if tag:
+            (self.marker_dir / f"{tag}.{what}").touch()
+
+    def _log(self, info: dict[str, Any], outcome: str, samples: int) -> None:
+        record = {k: v for k, v in info.items() if k != "words"}
+        record.update(
+            outcome=outcome,
+            samples=samples,
+            input_tokens=input_tokens_for(info["reference_text"], info["target_text"]),
+            output_tokens=output_tokens_for(samples),
+            pid=os.getpid(),
+        )
+        with open(self.marker_dir / "requests.jsonl", "a", encoding="utf-8") as log:
+            log.write(json.dumps(record) + "\n")
