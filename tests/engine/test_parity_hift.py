@@ -101,3 +101,16 @@ def test_folding_weight_norm_keeps_output(model: HiFTGenerator, dump: dict[str, 
     assert not any("parametrizations" in k for k in model.state_dict())
     after, _ = model.inference(dump["in_hift_mel"], noise=noise)
     assert max_diff(after, before) < 1e-5
+
+
+def test_batch_rows_are_independent(model: HiFTGenerator, dump: dict[str, torch.Tensor]) -> None:
+    mel = dump["in_hift_mel"]
+    other_mel = mel.flip(-1)
+    noise = stored_noise(dump)
+    other_noise = model.draw_noise(1, mel.shape[2], torch.Generator().manual_seed(3))
+    batch_noise = SourceNoise(torch.cat([noise.initial_phase, other_noise.initial_phase]),
+                              torch.cat([noise.sine_noise, other_noise.sine_noise]))
+    audio, _ = model.inference(torch.cat([mel, other_mel]), noise=batch_noise)
+    assert max_diff(audio[:1], dump["hift_audio"]) < 5e-3
+    single_other, _ = model.inference(other_mel, noise=other_noise)
+    assert max_diff(audio[1:], single_other) < 1e-5
