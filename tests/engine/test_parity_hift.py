@@ -110,7 +110,10 @@ def test_batch_rows_are_independent(model: HiFTGenerator, dump: dict[str, torch.
     other_noise = model.draw_noise(1, mel.shape[2], torch.Generator().manual_seed(3))
     batch_noise = SourceNoise(torch.cat([noise.initial_phase, other_noise.initial_phase]),
                               torch.cat([noise.sine_noise, other_noise.sine_noise]))
-    audio, _ = model.inference(torch.cat([mel, other_mel]), noise=batch_noise)
+    audio, source = model.inference(torch.cat([mel, other_mel]), noise=batch_noise)
+    assert max_diff(source[:1], dump["hift_source"]) < 1e-3
     assert max_diff(audio[:1], dump["hift_audio"]) < 5e-3
-    single_other, _ = model.inference(other_mel, noise=other_noise)
-    assert max_diff(audio[1:], single_other) < 1e-5
+    single_audio, single_source = model.inference(other_mel, noise=other_noise)
+    # batched kernels round differently; the harmonic phase amplifies that (README: tolerance 5e-3)
+    assert max_diff(source[1:], single_source) < 1e-3
+    assert max_diff(audio[1:], single_audio) < 5e-3
