@@ -6,16 +6,17 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cosyvoice2.text.segment import approximate_token_count, segment_text
+from gateway.dependencies import ApiKeyDep
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import health, models, speech, voices
-from gateway.dependencies import ApiKeyDep
 from gateway.services.speech import SpeechService
-from gateway.services.text import segment_text
 from gateway.services.voices import VoiceRegistry
 from gateway.settings import Settings
 from gateway.triton_client import TritonClient
@@ -56,6 +57,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = GatewayMetrics()
 
+    # CosyVoice2's own normalization + segmentation; the gateway has no tokenizer, so lengths are
+    # estimated token counts.
+    segmenter = partial(segment_text, token_count=approximate_token_count)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases)
@@ -68,7 +73,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.voices = registry
         app.state.triton = triton
-        app.state.speech_service = SpeechService(settings, registry, triton, metrics, segment_text)
+        app.state.speech_service = SpeechService(settings, registry, triton, metrics, segmenter)
         logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
         try:
             yield

@@ -169,7 +169,11 @@ class TritonPythonModel:
                     raise asyncio.CancelledError
                 sent += chunk.size
                 response = self._response(chunk, info["reference_text"], info["target_text"], sent)
-                sender.send(response, flags=final if index == len(chunks) - 1 else 0)
+                if index == len(chunks) - 1:
+                    self._log(info, "done", sent)  # before the client can see the end
+                    sender.send(response, flags=final)
+                else:
+                    sender.send(response)
         except asyncio.CancelledError:
             self._mark(info["tag"], "cancelled")
             self._log(info, "cancelled", sent)
@@ -178,8 +182,6 @@ class TritonPythonModel:
         except StandinFailure as exc:
             self._log(info, "failed", sent)
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=final)
-            return
-        self._log(info, "done", sent)
 
     async def _hold(self, request: Any, tag: str | None) -> None:
         self._mark(tag, "holding")
