@@ -1,0 +1,131 @@
+"""Split normalized text into synthesis segments, as CosyVoice2's frontend does (spec §1.2). Pure Python.
+
+``segment_text`` = upstream ``text_normalize(text, split=True)``: normalize (``normalize.py``), cut into sentences,
+greedily merge sentences into segments of about 60..80 length units, and drop punctuation-only segments.
+Length units are characters for Chinese and Qwen2 tokens for everything else. The token counter is pluggable:
+pass ``CosyVoice2Tokenizer.count`` where the tokenizer is loaded; without one (the gateway),
+``approximate_token_count`` estimates it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from typing import Callable, Literal
+
+from cosyvoice2.text.normalize import contains_chinese, has_special_tokens, normalize_en, normalize_zh
+
+TokenCounter = Callable[[str], int]
+Language = Literal["zh", "en"]
+
+TERMINATORS: dict[str, tuple[str, ...]] = {
+    "zh": ("。", "？", "！", "；", "：", "、", ".", "?", "!", ";"),
+    "en": (".", "?", "!", ";", ":"),
+}
+_DEFAULT_END = {"zh": "。", "en": "."}
+_CLOSING_QUOTES = ('"', "”")
+
+# Pieces of Qwen2's byte-level BPE pre-tokenizer (contractions, words with one leading non-letter, single digits,
+# symbol runs, whitespace), written with stdlib ``re``: letters are ``[^\W\d_]``.
+_PRETOKEN = re.compile(
+    r"'(?:s|t|re|ve|m|ll|d)|[^\r\n\w]?[^\W\d_]+|\d| ?[^\s\w]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+", re.IGNORECASE
+)
+_LETTERS_PER_TOKEN = 6  # long or rare English words split into several BPE pieces
+
+
+def approximate_token_count(text: str) -> int:
+    """Estimate of the Qwen2 token count of ``text`` without the tokenizer.
+
+    One token per pre-tokenizer piece, plus one per further ``_LETTERS_PER_TOKEN`` letters of long ASCII words;
+    non-ASCII letters count one token each (byte-level BPE rarely merges them into long pieces).
+    """
+    count = 0
+    for piece in _PRETOKEN.findall(text):
+        letters = sum(1 for c in piece if c.isalpha())
+        if letters and not piece.isascii():
+            count += max(1, sum(1 for c in piece if c.isalpha() and not c.isascii()))
+        else:
+            count += max(1, math.ceil(letters / _LETTERS_PER_TOKEN))
+    return count
+
+
+def is_punctuation_only(text: str) -> bool:
+    """True for text made only of Unicode punctuation (P*) and symbols (S*), including the empty string."""
+    return all(unicodedata.category(c)[0] in "PS" for c in text)
+
+
+def _sentences(text: str, terminators: tuple[str, ...]) -> list[str]:
+    """Cut after every terminator; a closing quote right after it stays with the sentence.
+
+    As upstream: the text between two consecutive terminators must be non-empty, so the second terminator of
+    "?!" is dropped.
+    """
+    sentences: list[str] = []
+    start = 0
+    i = 0
+    while i < len(text):
+        if text[i] in terminators:
+            if i > start:
+                sentences.append(text[start:i] + text[i])
+            start = i + 1
+            if i + 1 < len(text) and text[i + 1] in _CLOSING_QUOTES and sentences:
+                sentences[-1] += text[i + 1]
+                start = i + 2
+        i += 1
+    return sentences
+
+
+def split_paragraph(
+    text: str,
+    lang: Language,
+    token_count: TokenCounter | None = None,
+    token_max_n: int = 80,
+    token_min_n: int = 60,
+    merge_len: int = 20,
+    comma_split: bool = False,
+) -> list[str]:
+    """Upstream ``split_paragraph``: sentences merged greedily into segments.
+
+    A segment is closed before the next sentence when the merged length would exceed ``token_max_n`` and the
+    segment is already longer than ``token_min_n``; a final remainder shorter than ``merge_len`` joins the previous
+    segment. Length = characters for ``zh``, ``token_count`` (default ``approximate_token_count``) otherwise.
+    """
+    if not text:
+        return []
+    measure: TokenCounter = len if lang == "zh" else (token_count or approximate_token_count)
+    terminators = TERMINATORS[lang] + (("，", ",") if comma_split else ())
+    if text[-1] not in terminators:
+        text += _DEFAULT_END[lang]
+
+    segments: list[str] = []
+    current = ""
+    for sentence in _sentences(text, terminators):
+        if measure(current + sentence) > token_max_n and measure(current) > token_min_n:
+            segments.append(current)
+            current = ""
+        current += sentence
+    if current:
+        if segments and measure(current) < merge_len:
+            segments[-1] += current
+        else:
+            segments.append(current)
+    return segments
+
+
+def segment_text(text: str, token_count: TokenCounter | None = None) -> list[str]:
+    """Normalize ``text`` and split it into synthesis segments (upstream ``text_normalize(split=True)``).
+
+    Text with special tokens (``<|...|>``) is returned whole and unnormalized, as upstream does; empty or
+    whitespace-only text gives ``[]``.
+    """
+    if has_special_tokens(text):
+        return [text]
+    text = text.strip()
+    if not text:
+        return []
+    if contains_chinese(text):
+        segments = split_paragraph(normalize_zh(text), "zh")
+    else:
+        segments = split_paragraph(normalize_en(text), "en", token_count)
+    return [s for s in segments if not is_punctuation_only(s)]
