@@ -1,0 +1,302 @@
+"""Convert CosyVoice2's ``llm.pt`` + ``CosyVoice-BlankEN`` into a plain Hugging Face ``Qwen2ForCausalLM`` directory.
+
+This is the checkpoint TensorRT-LLM's Qwen converter reads. One extended vocabulary holds text and speech
+(upstream ``yuekai/cosyvoice2_llm`` layout, spec §2.8)::
+
+    [0, T)                 text tokens (T = len(CosyVoice2 tokenizer) = 151663 for the released model)
+    T + k, k < 6561        speech token k                      <|s_k|>
+    T + 6561 .. T + 6563   the three end ids (EOS, 6562, FILL)  <|eos1|> <|eos2|> <|eos3|>
+    T + 6564, T + 6565     <|sos|>, <|task_id|>                (rows of llm_embedding)
+    up to a multiple of 128  padding
+
+Embedding rows come from ``embed_tokens`` (text), ``speech_embedding`` (speech + end ids) and ``llm_embedding``
+(sos, task_id). ``lm_head`` is ``llm_decoder`` on the 6564 speech/end rows and zero elsewhere.
+
+Masking decision. Upstream gives ``lm_head`` a bias that is -inf on every non-speech row and ``llm_decoder.bias``
+on the speech rows. Neither HF's ``Qwen2ForCausalLM`` nor TensorRT-LLM's ``QWenForCausalLM`` has an lm_head bias
+(TRT-LLM builds it as ``ColumnLinear(bias=False)``), so that bias is silently dropped: text ids get logit 0 and
+could be sampled, and speech logits lose ``llm_decoder.bias``. No weight can encode it either (the final hidden
+state has no constant channel). We therefore ship the bias as a separate vector, ``logits_bias.safetensors``
+(float32, one entry per vocabulary row), that every runtime adds to the logits before sampling: TensorRT-LLM
+takes it per request as ``embedding_bias`` (an input of Triton's ``tensorrt_llm`` model), HF as a logits
+processor. Masked rows hold ``MASKED_LOGIT_BIAS``, a large *finite* value: after the softmax their probability
+is exactly 0 in fp32, and unlike -inf it cannot turn into NaN in kernels that subtract or scale logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS, ENDOFTEXT, TOKENIZER_SUBDIR
+
+LAYOUT_FILE = "cosyvoice2_llm.json"
+LOGITS_BIAS_FILE = "logits_bias.safetensors"
+LOGITS_BIAS_KEY = "logits_bias"
+MASKED_LOGIT_BIAS = -1.0e9
+VOCAB_PAD_MULTIPLE = 128
+END_TOKENS = ("<|eos1|>", "<|eos2|>", "<|eos3|>")
+SOS_TOKEN = "<|sos|>"
+TASK_ID_TOKEN = "<|task_id|>"
+#: The prompt format the TRT-LLM runtime feeds: <|sos|> text <|task_id|>, then prompt speech tokens as ids.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '<|sos|>' + message['content'] + '<|task_id|>' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] }}{%- endif %}"
+    "{%- endfor %}"
+)
+_BODY_PREFIX = "llm.model.model."
+_REQUIRED_KEYS = (
+    "llm_embedding.weight",
+    "speech_embedding.weight",
+    "llm_decoder.weight",
+    "llm_decoder.bias",
+    _BODY_PREFIX + "embed_tokens.weight",
+    _BODY_PREFIX + "norm.weight",
+)
+
+
+class ConversionError(ValueError):
+    """The inputs of the HF conversion are missing or malformed; the message names the problem."""
+
+
+def speech_token_name(k: int) -> str:
+    return f"<|s_{k}|>"
+
+
+@dataclass(frozen=True)
+class SpeechVocabLayout:
+    """Where speech tokens, end ids and prompt markers sit in the extended vocabulary."""
+
+    text_vocab_size: int  # = offset of speech token 0 (ORIGINAL_VOCAB_SIZE upstream)
+    speech_token_size: int = 6561
+
+    @property
+    def speech_offset(self) -> int:
+        return self.text_vocab_size
+
+    @property
+    def num_speech_classes(self) -> int:
+        """Rows of ``llm_decoder``/``speech_embedding``: speech tokens plus the three end ids."""
+        return self.speech_token_size + len(END_TOKENS)
+
+    @property
+    def end_ids(self) -> tuple[int, ...]:
+        """All three stop the decode (the reference's stop_token_ids); the first is EOS proper."""
+        first = self.speech_offset + self.speech_token_size
+        return tuple(range(first, first + len(END_TOKENS)))
+
+    @property
+    def sos_id(self) -> int:
+        return self.speech_offset + self.num_speech_classes
+
+    @property
+    def task_id_id(self) -> int:
+        return self.sos_id + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self.task_id_id + 1
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return -(-self.vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    def to_vocab_id(self, speech_token: int) -> int:
+        return self.speech_offset + speech_token
+
+    def to_speech_token(self, vocab_id: int) -> int:
+        """Inverse of ``to_vocab_id``; refuses ids outside the speech range (end ids included: they stop)."""
+        token = vocab_id - self.speech_offset
+        if not 0 <= token < self.speech_token_size:
+            raise ValueError(f"vocabulary id {vocab_id} is not a speech token")
+        return token
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            **asdict(self),
+            "speech_offset": self.speech_offset,
+            "end_ids": list(self.end_ids),
+            "sos_id": self.sos_id,
+            "task_id_id": self.task_id_id,
+            "vocab_size": self.vocab_size,
+            "padded_vocab_size": self.padded_vocab_size,
+            "logits_bias_file": LOGITS_BIAS_FILE,
+        }
+
+    @classmethod
+    def load(cls, hf_dir: Path) -> SpeechVocabLayout:
+        data = json.loads((Path(hf_dir) / LAYOUT_FILE).read_text())
+        return cls(text_vocab_size=int(data["text_vocab_size"]), speech_token_size=int(data["speech_token_size"]))
+
+
+def load_logits_bias(hf_dir: Path) -> torch.Tensor:
+    from safetensors.torch import load_file  # noqa: PLC0415 - engine dependency
+
+    return load_file(str(Path(hf_dir) / LOGITS_BIAS_FILE))[LOGITS_BIAS_KEY]
+
+
+def load_text_tokenizer(tokenizer_dir: Path):
+    """The CosyVoice2 text tokenizer (BlankEN + its specials) as an HF tokenizer object we can extend and save."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when converting
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens(
+        {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT, "additional_special_tokens": list(ADDITIONAL_SPECIAL_TOKENS)}
+    )
+    return tokenizer
+
+
+def _load_llm_state(llm_pt: Path) -> dict[str, torch.Tensor]:
+    if not llm_pt.is_file():
+        raise ConversionError(f"{llm_pt} is missing")
+    try:
+        state = torch.load(llm_pt, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for truncated/foreign files
+        raise ConversionError(f"{llm_pt} is not a readable torch state dict: {exc}") from exc
+    if not isinstance(state, dict):
+        raise ConversionError(f"{llm_pt} holds a {type(state).__name__}, expected a state dict")
+    missing = [k for k in _REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ConversionError(f"{llm_pt} lacks keys {missing}: is it CosyVoice2's llm.pt?")
+    return state
+
+
+def _read_body_config(tokenizer_dir: Path) -> dict[str, object]:
+    path = tokenizer_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConversionError(f"{path} is missing") from exc
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path} is not valid JSON: {exc}") from exc
+    if config.get("model_type") != "qwen2":
+        raise ConversionError(f"{path}: model_type is {config.get('model_type')!r}, expected 'qwen2'")
+    return config
+
+
+def _extended_weights(
+    state: dict[str, torch.Tensor], layout: SpeechVocabLayout, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """HF Qwen2ForCausalLM tensors over the extended vocabulary (body copied, embed/lm_head rebuilt)."""
+    text_embed = state[_BODY_PREFIX + "embed_tokens.weight"]
+    speech_embed = state["speech_embedding.weight"]
+    decoder_w = state["llm_decoder.weight"]
+    hidden = text_embed.shape[1]
+    if text_embed.shape[0] < layout.text_vocab_size:
+        raise ConversionError(
+            f"embed_tokens has {text_embed.shape[0]} rows but the tokenizer has {layout.text_vocab_size} tokens"
+        )
+    for name, tensor in (("speech_embedding", speech_embed), ("llm_decoder", decoder_w)):
+        if tuple(tensor.shape) != (layout.num_speech_classes, hidden):
+            raise ConversionError(f"{name} has shape {tuple(tensor.shape)}, expected ({layout.num_speech_classes}, {hidden})")
+
+    rows = layout.padded_vocab_size
+    speech = slice(layout.speech_offset, layout.speech_offset + layout.num_speech_classes)
+    embed = torch.zeros(rows, hidden, dtype=torch.float32)
+    embed[: layout.text_vocab_size] = text_embed[: layout.text_vocab_size]
+    embed[speech] = speech_embed
+    embed[layout.sos_id : layout.task_id_id + 1] = state["llm_embedding.weight"]
+    lm_head = torch.zeros(rows, hidden, dtype=torch.float32)
+    lm_head[speech] = decoder_w
+
+    weights = {
+        "model." + key[len(_BODY_PREFIX) :]: tensor
+        for key, tensor in state.items()
+        if key.startswith(_BODY_PREFIX) and key != _BODY_PREFIX + "embed_tokens.weight"
+    }
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = lm_head
+    return {k: v.to(dtype).contiguous() for k, v in weights.items()}
+
+
+def logits_bias(state: dict[str, torch.Tensor], layout: SpeechVocabLayout) -> torch.Tensor:
+    bias = torch.full((layout.padded_vocab_size,), MASKED_LOGIT_BIAS, dtype=torch.float32)
+    bias[layout.speech_offset : layout.speech_offset + layout.num_speech_classes] = state["llm_decoder.bias"].float()
+    return bias
+
+
+def _save_tokenizer(tokenizer, layout: SpeechVocabLayout, output_dir: Path) -> None:
+    new_tokens = [speech_token_name(k) for k in range(layout.speech_token_size)] + [*END_TOKENS, SOS_TOKEN, TASK_ID_TOKEN]
+    tokenizer.add_tokens(new_tokens)
+    if len(tokenizer) != layout.vocab_size or tokenizer.convert_tokens_to_ids(TASK_ID_TOKEN) != layout.task_id_id:
+        raise ConversionError("the tokenizer already contains some speech/marker tokens; expected plain BlankEN")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(output_dir))
+    _make_tokenizer_config_portable(output_dir)
+
+
+def _write_model_config(
+    body_config: dict[str, object], layout: SpeechVocabLayout, dtype: torch.dtype, output_dir: Path
+) -> None:
+    """BlankEN's config.json with the extended vocabulary, written as plain JSON.
+
+    Not via ``Qwen2Config.save_pretrained``: transformers 5 would rewrite ``rope_theta`` as ``rope_parameters``, which
+    the transformers 4 inside the TensorRT-LLM image does not read (it would fall back to rope_theta 10000).
+    """
+    config = {k: v for k, v in body_config.items() if k != "transformers_version"}
+    config.update(
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=layout.padded_vocab_size,
+        tie_word_embeddings=False,
+        bos_token_id=layout.sos_id,
+        eos_token_id=layout.end_ids[0],
+        pad_token_id=layout.end_ids[0],
+        torch_dtype=str(dtype).removeprefix("torch."),
+    )
+    (output_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _make_tokenizer_config_portable(output_dir: Path) -> None:
+    """Make tokenizer_config.json readable by transformers 4 and 5 alike.
+
+    transformers 5 saves the specials as a list under ``extra_special_tokens`` (a dict in 4.x, which then fails)
+    and keeps the chat template only in chat_template.jinja (unknown to older 4.x).
+    """
+    path = output_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    specials = config.pop("extra_special_tokens", None)
+    if isinstance(specials, list):
+        config["additional_special_tokens"] = specials
+    elif specials is not None:
+        config["extra_special_tokens"] = specials
+    for key in ("backend", "is_local", "local_files_only"):
+        config.pop(key, None)
+    config["chat_template"] = CHAT_TEMPLATE
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def convert_llm_to_hf(model_dir: Path, output_dir: Path, dtype: torch.dtype = torch.float32) -> SpeechVocabLayout:
+    """Write the HF checkpoint, tokenizer, logits bias and layout file into ``output_dir``; return the layout."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+    from transformers import GenerationConfig  # noqa: PLC0415
+
+    model_dir, output_dir = Path(model_dir), Path(output_dir)
+    tokenizer_dir = model_dir / TOKENIZER_SUBDIR
+    body_config = _read_body_config(tokenizer_dir)
+    state = _load_llm_state(model_dir / "llm.pt")
+    tokenizer = load_text_tokenizer(tokenizer_dir)
+    layout = SpeechVocabLayout(
+        text_vocab_size=len(tokenizer), speech_token_size=state["speech_embedding.weight"].shape[0] - len(END_TOKENS)
+    )
+    num_layers = int(body_config["num_hidden_layers"])
+    if f"{_BODY_PREFIX}layers.{num_layers - 1}.mlp.down_proj.weight" not in state:
+        raise ConversionError(f"llm.pt has fewer than the {num_layers} layers config.json declares")
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    weights = _extended_weights(state, layout, dtype)
+    save_file(weights, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+    save_file({LOGITS_BIAS_KEY: logits_bias(state, layout)}, str(output_dir / LOGITS_BIAS_FILE))
+
+    _write_model_config(body_config, layout, dtype, output_dir)
+    # Sampling defaults of the reference (RAS itself is not expressible here); all three end ids stop.
+    GenerationConfig(
+        eos_token_id=list(layout.end_ids), pad_token_id=layout.end_ids[0], do_sample=True, top_p=0.8, top_k=25,
+        temperature=1.0,
+    ).save_pretrained(str(output_dir))
+    _save_tokenizer(tokenizer, layout, output_dir)
+    (output_dir / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=2) + "\n")
+    return layout

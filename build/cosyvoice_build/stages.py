@@ -1,0 +1,125 @@
+"""The build stages, in order: download -> convert -> engine -> render -> smoke.
+
+Each stage is wiring only: what it reads, what it writes, which module does the work. ``convert`` and ``engine``
+serve the TensorRT-LLM backend; with the PyTorch backend they have nothing to do (our engine reads llm.pt).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from cosyvoice_build import hf_llm, smoke, trtllm, triton_render, weights
+from cosyvoice_build.engine_meta import BUILD_META_FILE
+from cosyvoice_build.fingerprint import DigestCache, fingerprint
+from cosyvoice_build.pipeline import Stage, StageError, StageInputs
+from cosyvoice_build.settings import BuildSettings
+
+log = logging.getLogger("cosyvoice_build")
+
+#: Bump when the HF conversion's output changes, so existing checkpoints are rebuilt.
+CONVERTER_VERSION = 1
+_TRITON_REPO_SOURCES = Path(triton_render.__file__).resolve().parents[2] / "triton_repo"
+
+
+def _uses_trtllm(settings: BuildSettings) -> bool:
+    return settings.llm_backend == "trtllm"
+
+
+# download ------------------------------------------------------------------------------------------------
+def _download_inputs(settings: BuildSettings) -> StageInputs:
+    return StageInputs(
+        values={
+            "source": settings.model_source,
+            "model": str(settings.model_dir) if settings.model_source == "local" else settings.resolved_model_id,
+            "revision": settings.model_revision,
+            "patterns": list(weights.DOWNLOAD_PATTERNS),
+        }
+    )
+
+
+def _download(settings: BuildSettings) -> None:
+    weights.fetch_weights(settings)
+
+
+# convert -------------------------------------------------------------------------------------------------
+def _convert_inputs(settings: BuildSettings) -> StageInputs:
+    if not _uses_trtllm(settings):
+        return StageInputs(values={"backend": settings.llm_backend})
+    tokenizer = settings.weights_dir / weights.TOKENIZER_DIR
+    files = [settings.weights_dir / "llm.pt"] + [tokenizer / n for n in ("config.json", "vocab.json", "merges.txt", "tokenizer_config.json")]
+    return StageInputs(paths=files, values={"dtype": settings.hf_dtype, "converter": CONVERTER_VERSION})
+
+
+def _convert_outputs(settings: BuildSettings) -> list[Path]:
+    if not _uses_trtllm(settings):
+        return []
+    return [settings.hf_llm_dir / n for n in ("model.safetensors", hf_llm.LAYOUT_FILE, hf_llm.LOGITS_BIAS_FILE)]
+
+
+def _convert(settings: BuildSettings) -> None:
+    if not _uses_trtllm(settings):
+        log.info("[convert] nothing to do for the %s backend", settings.llm_backend)
+        return
+    import torch  # noqa: PLC0415
+
+    partial = settings.hf_llm_dir.with_name(settings.hf_llm_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        layout = hf_llm.convert_llm_to_hf(settings.weights_dir, partial, getattr(torch, settings.hf_dtype))
+    except hf_llm.ConversionError as exc:
+        raise StageError(str(exc)) from exc
+    shutil.rmtree(settings.hf_llm_dir, ignore_errors=True)
+    partial.rename(settings.hf_llm_dir)  # appears complete or not at all
+    log.info("[convert] speech tokens at %d.., end ids %s, vocabulary %d", layout.speech_offset, layout.end_ids, layout.padded_vocab_size)
+
+
+# engine --------------------------------------------------------------------------------------------------
+def _engine_inputs(settings: BuildSettings) -> StageInputs:
+    if not _uses_trtllm(settings):
+        return StageInputs(values={"backend": settings.llm_backend})
+    return StageInputs(paths=[settings.hf_llm_dir], values=asdict(settings.trtllm))
+
+
+def _engine_outputs(settings: BuildSettings) -> list[Path]:
+    return [settings.engine_dir / BUILD_META_FILE] if _uses_trtllm(settings) else []
+
+
+def _engine(settings: BuildSettings) -> None:
+    if not _uses_trtllm(settings):
+        log.info("[engine] nothing to do for the %s backend", settings.llm_backend)
+        return
+    source = fingerprint([settings.hf_llm_dir], {}, DigestCache(settings.state_dir / "digests.json"))
+    trtllm.build_engine(settings, source)
+
+
+# render --------------------------------------------------------------------------------------------------
+def _render_inputs(settings: BuildSettings) -> StageInputs:
+    paths = [p for p in [_TRITON_REPO_SOURCES / "render.py", _TRITON_REPO_SOURCES / "templates"] if p.exists()]
+    if _uses_trtllm(settings):
+        paths.append(settings.engine_dir / BUILD_META_FILE)
+    return StageInputs(paths=paths, values={k: str(v) for k, v in triton_render.render_arguments(settings).items()})
+
+
+def _render(settings: BuildSettings) -> None:
+    triton_render.render_triton_repository(settings)
+
+
+# smoke ---------------------------------------------------------------------------------------------------
+def _smoke_inputs(settings: BuildSettings) -> StageInputs:
+    return StageInputs(paths=[] if settings.smoke_url else [settings.triton_repo_dir])
+
+
+def _smoke(settings: BuildSettings) -> None:
+    smoke.run_smoke_test(settings)
+
+
+STAGES: list[Stage] = [
+    Stage("download", "fetch and verify the CosyVoice2-0.5B weights", _download_inputs, lambda s: [s.weights_dir], _download),
+    Stage("convert", "llm.pt + CosyVoice-BlankEN -> HF Qwen2ForCausalLM with the speech vocabulary", _convert_inputs, _convert_outputs, _convert),
+    Stage("engine", "HF checkpoint -> TensorRT-LLM checkpoint -> engine + build_meta.json", _engine_inputs, _engine_outputs, _engine),
+    Stage("render", "render the Triton model repository", _render_inputs, lambda s: [s.triton_repo_dir], _render),
+    Stage("smoke", "synthesize one sentence through the rendered repository", _smoke_inputs, lambda s: [], _smoke, cacheable=False),
+]  # fmt: skip
