@@ -166,10 +166,12 @@ class GatewayTarget:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 raise GatewayError(f"HTTP {response.status_code}: {detail}")
-            if self.stream_format == "sse":
+            if not self.streaming:  # one complete file: one piece, like Triton's offline response
+                yield await response.aread()
+            elif self.stream_format == "sse":  # exact chunk boundaries: one delta per pipeline chunk
                 async for piece in _sse_audio(response):
                     yield piece
-            else:
+            else:  # chunked body: pieces are network reads, which need not match pipeline chunks
                 async for piece in response.aiter_bytes():
                     yield piece
 

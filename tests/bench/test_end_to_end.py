@@ -147,6 +147,8 @@ def test_gateway_audio_stream_and_offline(stack, tmp_path):
     manifest = _manifest(tmp_path / "good.jsonl", stack.voices_dir, GOOD_TEXTS)
     doc = _run(tmp_path, "gateway", stack.gateway_url, manifest, "--requests", "3")
     _check_levels(doc, stack, ["gateway/streaming-audio", "gateway/offline"], 3, GOOD_TEXTS)
+    offline = [lv for lv in doc["levels"] if lv["mode"] == "gateway/offline"]
+    assert all(len(r["chunk_offsets"]) == 1 for lv in offline for r in lv["records"])  # the whole file at once
 
 
 def test_gateway_sse_stream(stack, tmp_path):
