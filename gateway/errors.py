@@ -136,6 +136,10 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
     if not errors:
         return InvalidRequest("Invalid request.")
     first = errors[0]
+    if len(errors) > 1:
+        # A union field (voice) reports one error per member: prefer one that is not a bare type mismatch.
+        same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
+        first = next((e for e in same_field if not e.get("type", "").endswith("_type")), first)
     if first.get("type") == "json_invalid":
         return InvalidRequest(
             "We could not parse the JSON body of your request. Send valid JSON.", code="invalid_json"
