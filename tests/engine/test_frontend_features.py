@@ -139,6 +139,15 @@ def test_resample_rejects_aliasing() -> None:
     assert amplitude_at(resample(sine(5000.0, 24000, 0.5), 24000, 16000), 16000, 5000.0) > 0.99
 
 
+def test_resample_cutoff_is_at_rolloff() -> None:
+    # windowed-sinc low-pass: half amplitude exactly at the cutoff 0.99 x the lower Nyquist (7920 Hz)
+    def gain(freq: float) -> float:
+        return amplitude_at(resample(sine(freq, 24000, 0.5), 24000, 16000), 16000, freq)
+
+    assert gain(7920.0) == pytest.approx(0.5, abs=0.02)
+    assert gain(6000.0) > 0.98
+
+
 def test_resample_batch_and_identity() -> None:
     batch = torch.stack([sine(300.0, 22050, 0.1), sine(700.0, 22050, 0.1)])
     out = resample(batch, 22050, 16000)
