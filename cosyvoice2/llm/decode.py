@@ -121,7 +121,8 @@ class BatchedDecoder:
             raise ValueError(f"request needs {needed} cache positions, decoder has {self.max_seq_len}")
         slot = free[0]
         prefix = self.model.embed_prefix(request.text, request.prompt_text, request.prompt_speech_tokens)
-        self.logp[slot] = self.model(prefix, cache=self.cache, slot=slot)[0, -1]
+        hidden = self.model.hidden(prefix, cache=self.cache, slot=slot)
+        self.logp[slot] = self.model.log_probs(hidden[0, -1])
         min_len, max_len = token_limits(len(request.text), request.sampling)
         self._slots[slot] = _SlotState(
             params=request.sampling,
