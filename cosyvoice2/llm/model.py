@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, StaticKVCache
+from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, StaticKVCache
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1
@@ -45,9 +45,12 @@ class LLMConfig:
         return tuple(range(self.speech_token_size, self.speech_token_size + 3))
 
     @classmethod
-    def from_harness(cls, llm: Mapping[str, Any]) -> "LLMConfig":
-        """From the parity harness's ``llm`` section (``qwen`` = HF Qwen2 config fields)."""
-        return cls(qwen=Qwen2Config.from_dict(llm["qwen"]), speech_token_size=int(llm["speech_token_size"]))
+    def from_harness(cls, values: Mapping[str, Any]) -> "LLMConfig":
+        """From a dict such as the parity harness's ``llm`` section (``qwen`` = HF Qwen2 config fields).
+        Missing entries keep the released defaults."""
+        defaults = cls()
+        qwen = Qwen2Config.from_dict(values["qwen"]) if "qwen" in values else defaults.qwen
+        return cls(qwen=qwen, speech_token_size=int(values.get("speech_token_size", defaults.speech_token_size)))
 
 
 class Qwen2Encoder(nn.Module):
@@ -73,7 +76,7 @@ class CosyVoice2LM(nn.Module):
         self.speech_embedding = nn.Embedding(self.config.num_speech_classes, hidden)
 
     @property
-    def body(self):
+    def body(self) -> Qwen2Model:
         """The Qwen2 decoder stack (``llm.model.model``)."""
         return self.llm.model.model
 

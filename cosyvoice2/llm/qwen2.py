@@ -42,6 +42,8 @@ class Qwen2Config:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "Qwen2Config":
         """Build from an HF-style config dict (unknown fields such as ``attn_implementation`` are ignored)."""
+        if values.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported (CosyVoice2 does not use it)")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
 
