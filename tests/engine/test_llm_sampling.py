@@ -7,7 +7,17 @@ import math
 import pytest
 import torch
 
-from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, LLMConfig, Qwen2Config, SamplingParams, generate_tokens
+from cosyvoice2.llm import (
+    BatchedDecoder,
+    CosyVoice2LM,
+    DecodeRequest,
+    LLMConfig,
+    NoFreeSlotError,
+    Qwen2Config,
+    SamplingParams,
+    generate_tokens,
+    required_seq_len,
+)
 from cosyvoice2.llm.sampling import make_generator, nucleus_sample, ras_sample
 
 NUM_CLASSES = 6564
@@ -108,3 +118,30 @@ def test_seed_reproduces_and_different_seeds_differ() -> None:
 
     assert run(7) == run(7)
     assert run(7) != run(8)
+
+
+def test_decoder_slot_management() -> None:
+    model = tiny_model({EOS: -1e4, EOS2: -1e4, FILL: -1e4})
+    request = DecodeRequest(text=TEXT[:1], sampling=SamplingParams(seed=4))  # max_len 20
+    decoder = BatchedDecoder(model, num_slots=2, max_seq_len=required_seq_len(request))
+    first, second = decoder.add(request), decoder.add(request)
+    assert (first, second) == (0, 1) and decoder.free_slots == []
+    with pytest.raises(NoFreeSlotError):
+        decoder.add(request)
+    decoder.remove(first)
+    assert decoder.free_slots == [0]
+    outputs = decoder.step()
+    assert set(outputs) == {1} and outputs[1].token is not None
+    with pytest.raises(ValueError, match="cache positions"):
+        decoder.add(DecodeRequest(text=TEXT[:2]))  # needs 4 + 40 > 23 positions
+
+
+def test_decoder_reports_length_finish_with_the_last_token() -> None:
+    model = tiny_model({EOS: -1e4, EOS2: -1e4, FILL: -1e4})
+    request = DecodeRequest(text=TEXT[:1], sampling=SamplingParams(seed=5))
+    decoder = BatchedDecoder(model, num_slots=1, max_seq_len=required_seq_len(request))
+    slot = decoder.add(request)
+    outputs = [decoder.step()[slot] for _ in range(20)]
+    assert all(o.token is not None for o in outputs)
+    assert [o.finished for o in outputs] == [False] * 19 + [True]
+    assert outputs[-1].reason == "length" and decoder.active_slots == []
