@@ -7,6 +7,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dependencies import SpeechServiceDep
+from gateway.errors import ApiError
 from gateway.schemas import SpeechRequest
 from gateway.services.speech import SpeechStream
 
@@ -24,6 +25,11 @@ class SpeechStreamingResponse(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except ApiError:
+            # Failed after the 200 went out (already logged by the service). Returning without the
+            # final body message makes the server drop the connection, so the client sees a broken
+            # transfer instead of a short file that looks complete.
+            pass
         finally:
             await self._stream.aclose()
 
