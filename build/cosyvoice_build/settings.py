@@ -92,7 +92,8 @@ class BuildSettings:
 
     @property
     def triton_repo_dir(self) -> Path:
-        return self.work_dir / "triton_repo"
+        """One repository per backend/layout, so switching compose profiles never serves a stale one."""
+        return self.work_dir / "triton_repo" / f"{self.llm_backend}_{self.triton_layout}"
 
     @property
     def state_dir(self) -> Path:

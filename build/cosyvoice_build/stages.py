@@ -6,6 +6,7 @@ serve the TensorRT-LLM backend; with the PyTorch backend they have nothing to do
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import shutil
 from dataclasses import asdict
@@ -21,7 +22,6 @@ log = logging.getLogger("cosyvoice_build")
 
 #: Bump when the HF conversion's output changes, so existing checkpoints are rebuilt.
 CONVERTER_VERSION = 1
-_TRITON_REPO_SOURCES = Path(triton_render.__file__).resolve().parents[2] / "triton_repo"
 
 
 def _uses_trtllm(settings: BuildSettings) -> bool:
@@ -96,8 +96,17 @@ def _engine(settings: BuildSettings) -> None:
 
 
 # render --------------------------------------------------------------------------------------------------
+def _render_tool_sources() -> list[Path]:
+    """The render tool's code and templates: a changed template re-renders the repository."""
+    spec = importlib.util.find_spec("triton_repo")
+    if spec is None or spec.origin is None:
+        return []
+    root = Path(spec.origin).parent
+    return [p for p in (root / "render.py", root / "templates") if p.exists()]
+
+
 def _render_inputs(settings: BuildSettings) -> StageInputs:
-    paths = [p for p in [_TRITON_REPO_SOURCES / "render.py", _TRITON_REPO_SOURCES / "templates"] if p.exists()]
+    paths = _render_tool_sources()
     if _uses_trtllm(settings):
         paths.append(settings.engine_dir / BUILD_META_FILE)
     return StageInputs(paths=paths, values={k: str(v) for k, v in triton_render.render_arguments(settings).items()})

@@ -1,0 +1,214 @@
+"""docker-compose.yml and the Dockerfiles: valid for every profile (real compose), consistent with the repository."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cosyvoice_build.settings import BuildSettings
+from tests.build.conftest import REPO_ROOT
+
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
+PROFILES = ("trtllm", "torch", "disaggregated")
+GATEWAY_COMMAND = ["python", "-m", "gateway"]
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3"
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def compose() -> list[str]:
+    command = _compose_command()
+    if command is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` is installed (.ci/run installs docker-compose)")
+    return command
+
+
+def compose_config(compose: list[str], compose_file: Path, profile: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*compose, "--profile", profile, "-f", str(compose_file), "config"],
+        capture_output=True, text=True, check=False, cwd=compose_file.parent,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def configs(compose: list[str]) -> dict[str, dict]:
+    """The normalised configuration compose prints for each profile."""
+    result = {}
+    for profile in PROFILES:
+        run = compose_config(compose, COMPOSE_FILE, profile)
+        assert run.returncode == 0, f"compose rejects the file for profile {profile}:\n{run.stderr}"
+        result[profile] = yaml.safe_load(run.stdout)
+    return result
+
+
+def enabled(config: dict, profile: str) -> dict[str, dict]:
+    """Services compose starts for ``profile`` (one without profiles would start for every profile)."""
+    return {name: s for name, s in config["services"].items() if profile in s.get("profiles", [profile])}
+
+
+def by_role(services: dict[str, dict]) -> dict[str, list[str]]:
+    roles: dict[str, list[str]] = {"gateway": [], "triton": [], "build": []}
+    for name, service in services.items():
+        command = service.get("command") or []
+        if command == GATEWAY_COMMAND:
+            roles["gateway"].append(name)
+        elif command[:1] == ["tritonserver"]:
+            roles["triton"].append(name)
+        elif "cosyvoice_build" in command:
+            roles["build"].append(name)
+    return roles
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profile_is_a_complete_stack(configs: dict[str, dict], profile: str) -> None:
+    services = enabled(configs[profile], profile)
+    roles = by_role(services)
+    assert len(roles["gateway"]) == 1 and len(roles["build"]) == 1, roles
+    assert roles["triton"], "no tritonserver in this profile"
+    assert set(services) == {n for names in roles.values() for n in names}, "a service with an unknown role"
+    for name, service in services.items():
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, f"{name} depends on {dependency}, which profile {profile} does not start"
+    [gateway] = roles["gateway"]
+    target = services[gateway]["environment"]["TTS_TRITON_URL"].split(":")[0]
+    assert services[gateway]["depends_on"][target]["condition"] == "service_healthy"
+    assert "/ready" in " ".join(services[gateway]["healthcheck"]["test"])
+    for name in roles["triton"]:
+        triton = services[name]
+        assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])
+        assert triton["shm_size"], "the python backend needs more than Docker's 64 MB /dev/shm"
+        [device] = triton["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"]
+    [build] = roles["build"]
+    assert any(
+        services[t].get("depends_on", {}).get(build, {}).get("condition") == "service_completed_successfully"
+        for t in roles["triton"]
+    ), "no Triton waits for the one-shot build"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_triton_serves_the_repository_the_build_renders(configs: dict[str, dict], profile: str) -> None:
+    services = enabled(configs[profile], profile)
+    roles = by_role(services)
+    env = services[roles["build"][0]]["environment"]
+    settings = BuildSettings(
+        work_dir=Path(env["COSYVOICE_WORK_DIR"]), llm_backend=env["COSYVOICE_LLM_BACKEND"], triton_layout=env["COSYVOICE_TRITON_LAYOUT"]
+    )
+    served = set()
+    for name in roles["triton"]:
+        [flag] = [c for c in services[name]["command"] if c.startswith("--model-repository=")]
+        served.add(Path(flag.split("=", 1)[1]))
+    if settings.triton_layout == "single":
+        assert served == {settings.triton_repo_dir}
+    else:
+        assert served == {settings.triton_repo_dir / "llm", settings.triton_repo_dir / "token2wav"}
+
+
+def test_default_profile_is_trtllm() -> None:
+    env = dict(line.split("=", 1) for line in (REPO_ROOT / ".env").read_text().splitlines() if line and not line.startswith("#"))
+    assert env["COMPOSE_PROFILES"] == "trtllm"
+
+
+def test_validator_rejects_a_broken_file(compose: list[str], tmp_path: Path) -> None:
+    broken = COMPOSE_FILE.read_text().replace("capabilities: [gpu]", "capabilities: gpu", 1)
+    assert broken != COMPOSE_FILE.read_text()
+    (tmp_path / "docker").mkdir()
+    for dockerfile in DOCKERFILES:
+        shutil.copy(dockerfile, tmp_path / "docker" / dockerfile.name)
+    (tmp_path / "docker-compose.yml").write_text(broken)
+    run = compose_config(compose, tmp_path / "docker-compose.yml", "trtllm")
+    assert run.returncode != 0 and "capabilities" in run.stderr
+
+
+# Static checks: paths, images, commands ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def raw_compose() -> dict:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+def test_build_contexts_and_dockerfiles_exist(raw_compose: dict) -> None:
+    builds = [s["build"] for s in raw_compose["services"].values() if "build" in s]
+    assert builds
+    for build in builds:
+        context = (REPO_ROOT / build["context"]).resolve()
+        assert context.is_dir()
+        assert (context / build["dockerfile"]).is_file(), build["dockerfile"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_sources_exist_and_images_are_pinned(dockerfile: Path) -> None:
+    lines = [line.strip() for line in dockerfile.read_text().splitlines()]
+    for line in lines:
+        if line.startswith("FROM "):
+            image = line.split()[1]
+            assert ":" in image and not image.endswith(":latest"), f"unpinned base image {image}"
+        if line.startswith("COPY ") and "--from" not in line:
+            for source in line.split()[1:-1]:
+                assert (REPO_ROOT / source).exists(), f"{dockerfile.name} copies missing {source}"
+
+
+def test_triton_image_is_the_pinned_ngc_trtllm_image() -> None:
+    assert f"FROM {TRITON_IMAGE}" in (REPO_ROOT / "docker" / "triton.Dockerfile").read_text()
+
+
+def test_compose_images_are_pinned(raw_compose: dict) -> None:
+    for name, service in raw_compose["services"].items():
+        image = service.get("image")
+        assert image, f"{name} has no image name"
+        assert ":" in image.rsplit("/", 1)[-1] and not image.endswith(":latest"), f"{name}: unpinned image {image}"
+
+
+def test_python_modules_run_by_containers_exist(raw_compose: dict) -> None:
+    commands = [s["command"] for s in raw_compose["services"].values() if "command" in s]
+    commands += [_dockerfile_cmd(p) for p in DOCKERFILES]
+    modules = {c[c.index("-m") + 1] for c in commands if "-m" in c}
+    assert modules == {"gateway", "cosyvoice_build"}
+    for module in modules:
+        package = REPO_ROOT / module if (REPO_ROOT / module).is_dir() else REPO_ROOT / "build" / module
+        assert (package / "__main__.py").is_file(), f"`python -m {module}` has no {package}/__main__.py"
+
+
+def _dockerfile_cmd(dockerfile: Path) -> list[str]:
+    [cmd] = [line for line in dockerfile.read_text().splitlines() if line.startswith("CMD ")]
+    return yaml.safe_load(cmd[len("CMD ") :])
+
+
+def test_gateway_container_runs_the_readme_command(raw_compose: dict) -> None:
+    assert _dockerfile_cmd(REPO_ROOT / "docker" / "gateway.Dockerfile") == GATEWAY_COMMAND
+    gateways = [s for s in raw_compose["services"].values() if "gateway.Dockerfile" in str(s.get("build"))]
+    assert gateways and all(s["command"] == GATEWAY_COMMAND for s in gateways)
+    # `make run` (the README's run command) is the same module run by the venv's python.
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    recipe = re.search(r"^run:.*\n\t(.+)$", makefile, re.MULTILINE)
+    assert recipe and recipe.group(1).split()[1:] == GATEWAY_COMMAND[1:]
+    readme = REPO_ROOT / "README.md"
+    if readme.exists():
+        text = readme.read_text()
+        assert " ".join(GATEWAY_COMMAND) in text or "make run" in text
+
+
+def test_gateway_image_runs_as_a_non_root_user() -> None:
+    text = (REPO_ROOT / "docker" / "gateway.Dockerfile").read_text()
+    users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert users and users[-1] not in ("root", "0")
+    # It installs the base package only, whose dependencies include no torch.
+    installs = re.findall(r"pip install ([^&\n]+)", text)
+    assert [i.strip() for i in installs] == ["."]
+    dependencies = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not [d for d in dependencies if re.match(r"torch\b", d)]
