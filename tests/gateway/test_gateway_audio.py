@@ -196,3 +196,18 @@ def test_long_input_is_spoken_as_ordered_segments_in_one_continuous_file(gateway
         part = samples[start : start + record["samples"]]
         start += record["samples"]
         assert dominant_frequency(part, rate) == pytest.approx(frequency_for(record["target_text"]), abs=8)
+
+
+async def test_concurrent_requests_each_get_their_own_audio(gateway, standin_backend):
+    client = gateway.async_client()
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    texts = {tag_for("conc", w): f"{tag_for('conc', w)} {w} " * (3 + i) for i, w in enumerate(words)}
+    responses = await asyncio.gather(
+        *(client.audio.speech.create(model="tts-1", voice="alloy", input=t, response_format="wav") for t in texts.values())
+    )
+    for tag, response in zip(texts, responses, strict=True):
+        samples, rate = decode(response.content, "wav")
+        assert samples.size / rate == pytest.approx(produced_seconds(standin_backend, tag), abs=1e-6)
+        segment_text = standin_backend.requests_tagged(tag)[0]["target_text"]
+        assert dominant_frequency(samples, rate) == pytest.approx(frequency_for(segment_text), abs=8)
+    assert await async_wait_for(lambda: gateway.metric("tts_in_flight_requests") == 0, timeout=5)
