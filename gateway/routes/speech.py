@@ -42,5 +42,4 @@ async def create_speech(body: SpeechRequest, request: Request, service: SpeechSe
     result = await service.create_speech(body, request_id)
     if isinstance(result, SpeechStream):
         return SpeechStreamingResponse(result, headers)
-    media_type, content = result
-    return Response(content, media_type=media_type, headers=headers)
+    return Response(result.content, media_type=result.media_type, headers=headers)

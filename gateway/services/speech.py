@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -123,6 +124,12 @@ class SpeechStream:
         await self._rest.aclose()  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class CompleteSpeech:
+    media_type: str
+    content: bytes
+
+
 def _sse_event(payload: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
@@ -175,8 +182,8 @@ class SpeechService:
         )
 
     # Running -------------------------------------------------------------------------------------
-    async def create_speech(self, request: SpeechRequest, request_id: str) -> SpeechStream | tuple[str, bytes]:
-        """A primed SpeechStream when streaming, else ``(media_type, complete file)``.
+    async def create_speech(self, request: SpeechRequest, request_id: str) -> SpeechStream | CompleteSpeech:
+        """A primed SpeechStream when streaming, else the complete file.
 
         Raises ApiError for anything that goes wrong before the first audio chunk.
         """
@@ -191,7 +198,7 @@ class SpeechService:
         except BaseException:
             await body.aclose()
             raise
-        return media_type, first + b"".join(rest)
+        return CompleteSpeech(media_type, first + b"".join(rest))
 
     async def _run(self, plan: SpeechPlan, slot: InFlightSlot) -> AsyncIterator[bytes]:
         """The encoded body; owns the in-flight slot, records metrics and the log line at the end."""
@@ -208,8 +215,11 @@ class SpeechService:
             if sent_any:
                 self._metrics.stream_failures.labels(plan.response_format).inc()
             raise
-        except BaseException:  # cancelled task or closed generator: the client went away
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             progress.outcome = "client disconnected"
+            raise
+        except Exception as exc:
+            progress.outcome = f"error {type(exc).__name__}"
             raise
         finally:
             slot.release()
