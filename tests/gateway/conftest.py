@@ -21,7 +21,6 @@ from gateway.settings import Settings
 from tests.gateway.standin_model.repository import render_standin_repository
 from triton_repo.server import TritonServer, free_port
 
-pytestmark = pytest.mark.triton
 
 #: The stand-in's chunk schedule in the shared server: enough chunks to see streaming happen.
 CHUNK_COUNT = 4
