@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS, ENDOFTEXT, TOKENIZER_SUBDIR
 
@@ -276,27 +277,31 @@ def convert_llm_to_hf(model_dir: Path, output_dir: Path, dtype: torch.dtype = to
 
     model_dir, output_dir = Path(model_dir), Path(output_dir)
     tokenizer_dir = model_dir / TOKENIZER_SUBDIR
-    body_config = _read_body_config(tokenizer_dir)
-    state = _load_llm_state(model_dir / "llm.pt")
-    tokenizer = load_text_tokenizer(tokenizer_dir)
-    layout = SpeechVocabLayout(
-        text_vocab_size=len(tokenizer), speech_token_size=state["speech_embedding.weight"].shape[0] - len(END_TOKENS)
-    )
-    num_layers = int(body_config["num_hidden_layers"])
-    if f"{_BODY_PREFIX}layers.{num_layers - 1}.mlp.down_proj.weight" not in state:
-        raise ConversionError(f"llm.pt has fewer than the {num_layers} layers config.json declares")
+    with tqdm(total=4, desc="convert llm.pt", unit="step", disable=None) as progress:
+        body_config = _read_body_config(tokenizer_dir)
+        state = _load_llm_state(model_dir / "llm.pt")
+        tokenizer = load_text_tokenizer(tokenizer_dir)
+        layout = SpeechVocabLayout(
+            text_vocab_size=len(tokenizer), speech_token_size=state["speech_embedding.weight"].shape[0] - len(END_TOKENS)
+        )
+        num_layers = int(body_config["num_hidden_layers"])
+        if f"{_BODY_PREFIX}layers.{num_layers - 1}.mlp.down_proj.weight" not in state:
+            raise ConversionError(f"llm.pt has fewer than the {num_layers} layers config.json declares")
+        progress.update()
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    weights = _extended_weights(state, layout, dtype)
-    save_file(weights, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-    save_file({LOGITS_BIAS_KEY: logits_bias(state, layout)}, str(output_dir / LOGITS_BIAS_FILE))
-
-    _write_model_config(body_config, layout, dtype, output_dir)
-    # Sampling defaults of the reference (RAS itself is not expressible here); all three end ids stop.
-    GenerationConfig(
-        eos_token_id=list(layout.end_ids), pad_token_id=layout.end_ids[0], do_sample=True, top_p=0.8, top_k=25,
-        temperature=1.0,
-    ).save_pretrained(str(output_dir))
-    _save_tokenizer(tokenizer, layout, output_dir)
-    (output_dir / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=2) + "\n")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        weights = _extended_weights(state, layout, dtype)
+        progress.update()
+        save_file(weights, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+        save_file({LOGITS_BIAS_KEY: logits_bias(state, layout)}, str(output_dir / LOGITS_BIAS_FILE))
+        _write_model_config(body_config, layout, dtype, output_dir)
+        # Sampling defaults of the reference (RAS itself is not expressible here); all three end ids stop.
+        GenerationConfig(
+            eos_token_id=list(layout.end_ids), pad_token_id=layout.end_ids[0], do_sample=True, top_p=0.8, top_k=25,
+            temperature=1.0,
+        ).save_pretrained(str(output_dir))
+        progress.update()
+        _save_tokenizer(tokenizer, layout, output_dir)
+        (output_dir / LAYOUT_FILE).write_text(json.dumps(layout.to_json(), indent=2) + "\n")
+        progress.update()
     return layout

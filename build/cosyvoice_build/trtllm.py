@@ -22,6 +22,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
+from tqdm import tqdm
+
 from cosyvoice_build.engine_meta import BuildMeta, RuntimeInfo, write_build_meta
 from cosyvoice_build.hf_llm import LAYOUT_FILE
 from cosyvoice_build.pipeline import StageError
@@ -85,16 +87,20 @@ def check_tensor_parallel(options: TrtllmOptions, hf_dir: Path) -> None:
 
 
 def run_command(cmd: list[str], log_path: Path) -> None:
-    """Run one tool, its output appended to ``log_path`` and echoed to our log."""
+    """Run one tool, its output appended to ``log_path`` and echoed to our log (console: with ``-v``).
+
+    Engine builds take minutes and their length is unknown in advance: the bar counts output lines and time.
+    """
     log.info("$ %s", " ".join(cmd))
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", encoding="utf-8") as sink:
+    with open(log_path, "a", encoding="utf-8") as sink, tqdm(desc=Path(cmd[0]).name, unit=" lines", disable=None) as bar:
         sink.write(f"$ {' '.join(cmd)}\n")
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: S603
         assert proc.stdout is not None
         for line in proc.stdout:
             sink.write(line)
             log.debug(line.rstrip())
+            bar.update()
         rc = proc.wait()
     if rc != 0:
         raise StageError(f"{cmd[0]} {cmd[1] if len(cmd) > 1 else ''} exited with {rc}; see {log_path}")
