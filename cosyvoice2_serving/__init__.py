@@ -1,0 +1,14 @@
+"""Serving logic for the CosyVoice2 pipeline, independent of Triton.
+
+The Triton ``model.py`` files in ``triton_repo/templates`` are thin adapters over these classes:
+
+* `orchestrator` - the per-request state machine (validate, voice prompt, LLM token stream, chunked
+  token2wav, cumulative usage), written against small client protocols so it runs without Triton.
+* `voice_cache` - bounded LRU of voice prompts keyed by voice id, single-flight on misses.
+* `llm_scheduler` - continuous batching over a batched decoder with fixed KV slots.
+* `token2wav` - per-request stream registry and a batcher that runs concurrent chunks in one forward.
+* `stats` - the counters and gauges every component exposes (exported as Triton metrics).
+
+Nothing here imports tritonclient or triton_python_backend_utils; torch is imported only by the
+engine adapters (`engines`).
+"""

@@ -1,0 +1,243 @@
+"""Continuous batching for the LLM: every active sequence advances by one token per decoder step.
+
+A `SlotDecoder` owns a static KV cache with a fixed number of slots (the engine's batched decoder).
+The scheduler runs it on one worker thread: between steps it removes cancelled sequences, admits
+waiting requests into free slots (prefill), then runs one step for all occupied slots and hands each
+new token to its request's asyncio consumer. New requests therefore join a running batch at the next
+step instead of waiting for the batch to drain, and a cancelled request frees its slot at once.
+
+Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Generic, Protocol, TypeVar
+
+from cosyvoice2_serving.errors import Overloaded
+from cosyvoice2_serving.stats import Stats
+
+R = TypeVar("R")
+
+LLM_STATS = (
+    "llm_active_sequences",
+    "llm_waiting_requests",
+    "llm_finished_total",
+    "llm_cancelled_total",
+    "llm_failed_total",
+    "llm_steps_total",
+)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one decoder step produced for one slot."""
+
+    token: int | None  # the emitted speech token, None when the step ended the sequence without one
+    finished: bool  # the sequence is complete (stop token or max length); its slot may be reused
+
+
+class SlotDecoder(Protocol[R]):
+    """A batched decoder with a fixed number of KV-cache slots. Called from one thread only."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    def add(self, request: R) -> int:
+        """Prefill `request` into a free slot and return the slot index."""
+
+    def step(self) -> dict[int, StepOutput]:
+        """Advance every occupied slot by one token."""
+
+    def remove(self, slot: int) -> None:
+        """Free `slot` (finished or cancelled)."""
+
+
+@dataclass
+class _End:
+    error: BaseException | None = None
+
+
+@dataclass
+class _Job(Generic[R]):
+    request_id: str
+    request: R
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    slot: int | None = None
+    cancelled: bool = False
+
+    def deliver(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is gone; nobody is listening any more
+            pass
+
+
+class TokenStream:
+    """The consumer side of one request: async-iterate to get lists of new tokens as they are decoded."""
+
+    def __init__(self, job: _Job, scheduler: ContinuousBatchingScheduler) -> None:
+        self._job = job
+        self._scheduler = scheduler
+        self.request_id = job.request_id
+
+    def __aiter__(self) -> AsyncIterator[list[int]]:
+        return self._tokens()
+
+    async def _tokens(self) -> AsyncIterator[list[int]]:
+        queue = self._job.queue
+        while True:
+            item = await queue.get()
+            batch: list[int] = []
+            # Coalesce everything already decoded: a slow consumer gets fewer, larger batches.
+            while True:
+                if isinstance(item, _End):
+                    if batch:
+                        yield batch
+                    if item.error is not None:
+                        raise item.error
+                    return
+                batch.append(item)
+                if queue.empty():
+                    break
+                item = queue.get_nowait()
+            yield batch
+
+    def cancel(self) -> None:
+        self._scheduler.cancel(self.request_id)
+
+
+class ContinuousBatchingScheduler(Generic[R]):
+    def __init__(self, decoder: SlotDecoder[R], max_waiting: int, stats: Stats | None = None) -> None:
+        self.decoder = decoder
+        self.max_waiting = max_waiting
+        self.stats = stats or Stats(LLM_STATS)
+        self._lock = threading.Condition()
+        self._waiting: deque[_Job[R]] = deque()
+        self._jobs: dict[str, _Job[R]] = {}  # waiting and active, by request id
+        self._active: dict[int, _Job[R]] = {}  # by slot
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------
+    def submit(self, request_id: str, request: R) -> TokenStream:
+        job = _Job(request_id, request, asyncio.get_running_loop())
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("scheduler is closed")
+            if request_id in self._jobs:
+                raise ValueError(f"duplicate LLM request id {request_id!r}")
+            free_slots = self.decoder.num_slots - len(self._active)
+            if len(self._waiting) >= free_slots + self.max_waiting:
+                raise Overloaded(
+                    f"LLM busy: {len(self._active)} active sequences and {len(self._waiting)} waiting"
+                )
+            self._jobs[request_id] = job
+            self._waiting.append(job)
+            self.stats.set("llm_waiting_requests", len(self._waiting))
+            self._lock.notify()
+        return TokenStream(job, self)
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop `request_id`; its stream ends without error. False when it is unknown or already done."""
+        with self._lock:
+            job = self._jobs.get(request_id)
+            if job is None or job.cancelled:
+                return False
+            job.cancelled = True
+            self._lock.notify()
+            return True
+
+    def active_request_ids(self) -> set[str]:
+        with self._lock:
+            return set(self._jobs)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    # -- worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._active and not self._waiting:
+                    self._lock.wait()
+                if self._closed:
+                    self._fail_all(RuntimeError("LLM scheduler shut down"))
+                    return
+                self._drop_cancelled()
+                admit = []
+                while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
+                    admit.append(self._waiting.popleft())
+                self.stats.set("llm_waiting_requests", len(self._waiting))
+            for job in admit:  # prefill outside the lock: submit/cancel stay responsive
+                self._admit(job)
+            if self._active:
+                self._step()
+
+    def _admit(self, job: _Job[R]) -> None:
+        try:
+            slot = self.decoder.add(job.request)
+        except Exception as exc:  # a bad request fails alone
+            with self._lock:
+                self._finish(job, "llm_failed_total", exc)
+            return
+        with self._lock:
+            job.slot = slot
+            self._active[slot] = job
+            self.stats.set("llm_active_sequences", len(self._active))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.decoder.step()
+        except Exception as exc:  # the batch state is unknown: fail the sequences in it, keep serving
+            with self._lock:
+                for job in list(self._active.values()):
+                    self._release(job, "llm_failed_total", exc)
+            return
+        self.stats.add("llm_steps_total")
+        with self._lock:
+            for slot, out in outputs.items():
+                job = self._active.get(slot)
+                if job is None:
+                    continue
+                if out.token is not None and not job.cancelled:
+                    job.deliver(out.token)
+                if out.finished:
+                    self._release(job, "llm_finished_total")
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._active.values() if j.cancelled]:
+            self._release(job, "llm_cancelled_total")
+        for job in [j for j in self._waiting if j.cancelled]:
+            self._waiting.remove(job)
+            self._finish(job, "llm_cancelled_total")
+
+    def _release(self, job: _Job[R], counter: str, error: BaseException | None = None) -> None:
+        """Free the slot of an active job and end its stream. Caller holds the lock."""
+        assert job.slot is not None
+        del self._active[job.slot]
+        try:
+            self.decoder.remove(job.slot)
+        finally:
+            self.stats.set("llm_active_sequences", len(self._active))
+            self._finish(job, counter, error)
+
+    def _finish(self, job: _Job[R], counter: str, error: BaseException | None = None) -> None:
+        self._jobs.pop(job.request_id, None)
+        self.stats.add(counter)
+        job.deliver(_End(error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for job in list(self._active.values()):
+            self._release(job, "llm_failed_total", error)
+        while self._waiting:
+            self._finish(self._waiting.popleft(), "llm_failed_total", error)
+        self.stats.set("llm_waiting_requests", 0)

@@ -1,0 +1,363 @@
+"""The per-request state machine of the pipeline, written against small client protocols.
+
+One request: validate -> voice prompt (cached per voice id) -> LLM token stream -> token2wav in the
+chunks of the streaming schedule (or once, offline) -> audio chunks with cumulative token usage.
+
+Every request gets a server-generated id (never the client's: upstream's empty client ids made
+concurrent streams share state). Whatever ends a request - completion, an error, or cancellation -
+the `finally` path stops its LLM sequence and closes its token2wav stream if they are still open,
+so no per-request state outlives the request anywhere in the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
+
+import numpy as np
+
+from cosyvoice2.streaming import Chunk, ChunkSchedule
+from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.stats import Stats
+from triton_repo import contract
+
+ORCHESTRATOR_STATS = (
+    "orchestrator_active_requests",
+    "orchestrator_requests_total",
+    "orchestrator_cancelled_total",
+    "orchestrator_failed_total",
+)
+
+
+# -- data ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SynthesisRequest:
+    """One validated pipeline request (one text segment)."""
+
+    reference_wav: np.ndarray  # float32, 16 kHz, exactly the valid samples
+    reference_text: str
+    target_text: str
+    voice_id: str
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class PromptTensors:
+    """What the LLM and token2wav need about a voice (spec §1.9): 1:2-aligned tokens and mel, x-vector."""
+
+    speech_tokens: np.ndarray  # int32 (P,), speech ids 0..speech_token_size-1
+    mel: np.ndarray  # float32 (2P, 80), 24 kHz prompt mel
+    embedding: np.ndarray  # float32 (192,) x-vector
+
+
+@dataclass(frozen=True)
+class LLMVocab:
+    """Token ids in the LLM's flat vocabulary (the TensorRT-LLM checkpoint layout, spec §2.8).
+
+    Text ids come first (``text_vocab_size`` = len(tokenizer)), then speech token k at offset + k, then
+    the three end ids (EOS, EOS2, FILL), then SOS and TASK_ID.
+    """
+
+    text_vocab_size: int
+    speech_token_size: int = 6561
+
+    @property
+    def speech_offset(self) -> int:
+        return self.text_vocab_size
+
+    @property
+    def end_ids(self) -> tuple[int, int, int]:
+        base = self.speech_offset + self.speech_token_size
+        return (base, base + 1, base + 2)
+
+    @property
+    def sos_id(self) -> int:
+        return self.speech_offset + self.speech_token_size + 3
+
+    @property
+    def task_id(self) -> int:
+        return self.sos_id + 1
+
+    @property
+    def size(self) -> int:
+        return self.task_id + 1
+
+    def speech_to_llm(self, tokens: np.ndarray) -> np.ndarray:
+        return tokens.astype(np.int32) + self.speech_offset
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    """Inputs of one LLM sequence, in the form both LLM backends take (TensorRT-LLM names in the adapter)."""
+
+    input_ids: np.ndarray  # int32 [SOS, text ids, TASK_ID, prompt speech ids + offset]
+    min_tokens: int  # EOS is masked before this many tokens (2 x target text tokens)
+    max_tokens: int  # 20 x target text tokens, clamped to the KV capacity
+    seed: int
+    top_k: int
+    top_p: float
+    temperature: float
+    streaming: bool
+
+
+@dataclass(frozen=True)
+class AudioChunk:
+    waveform: np.ndarray  # float32, 24 kHz
+    input_tokens: int  # cumulative: text tokens the LLM read
+    output_tokens: int  # cumulative: speech tokens generated so far
+    final: bool
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """CosyVoice2's decoding defaults (spec §2.4/2.5); temperature 1 as in the reference."""
+
+    top_k: int = 25
+    top_p: float = 0.8
+    temperature: float = 1.0
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    vocab: LLMVocab
+    schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
+    max_target_text_tokens: int = 300
+    min_reference_samples: int = contract.REFERENCE_SAMPLE_RATE // 10  # 0.1 s
+    max_reference_samples: int = 30 * contract.REFERENCE_SAMPLE_RATE  # tokenizer / CAM++ limit
+
+
+# -- the clients the orchestrator drives ----------------------------------------------------------
+class PipelineClients(Protocol):
+    async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
+        """The voice's prompt tensors (computed once per voice id, cached by the callee)."""
+
+    def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
+        """Generated LLM ids as they are decoded (one list per response; ends when the sequence ends)."""
+
+    async def llm_stop(self, request_id: str) -> None:
+        """Stop a running sequence and free its slot (idempotent)."""
+
+    async def token2wav(
+        self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
+    ) -> np.ndarray:
+        """Audio for the next chunk of stream `request_id`.
+
+        `tokens` are the speech tokens not sent before; `prompt` is given on the first call only
+        (it opens the stream; `seed` seeds the vocoder's source noise).
+        `chunk` is the schedule's chunk this call completes; None means offline: `tokens` are all
+        tokens and the whole utterance is synthesized at once without keeping state.
+        """
+
+    async def token2wav_close(self, request_id: str) -> None:
+        """Drop stream `request_id` (idempotent)."""
+
+
+class TextTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+# -- input parsing ---------------------------------------------------------------------------------
+def _scalar_text(arrays: Mapping[str, np.ndarray | None], name: str) -> str:
+    value = arrays.get(name)
+    if value is None or value.size != 1:
+        raise InvalidInput(f"input '{name}' must hold exactly one string")
+    item = value.reshape(-1)[0]
+    try:
+        return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError as exc:
+        raise InvalidInput(f"input '{name}' is not valid UTF-8") from exc
+
+
+def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorConfig) -> SynthesisRequest:
+    """Validate the contract inputs (numpy arrays by tensor name) into a `SynthesisRequest`."""
+    wav = arrays.get(contract.REFERENCE_WAV.name)
+    wav_len = arrays.get(contract.REFERENCE_WAV_LEN.name)
+    if wav is None or wav_len is None or wav_len.size != 1:
+        raise InvalidInput("reference_wav and a one-element reference_wav_len are required")
+    wav = np.asarray(wav, dtype=np.float32).reshape(-1)
+    n = int(wav_len.reshape(-1)[0])
+    if not config.min_reference_samples <= n <= min(wav.size, config.max_reference_samples):
+        raise InvalidInput(
+            f"reference_wav_len must be between {config.min_reference_samples} and "
+            f"{config.max_reference_samples} samples (16 kHz) and <= the {wav.size} samples sent; got {n}"
+        )
+    wav = wav[:n]
+    if not np.isfinite(wav).all():
+        raise InvalidInput("reference_wav holds NaN or infinite samples")
+    target_text = _scalar_text(arrays, contract.TARGET_TEXT.name)
+    if not target_text.strip():
+        raise InvalidInput("target_text is empty")
+    voice_id = _scalar_text(arrays, contract.VOICE_ID.name)
+    if not voice_id:
+        raise InvalidInput("voice_id is empty")
+    seed_array = arrays.get(contract.SEED.name)
+    seed = None if seed_array is None or seed_array.size == 0 else int(seed_array.reshape(-1)[0])
+    return SynthesisRequest(
+        reference_wav=wav,
+        reference_text=_scalar_text(arrays, contract.REFERENCE_TEXT.name),
+        target_text=target_text,
+        voice_id=voice_id,
+        seed=seed,
+    )
+
+
+def new_request_id() -> str:
+    """A fresh numeric id (the TensorRT-LLM backend maps request ids to uint64)."""
+    return str(secrets.randbits(63))
+
+
+# -- the state machine -----------------------------------------------------------------------------
+class Orchestrator:
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        tokenizer: TextTokenizer,
+        clients: PipelineClients,
+        stats: Stats | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.clients = clients
+        self.stats = stats or Stats(ORCHESTRATOR_STATS)
+
+    def build_llm_request(
+        self, request: SynthesisRequest, prompt: PromptTensors, streaming: bool
+    ) -> tuple[LLMRequest, int]:
+        """The LLM sequence for `request` and the number of text tokens it reads."""
+        vocab, sampling = self.config.vocab, self.config.sampling
+        prompt_ids = self.tokenizer.encode(request.reference_text) if request.reference_text else []
+        target_ids = self.tokenizer.encode(request.target_text)
+        if len(target_ids) > self.config.max_target_text_tokens:
+            raise InvalidInput(
+                f"target_text has {len(target_ids)} tokens; at most {self.config.max_target_text_tokens} "
+                "per segment (split longer text)"
+            )
+        input_ids = np.concatenate(
+            [
+                np.array([vocab.sos_id, *prompt_ids, *target_ids, vocab.task_id], dtype=np.int32),
+                vocab.speech_to_llm(prompt.speech_tokens),
+            ]
+        )
+        min_tokens = int(len(target_ids) * sampling.min_token_text_ratio)
+        room = self.config.max_sequence_len - input_ids.size
+        max_tokens = min(int(len(target_ids) * sampling.max_token_text_ratio), room)
+        if max_tokens < max(min_tokens, 1):
+            raise InvalidInput(
+                f"prompt ({input_ids.size} tokens) leaves no room for speech within the LLM's "
+                f"{self.config.max_sequence_len}-token sequence limit; use a shorter reference or text"
+            )
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        llm_request = LLMRequest(
+            input_ids=input_ids,
+            min_tokens=min_tokens,
+            max_tokens=max_tokens,
+            seed=seed,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            temperature=sampling.temperature,
+            streaming=streaming,
+        )
+        return llm_request, len(prompt_ids) + len(target_ids)
+
+    async def synthesize(self, request: SynthesisRequest, streaming: bool) -> AsyncIterator[AudioChunk]:
+        """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
+        request_id = new_request_id()
+        self.stats.add("orchestrator_requests_total")
+        self.stats.add("orchestrator_active_requests")
+        run = _Run(request_id, self.clients)
+        try:
+            prompt = await self.clients.voice_prompt(request)
+            llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
+            schedule = replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
+            tokens: list[int] = []
+            sent = 0  # tokens already handed to token2wav
+            start, index = 0, 0  # the streaming schedule's position
+            run.llm_running = True
+            async for ids in self.clients.llm(request_id, llm_request):
+                tokens.extend(self._speech_tokens(ids))
+                while streaming and (chunk := schedule.next_chunk(start, index, len(tokens), finished=False)):
+                    audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)
+                    sent, start, index = chunk.feed, chunk.stop, index + 1
+                    yield AudioChunk(audio, input_tokens, len(tokens), final=False)
+            run.llm_running = False
+            if not tokens:
+                audio = np.zeros(0, dtype=np.float32)
+            elif streaming:
+                final = schedule.next_chunk(start, index, len(tokens), finished=True)
+                assert final is not None and final.final  # every due non-final chunk ran in the loop
+                audio = await run.token2wav(tokens[sent:], prompt, final, llm_request.seed)
+            else:
+                audio = await run.token2wav(tokens, prompt, None, llm_request.seed)
+            yield AudioChunk(audio, input_tokens, len(tokens), final=True)
+        except asyncio.CancelledError:
+            self.stats.add("orchestrator_cancelled_total")
+            raise
+        except BaseException:
+            self.stats.add("orchestrator_failed_total")
+            raise
+        finally:
+            try:
+                await run.release()
+            finally:
+                self.stats.add("orchestrator_active_requests", -1)
+
+    def _speech_tokens(self, ids: list[int]) -> list[int]:
+        """LLM ids -> speech tokens; end ids are dropped (the LLM stops on them, they are never audio)."""
+        vocab = self.config.vocab
+        speech = [i - vocab.speech_offset for i in ids]
+        return [t for t in speech if 0 <= t < vocab.speech_token_size]
+
+
+@dataclass
+class _Run:
+    """What one request has open downstream, so that any exit path can release exactly that."""
+
+    request_id: str
+    clients: PipelineClients
+    llm_running: bool = False
+    stream_open: bool = False
+
+    async def token2wav(
+        self, tokens: list[int], prompt: PromptTensors, chunk: Chunk | None, seed: int
+    ) -> np.ndarray:
+        first = not self.stream_open
+        # Streaming: the stream exists from the first call until its final chunk; offline keeps no state.
+        self.stream_open = chunk is not None and not chunk.final
+        return await self.clients.token2wav(
+            self.request_id, np.asarray(tokens, dtype=np.int32), prompt if first else None, chunk, seed
+        )
+
+    async def release(self) -> None:
+        jobs: list[Awaitable[None]] = []
+        if self.llm_running:
+            jobs.append(self.clients.llm_stop(self.request_id))
+        if self.stream_open:
+            jobs.append(self.clients.token2wav_close(self.request_id))
+        self.llm_running = self.stream_open = False
+        if jobs:
+            # Shielded: this also runs while the request's task is being cancelled.
+            await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
+
+
+async def run_until_cancelled(
+    work: Callable[[], Awaitable[None]], is_cancelled: Callable[[], bool], poll_s: float = 0.05
+) -> bool:
+    """Run `work()` and cancel it as soon as `is_cancelled()` turns true. Returns True if cancelled."""
+    task = asyncio.ensure_future(work())
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and is_cancelled():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return True
+    task.result()
+    return False

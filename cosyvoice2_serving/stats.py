@@ -1,0 +1,51 @@
+"""Gauges and counters that every serving component keeps, and a hook to export them.
+
+Components update a `Stats` object; the Triton adapter attaches a listener that mirrors each change
+into a Triton custom metric (so `/metrics` shows active requests, streams and cache hits). Tests read
+`snapshot()` directly.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+Listener = Callable[[str, float], None]
+
+
+class Stats:
+    """Named numeric values. Gauges go up and down; counters only go up (by convention of the name)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self._values: dict[str, float] = dict.fromkeys(names, 0.0)
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+            current = dict(self._values)
+        for name, value in current.items():
+            listener(name, value)
+
+    def add(self, name: str, delta: float = 1.0) -> None:
+        self._update(name, lambda value: value + delta)
+
+    def set(self, name: str, value: float) -> None:
+        self._update(name, lambda _: value)
+
+    def _update(self, name: str, change: Callable[[float], float]) -> None:
+        with self._lock:
+            value = change(self._values[name])  # KeyError on a typo is deliberate
+            self._values[name] = value
+            listeners = tuple(self._listeners)
+        for listener in listeners:
+            listener(name, value)
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._values)

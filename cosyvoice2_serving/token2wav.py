@@ -1,0 +1,206 @@
+"""Token2wav serving: a registry of per-request streams and a batcher that runs concurrent chunks together.
+
+Each streaming request owns one engine stream state (flow prompt, token buffer, HiFT caches), keyed by
+the orchestrator's server-generated request id. The state exists from the request's first chunk until
+its final chunk, an error in one of its chunks, or an explicit close (cancellation) - nothing else
+keeps it alive.
+
+All engine work runs on one worker thread. Whenever it is free it takes every pending job (at most one
+per stream, so a stream's chunks stay in order) and hands them to the engine in one call; the engine
+runs the flow of jobs with equal shapes as one batched forward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from cosyvoice2.streaming import Chunk
+from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.stats import Stats
+
+S = TypeVar("S")
+
+CLOSED_IDS_REMEMBERED = 4096
+
+TOKEN2WAV_STATS = (
+    "token2wav_active_streams",
+    "token2wav_chunks_total",
+    "token2wav_engine_calls_total",
+    "token2wav_max_jobs_per_call",
+    "token2wav_failed_total",
+    "token2wav_closed_total",
+)
+
+
+@dataclass(frozen=True)
+class Work(Generic[S]):
+    """One job as the engine sees it."""
+
+    state: S  # the stream's engine state (a throwaway state for offline jobs)
+    tokens: np.ndarray  # int32 speech tokens not sent before (offline: all of them)
+    chunk: Chunk | None  # the schedule chunk this job completes; None = offline, whole utterance
+
+
+class Token2WavEngine(Protocol[S]):
+    def open(self, prompt: PromptTensors, seed: int | None) -> S:
+        """A fresh stream state for one request."""
+
+    def run(self, work: Sequence[Work[S]]) -> list[np.ndarray | Exception]:
+        """Audio (or the error) for each job, in order; jobs of different streams may share forwards."""
+
+
+@dataclass
+class _Job(Generic[S]):
+    request_id: str
+    tokens: np.ndarray
+    prompt: PromptTensors | None
+    chunk: Chunk | None
+    seed: int | None
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.future = self.loop.create_future()
+
+    def resolve(self, result: np.ndarray | BaseException) -> None:
+        def settle() -> None:
+            if self.future.done():  # the caller was cancelled meanwhile
+                return
+            if isinstance(result, BaseException):
+                self.future.set_exception(result)
+            else:
+                self.future.set_result(result)
+
+        try:
+            self.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # loop closed: nobody waits any more
+            pass
+
+
+class Token2WavService(Generic[S]):
+    def __init__(self, engine: Token2WavEngine[S], stats: Stats | None = None) -> None:
+        self.engine = engine
+        self.stats = stats or Stats(TOKEN2WAV_STATS)
+        self._streams: dict[str, S] = {}
+        # Ids closed recently: a close can overtake the request's own in-flight first chunk, which must
+        # then not open the stream again (ids are never reused, so remembering the last few suffices).
+        self._closed_ids: OrderedDict[str, None] = OrderedDict()
+        self._pending: list[_Job[S]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
+        self._thread.start()
+
+    # -- event-loop side -----------------------------------------------------------------------
+    async def process(
+        self,
+        request_id: str,
+        tokens: np.ndarray,
+        prompt: PromptTensors | None,
+        chunk: Chunk | None,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """Audio for one chunk of stream `request_id` (see `PipelineClients.token2wav`)."""
+        job = _Job(request_id, np.asarray(tokens, dtype=np.int32), prompt, chunk, seed, asyncio.get_running_loop())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("token2wav service is shut down")
+            self._pending.append(job)
+            self._cond.notify()
+        return await job.future
+
+    def close_stream(self, request_id: str) -> bool:
+        """Free the state of `request_id` (cancelled or abandoned request). False if it had none."""
+        with self._cond:
+            existed = self._streams.pop(request_id, None) is not None
+            self._closed_ids[request_id] = None
+            while len(self._closed_ids) > CLOSED_IDS_REMEMBERED:
+                self._closed_ids.popitem(last=False)
+            if existed:
+                self.stats.add("token2wav_closed_total")
+                self.stats.set("token2wav_active_streams", len(self._streams))
+        return existed
+
+    def active_streams(self) -> set[str]:
+        with self._cond:
+            return set(self._streams)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    # -- worker thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    for job in self._pending:
+                        job.resolve(RuntimeError("token2wav service is shut down"))
+                    return
+                batch, seen = [], set()
+                for job in list(self._pending):
+                    if job.request_id not in seen:  # one job per stream per call keeps chunk order
+                        seen.add(job.request_id)
+                        batch.append(job)
+                        self._pending.remove(job)
+            self._execute(batch)
+
+    def _execute(self, batch: list[_Job[S]]) -> None:
+        work: list[Work[S]] = []
+        runnable: list[_Job[S]] = []
+        for job in batch:
+            try:
+                state = self._state_for(job)
+            except Exception as exc:
+                job.resolve(exc)
+                continue
+            runnable.append(job)
+            work.append(Work(state, job.tokens, job.chunk))
+        if not work:
+            return
+        try:
+            results: list[np.ndarray | Exception] = self.engine.run(work)
+        except Exception as exc:
+            results = [exc] * len(work)
+        self.stats.add("token2wav_engine_calls_total")
+        self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
+        for job, result in zip(runnable, results):
+            failed = isinstance(result, Exception)
+            self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
+            if job.chunk is not None and (failed or job.chunk.final):
+                # a failed chunk leaves the stream's caches inconsistent; a final one ends it
+                with self._cond:
+                    self._streams.pop(job.request_id, None)
+                    self.stats.set("token2wav_active_streams", len(self._streams))
+            job.resolve(result)
+
+    def _state_for(self, job: _Job[S]) -> S:
+        if job.chunk is None:  # offline: a throwaway state, never registered
+            if job.prompt is None:
+                raise InvalidInput("offline token2wav needs the prompt")
+            return self.engine.open(job.prompt, job.seed)
+        with self._cond:
+            state: Any = self._streams.get(job.request_id)
+            if job.request_id in self._closed_ids:
+                raise InvalidInput(f"token2wav stream {job.request_id} was closed")
+            if job.prompt is not None:
+                if state is not None:
+                    raise InvalidInput(f"token2wav stream {job.request_id} is already open")
+                state = self.engine.open(job.prompt, job.seed)
+                if not job.chunk.final:  # a one-chunk stream never needs registering
+                    self._streams[job.request_id] = state
+                    self.stats.set("token2wav_active_streams", len(self._streams))
+            elif state is None:
+                raise InvalidInput(f"token2wav stream {job.request_id} is not open (closed or never opened)")
+            return state
