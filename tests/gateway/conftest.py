@@ -63,6 +63,14 @@ def standin_backend(triton_server_factory, tmp_path_factory) -> StandinBackend:
     return start_standin_backend(triton_server_factory, tmp_path_factory.mktemp("standin"))
 
 
+class IsolatedSettings(Settings):
+    """Settings from the test's arguments only: a developer's TTS_* variables or .env must not leak in."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, **other_sources):  # type: ignore[override]
+        return (init_settings,)
+
+
 class RunningGateway:
     """A real uvicorn server with ``create_app(settings)`` in a background thread."""
 
@@ -115,7 +123,7 @@ def gateway_factory() -> Iterator[Callable[..., RunningGateway]]:
     running: list[RunningGateway] = []
 
     def start(triton_url: str, **overrides: object) -> RunningGateway:
-        settings = Settings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
+        settings = IsolatedSettings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
         gateway = RunningGateway(settings).start()
         running.append(gateway)
         return gateway

@@ -8,7 +8,8 @@ import pytest
 
 from gateway.errors import VoiceNotFound
 from gateway.services.voices import VoiceRegistry
-from gateway.settings import REPO_ROOT, Settings
+from gateway.settings import REPO_ROOT
+from tests.gateway.conftest import IsolatedSettings
 
 
 def write_audio(path, samples: np.ndarray, rate: int, codec: str, layout: str) -> None:
@@ -52,7 +53,7 @@ def test_voice_id_is_a_content_hash_of_audio_and_transcript(tmp_path):
 
 
 def test_shipped_voices_cover_every_openai_voice_name():
-    registry = VoiceRegistry.from_directory(REPO_ROOT / "ref_audios", Settings().voice_aliases)
+    registry = VoiceRegistry.from_directory(REPO_ROOT / "ref_audios", IsolatedSettings().voice_aliases)
     assert len(registry.voices) >= 3
     for voice in registry.voices:
         assert 3.0 <= voice.seconds <= 8.0
