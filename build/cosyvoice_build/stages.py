@@ -80,7 +80,7 @@ def _convert(settings: BuildSettings) -> None:
 def _engine_inputs(settings: BuildSettings) -> StageInputs:
     if not _uses_trtllm(settings):
         return StageInputs(values={"backend": settings.llm_backend})
-    return StageInputs(paths=[settings.hf_llm_dir], values=asdict(settings.trtllm))
+    return StageInputs(paths=[settings.hf_llm_dir], values={**asdict(settings.trtllm), "environment": trtllm.build_environment()})
 
 
 def _engine_outputs(settings: BuildSettings) -> list[Path]:

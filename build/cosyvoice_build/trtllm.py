@@ -12,6 +12,7 @@ says where to run it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -42,6 +43,21 @@ MISSING_TRTLLM = (
 def require_tensorrt_llm() -> None:
     if importlib.util.find_spec("tensorrt_llm") is None or shutil.which("trtllm-build") is None:
         raise StageError(MISSING_TRTLLM)
+
+
+def build_environment() -> dict[str, str | None]:
+    """What an engine is bound to, found cheaply (no CUDA, no tensorrt_llm import): part of the engine stage's
+    fingerprint, so a new GPU or TensorRT-LLM version rebuilds the engine instead of skipping the stage."""
+    try:
+        version: str | None = importlib.metadata.version("tensorrt_llm")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"]
+        gpus: str | None = subprocess.run(query, capture_output=True, text=True, timeout=30, check=False).stdout.strip()  # noqa: S603
+    except (OSError, subprocess.SubprocessError):
+        gpus = None
+    return {"tensorrt_llm": version, "gpus": gpus}
 
 
 def convert_command(options: TrtllmOptions, hf_dir: Path, checkpoint_dir: Path, python: str = sys.executable) -> list[str]:

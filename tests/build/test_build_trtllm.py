@@ -115,6 +115,24 @@ def test_missing_tensorrt_llm_stops_the_stage_with_what_to_install(tmp_path: Pat
     assert not (tmp_path / "trtllm").exists()  # stopped before doing anything
 
 
+def test_engine_stage_fingerprint_covers_the_machine(monkeypatch, tmp_path: Path) -> None:
+    from cosyvoice_build.stages import STAGES
+
+    engine_stage = next(s for s in STAGES if s.name == "engine")
+    settings = BuildSettings(work_dir=tmp_path)
+    monkeypatch.setattr(trtllm, "build_environment", lambda: {"tensorrt_llm": "0.20.0", "gpus": "NVIDIA H200, 9.0"})
+    on_h200 = engine_stage.inputs(settings).values
+    monkeypatch.setattr(trtllm, "build_environment", lambda: {"tensorrt_llm": "0.20.0", "gpus": "NVIDIA L20, 8.9"})
+    assert engine_stage.inputs(settings).values != on_h200
+    assert on_h200["max_batch_size"] == settings.trtllm.max_batch_size
+
+
+def test_build_environment_without_gpu_tools_is_empty_not_an_error(monkeypatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    env = trtllm.build_environment()
+    assert env["gpus"] is None and set(env) == {"tensorrt_llm", "gpus"}
+
+
 def test_failing_tool_names_its_log(tmp_path: Path) -> None:
     log_path = tmp_path / "engine.log"
     with pytest.raises(StageError, match="exited with 3"):
