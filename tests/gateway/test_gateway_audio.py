@@ -103,6 +103,7 @@ def test_complete_file_mode_writes_exact_wav_sizes(gateway, standin_backend):
     assert frames / 24_000 == pytest.approx(produced_seconds(standin_backend, tag), abs=1e-6)
     assert standin_backend.requests_tagged(tag)[0]["model"] == "cosyvoice2"  # the offline model
     assert int(response.response.headers["content-length"]) == len(response.content)
+    assert response.response.headers["x-request-id"].startswith("req_")
 
 
 def _sse_events(lines: list[str]) -> list[dict]:

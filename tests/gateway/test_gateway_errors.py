@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from gateway.settings import REPO_ROOT
 from tests.gateway.conftest import async_wait_for
 
 pytestmark = pytest.mark.triton
@@ -70,12 +71,25 @@ def test_voice_object_and_openai_names_resolve(gateway):
         assert len(audio.content) > 0
 
 
-def test_unknown_extension_fields_are_ignored(gateway):
+def test_unknown_extension_fields_are_ignored_and_the_seed_reaches_the_model(gateway, standin_backend):
     audio = gateway.client().audio.speech.create(
-        model="cosyvoice2", input="Hi there.", voice="alloy", response_format="pcm",
-        extra_body={"lang_code": "en", "sample_rate": 24000, "seed": 7, "instructions": "calm"},
+        model="cosyvoice2", input="zqseed Hi there.", voice="alloy", response_format="pcm",
+        extra_body={"lang_code": "en", "sample_rate": 24000, "seed": 2**63 + 7, "instructions": "calm"},
     )  # fmt: skip
     assert len(audio.content) > 0
+    assert [r["seed"] for r in standin_backend.requests_tagged("zqseed")] == [2**63 + 7]
+
+
+def test_the_model_receives_the_voice_as_the_contract_says(gateway, standin_backend):
+    voices = gateway.client().get("/audio/voices", cast_to=object)["voices"]
+    clara = next(v for v in voices if v["name"] == "clara")
+    gateway.client().audio.speech.create(model="tts-1", input="zqvoice Hello.", voice="coral", response_format="pcm")
+    [record] = standin_backend.requests_tagged("zqvoice")
+    assert record["voice_id"] == clara["id"]
+    assert record["reference_text"] == (REPO_ROOT / "ref_audios" / "clara.txt").read_text().strip()
+    assert record["reference_samples"] == record["reference_wav_len"]
+    assert 3 * 16_000 <= record["reference_wav_len"] <= 8 * 16_000
+    assert 0.01 < record["reference_rms"] < 1.0
 
 
 @pytest.mark.parametrize(
