@@ -12,7 +12,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from cosyvoice_build import hf_llm, smoke, trtllm, triton_render, weights
+from cosyvoice_build import smoke, trtllm, triton_render, vocab_layout, weights
 from cosyvoice_build.engine_meta import BUILD_META_FILE
 from cosyvoice_build.fingerprint import DigestCache, fingerprint
 from cosyvoice_build.pipeline import Stage, StageError, StageInputs
@@ -56,14 +56,16 @@ def _convert_inputs(settings: BuildSettings) -> StageInputs:
 def _convert_outputs(settings: BuildSettings) -> list[Path]:
     if not _uses_trtllm(settings):
         return []
-    return [settings.hf_llm_dir / n for n in ("model.safetensors", hf_llm.LAYOUT_FILE, hf_llm.LOGITS_BIAS_FILE)]
+    return [settings.hf_llm_dir / n for n in ("model.safetensors", vocab_layout.LAYOUT_FILE, vocab_layout.LOGITS_BIAS_FILE)]
 
 
 def _convert(settings: BuildSettings) -> None:
     if not _uses_trtllm(settings):
         log.info("[convert] nothing to do for the %s backend", settings.llm_backend)
         return
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 - heavy: only when converting
+
+    from cosyvoice_build import hf_llm  # noqa: PLC0415 - imports torch and transformers
 
     partial = settings.hf_llm_dir.with_name(settings.hf_llm_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -26,9 +26,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cosyvoice_build.engine_meta import BuildMeta, RuntimeInfo, write_build_meta
-from cosyvoice_build.hf_llm import LAYOUT_FILE
 from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.settings import BuildSettings, TrtllmOptions
+from cosyvoice_build.vocab_layout import LAYOUT_FILE
 
 log = logging.getLogger("cosyvoice_build")
 

@@ -11,13 +11,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
 
-from cosyvoice_build.hf_llm import (
-    LAYOUT_FILE,
-    ConversionError,
-    SpeechVocabLayout,
-    convert_llm_to_hf,
-    load_logits_bias,
-)
+from cosyvoice_build.hf_llm import ConversionError, convert_llm_to_hf, load_logits_bias
+from cosyvoice_build.vocab_layout import LAYOUT_FILE, SpeechVocabLayout
 from tests.build.conftest import MICRO_BASE_VOCAB, MICRO_DIR, PARITY_DIR, requires_parity
 
 pytestmark = requires_parity
