@@ -8,6 +8,10 @@ Two models with the same inputs and outputs are deployed side by side:
   chunk; the last response carries the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag *together with* its
   data (the grpc.aio client cannot ask for an empty final response).
 
+A request whose ``target_text`` is empty only computes and caches the voice prompt for ``voice_id``
+(voice registration warms the cache this way): its single response has an empty waveform and zero
+tokens. The gateway never sends empty text for speech (it rejects empty input with 400).
+
 Both take ``max_batch_size: 0`` shapes (no batch dimension): batching happens inside the pipeline.
 The gateway sends one request per text segment, in order. This module is import-light (numpy only)
 because the torch-free gateway, the Triton model adapters and the stand-in test model all use it.
@@ -34,6 +38,10 @@ class TensorSpec:
     triton_dtype: str  # the config.pbtxt/tritonclient name, e.g. "FP32", "BYTES"
     dims: tuple[int, ...]
     optional: bool = False
+    #: Shape the model sees when it differs from `dims` (e.g. () for a scalar behind a batch dimension).
+    reshape: tuple[int, ...] | None = None
+    #: Let the dynamic batcher group requests whose variable dims differ (python models get a list anyway).
+    allow_ragged_batch: bool = False
 
     @property
     def numpy_dtype(self) -> type:
@@ -49,6 +57,8 @@ _NUMPY_DTYPES: dict[str, type] = {
     "INT32": np.int32,
     "INT64": np.int64,
     "UINT64": np.uint64,
+    "BOOL": np.bool_,
+    "FP16": np.float16,
     "BYTES": np.object_,
 }
 
@@ -84,5 +94,11 @@ def pbtxt_io_block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
     for spec in specs:
         dims = ", ".join(str(d) for d in spec.dims)
         optional = " optional: true" if spec.optional and kind == "input" else ""
-        items.append(f'  {{ name: "{spec.name}" data_type: {spec.pbtxt_dtype} dims: [ {dims} ]{optional} }}')
+        reshape = ""
+        if spec.reshape is not None:
+            reshape = f" reshape: {{ shape: [ {', '.join(str(d) for d in spec.reshape)} ] }}"
+        ragged = " allow_ragged_batch: true" if spec.allow_ragged_batch and kind == "input" else ""
+        items.append(
+            f'  {{ name: "{spec.name}" data_type: {spec.pbtxt_dtype} dims: [ {dims} ]{reshape}{optional}{ragged} }}'
+        )
     return f"{kind} [\n" + ",\n".join(items) + "\n]"
