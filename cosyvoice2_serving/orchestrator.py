@@ -207,6 +207,11 @@ def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorC
     )
 
 
+def stream_schedule(base: ChunkSchedule, first_hop: int, growth: int) -> ChunkSchedule:
+    """The engine's schedule with the deployment's first hop and growth (both sides of a stream use it)."""
+    return replace(base, first_hop=first_hop, growth=growth, max_hop=max(first_hop, base.max_hop))
+
+
 def new_request_id() -> str:
     """A fresh numeric id (the TensorRT-LLM backend maps request ids to uint64)."""
     return str(secrets.randbits(63))

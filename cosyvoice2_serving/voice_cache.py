@@ -16,7 +16,7 @@ from cosyvoice2_serving.stats import Stats
 
 V = TypeVar("V")
 
-CACHE_STATS = ("voice_cache_hits", "voice_cache_misses", "voice_cache_entries")
+CACHE_STATS = ("voice_cache_hits_total", "voice_cache_misses_total", "voice_cache_entries")
 
 
 class VoicePromptCache(Generic[V]):
@@ -38,15 +38,15 @@ class VoicePromptCache(Generic[V]):
         """The cached prompt for `voice_id`, computing it with `compute()` on a miss."""
         if voice_id in self._entries:
             self._entries.move_to_end(voice_id)
-            self.stats.add("voice_cache_hits")
+            self.stats.add("voice_cache_hits_total")
             return self._entries[voice_id]
         task = self._pending.get(voice_id)
         if task is None:
-            self.stats.add("voice_cache_misses")
+            self.stats.add("voice_cache_misses_total")
             task = asyncio.ensure_future(self._compute(voice_id, compute))
             self._pending[voice_id] = task
         else:  # another request is computing this voice right now: share its result
-            self.stats.add("voice_cache_hits")
+            self.stats.add("voice_cache_hits_total")
         # shield: a cancelled requester must not abort the computation the others wait for
         return await asyncio.shield(task)
 

@@ -1,0 +1,58 @@
+"""`audio_tokenizer` and `speaker_embedding`: the two ONNX prompt models, dynamically batched.
+
+Requests of a batch arrive together in one `execute`; each is sliced to its `reference_wav_len`
+(upstream's speaker model ignored the length and embedded the padding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, SpeakerEncoder, SpeechTokenizer
+from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
+from triton_repo import contract, internal_io as io
+from triton_repo.adapters.common import error_response, model_params, read_inputs, response
+
+
+def _providers(device: str) -> list[str]:
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
+
+
+class _AudioModel:
+    output: str
+    compute: Callable[[Any, np.ndarray], np.ndarray]
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            try:
+                arrays = read_inputs(request, io.AUDIO_INPUTS)
+                n = int(arrays[contract.REFERENCE_WAV_LEN.name].reshape(-1)[0])
+                wav = arrays[contract.REFERENCE_WAV.name].reshape(-1)[:n]
+                value = self.compute(self.model, wav)
+                responses.append(response({self.output: value[None]}))
+            except Exception as exc:  # noqa: BLE001 - one bad request does not fail its batch
+                responses.append(error_response(exc))
+        return responses
+
+
+class AudioTokenizerModel(_AudioModel):
+    output = io.SPEECH_TOKENS.name
+    compute = staticmethod(speech_tokens)
+
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_params(args)
+        self.model = SpeechTokenizer(Path(params["model_dir"]) / SPEECH_TOKENIZER_FILE, _providers(params["device"]))
+
+
+class SpeakerEmbeddingModel(_AudioModel):
+    output = io.XVECTOR.name
+    compute = staticmethod(speaker_xvector)
+
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_params(args)
+        # CAM++ runs on CPU, as upstream's reference frontend does (it is small and its input is short)
+        self.model = SpeakerEncoder(Path(params["model_dir"]) / CAMPPLUS_FILE)

@@ -1,0 +1,153 @@
+"""What every Triton adapter shares: parameters, tensors <-> numpy, responses, BLS calls, metrics.
+
+Imported only inside tritonserver's python stub (it needs `triton_python_backend_utils`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from cosyvoice2_serving.errors import RemoteError
+from cosyvoice2_serving.orchestrator import run_until_cancelled
+from cosyvoice2_serving.stats import Stats
+from triton_repo.contract import TensorSpec
+
+logger = logging.getLogger("cosyvoice2.triton")
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+#: Blocking BLS stream iteration runs here, never on the stub's event loop (it would stall every request).
+_BLS_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="bls")
+
+
+def model_config(args: Mapping[str, str]) -> dict[str, Any]:
+    return json.loads(args["model_config"])
+
+
+def model_params(args: Mapping[str, str]) -> dict[str, str]:
+    return {k: v["string_value"] for k, v in model_config(args).get("parameters", {}).items()}
+
+
+def is_decoupled(args: Mapping[str, str]) -> bool:
+    return pb_utils.using_decoupled_model_transaction_policy(model_config(args))
+
+
+def read_inputs(request: Any, specs: Sequence[TensorSpec]) -> dict[str, np.ndarray | None]:
+    arrays: dict[str, np.ndarray | None] = {}
+    for spec in specs:
+        tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+        arrays[spec.name] = None if tensor is None else tensor.as_numpy()
+    return arrays
+
+
+def tensors(arrays: Mapping[str, np.ndarray]) -> list[Any]:
+    return [pb_utils.Tensor(name, np.ascontiguousarray(value)) for name, value in arrays.items()]
+
+
+def response(arrays: Mapping[str, np.ndarray]) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=tensors(arrays))
+
+
+def error_response(exc: BaseException) -> Any:
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
+
+
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """Start one task per request; the model's async `execute` returns at once (no head-of-line blocking).
+
+    `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
+    the error goes back as the final response. A client cancellation cancels the task.
+    """
+    loop = asyncio.get_running_loop()
+    for request in requests:
+        loop.create_task(_serve_one(request, handle))
+
+
+async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+    sender = request.get_response_sender()
+    try:
+        cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled)
+        if cancelled:
+            sender.send(flags=FINAL)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the request's error response
+        if not isinstance(exc, RemoteError):
+            logger.exception("request failed")
+        try:
+            sender.send(error_response(exc), flags=FINAL)
+        except Exception:  # noqa: BLE001 - the request may already be complete (e.g. cancelled)
+            logger.exception("could not send the error response")
+
+
+def _outputs(resp: Any, names: Sequence[str]) -> dict[str, np.ndarray | None]:
+    if resp.has_error():
+        raise RemoteError(resp.error().message())
+    out: dict[str, np.ndarray | None] = {}
+    for name in names:
+        tensor = pb_utils.get_output_tensor_by_name(resp, name)
+        out[name] = None if tensor is None else tensor.as_numpy()
+    return out
+
+
+def _bls_request(model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str) -> Any:
+    return pb_utils.InferenceRequest(
+        model_name=model, inputs=tensors(inputs), requested_output_names=list(outputs), request_id=request_id
+    )
+
+
+async def bls(
+    model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str = ""
+) -> dict[str, np.ndarray | None]:
+    """One call to a non-decoupled model."""
+    resp = await _bls_request(model, inputs, outputs, request_id).async_exec()
+    return _outputs(resp, outputs)
+
+
+async def bls_stream(
+    model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str = ""
+) -> AsyncIterator[dict[str, np.ndarray | None]]:
+    """The responses of a decoupled model as they arrive (the flag-only final one is skipped)."""
+    loop = asyncio.get_running_loop()
+    iterator = await loop.run_in_executor(
+        _BLS_THREADS, lambda: _bls_request(model, inputs, outputs, request_id).exec(decoupled=True)
+    )
+    while (resp := await loop.run_in_executor(_BLS_THREADS, next, iterator, None)) is not None:
+        arrays = _outputs(resp, outputs)
+        if any(value is not None for value in arrays.values()):
+            yield arrays
+
+
+class MetricsExporter:
+    """Mirrors a `Stats` object into Triton custom metrics ``cosyvoice2_<stat>{model="<name>"}``.
+
+    Stats named ``*_total`` are counters, the rest gauges. Shown on tritonserver's metrics port.
+    """
+
+    def __init__(self, stats: Stats, model_name: str) -> None:
+        self._families: dict[str, Any] = {}  # keep the families alive: metrics die with them
+        self._metrics: dict[str, Any] = {}
+        self._last: dict[str, float] = {}
+        self._model_name = model_name
+        stats.add_listener(self._update)
+
+    def _update(self, name: str, value: float) -> None:
+        counter = name.endswith("_total")
+        metric = self._metrics.get(name)
+        if metric is None:
+            kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
+            family = pb_utils.MetricFamily(name=f"cosyvoice2_{name}", description=f"CosyVoice2 pipeline: {name}", kind=kind)
+            self._families[name] = family
+            metric = self._metrics[name] = family.Metric(labels={"model": self._model_name})
+        if counter:
+            delta = value - self._last.get(name, 0.0)
+            if delta > 0:
+                metric.increment(delta)
+        else:
+            metric.set(value)
+        self._last[name] = value

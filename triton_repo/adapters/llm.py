@@ -1,0 +1,69 @@
+"""`llm` with the PyTorch backend: continuous batching over a static KV cache, streaming token ids.
+
+Same tensors as the TensorRT-LLM backend's model (`internal_io.LLM_INPUTS/OUTPUTS`), including its
+cancellation by a second request with `stop` set and the same request id.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from cosyvoice2.config import EngineConfig, resolve_dtype
+from cosyvoice2.llm import BatchedDecoder
+from cosyvoice2.loading import LLM_FILE, load_llm
+from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from cosyvoice2_serving.engines import build_decode_request
+from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
+from cosyvoice2_serving.orchestrator import LLMVocab
+from cosyvoice2_serving.stats import Stats
+from triton_repo import internal_io as io
+from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+
+import torch
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_params(args)
+        model_dir = Path(params["model_dir"])
+        config = EngineConfig.for_model_dir(model_dir)
+        device = torch.device(params["device"])
+        llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params["dtype"]))
+        self.vocab = LLMVocab(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
+        decoder = BatchedDecoder(llm, num_slots=int(params["max_batch"]), max_seq_len=int(params["max_seq_len"]))
+        self.stats = Stats(LLM_STATS)
+        self.metrics = MetricsExporter(self.stats, args["model_name"])
+        self.scheduler = ContinuousBatchingScheduler(decoder, int(params["max_waiting"]), self.stats)
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle)
+
+    async def _handle(self, request: Any, sender: Any) -> None:
+        request_id = request.request_id()
+        llm_request, stop = io.parse_llm_request(read_inputs(request, io.LLM_INPUTS))
+        if stop:
+            self.scheduler.cancel(request_id)
+            sender.send(response(io.llm_response_tensors([])), flags=FINAL)
+            return
+        if not request_id:
+            raise InvalidInput("LLM requests need a request id (it is how `stop` finds them)")
+        decode_request = build_decode_request(
+            llm_request.input_ids, self.vocab, llm_request.min_tokens, llm_request.max_tokens,
+            llm_request.seed, llm_request.top_k, llm_request.top_p,
+        )  # fmt: skip
+        stream = self.scheduler.submit(request_id, decode_request)
+        try:
+            if llm_request.streaming:
+                async for ids in stream:
+                    sender.send(response(io.llm_response_tensors(ids)))
+                sender.send(flags=FINAL)
+            else:
+                ids = [token async for batch in stream for token in batch]
+                sender.send(response(io.llm_response_tensors(ids)), flags=FINAL)
+        finally:
+            stream.cancel()  # no-op once finished; frees the slot when the client went away
+
+    def finalize(self) -> None:
+        self.scheduler.close()

@@ -1,0 +1,122 @@
+"""`cosyvoice2` / `cosyvoice2_stream`: the pipeline entry models (one code, decoupled or not by config)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from cosyvoice2.config import EngineConfig
+from cosyvoice2.streaming import Chunk
+from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from cosyvoice2_serving.orchestrator import (
+    ORCHESTRATOR_STATS,
+    LLMRequest,
+    LLMVocab,
+    Orchestrator,
+    OrchestratorConfig,
+    PromptTensors,
+    SynthesisRequest,
+    parse_request,
+    stream_schedule,
+)
+from cosyvoice2_serving.stats import Stats
+from triton_repo import contract, internal_io as io
+from triton_repo.adapters.common import (
+    FINAL,
+    MetricsExporter,
+    bls,
+    bls_stream,
+    is_decoupled,
+    model_params,
+    read_inputs,
+    response,
+    serve,
+)
+
+LOGITS_BIAS_FILE = "logits_bias.safetensors"
+LOGITS_BIAS_KEY = "logits_bias"
+
+
+class TritonClients:
+    """`PipelineClients` over BLS calls to the repository's internal models."""
+
+    def __init__(self, vocab: LLMVocab, logits_bias: np.ndarray | None) -> None:
+        self.vocab = vocab
+        self.logits_bias = logits_bias
+
+    async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
+        out = await bls(
+            "voice_prompt",
+            {
+                contract.REFERENCE_WAV.name: request.reference_wav,
+                contract.REFERENCE_WAV_LEN.name: np.array([request.reference_wav.size], dtype=np.int32),
+                contract.VOICE_ID.name: np.array([request.voice_id.encode()], dtype=np.object_),
+            },
+            [spec.name for spec in io.VOICE_PROMPT_OUTPUTS],
+        )
+        prompt = io.prompt_from_tensors(out)
+        assert prompt is not None
+        return prompt
+
+    async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
+        inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias)
+        async for out in bls_stream("llm", inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
+            ids = io.llm_response_ids(out)
+            if ids:
+                yield ids
+
+    async def llm_stop(self, request_id: str) -> None:
+        async for _ in bls_stream("llm", io.llm_stop_tensors(), [s.name for s in io.LLM_OUTPUTS], request_id):
+            pass
+
+    async def token2wav(
+        self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
+    ) -> np.ndarray:
+        out = await bls("token2wav", io.token2wav_tensors(request_id, tokens, prompt, chunk, seed), [io.WAVEFORM.name])
+        waveform = out[io.WAVEFORM.name]
+        return np.zeros(0, np.float32) if waveform is None else waveform.astype(np.float32).reshape(-1)
+
+    async def token2wav_close(self, request_id: str) -> None:
+        await bls("token2wav", io.token2wav_close_tensors(request_id), [io.WAVEFORM.name])
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_params(args)
+        model_dir = Path(params["model_dir"])
+        engine = EngineConfig.for_model_dir(model_dir)
+        tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
+        vocab = LLMVocab(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
+        schedule = stream_schedule(engine.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+        config = OrchestratorConfig(
+            vocab=vocab,
+            schedule=schedule,
+            max_sequence_len=int(params["max_sequence_len"]),
+            max_target_text_tokens=int(params["max_target_text_tokens"]),
+        )
+        logits_bias = None
+        if params.get("llm_logits_bias"):
+            logits_bias = load_file(params["llm_logits_bias"])[LOGITS_BIAS_KEY].astype(np.float32)
+        self.streaming = is_decoupled(args)
+        self.stats = Stats(ORCHESTRATOR_STATS)
+        self.metrics = MetricsExporter(self.stats, args["model_name"])
+        self.orchestrator = Orchestrator(config, tokenizer, TritonClients(vocab, logits_bias), self.stats)
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle)
+
+    async def _handle(self, request: Any, sender: Any) -> None:
+        synthesis = parse_request(read_inputs(request, contract.INPUTS), self.orchestrator.config)
+        async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
+            out = response(
+                {
+                    contract.WAVEFORM.name: chunk.waveform.astype(np.float32),
+                    contract.INPUT_TOKENS.name: np.array([chunk.input_tokens], dtype=np.int32),
+                    contract.OUTPUT_TOKENS.name: np.array([chunk.output_tokens], dtype=np.int32),
+                }
+            )
+            # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
+            sender.send(out, flags=FINAL if chunk.final else 0)

@@ -1,0 +1,221 @@
+"""Tensors of the repository's internal models, and the numpy conversions on both sides of each call.
+
+`contract.py` is the gateway-facing interface; this module is the orchestrator <-> internal-model one.
+The config templates render their io blocks from these specs, and the Triton adapters convert with
+the functions below, so a tensor name or shape exists in exactly one place. numpy only (no Triton).
+
+The LLM tensors are the TensorRT-LLM backend's (`tensorrtllm_backend` inflight_batcher_llm
+`tensorrt_llm/config.pbtxt`): the PyTorch LLM model declares the same subset, so the orchestrator
+cannot tell the backends apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+import numpy as np
+
+from cosyvoice2.streaming import Chunk
+from cosyvoice2_serving.orchestrator import LLMRequest, LLMVocab, PromptTensors
+from triton_repo.contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
+
+Arrays = Mapping[str, "np.ndarray | None"]
+
+# -- audio_tokenizer / speaker_embedding (dynamic batching: dims exclude the batch dimension) ------
+AUDIO_INPUTS = (replace(REFERENCE_WAV, allow_ragged_batch=True), REFERENCE_WAV_LEN)
+SPEECH_TOKENS = TensorSpec("speech_tokens", "INT32", (-1,))  # raw 25 Hz tokens, not yet 1:2-aligned
+XVECTOR = TensorSpec("xvector", "FP32", (-1,))  # CAM++ 192-d
+
+# -- voice_prompt ----------------------------------------------------------------------------------
+VOICE_PROMPT_INPUTS = (REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID)
+PROMPT_SPEECH_TOKENS = TensorSpec("prompt_speech_tokens", "INT32", (-1,))
+PROMPT_MEL = TensorSpec("prompt_mel", "FP32", (-1, 80))
+PROMPT_XVECTOR = TensorSpec("prompt_xvector", "FP32", (-1,))
+VOICE_PROMPT_OUTPUTS = (PROMPT_SPEECH_TOKENS, PROMPT_MEL, PROMPT_XVECTOR)
+
+# -- llm (max_batch_size > 0: every tensor has a leading batch dimension of 1) ---------------------
+_SCALAR = ()
+INPUT_IDS = TensorSpec("input_ids", "INT32", (-1,))
+INPUT_LENGTHS = TensorSpec("input_lengths", "INT32", (1,), reshape=_SCALAR)
+REQUEST_OUTPUT_LEN = TensorSpec("request_output_len", "INT32", (1,))
+END_ID = TensorSpec("end_id", "INT32", (1,), optional=True, reshape=_SCALAR)
+PAD_ID = TensorSpec("pad_id", "INT32", (1,), optional=True, reshape=_SCALAR)
+STOP_WORDS_LIST = TensorSpec("stop_words_list", "INT32", (2, -1), optional=True)
+EMBEDDING_BIAS = TensorSpec("embedding_bias", "FP32", (-1,), optional=True)
+RUNTIME_TOP_K = TensorSpec("runtime_top_k", "INT32", (1,), optional=True, reshape=_SCALAR)
+RUNTIME_TOP_P = TensorSpec("runtime_top_p", "FP32", (1,), optional=True, reshape=_SCALAR)
+TEMPERATURE = TensorSpec("temperature", "FP32", (1,), optional=True, reshape=_SCALAR)
+MIN_LENGTH = TensorSpec("min_length", "INT32", (1,), optional=True, reshape=_SCALAR)
+RANDOM_SEED = TensorSpec("random_seed", "UINT64", (1,), optional=True, reshape=_SCALAR)
+STREAMING = TensorSpec("streaming", "BOOL", (1,), optional=True)
+STOP = TensorSpec("stop", "BOOL", (1,), optional=True)  # cancels the sequence with this request id
+LLM_INPUTS = (
+    INPUT_IDS, INPUT_LENGTHS, REQUEST_OUTPUT_LEN, END_ID, PAD_ID, STOP_WORDS_LIST, EMBEDDING_BIAS,
+    RUNTIME_TOP_K, RUNTIME_TOP_P, TEMPERATURE, MIN_LENGTH, RANDOM_SEED, STREAMING, STOP,
+)  # fmt: skip
+OUTPUT_IDS = TensorSpec("output_ids", "INT32", (-1, -1))  # [beam, tokens]
+SEQUENCE_LENGTH = TensorSpec("sequence_length", "INT32", (-1,))  # [beam]
+LLM_OUTPUTS = (OUTPUT_IDS, SEQUENCE_LENGTH)
+
+# -- token2wav -------------------------------------------------------------------------------------
+STREAM_ID = TensorSpec("stream_id", "BYTES", (1,))
+T2W_SPEECH_TOKENS = TensorSpec("speech_tokens", "INT32", (-1,))  # tokens not sent before
+CHUNK = TensorSpec("chunk", "INT32", (4,), optional=True)  # start, stop, feed, final; absent = offline
+T2W_SEED = TensorSpec("seed", "UINT64", (1,), optional=True)
+CLOSE = TensorSpec("close", "BOOL", (1,), optional=True)  # drop the stream (cancellation)
+TOKEN2WAV_INPUTS = (
+    STREAM_ID, T2W_SPEECH_TOKENS, CHUNK, T2W_SEED, CLOSE,
+    TensorSpec(PROMPT_SPEECH_TOKENS.name, "INT32", (-1,), optional=True),
+    TensorSpec(PROMPT_MEL.name, "FP32", (-1, 80), optional=True),
+    TensorSpec(PROMPT_XVECTOR.name, "FP32", (-1,), optional=True),
+)  # fmt: skip
+WAVEFORM = TensorSpec("waveform", "FP32", (-1,))
+
+
+def _col(value: object, dtype: type) -> np.ndarray:
+    """A [1, 1] tensor: batch of one, one element."""
+    return np.array([[value]], dtype=dtype)
+
+
+# -- LLM: orchestrator side ------------------------------------------------------------------------
+def llm_request_tensors(request: LLMRequest, vocab: LLMVocab, logits_bias: np.ndarray | None) -> dict[str, np.ndarray]:
+    """The LLM inputs (batch of one). `logits_bias` masks text ids for TensorRT-LLM (docs/triton.md)."""
+    eos, eos2, fill = vocab.end_ids
+    tensors = {
+        INPUT_IDS.name: request.input_ids.astype(np.int32).reshape(1, -1),
+        INPUT_LENGTHS.name: _col(request.input_ids.size, np.int32),
+        REQUEST_OUTPUT_LEN.name: _col(request.max_tokens, np.int32),
+        END_ID.name: _col(eos, np.int32),
+        PAD_ID.name: _col(eos, np.int32),
+        # all three end ids stop decoding (upstream's Triton path stopped on <|eos1|> only)
+        STOP_WORDS_LIST.name: np.array([[[eos2, fill], [1, 2]]], dtype=np.int32),
+        RUNTIME_TOP_K.name: _col(request.top_k, np.int32),
+        RUNTIME_TOP_P.name: _col(request.top_p, np.float32),
+        TEMPERATURE.name: _col(request.temperature, np.float32),
+        MIN_LENGTH.name: _col(request.min_tokens, np.int32),
+        RANDOM_SEED.name: _col(request.seed, np.uint64),
+        STREAMING.name: _col(request.streaming, np.bool_),
+    }
+    if logits_bias is not None:
+        tensors[EMBEDDING_BIAS.name] = logits_bias.astype(np.float32).reshape(1, -1)
+    return tensors
+
+
+def llm_stop_tensors() -> dict[str, np.ndarray]:
+    """A `stop` request: the required inputs carry dummies, the request id names the sequence."""
+    return {
+        INPUT_IDS.name: np.zeros((1, 1), dtype=np.int32),
+        INPUT_LENGTHS.name: _col(1, np.int32),
+        REQUEST_OUTPUT_LEN.name: _col(1, np.int32),
+        STOP.name: _col(True, np.bool_),
+    }
+
+
+def llm_response_ids(arrays: Arrays) -> list[int]:
+    """The new ids of one LLM response (exclude_input_in_output; beam 0; trimmed to sequence_length)."""
+    ids, length = arrays.get(OUTPUT_IDS.name), arrays.get(SEQUENCE_LENGTH.name)
+    if ids is None:
+        return []
+    beam = ids.reshape(-1, ids.shape[-1])[0] if ids.size else np.zeros(0, dtype=np.int32)
+    n = int(length.reshape(-1)[0]) if length is not None and length.size else beam.size
+    return beam[:n].tolist()
+
+
+# -- LLM: model side -------------------------------------------------------------------------------
+def _scalar(arrays: Arrays, spec: TensorSpec, default: object) -> object:
+    value = arrays.get(spec.name)
+    return default if value is None or value.size == 0 else value.reshape(-1)[0].item()
+
+
+def parse_llm_request(arrays: Arrays) -> tuple[LLMRequest, bool]:
+    """(request, stop): the inverse of `llm_request_tensors` / `llm_stop_tensors`."""
+    if bool(_scalar(arrays, STOP, False)):
+        return _EMPTY_REQUEST, True
+    ids = np.asarray(arrays[INPUT_IDS.name]).reshape(-1).astype(np.int32)
+    length = int(_scalar(arrays, INPUT_LENGTHS, ids.size))
+    request = LLMRequest(
+        input_ids=ids[:length],
+        min_tokens=int(_scalar(arrays, MIN_LENGTH, 0)),
+        max_tokens=int(_scalar(arrays, REQUEST_OUTPUT_LEN, 0)),
+        seed=int(_scalar(arrays, RANDOM_SEED, 0)),
+        top_k=int(_scalar(arrays, RUNTIME_TOP_K, 25)),
+        top_p=float(_scalar(arrays, RUNTIME_TOP_P, 0.8)),
+        temperature=float(_scalar(arrays, TEMPERATURE, 1.0)),
+        streaming=bool(_scalar(arrays, STREAMING, False)),
+    )
+    return request, False
+
+
+_EMPTY_REQUEST = LLMRequest(np.zeros(0, np.int32), 0, 0, 0, 0, 0.0, 1.0, False)
+
+
+def llm_response_tensors(ids: list[int]) -> dict[str, np.ndarray]:
+    return {
+        OUTPUT_IDS.name: np.array([[ids]], dtype=np.int32).reshape(1, 1, len(ids)),
+        SEQUENCE_LENGTH.name: np.array([[len(ids)]], dtype=np.int32),
+    }
+
+
+# -- voice_prompt ----------------------------------------------------------------------------------
+def prompt_to_tensors(prompt: PromptTensors) -> dict[str, np.ndarray]:
+    return {
+        PROMPT_SPEECH_TOKENS.name: prompt.speech_tokens.astype(np.int32),
+        PROMPT_MEL.name: prompt.mel.astype(np.float32),
+        PROMPT_XVECTOR.name: prompt.embedding.astype(np.float32),
+    }
+
+
+def prompt_from_tensors(arrays: Arrays) -> PromptTensors | None:
+    tokens = arrays.get(PROMPT_SPEECH_TOKENS.name)
+    if tokens is None:
+        return None
+    return PromptTensors(
+        np.asarray(tokens, dtype=np.int32).reshape(-1),
+        np.asarray(arrays[PROMPT_MEL.name], dtype=np.float32).reshape(-1, 80),
+        np.asarray(arrays[PROMPT_XVECTOR.name], dtype=np.float32).reshape(-1),
+    )
+
+
+# -- token2wav -------------------------------------------------------------------------------------
+def token2wav_tensors(
+    stream_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
+) -> dict[str, np.ndarray]:
+    tensors = {
+        STREAM_ID.name: np.array([stream_id.encode()], dtype=np.object_),
+        T2W_SPEECH_TOKENS.name: np.asarray(tokens, dtype=np.int32).reshape(-1),
+        T2W_SEED.name: np.array([seed], dtype=np.uint64),
+    }
+    if chunk is not None:
+        tensors[CHUNK.name] = np.array([chunk.start, chunk.stop, chunk.feed, int(chunk.final)], dtype=np.int32)
+    if prompt is not None:
+        tensors.update(prompt_to_tensors(prompt))
+    return tensors
+
+
+def token2wav_close_tensors(stream_id: str) -> dict[str, np.ndarray]:
+    return {
+        STREAM_ID.name: np.array([stream_id.encode()], dtype=np.object_),
+        T2W_SPEECH_TOKENS.name: np.zeros(0, dtype=np.int32),
+        CLOSE.name: np.array([True]),
+    }
+
+
+def parse_token2wav(arrays: Arrays) -> tuple[str, np.ndarray, PromptTensors | None, Chunk | None, int | None, bool]:
+    """(stream id, tokens, prompt, chunk, seed, close)."""
+    raw = arrays[STREAM_ID.name].reshape(-1)[0]
+    stream_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    chunk_array = arrays.get(CHUNK.name)
+    chunk = None
+    if chunk_array is not None:
+        start, stop, feed, final = (int(v) for v in chunk_array.reshape(-1)[:4])
+        chunk = Chunk(start=start, stop=stop, feed=feed, final=bool(final))
+    seed = _scalar(arrays, T2W_SEED, None)
+    return (
+        stream_id,
+        np.asarray(arrays[T2W_SPEECH_TOKENS.name], dtype=np.int32).reshape(-1),
+        prompt_from_tensors(arrays),
+        chunk,
+        None if seed is None else int(seed),
+        bool(_scalar(arrays, CLOSE, False)),
+    )

@@ -1,0 +1,477 @@
+"""Render a concrete Triton model repository for the CosyVoice2 pipeline from `templates/`.
+
+    python -m triton_repo.render --model-dir models/CosyVoice2-0.5B --out models/triton_repo \\
+        [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
+        [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
+        [--first-hop 25] [--chunk-growth 2] [--layout single|disaggregated]
+
+Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
+switching between offline and streaming never needs a re-render. Every option is checked before
+anything is written; the result is validated (no unresolved placeholder, every config parses as
+Triton's ModelConfig, values consistent); the same options give byte-identical output, and
+re-rendering replaces a previously rendered repository atomically (other directories are refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Sequence
+
+from triton_repo import contract, internal_io as io
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
+
+LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm"}
+DTYPES = ("fp32", "fp16", "bf16")
+LAYOUTS = ("single", "disaggregated")
+#: Models whose instance count may be chosen; llm and token2wav keep per-request state in-process.
+SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
+MODEL_FILES = ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN")
+LOGITS_BIAS_FILE = "logits_bias.safetensors"
+
+
+class RenderError(ValueError):
+    """A render option or input is wrong; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    model_dir: Path
+    out: Path
+    llm_backend: str = "pytorch"
+    engine_dir: Path | None = None  # TensorRT-LLM engine (tensorrt_llm backend)
+    llm_dir: Path | None = None  # HF checkpoint dir with logits_bias.safetensors (tensorrt_llm backend)
+    device: str = "cpu"
+    dtype: str = "fp32"
+    max_batch: int = 16  # LLM sequences decoded together (KV slots)
+    max_seq_len: int = 4096  # prompt + generated tokens per sequence
+    max_waiting: int = 64  # LLM requests queued beyond the slots before [overloaded]
+    instances: dict[str, int] = field(default_factory=dict)
+    first_hop: int = 25
+    chunk_growth: int = 2
+    layout: str = "single"
+    voice_cache: int = 64  # voices kept in the voice-prompt cache
+    max_target_text_tokens: int = 300
+    audio_max_batch: int = 8
+    max_queue_delay_us: int = 1000
+
+    def instances_of(self, model: str) -> int:
+        return self.instances.get(model, 1)
+
+    def device_of(self, model: str) -> str:
+        """`disaggregated` puts the LLM on GPU 0 and everything else on GPU 1."""
+        if self.device == "cpu" or self.layout == "single":
+            return self.device if self.device == "cpu" else "cuda:0"
+        return "cuda:0" if model == "llm" else "cuda:1"
+
+
+# -- validation of options -------------------------------------------------------------------------
+def check_options(opts: RenderOptions) -> None:
+    errors: list[str] = []
+    if not opts.model_dir.is_dir():
+        errors.append(f"--model-dir {opts.model_dir} is not a directory (expected an official CosyVoice2 model dir)")
+    else:
+        missing = [name for name in MODEL_FILES if not (opts.model_dir / name).exists()]
+        if missing:
+            errors.append(f"--model-dir {opts.model_dir} lacks {', '.join(missing)}")
+    if opts.llm_backend not in ("pytorch", "tensorrt_llm"):
+        errors.append(f"--llm-backend must be one of {sorted(LLM_BACKENDS)}, got {opts.llm_backend!r}")
+    if opts.device not in ("cpu", "cuda"):
+        errors.append(f"--device must be cpu or cuda, got {opts.device!r}")
+    if opts.dtype not in DTYPES:
+        errors.append(f"--dtype must be one of {', '.join(DTYPES)}, got {opts.dtype!r}")
+    if opts.device == "cpu" and opts.dtype != "fp32":
+        errors.append(f"--dtype {opts.dtype} needs --device cuda (CPU runs fp32)")
+    if opts.layout not in LAYOUTS:
+        errors.append(f"--layout must be one of {', '.join(LAYOUTS)}, got {opts.layout!r}")
+    if opts.layout == "disaggregated" and opts.device != "cuda":
+        errors.append("--layout disaggregated needs --device cuda (it puts the LLM and token2wav on two GPUs)")
+    for name, value, low in (
+        ("--max-batch", opts.max_batch, 1), ("--max-seq-len", opts.max_seq_len, 64), ("--max-waiting", opts.max_waiting, 0),
+        ("--first-hop", opts.first_hop, 4), ("--chunk-growth", opts.chunk_growth, 1), ("--voice-cache", opts.voice_cache, 1),
+        ("--max-target-text-tokens", opts.max_target_text_tokens, 1), ("--audio-max-batch", opts.audio_max_batch, 1),
+        ("--max-queue-delay-us", opts.max_queue_delay_us, 0),
+    ):  # fmt: skip
+        if value < low:
+            errors.append(f"{name} must be >= {low}, got {value}")
+    for model, count in opts.instances.items():
+        if model not in SCALABLE:
+            errors.append(
+                f"--instances {model}={count}: only {', '.join(SCALABLE)} may have several instances "
+                "(llm and token2wav hold per-request state in their process)"
+            )
+        elif count < 1:
+            errors.append(f"--instances {model}={count}: the count must be >= 1")
+    if opts.llm_backend == "tensorrt_llm":
+        errors += _check_trtllm(opts)
+    if errors:
+        raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
+
+
+def _check_trtllm(opts: RenderOptions) -> list[str]:
+    errors = []
+    if opts.device != "cuda":
+        errors.append("--llm-backend tensorrt_llm needs --device cuda")
+    if opts.engine_dir is None:
+        errors.append("--llm-backend tensorrt_llm needs --engine-dir (the trtllm-build output)")
+    elif not (opts.engine_dir / "config.json").is_file() or not any(opts.engine_dir.glob("*.engine")):
+        errors.append(f"--engine-dir {opts.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)")
+    else:
+        build = json.loads((opts.engine_dir / "config.json").read_text()).get("build_config", {})
+        for key, ours in (("max_batch_size", opts.max_batch), ("max_seq_len", opts.max_seq_len)):
+            if key in build and ours > int(build[key]):
+                errors.append(f"--{key.replace('_size', '').replace('_', '-')} {ours} exceeds the engine's {key} {build[key]}")
+    if opts.llm_dir is None:
+        errors.append(f"--llm-backend tensorrt_llm needs --llm-dir (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
+    elif not (opts.llm_dir / LOGITS_BIAS_FILE).is_file():
+        errors.append(f"--llm-dir {opts.llm_dir} lacks {LOGITS_BIAS_FILE} (written by the build's convert stage)")
+    return errors
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def _parameters(values: dict[str, object]) -> str:
+    return "\n".join(
+        f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}' for key, value in sorted(values.items())
+    )
+
+
+def _fill(template: str, **values: object) -> str:
+    text = Template((TEMPLATES / template).read_text()).safe_substitute({k: str(v) for k, v in values.items()})
+    leftover = sorted(set(re.findall(r"\$\{(\w+)\}", text)))
+    if leftover:
+        raise RenderError(f"template {template}: unresolved placeholders {', '.join(leftover)}")
+    return text
+
+
+def _python_model(module: str, cls: str = "TritonPythonModel") -> str:
+    return _fill("model.py.tmpl", module=f"triton_repo.adapters.{module}", cls=cls)
+
+
+def render_files(opts: RenderOptions) -> dict[str, str]:
+    """Relative path -> file content of the whole repository (no I/O besides reading templates)."""
+    files: dict[str, str] = {}
+    model_dir = opts.model_dir.resolve()
+    common = {"model_dir": model_dir}
+    schedule = {"first_hop": opts.first_hop, "chunk_growth": opts.chunk_growth}
+
+    orchestrator_params = {
+        **common,
+        **schedule,
+        "llm_backend": opts.llm_backend,
+        "max_sequence_len": opts.max_seq_len,
+        "max_target_text_tokens": opts.max_target_text_tokens,
+    }
+    if opts.llm_backend == "tensorrt_llm":
+        assert opts.llm_dir is not None
+        orchestrator_params["llm_logits_bias"] = (opts.llm_dir / LOGITS_BIAS_FILE).resolve()
+    for name, decoupled, description in (
+        (contract.OFFLINE_MODEL, "false", "Offline pipeline: one response with the whole waveform of one segment."),
+        (contract.STREAMING_MODEL, "true", "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
+    ):
+        files[f"{name}/config.pbtxt"] = _fill(
+            "orchestrator.pbtxt",
+            name=name,
+            description=description,
+            decoupled=decoupled,
+            inputs=contract.pbtxt_io_block("input", contract.INPUTS),
+            outputs=contract.pbtxt_io_block("output", contract.OUTPUTS),
+            instances=opts.instances_of(name),
+            parameters=_parameters(orchestrator_params),
+        )
+        files[f"{name}/1/model.py"] = _python_model("orchestrator")
+
+    files["voice_prompt/config.pbtxt"] = _fill(
+        "voice_prompt.pbtxt",
+        name="voice_prompt",
+        inputs=contract.pbtxt_io_block("input", io.VOICE_PROMPT_INPUTS),
+        outputs=contract.pbtxt_io_block("output", io.VOICE_PROMPT_OUTPUTS),
+        instances=opts.instances_of("voice_prompt"),
+        parameters=_parameters({"cache_capacity": opts.voice_cache}),
+    )
+    files["voice_prompt/1/model.py"] = _python_model("voice_prompt")
+
+    for name, output, cls, description in (
+        ("audio_tokenizer", io.SPEECH_TOKENS, "AudioTokenizerModel", "Speech tokenizer (ONNX), 25 Hz tokens of 16 kHz audio."),
+        ("speaker_embedding", io.XVECTOR, "SpeakerEmbeddingModel", "CAM++ x-vector (ONNX) of 16 kHz audio."),
+    ):  # fmt: skip
+        files[f"{name}/config.pbtxt"] = _fill(
+            "audio_model.pbtxt",
+            name=name,
+            description=description,
+            max_batch=opts.audio_max_batch,
+            max_queue_delay_us=opts.max_queue_delay_us,
+            inputs=contract.pbtxt_io_block("input", io.AUDIO_INPUTS),
+            outputs=contract.pbtxt_io_block("output", (output,)),
+            instances=opts.instances_of(name),
+            parameters=_parameters({**common, "device": opts.device_of(name)}),
+        )
+        files[f"{name}/1/model.py"] = _python_model("audio_features", cls)
+
+    llm_io = {
+        "inputs": contract.pbtxt_io_block("input", io.LLM_INPUTS),
+        "outputs": contract.pbtxt_io_block("output", io.LLM_OUTPUTS),
+    }
+    if opts.llm_backend == "pytorch":
+        files["llm/config.pbtxt"] = _fill(
+            "llm_pytorch.pbtxt",
+            name="llm",
+            max_batch=opts.max_batch,
+            max_seq_len=opts.max_seq_len,
+            **llm_io,
+            parameters=_parameters(
+                {
+                    **common,
+                    "device": opts.device_of("llm"),
+                    "dtype": opts.dtype,
+                    "max_batch": opts.max_batch,
+                    "max_seq_len": opts.max_seq_len,
+                    "max_waiting": opts.max_waiting,
+                }
+            ),
+        )
+        files["llm/1/model.py"] = _python_model("llm")
+    else:
+        assert opts.engine_dir is not None
+        files["llm/config.pbtxt"] = _fill(
+            "llm_tensorrt_llm.pbtxt",
+            name="llm",
+            max_batch=opts.max_batch,
+            max_seq_len=opts.max_seq_len,
+            **llm_io,
+            parameters=_parameters(trtllm_parameters(opts)),
+        )
+        files["llm/1/.keep"] = ""  # the backend needs the version directory; the engine stays in engine_dir
+
+    files["token2wav/config.pbtxt"] = _fill(
+        "token2wav.pbtxt",
+        name="token2wav",
+        inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
+        outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
+        parameters=_parameters({**common, **schedule, "device": opts.device_of("token2wav"), "dtype": opts.dtype}),
+    )
+    files["token2wav/1/model.py"] = _python_model("token2wav")
+    files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
+    return files
+
+
+def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
+    """The tensorrtllm backend parameters; every one is set (no `${...}` left for the backend to guess)."""
+    assert opts.engine_dir is not None
+    return {
+        "gpt_model_type": "inflight_fused_batching",
+        "gpt_model_path": opts.engine_dir.resolve(),
+        "max_beam_width": 1,
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "max_tokens_in_paged_kv_cache": opts.max_batch * opts.max_seq_len,
+        "max_attention_window_size": opts.max_seq_len,
+        "kv_cache_free_gpu_mem_fraction": 0.5 if opts.layout == "single" else 0.9,
+        "enable_kv_cache_reuse": "false",
+        "exclude_input_in_output": "true",
+        "enable_chunked_context": "false",
+        "normalize_log_probs": "false",
+        "cancellation_check_period_ms": 50,
+        "decoding_mode": "top_k_top_p",
+        "gpu_device_ids": "0",
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+    }
+
+
+def _options_record(opts: RenderOptions) -> dict[str, object]:
+    record = asdict(opts)
+    record.pop("out")
+    return {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+
+
+# -- validation of the rendered repository --------------------------------------------------------
+def validate_repository(repo: Path) -> None:
+    """Structural check of a rendered repository; raises RenderError naming every problem."""
+    from google.protobuf import text_format  # noqa: PLC0415 - only needed here
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
+
+    errors: list[str] = []
+    models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
+    expected = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding", "llm", "token2wav"}
+    if set(models) != expected:
+        errors.append(f"models {models} != expected {sorted(expected)}")
+    for name in models:
+        path = repo / name / "config.pbtxt"
+        text = path.read_text()
+        if "${" in text:
+            errors.append(f"{path}: unresolved placeholder")
+        config = model_config_pb2.ModelConfig()
+        try:
+            text_format.Parse(text, config)
+        except text_format.ParseError as exc:
+            errors.append(f"{path}: not a valid ModelConfig ({exc})")
+            continue
+        if config.name != name:
+            errors.append(f"{path}: name {config.name!r} != directory {name!r}")
+        if not (repo / name / "1").is_dir():
+            errors.append(f"{repo / name}: missing version directory 1/")
+        if config.backend == "python" and not (repo / name / "1" / "model.py").is_file():
+            errors.append(f"{repo / name}/1/model.py missing")
+        if name in ("llm", "token2wav") and any(g.count != 1 for g in config.instance_group):
+            errors.append(f"{path}: {name} must have exactly one instance")
+        if config.backend == "tensorrtllm":
+            errors += check_trtllm_config(config)
+    if errors:
+        raise RenderError("invalid Triton repository:\n  - " + "\n  - ".join(errors))
+
+
+def check_trtllm_config(config) -> list[str]:  # noqa: ANN001 - a model_config_pb2.ModelConfig
+    """The tensorrt_llm model's parameters and tensors are present and consistent with each other."""
+    errors = []
+    params = {key: value.string_value for key, value in config.parameters.items()}
+    required = (
+        "gpt_model_type", "gpt_model_path", "max_beam_width", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache",
+        "max_attention_window_size", "kv_cache_free_gpu_mem_fraction", "exclude_input_in_output", "decoding_mode",
+    )  # fmt: skip
+    errors += [f"tensorrt_llm: parameter {key} missing" for key in required if not params.get(key)]
+    if errors:
+        return errors
+    if params["gpt_model_type"] != "inflight_fused_batching":
+        errors.append("tensorrt_llm: gpt_model_type must be inflight_fused_batching")
+    if not config.model_transaction_policy.decoupled:
+        errors.append("tensorrt_llm: must be decoupled (streaming)")
+    if params["exclude_input_in_output"] != "true":
+        errors.append("tensorrt_llm: exclude_input_in_output must be true (the orchestrator reads only new ids)")
+    window = int(params["max_attention_window_size"])
+    if int(params["max_tokens_in_paged_kv_cache"]) < config.max_batch_size * window:
+        errors.append(
+            f"tensorrt_llm: KV pool {params['max_tokens_in_paged_kv_cache']} < max_batch_size {config.max_batch_size}"
+            f" x max sequence {window}: not every slot could hold a full sequence"
+        )
+    if params["max_beam_width"] != "1":
+        errors.append("tensorrt_llm: max_beam_width must be 1 (sampling)")
+    declared = {tensor.name for tensor in config.input}
+    missing = [spec.name for spec in io.LLM_INPUTS if spec.name not in declared]
+    if missing:
+        errors.append(f"tensorrt_llm: inputs the orchestrator sends are not declared: {', '.join(missing)}")
+    outputs = {tensor.name for tensor in config.output}
+    errors += [f"tensorrt_llm: output {spec.name} missing" for spec in io.LLM_OUTPUTS if spec.name not in outputs]
+    return errors
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def write_repository(opts: RenderOptions) -> Path:
+    check_options(opts)
+    files = render_files(opts)
+    out = opts.out
+    if out.exists() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise RenderError(f"--out {out} exists and was not rendered by this tool; refusing to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.render-", dir=out.parent))
+    try:
+        for rel, content in files.items():
+            path = staging / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+        validate_repository(staging)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
+            out.rename(old)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out
+
+
+def render_repository(
+    output_dir: Path,
+    model_dir: Path,
+    llm_backend: str = "pytorch",
+    llm_dir: Path | None = None,
+    engine_dir: Path | None = None,
+    layout: str = "single",
+    **options: object,
+) -> Path:
+    """Library entry point (the build tooling's `render` stage calls this)."""
+    backend = LLM_BACKENDS.get(llm_backend, llm_backend)
+    options.setdefault("device", "cuda" if backend == "tensorrt_llm" or layout == "disaggregated" else "cpu")
+    return write_repository(
+        RenderOptions(
+            model_dir=Path(model_dir),
+            out=Path(output_dir),
+            llm_backend=backend,
+            llm_dir=Path(llm_dir) if llm_dir is not None else None,
+            engine_dir=Path(engine_dir) if engine_dir is not None else None,
+            layout=layout,
+            **options,  # type: ignore[arg-type]
+        )
+    )
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _instances(values: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for value in values:
+        name, sep, count = value.partition("=")
+        if not sep or not count.strip().lstrip("-").isdigit():
+            raise RenderError(f"--instances expects MODEL=COUNT, got {value!r}")
+        out[name.strip()] = int(count)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = RenderOptions(model_dir=Path(), out=Path())
+    parser = argparse.ArgumentParser(prog="python -m triton_repo.render", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, required=True, help="official CosyVoice2 model directory")
+    parser.add_argument("--out", type=Path, required=True, help="repository directory to (re)write")
+    parser.add_argument("--llm-backend", default=defaults.llm_backend, choices=sorted(LLM_BACKENDS))
+    parser.add_argument("--engine-dir", type=Path, help="TensorRT-LLM engine directory (tensorrt_llm backend)")
+    parser.add_argument("--llm-dir", type=Path, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)")
+    parser.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda for tensorrt_llm, else cpu")
+    parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="LLM and flow dtype")
+    parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="LLM sequences decoded together")
+    parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help="prompt + generated tokens")
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="queued LLM requests before overload")
+    parser.add_argument("--instances", action="append", default=[], metavar="MODEL=COUNT", help=f"one of {', '.join(SCALABLE)}")
+    parser.add_argument("--first-hop", type=int, default=defaults.first_hop, help="tokens in the first streaming chunk")
+    parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
+    parser.add_argument("--layout", default=defaults.layout, choices=LAYOUTS)
+    parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
+    args = parser.parse_args(argv)
+    try:
+        backend = LLM_BACKENDS[args.llm_backend]
+        out = write_repository(
+            RenderOptions(
+                model_dir=args.model_dir,
+                out=args.out,
+                llm_backend=backend,
+                engine_dir=args.engine_dir,
+                llm_dir=args.llm_dir,
+                device=args.device or ("cuda" if backend == "tensorrt_llm" else "cpu"),
+                dtype=args.dtype,
+                max_batch=args.max_batch,
+                max_seq_len=args.max_seq_len,
+                max_waiting=args.max_waiting,
+                instances=_instances(args.instances),
+                first_hop=args.first_hop,
+                chunk_growth=args.chunk_growth,
+                layout=args.layout,
+                voice_cache=args.voice_cache,
+            )
+        )
+    except RenderError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"rendered {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
