@@ -133,10 +133,9 @@ class ContinuousBatchingScheduler(Generic[R]):
             if request_id in self._jobs:
                 raise ValueError(f"duplicate LLM request id {request_id!r}")
             free_slots = self.decoder.num_slots - len(self._active)
-            if len(self._waiting) >= free_slots + self.max_waiting:
-                raise Overloaded(
-                    f"LLM busy: {len(self._active)} active sequences and {len(self._waiting)} waiting"
-                )
+            waiting = sum(not job.cancelled for job in self._waiting)
+            if waiting >= free_slots + self.max_waiting:
+                raise Overloaded(f"LLM busy: {len(self._active)} active sequences and {waiting} waiting")
             self._jobs[request_id] = job
             self._waiting.append(job)
             self.stats.set("llm_waiting_requests", len(self._waiting))

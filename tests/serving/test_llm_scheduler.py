@@ -1,0 +1,115 @@
+"""ContinuousBatchingScheduler over a scripted slot decoder: joining, finishing, cancelling, overload."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+
+import pytest
+
+from cosyvoice2_serving.errors import Overloaded
+from cosyvoice2_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
+
+
+@dataclass(frozen=True)
+class Script:
+    """A request: emit `count` tokens base, base+1, ... then finish (count None: never finish)."""
+
+    base: int
+    count: int | None
+
+
+class ScriptedDecoder:
+    """Records the batch of every step, so tests can see which sequences ran together."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.slots: dict[int, list] = {}
+        self.batches: list[set[int]] = []
+        self.removed: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def add(self, request: Script) -> int:
+        if request.base < 0:
+            raise ValueError("bad request")
+        slot = min(set(range(self.num_slots)) - set(self.slots))
+        self.slots[slot] = [request, 0]
+        return slot
+
+    def step(self) -> dict[int, StepOutput]:
+        self.gate.wait()
+        self.batches.append({state[0].base for state in self.slots.values()})
+        out = {}
+        for slot, state in self.slots.items():
+            request, emitted = state
+            state[1] += 1
+            done = request.count is not None and state[1] >= request.count
+            out[slot] = StepOutput(token=request.base + emitted, finished=done)
+        return out
+
+    def remove(self, slot: int) -> None:
+        self.removed.append(slot)
+        self.slots.pop(slot, None)
+
+
+async def collect(stream) -> list[int]:
+    return [t async for batch in stream for t in batch]
+
+
+async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
+    decoder = ScriptedDecoder(num_slots=2)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
+    try:
+        streams = [scheduler.submit(f"r{i}", Script(base=100 * i, count=5 + i)) for i in range(4)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        assert results == [list(range(100 * i, 100 * i + 5 + i)) for i in range(4)]
+        assert max(len(b) for b in decoder.batches) == 2  # never more than the slots
+        assert decoder.slots == {} and scheduler.active_request_ids() == set()
+        stats = scheduler.stats.snapshot()
+        assert stats["llm_finished_total"] == 4 and stats["llm_active_sequences"] == 0
+    finally:
+        scheduler.close()
+
+
+async def test_a_new_request_joins_the_running_batch():
+    decoder = ScriptedDecoder(num_slots=4)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
+    try:
+        long = scheduler.submit("long", Script(base=0, count=None))
+        it = long.__aiter__()
+        await it.__anext__()  # the long sequence is decoding
+        short = await collect(scheduler.submit("short", Script(base=1000, count=3)))
+        assert short == [1000, 1001, 1002]
+        assert {0, 1000} in decoder.batches  # stepped together, not after the long one
+        assert scheduler.cancel("long")
+        rest = [t async for batch in it for t in batch]
+        assert rest == sorted(rest)  # the cancelled stream ends cleanly
+        assert scheduler.active_request_ids() == set()
+        assert scheduler.stats.get("llm_cancelled_total") == 1
+    finally:
+        scheduler.close()
+
+
+async def test_overload_rejects_beyond_slots_plus_queue_and_bad_requests_fail_alone():
+    decoder = ScriptedDecoder(num_slots=1)
+    decoder.gate.clear()  # hold every step: nothing finishes
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=1)
+    try:
+        scheduler.submit("a", Script(0, None))
+        scheduler.submit("b", Script(10, None))
+        with pytest.raises(Overloaded, match=r"^\[overloaded\]"):
+            scheduler.submit("c", Script(20, None))
+        with pytest.raises(ValueError, match="duplicate"):
+            scheduler.submit("a", Script(0, None))
+        scheduler.cancel("a")
+        scheduler.cancel("b")
+        decoder.gate.set()
+        bad = scheduler.submit("bad", Script(-1, 3))
+        with pytest.raises(ValueError, match="bad request"):
+            await collect(bad)
+        assert await collect(scheduler.submit("good", Script(5, 2))) == [5, 6]
+    finally:
+        decoder.gate.set()
+        scheduler.close()

@@ -1,0 +1,207 @@
+"""Orchestrator state machine with in-process fake clients (no Triton, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from cosyvoice2.streaming import ChunkSchedule
+from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.orchestrator import (
+    LLMVocab,
+    Orchestrator,
+    OrchestratorConfig,
+    PromptTensors,
+    SynthesisRequest,
+    parse_request,
+)
+from triton_repo import contract
+
+VOCAB = LLMVocab(text_vocab_size=1000, speech_token_size=50)
+SAMPLES_PER_TOKEN = 960
+PROMPT = PromptTensors(np.arange(7, dtype=np.int32), np.zeros((14, 80), np.float32), np.ones(192, np.float32))
+
+
+class WordTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+class FakeClients:
+    """LLM: `tokens` speech ids (+ offset) in batches of `batch`, then an end id; token2wav: 960 samples/token."""
+
+    def __init__(self, tokens: list[int], batch: int = 4, hold_after: int | None = None) -> None:
+        self.tokens, self.batch, self.hold_after = tokens, batch, hold_after
+        self.calls: list[tuple] = []
+        self.llm_requests: list = []
+        self.stopped: list[str] = []
+        self.closed: list[str] = []
+        self.emitted = 0
+
+    async def voice_prompt(self, request):
+        return PROMPT
+
+    async def llm(self, request_id, request):
+        self.llm_requests.append(request)
+        ids = [t + VOCAB.speech_offset for t in self.tokens] + [VOCAB.end_ids[0]]
+        for i in range(0, len(ids), self.batch):
+            if self.hold_after is not None and i >= self.hold_after:
+                await asyncio.Event().wait()  # the LLM never finishes: only a cancel ends this
+            self.emitted = min(i + self.batch, len(self.tokens))
+            yield ids[i : i + self.batch]
+            await asyncio.sleep(0)
+
+    async def llm_stop(self, request_id):
+        self.stopped.append(request_id)
+
+    async def token2wav(self, request_id, tokens, prompt, chunk, seed):
+        self.calls.append((request_id, tokens.tolist(), prompt, chunk, self.emitted))
+        n = len(tokens) if chunk is None else chunk.stop - chunk.start
+        return np.full(n * SAMPLES_PER_TOKEN, 0.1, np.float32)
+
+    async def token2wav_close(self, request_id):
+        self.closed.append(request_id)
+
+
+def request(text="one two three four five", seed=3) -> SynthesisRequest:
+    return SynthesisRequest(np.zeros(16000, np.float32), "ref text", text, "voice", seed)
+
+
+def orchestrator(clients, **config) -> Orchestrator:
+    schedule = ChunkSchedule(first_hop=5, grid=5, max_hop=20, growth=2, lookahead=3)
+    return Orchestrator(OrchestratorConfig(vocab=VOCAB, schedule=schedule, **config), WordTokenizer(), clients)
+
+
+async def collect(orch, req, streaming):
+    return [chunk async for chunk in orch.synthesize(req, streaming)]
+
+
+async def test_offline_is_one_final_chunk_of_all_tokens():
+    tokens = list(range(40))
+    clients = FakeClients(tokens)
+    orch = orchestrator(clients)
+    [chunk] = await collect(orch, request(), streaming=False)
+    assert chunk.final and chunk.output_tokens == 40 and chunk.waveform.size == 40 * SAMPLES_PER_TOKEN
+    assert chunk.input_tokens == len("ref text".split()) + 5
+    [(_, sent, prompt, chunk_arg, _)] = clients.calls
+    assert sent == tokens and prompt is PROMPT and chunk_arg is None
+    assert orch.stats.get("orchestrator_active_requests") == 0
+
+
+async def test_streaming_follows_the_schedule_and_starts_before_the_llm_ends():
+    tokens = list(range(45))
+    clients = FakeClients(tokens, batch=2)
+    orch = orchestrator(clients)
+    chunks = await collect(orch, request(), streaming=True)
+    schedule = ChunkSchedule(prompt_tokens=PROMPT.speech_tokens.size, first_hop=5, grid=5, max_hop=20, lookahead=3)
+    expected = schedule.chunks(len(tokens))
+    assert [c for *_, c, _ in clients.calls] == expected
+    assert len(chunks) == len(expected) > 2 and [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[0].output_tokens < len(tokens) == chunks[-1].output_tokens
+    assert clients.calls[0][4] < len(tokens)  # the first chunk ran while the LLM was still generating
+    assert sum(c.waveform.size for c in chunks) == len(tokens) * SAMPLES_PER_TOKEN
+    sent = [t for _, part, *_ in clients.calls for t in part]
+    assert sent == tokens  # each token handed over exactly once, in order
+    assert [call[2] is PROMPT for call in clients.calls] == [True] + [False] * (len(clients.calls) - 1)
+    assert len({call[0] for call in clients.calls}) == 1 and clients.closed == [] and clients.stopped == []
+
+
+async def test_llm_request_layout_limits_and_seed():
+    clients = FakeClients(list(range(10)))
+    orch = orchestrator(clients)
+    await collect(orch, request("aa bbb", seed=None), streaming=False)
+    [llm] = clients.llm_requests
+    expected = [VOCAB.sos_id, 3, 4, 2, 3, VOCAB.task_id] + [VOCAB.speech_offset + t for t in range(7)]
+    assert llm.input_ids.tolist() == expected
+    assert (llm.min_tokens, llm.max_tokens) == (4, 40)  # 2x and 20x the 2 target tokens
+    await collect(orch, request("aa bbb", seed=None), streaming=False)
+    assert clients.llm_requests[0].seed != clients.llm_requests[1].seed  # no fixed seed
+
+
+async def test_max_tokens_is_clamped_to_the_sequence_limit_and_impossible_prompts_are_rejected():
+    clients = FakeClients(list(range(10)))
+    await collect(orchestrator(clients, max_sequence_len=30), request("aa bbb"), streaming=False)
+    assert clients.llm_requests[0].max_tokens == 30 - 13
+    with pytest.raises(InvalidInput, match=r"^\[invalid_input\].*sequence limit"):
+        await collect(orchestrator(clients, max_sequence_len=14), request("aa bbb"), streaming=False)
+    with pytest.raises(InvalidInput, match="at most 3"):
+        await collect(orchestrator(clients, max_target_text_tokens=3), request(), streaming=False)
+
+
+async def test_cancel_mid_stream_stops_the_llm_and_closes_the_stream():
+    clients = FakeClients(list(range(100)), batch=4, hold_after=40)
+    orch = orchestrator(clients)
+    got = []
+
+    async def consume():
+        async for chunk in orch.synthesize(request(), streaming=True):
+            got.append(chunk)
+
+    task = asyncio.create_task(consume())
+    while len(got) < 2:
+        await asyncio.sleep(0.001)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    request_id = clients.calls[0][0]
+    assert clients.stopped == [request_id] and clients.closed == [request_id]
+    stats = orch.stats.snapshot()
+    assert stats["orchestrator_active_requests"] == 0 and stats["orchestrator_cancelled_total"] == 1
+
+
+async def test_a_failing_llm_releases_the_open_stream():
+    class Failing(FakeClients):
+        async def llm(self, request_id, request):
+            async for ids in super().llm(request_id, request):
+                yield ids
+                if self.calls:
+                    raise RuntimeError("[overloaded] llm went away")
+
+    clients = Failing(list(range(60)), batch=10)
+    orch = orchestrator(clients)
+    with pytest.raises(RuntimeError, match="llm went away"):
+        await collect(orch, request(), streaming=True)
+    assert clients.closed == [clients.calls[0][0]]
+    assert orch.stats.get("orchestrator_failed_total") == 1
+
+
+def _arrays(**overrides):
+    wav = np.zeros(8000, np.float32)
+    arrays = {
+        contract.REFERENCE_WAV.name: wav,
+        contract.REFERENCE_WAV_LEN.name: np.array([8000], np.int32),
+        contract.REFERENCE_TEXT.name: np.array([b"hi"], object),
+        contract.TARGET_TEXT.name: np.array(["héllo".encode()], object),
+        contract.VOICE_ID.name: np.array([b"abc"], object),
+        contract.SEED.name: None,
+    }
+    arrays.update(overrides)
+    return arrays
+
+
+def test_parse_request_accepts_the_contract_and_slices_the_audio():
+    config = OrchestratorConfig(vocab=VOCAB)
+    req = parse_request(_arrays(**{contract.REFERENCE_WAV_LEN.name: np.array([4000], np.int32)}), config)
+    assert req.reference_wav.size == 4000 and req.target_text == "héllo" and req.seed is None
+    seeded = parse_request(_arrays(**{contract.SEED.name: np.array([2**63 + 5], np.uint64)}), config)
+    assert seeded.seed == 2**63 + 5
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({contract.REFERENCE_WAV_LEN.name: np.array([9000], np.int32)}, "reference_wav_len"),
+        ({contract.REFERENCE_WAV_LEN.name: np.array([100], np.int32)}, "reference_wav_len"),
+        ({contract.REFERENCE_WAV.name: np.full(8000, np.nan, np.float32)}, "NaN"),
+        ({contract.TARGET_TEXT.name: np.array([b"   "], object)}, "target_text is empty"),
+        ({contract.TARGET_TEXT.name: np.array([b"\xff"], object)}, "UTF-8"),
+        ({contract.VOICE_ID.name: np.array([b""], object)}, "voice_id"),
+        ({contract.REFERENCE_WAV_LEN.name: None}, "reference_wav_len"),
+    ],
+)
+def test_parse_request_rejects_bad_input_with_the_invalid_input_tag(overrides, message):
+    with pytest.raises(InvalidInput, match=message) as info:
+        parse_request(_arrays(**overrides), OrchestratorConfig(vocab=VOCAB))
+    assert str(info.value).startswith(contract.ERROR_INVALID_INPUT)

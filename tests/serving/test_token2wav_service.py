@@ -1,0 +1,155 @@
+"""Token2WavService (fake engine): stream lifetime, ordering, batching, close; BatchedToken2Wav (tiny model):
+batched flow gives the same audio as one stream at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cosyvoice2.streaming import Chunk
+from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.token2wav import Token2WavService, Work
+
+PROMPT = PromptTensors(np.arange(4, dtype=np.int32), np.zeros((8, 80), np.float32), np.ones(192, np.float32))
+
+
+class FakeEngine:
+    """State = list of tokens seen; audio = the tokens as floats. Can hold calls and fail on demand."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def open(self, prompt, seed):
+        return {"tokens": [], "id": None}
+
+    def run(self, work):
+        self.gate.wait()
+        self.calls.append([len(w.state["tokens"]) for w in work])
+        out = []
+        for w in work:
+            if (w.tokens < 0).any():
+                out.append(RuntimeError("bad token"))
+                continue
+            w.state["tokens"].extend(w.tokens.tolist())
+            out.append(np.asarray(w.tokens, np.float32))
+        return out
+
+
+def chunk(start, stop, final=False):
+    return Chunk(start=start, stop=stop, feed=stop + (0 if final else 3), final=final)
+
+
+async def test_stream_lives_from_first_chunk_to_final_and_chunks_of_streams_share_calls():
+    engine = FakeEngine()
+    service = Token2WavService(engine)
+    try:
+        engine.gate.clear()
+        first = [asyncio.create_task(service.process(f"s{i}", np.arange(8), PROMPT, chunk(0, 5), seed=1)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        assert all(r.tolist() == list(range(8)) for r in await asyncio.gather(*first))
+        assert service.active_streams() == {"s0", "s1", "s2"}
+        assert max(len(c) for c in engine.calls) >= 2  # concurrent chunks went to the engine together
+        for i in range(3):
+            await service.process(f"s{i}", np.arange(8, 10), None, chunk(5, 10, final=True))
+        assert service.active_streams() == set()
+        assert service.stats.get("token2wav_active_streams") == 0
+    finally:
+        service.shutdown()
+
+
+async def test_close_frees_the_stream_and_a_late_first_chunk_cannot_reopen_it():
+    service = Token2WavService(FakeEngine())
+    try:
+        await service.process("s", np.arange(8), PROMPT, chunk(0, 5))
+        assert service.close_stream("s") and service.active_streams() == set()
+        with pytest.raises(InvalidInput, match="closed"):
+            await service.process("s", np.arange(8, 10), None, chunk(5, 10, final=True))
+        assert service.close_stream("late") is False  # a close that overtakes the first chunk...
+        with pytest.raises(InvalidInput, match="closed"):
+            await service.process("late", np.arange(8), PROMPT, chunk(0, 5))  # ...keeps it from opening
+        assert service.active_streams() == set()
+    finally:
+        service.shutdown()
+
+
+async def test_errors_free_the_stream_and_do_not_touch_other_streams():
+    service = Token2WavService(FakeEngine())
+    try:
+        await service.process("ok", np.arange(8), PROMPT, chunk(0, 5))
+        await service.process("bad", np.arange(8), PROMPT, chunk(0, 5))
+        with pytest.raises(RuntimeError, match="bad token"):
+            await service.process("bad", np.array([-1, 2]), None, chunk(5, 10))
+        with pytest.raises(InvalidInput, match="not open"):
+            await service.process("never", np.arange(3), None, chunk(0, 5))
+        with pytest.raises(InvalidInput, match="already open"):
+            await service.process("ok", np.arange(3), PROMPT, chunk(0, 5))
+        assert service.active_streams() == {"ok"}
+        offline = await service.process("x", np.arange(5), PROMPT, None)
+        assert offline.tolist() == list(range(5)) and service.active_streams() == {"ok"}
+    finally:
+        service.shutdown()
+
+
+# -- the real engine adapter on the tiny model -------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_token2wav(tmp_path_factory):
+    import torch
+
+    from cosyvoice2.config import EngineConfig
+    from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
+    from cosyvoice2.testing import write_tiny_model
+    from cosyvoice2_serving.engines import BatchedToken2Wav
+    from cosyvoice2_serving.orchestrator import stream_schedule
+
+    model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"))
+    config = EngineConfig.for_model_dir(model_dir)
+    flow = load_flow(model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32)
+    hift = load_hift(model_dir / HIFT_FILE, config, torch.device("cpu"))
+    schedule = stream_schedule(config.schedule(0), first_hop=5, growth=2)
+    return BatchedToken2Wav(flow, hift, config, schedule), schedule
+
+
+def test_batched_flow_gives_the_same_audio_as_one_stream_at_a_time(tiny_token2wav):
+    engine, schedule = tiny_token2wav
+    rng = np.random.default_rng(0)
+    prompt = PromptTensors(
+        rng.integers(0, 100, 6).astype(np.int32), rng.standard_normal((12, 80)).astype(np.float32),
+        rng.standard_normal(192).astype(np.float32),
+    )  # fmt: skip
+    tokens = [rng.integers(0, 100, 80).astype(np.int32) for _ in range(3)]
+    plan = replace(schedule, prompt_tokens=6).chunks(80)
+    assert len(plan) >= 3
+
+    def run(batched: bool) -> list[list[np.ndarray]]:
+        states = [engine.open(prompt, seed=11) for _ in tokens]
+        outputs: list[list[np.ndarray]] = [[] for _ in tokens]
+        sent = 0
+        for c in plan:
+            new = [t[sent : c.feed] for t in tokens]
+            work = [Work(state, part, c) for state, part in zip(states, new)]
+            results = engine.run(work) if batched else [engine.run([w])[0] for w in work]
+            for out, result in zip(outputs, results):
+                assert not isinstance(result, Exception), result
+                out.append(result)
+            sent = c.feed
+        return outputs
+
+    one_by_one, together = run(batched=False), run(batched=True)
+    for a, b in zip(one_by_one, together):
+        a, b = np.concatenate(a), np.concatenate(b)
+        # equal up to batched-matmul rounding through 10 Euler steps and the vocoder
+        np.testing.assert_allclose(a, b, atol=5e-4)
+        assert np.corrcoef(a, b)[0, 1] > 0.999
+    assert sum(x.size for x in together[0]) == 80 * 960
+    offline = engine.run([Work(engine.open(prompt, 11), tokens[0], None), Work(engine.open(prompt, 11), tokens[1], None)])
+    single = engine.run([Work(engine.open(prompt, 11), tokens[0], None)])[0]
+    np.testing.assert_allclose(offline[0], single, atol=5e-4)
+    assert offline[0].size == 80 * 960
