@@ -17,6 +17,8 @@ from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import health, models, speech, voices
 from gateway.services.speech import SpeechService
+from gateway.services.voice_library import VoiceLibrary
+from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import VoiceRegistry
 from gateway.settings import Settings
 from gateway.triton_client import TritonClient
@@ -63,7 +65,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases)
+        store = VoiceStore(settings.uploaded_voices_dir)
+        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load())
         triton = TritonClient(
             settings.triton_url,
             settings.offline_model,
@@ -71,9 +74,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             timeout_s=settings.request_timeout_s,
             retry_after_s=settings.retry_after_s,
         )
-        app.state.voices = registry
         app.state.triton = triton
         app.state.speech_service = SpeechService(settings, registry, triton, metrics, segmenter)
+        app.state.voice_library = VoiceLibrary(
+            registry,
+            store,
+            triton,
+            metrics,
+            max_upload_bytes=settings.max_voice_upload_bytes,
+            warmup_timeout_s=settings.voice_warmup_timeout_s,
+        )
         logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
         try:
             yield

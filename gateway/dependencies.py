@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from gateway.errors import Unauthorized
 from gateway.metrics import GatewayMetrics
 from gateway.services.speech import SpeechService
-from gateway.services.voices import VoiceRegistry
+from gateway.services.voice_library import VoiceLibrary
 from gateway.settings import Settings
 from gateway.triton_client import TritonClient
 
@@ -23,8 +23,8 @@ def get_speech_service(request: Request) -> SpeechService:
     return request.app.state.speech_service
 
 
-def get_voice_registry(request: Request) -> VoiceRegistry:
-    return request.app.state.voices
+def get_voice_library(request: Request) -> VoiceLibrary:
+    return request.app.state.voice_library
 
 
 def get_triton_client(request: Request) -> TritonClient:
@@ -37,7 +37,7 @@ def get_metrics(request: Request) -> GatewayMetrics:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SpeechServiceDep = Annotated[SpeechService, Depends(get_speech_service)]
-VoiceRegistryDep = Annotated[VoiceRegistry, Depends(get_voice_registry)]
+VoiceLibraryDep = Annotated[VoiceLibrary, Depends(get_voice_library)]
 TritonClientDep = Annotated[TritonClient, Depends(get_triton_client)]
 MetricsDep = Annotated[GatewayMetrics, Depends(get_metrics)]
 

@@ -66,6 +66,18 @@ class ModelNotFound(NotFound):
     default_code = "model_not_found"
 
 
+class Forbidden(ApiError):
+    status = 403
+    type = "invalid_request_error"
+    default_code = "permission_denied"
+
+
+class Conflict(ApiError):
+    status = 409
+    type = "invalid_request_error"
+    default_code = "conflict"
+
+
 class _Transient(ApiError):
     def __init__(self, message: str, *, retry_after: int, code: str | None = None) -> None:
         super().__init__(message, code=code)

@@ -36,3 +36,17 @@ class GatewayMetrics:
             "tts_audio_seconds", "Seconds of audio produced.", registry=self.registry
         )
         self.in_flight = Gauge("tts_in_flight_requests", "Speech requests in progress.", registry=self.registry)
+        self.voice_uploads = Counter("tts_voice_uploads", "Voices uploaded and stored.", registry=self.registry)
+        self.voice_upload_rejections = Counter(
+            "tts_voice_upload_rejections",
+            "Refused voice uploads by error code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.voice_warmups = Counter(
+            "tts_voice_warmups",
+            "Voice-prompt computations through Triton at upload, by outcome (ok, failed).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.voice_deletions = Counter("tts_voice_deletions", "Uploaded voices deleted.", registry=self.registry)

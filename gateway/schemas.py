@@ -59,6 +59,21 @@ class VoiceList(BaseModel):
     voices: list[VoiceInfo]
 
 
+class VoiceResource(BaseModel):
+    """OpenAI's ``VoiceResource`` (the answer of ``POST /v1/audio/voices``)."""
+
+    object: Literal["audio.voice"] = "audio.voice"
+    id: str
+    name: str
+    created_at: int
+
+
+class VoiceDeleted(BaseModel):
+    id: str
+    object: Literal["audio.voice.deleted"] = "audio.voice.deleted"
+    deleted: bool = True
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

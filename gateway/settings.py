@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -27,6 +28,12 @@ _DEFAULT_VOICE_ALIASES = {
 CommaList = Annotated[list[str], NoDecode]
 
 
+def default_uploaded_voices_dir() -> Path:
+    """``$XDG_DATA_HOME/cosyvoice-serve/voices``: user data lives outside the source tree."""
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data_home) / "cosyvoice-serve" / "voices"
+
+
 class Settings(BaseSettings):
     """Every knob of the gateway. Lists accept JSON or comma-separated values in the environment."""
 
@@ -48,6 +55,13 @@ class Settings(BaseSettings):
     voice_aliases: dict[str, str] = Field(
         default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES),
         description="OpenAI voice name -> reference voice name (JSON object).",
+    )
+    uploaded_voices_dir: Path = Field(
+        default_factory=default_uploaded_voices_dir, description="Where voices uploaded through the API are kept."
+    )
+    max_voice_upload_bytes: int = Field(10 * 2**20, ge=1024, description="Largest accepted voice upload file.")
+    voice_warmup_timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of the voice-prompt computation through Triton at upload."
     )
 
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(default_factory=list, description="Accepted Bearer keys; empty = no auth.")

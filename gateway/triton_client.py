@@ -158,15 +158,16 @@ class TritonClient:
         except (InferenceServerException, grpc.RpcError) as exc:
             raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
 
-    async def synthesize_offline(self, request: SegmentRequest) -> SynthesisChunk:
-        """One unary request on the offline model: the whole waveform of one segment."""
+    async def synthesize_offline(self, request: SegmentRequest, *, timeout_s: float | None = None) -> SynthesisChunk:
+        """One unary request on the offline model: the whole waveform of one segment (with empty
+        ``target_text``: only the voice prompt is computed and cached, per the contract)."""
         try:
             result = await self._client.infer(
                 self._offline_model,
                 build_inputs(request),
                 outputs=_requested_outputs(),
                 request_id=request.request_id,
-                client_timeout=self._timeout_s,
+                client_timeout=timeout_s or self._timeout_s,
             )
         except (InferenceServerException, grpc.RpcError) as exc:
             raise _from_exception(exc, self._retry_after_s) from exc

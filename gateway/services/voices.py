@@ -1,4 +1,5 @@
-"""Reference voices for zero-shot cloning: loaded once at startup, converted once to 16 kHz mono."""
+"""Reference voices for zero-shot cloning, converted once to 16 kHz mono, and the registry that
+finds them by name, id or alias (shipped voices from ``TTS_VOICES_DIR`` plus uploaded ones)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import av
 import numpy as np
@@ -26,22 +28,40 @@ class Voice:
     name: str
     transcript: str
     samples: np.ndarray  # float32, 16 kHz mono
+    created_at: int = 0  # Unix seconds
+    uploaded: bool = False  # uploaded through the API (deletable), else shipped with the deployment
+    consent: str | None = None  # OpenAI's consent id, stored as given (not verified)
 
     @property
     def seconds(self) -> float:
         return self.samples.size / REFERENCE_SAMPLE_RATE
 
 
-def decode_to_reference(path: Path) -> np.ndarray:
-    """Decode any audio file FFmpeg reads and resample it to 16 kHz mono float32."""
+def decode_to_reference(source: Path | BinaryIO, *, stop_after_seconds: float | None = None) -> np.ndarray:
+    """Decode any audio file FFmpeg reads and resample it to 16 kHz mono float32.
+
+    With ``stop_after_seconds`` decoding ends as soon as more than that was decoded, so a small
+    but very long compressed file cannot expand without bound; the result is then truncated (and
+    still longer than the limit, which is how callers see that it was too long).
+    Raises ValueError (av.FFmpegError is one) for data that is not audio.
+    """
+    limit = None if stop_after_seconds is None else int(stop_after_seconds * REFERENCE_SAMPLE_RATE)
     resampler = av.AudioResampler(format="flt", layout="mono", rate=REFERENCE_SAMPLE_RATE)
     parts: list[np.ndarray] = []
-    with av.open(str(path)) as container:
+    decoded = 0
+    with av.open(str(source) if isinstance(source, Path) else source, mode="r") as container:
+        if not container.streams.audio:
+            raise ValueError("no audio stream")
         for frame in container.decode(audio=0):
-            parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(frame))
-    parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
+            for resampled in resampler.resample(frame):
+                parts.append(resampled.to_ndarray().reshape(-1))
+                decoded += parts[-1].size
+            if limit is not None and decoded > limit:
+                break
+        else:
+            parts.extend(f.to_ndarray().reshape(-1) for f in resampler.resample(None))
     if not parts:
-        raise ValueError(f"{path}: no audio")
+        raise ValueError("no audio")
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
@@ -55,27 +75,43 @@ def load_voice(audio_path: Path) -> Voice:
     if not transcript:
         raise ValueError(f"{audio_path.with_suffix('.txt')}: empty transcript")
     samples = decode_to_reference(audio_path)
-    return Voice(id=voice_id(samples, transcript), name=audio_path.stem, transcript=transcript, samples=samples)
+    return Voice(
+        id=voice_id(samples, transcript),
+        name=audio_path.stem,
+        transcript=transcript,
+        samples=samples,
+        created_at=int(audio_path.stat().st_mtime),
+    )
+
+
+def _key(name_or_id: str) -> str:
+    return name_or_id.casefold()
 
 
 class VoiceRegistry:
-    """Voices by name and by id, plus OpenAI voice names as aliases of shipped voices."""
+    """Voices by name and by id (case-insensitive), plus aliases such as the OpenAI voice names.
+
+    Shipped voices come first; an uploaded voice whose name was taken meanwhile (a shipped voice
+    added later) stays reachable by its id. Mutated only from the event loop (uploads and deletions), so lookups need no lock.
+    """
 
     def __init__(self, voices: list[Voice], aliases: dict[str, str] | None = None) -> None:
         self._by_key: dict[str, Voice] = {}
-        self._voices = sorted(voices, key=lambda v: v.name)
-        for voice in self._voices:
-            self._by_key[voice.name] = voice
-            self._by_key[voice.id] = voice
+        self._voices: list[Voice] = []
+        for voice in voices:
+            self.add(voice)
         for alias, target in (aliases or {}).items():
-            if target in self._by_key and alias not in self._by_key:
-                self._by_key[alias] = self._by_key[target]
-            elif target not in self._by_key:
+            if _key(target) in self._by_key and _key(alias) not in self._by_key:
+                self._by_key[_key(alias)] = self._by_key[_key(target)]
+            elif _key(target) not in self._by_key:
                 logger.warning("voice alias %r points to unknown voice %r", alias, target)
 
     @classmethod
-    def from_directory(cls, directory: Path, aliases: dict[str, str] | None = None) -> VoiceRegistry:
-        """Every ``<name>.<audio>`` with a ``<name>.txt`` transcript next to it; bad files are skipped."""
+    def from_directory(
+        cls, directory: Path, aliases: dict[str, str] | None = None, extra_voices: list[Voice] | None = None
+    ) -> VoiceRegistry:
+        """Every ``<name>.<audio>`` with a ``<name>.txt`` transcript next to it (bad files are
+        skipped), then ``extra_voices`` (the uploaded ones)."""
         voices: list[Voice] = []
         for path in sorted(directory.glob("*")) if directory.is_dir() else []:
             if path.suffix.lower() not in AUDIO_SUFFIXES:
@@ -85,19 +121,37 @@ class VoiceRegistry:
                 continue
             try:
                 voices.append(load_voice(path))
-            except (OSError, ValueError, av.FFmpegError) as exc:
+            except (OSError, ValueError) as exc:
                 logger.warning("voice %s skipped: %s", path.name, exc)
         logger.info("loaded %d voices from %s", len(voices), directory)
-        return cls(voices, aliases)
+        return cls(voices + list(extra_voices or []), aliases)
 
     @property
     def voices(self) -> list[Voice]:
-        return list(self._voices)
+        return sorted(self._voices, key=lambda v: (v.uploaded, v.name.casefold()))
+
+    def find(self, key: str) -> Voice | None:
+        """The voice a name, id or alias refers to."""
+        return self._by_key.get(_key(key))
 
     def resolve(self, key: str) -> Voice:
-        voice = self._by_key.get(key) or self._by_key.get(key.lower())
+        voice = self.find(key)
         if voice is None:
             raise VoiceNotFound(
                 f"Voice '{key}' not found. GET /v1/audio/voices lists the available voices.", param="voice"
             )
         return voice
+
+    def add(self, voice: Voice) -> None:
+        """Register a voice under its id and name; a name (or id) already taken keeps its voice."""
+        self._voices.append(voice)
+        for key in (voice.id, voice.name):
+            if _key(key) in self._by_key:
+                logger.warning("voice %s (%s): %r already refers to another voice", voice.name, voice.id, key)
+            else:
+                self._by_key[_key(key)] = voice
+
+    def remove(self, voice_id: str) -> None:
+        """Forget a voice under every key (id, name, aliases)."""
+        self._voices = [voice for voice in self._voices if voice.id != voice_id]
+        self._by_key = {key: voice for key, voice in self._by_key.items() if voice.id != voice_id}

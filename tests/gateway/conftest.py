@@ -118,11 +118,13 @@ class RunningGateway:
 
 
 @pytest.fixture(scope="session")
-def gateway_factory() -> Iterator[Callable[..., RunningGateway]]:
-    """``start(triton_url, **settings) -> RunningGateway`` on a free port; stopped at session end."""
+def gateway_factory(tmp_path_factory) -> Iterator[Callable[..., RunningGateway]]:
+    """``start(triton_url, **settings) -> RunningGateway`` on a free port; stopped at session end.
+    Each gateway gets an empty uploaded-voices directory unless one is given."""
     running: list[RunningGateway] = []
 
     def start(triton_url: str, **overrides: object) -> RunningGateway:
+        overrides.setdefault("uploaded_voices_dir", tmp_path_factory.mktemp("uploaded_voices"))
         settings = IsolatedSettings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
         gateway = RunningGateway(settings).start()
         running.append(gateway)

@@ -15,6 +15,13 @@ normalization leaves them alone):
   request is cancelled, or 30 s pass -> error)
 * ``zq<letters>``   the request's tag, used for marker files
 
+Voice-prompt cache, as the contract describes it: an EMPTY ``target_text`` only "prepares" the voice
+(one response, empty waveform, zero tokens, outcome ``prepared``); every request marks its
+``voice_id`` prepared. The cache is a directory of marker files (``<marker_dir>/voice_cache/``)
+because the offline and the streaming model are separate processes that share one cache, like the
+real pipeline's. Each logged request says whether its voice was already prepared (``voice_cached``):
+a cache hit.
+
 Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``. Observations go to
 ``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
 ``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()``.
@@ -23,6 +30,7 @@ Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``. Observati
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import re
@@ -63,6 +71,11 @@ def output_tokens_for(samples: int) -> int:
     return samples // SAMPLES_PER_TOKEN
 
 
+def voice_cache_entry(marker_dir: Path, voice_id: str) -> Path:
+    """The marker file saying the stand-in has "computed" the prompt of ``voice_id``."""
+    return marker_dir / "voice_cache" / hashlib.sha256(voice_id.encode("utf-8")).hexdigest()
+
+
 def _words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 
@@ -83,7 +96,7 @@ class TritonPythonModel:
         self.chunk_count = int(params.get("chunk_count", "4"))
         self.chunk_delay_s = int(params.get("chunk_delay_ms", "20")) / 1000
         self.marker_dir = Path(params["marker_dir"])
-        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        (self.marker_dir / "voice_cache").mkdir(parents=True, exist_ok=True)
 
     async def execute(self, requests: list[Any]) -> list[Any] | None:
         if self.decoupled:
@@ -101,6 +114,9 @@ class TritonPythonModel:
         seed = pb_utils.get_input_tensor_by_name(request, "seed")
         target = text("target_text")
         words = _words(target)
+        cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
+        voice_cached = cache_entry.exists()
+        cache_entry.touch()  # a miss computes the prompt and caches it
         return {
             "model": self.model_name,
             "tag": next((w for w in sorted(words) if w.startswith("zq")), None),
@@ -111,6 +127,7 @@ class TritonPythonModel:
             "reference_samples": int(wav.size),
             "reference_wav_len": wav_len,
             "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
+            "voice_cached": voice_cached,
             "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
         }
 
@@ -133,8 +150,15 @@ class TritonPythonModel:
             ]
         )
 
+    def _prepared(self, info: dict[str, Any]) -> Any:
+        """The contract's answer to an empty target_text: the voice is cached, nothing is spoken."""
+        self._log(info, "prepared", 0)
+        return self._response(np.zeros(0, np.float32), "", "", 0)
+
     async def _offline(self, request: Any) -> Any:
         info = self._read(request)
+        if not info["target_text"]:
+            return self._prepared(info)
         error = self._error_message(info["words"]) or ("stand-in failure" if "failmid" in info["words"] else None)
         if error:
             self._log(info, "failed", 0)
@@ -148,6 +172,9 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         info = self._read(request)
+        if not info["target_text"]:
+            sender.send(self._prepared(info), flags=final)
+            return
         error = self._error_message(info["words"])
         if error:
             self._log(info, "failed", 0)
@@ -204,7 +231,7 @@ class TritonPythonModel:
         record.update(
             outcome=outcome,
             samples=samples,
-            input_tokens=input_tokens_for(info["reference_text"], info["target_text"]),
+            input_tokens=input_tokens_for(info["reference_text"], info["target_text"]) if info["target_text"] else 0,
             output_tokens=output_tokens_for(samples),
             pid=os.getpid(),
         )
