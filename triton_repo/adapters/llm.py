@@ -54,13 +54,14 @@ class TritonPythonModel:
             llm_request.seed, llm_request.top_k, llm_request.top_p,
         )  # fmt: skip
         stream = self.scheduler.submit(request_id, decode_request)
+        offset = self.vocab.speech_offset  # the decoder counts speech tokens; the LLM vocabulary offsets them
         try:
             if llm_request.streaming:
-                async for ids in stream:
-                    sender.send(response(io.llm_response_tensors(ids)))
+                async for tokens in stream:
+                    sender.send(response(io.llm_response_tensors([t + offset for t in tokens])))
                 sender.send(flags=FINAL)
             else:
-                ids = [token async for batch in stream for token in batch]
+                ids = [token + offset async for batch in stream for token in batch]
                 sender.send(response(io.llm_response_tensors(ids)), flags=FINAL)
         finally:
             stream.cancel()  # no-op once finished; frees the slot when the client went away

@@ -1,0 +1,132 @@
+"""The rendered repository in a real tritonserver: tiny random model, PyTorch LLM, CPU."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
+
+from tests.triton.conftest import synthesis_inputs
+from triton_repo import contract
+
+pytestmark = pytest.mark.triton
+
+SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
+TEXT = "Hello world, the tiny model speaks."
+
+
+async def stream(client, inputs, cancel_after: int | None = None):
+    """(waveform, input_tokens, output_tokens, final) per response of one streaming request."""
+
+    async def requests():
+        yield {"model_name": contract.STREAMING_MODEL, "inputs": inputs}
+
+    out = []
+    responses = client.stream_infer(requests())
+    async for result, error in responses:
+        if error is not None:
+            raise error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        out.append(
+            (
+                result.as_numpy(contract.WAVEFORM.name),
+                int(result.as_numpy(contract.INPUT_TOKENS.name)[0]),
+                int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
+                final,
+            )
+        )
+        if final:
+            break
+        if cancel_after is not None and len(out) >= cancel_after:
+            responses.cancel()
+            break
+    return out
+
+
+async def wait_metrics(pipeline, predicate, timeout=30.0):
+    for _ in range(int(timeout / 0.1)):
+        metrics = pipeline.metrics()
+        if predicate(metrics):
+            return metrics
+        await asyncio.sleep(0.1)
+    return pipeline.metrics()
+
+
+async def test_offline_audio_length_matches_the_generated_tokens(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        result = await client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=5))
+    waveform = result.as_numpy(contract.WAVEFORM.name)
+    output_tokens = int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0])
+    assert output_tokens > 0 and int(result.as_numpy(contract.INPUT_TOKENS.name)[0]) > 0
+    assert waveform.dtype == np.float32 and waveform.size == output_tokens * SAMPLES_PER_TOKEN
+    assert np.isfinite(waveform).all() and np.abs(waveform).max() > 0
+
+
+async def test_streaming_sends_chunks_before_the_llm_has_finished(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        chunks = await stream(client, synthesis_inputs(TEXT, seed=6))
+    assert len(chunks) >= 3
+    assert [final for *_, final in chunks] == [False] * (len(chunks) - 1) + [True]
+    counts = [tokens for _, _, tokens, _ in chunks]
+    assert counts == sorted(counts) and counts[0] < counts[-1]  # the first chunk left before the last token existed
+    assert sum(w.size for w, *_ in chunks) == counts[-1] * SAMPLES_PER_TOKEN
+    assert len({inp for _, inp, _, _ in chunks}) == 1
+
+
+async def test_eight_concurrent_streams_all_complete(pipeline):
+    texts = [f"Request number {i} says hello to the world." for i in range(8)]
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        results = await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=i)) for i, t in enumerate(texts)))
+    for chunks in results:
+        assert chunks[-1][3] and len(chunks) >= 2
+        total = chunks[-1][2]
+        assert total > 0 and sum(w.size for w, *_ in chunks) == total * SAMPLES_PER_TOKEN
+    metrics = await wait_metrics(pipeline, lambda m: m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0)
+    assert metrics[("token2wav_active_streams", "token2wav")] == 0
+    assert metrics[("llm_active_sequences", "llm")] == 0
+
+
+async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
+    before = pipeline.metrics()
+    long_text = " ".join(["This sentence keeps the language model busy for a long while."] * 4)
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        chunks = await stream(client, synthesis_inputs(long_text, seed=9), cancel_after=1)
+        assert len(chunks) == 1 and not chunks[0][3]
+
+        def freed(m):
+            return (
+                m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0
+                and m[("llm_active_sequences", "llm")] == 0
+                and m[("token2wav_active_streams", "token2wav")] == 0
+            )
+
+        metrics = await wait_metrics(pipeline, freed)
+    assert freed(metrics), metrics
+    for stat, model in [
+        ("orchestrator_cancelled_total", "cosyvoice2_stream"),
+        ("llm_cancelled_total", "llm"),
+        ("token2wav_closed_total", "token2wav"),
+    ]:
+        assert metrics[(stat, model)] == before.get((stat, model), 0) + 1, stat
+
+
+async def test_a_repeated_voice_hits_the_prompt_cache(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("First.", voice="voice-repeat"))
+        first = pipeline.metrics()
+        await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("Second.", voice="voice-repeat"))
+        second = pipeline.metrics()
+    key = ("voice_cache_hits_total", "voice_prompt")
+    assert second[key] == first[key] + 1
+    assert second[("voice_cache_misses_total", "voice_prompt")] == first[("voice_cache_misses_total", "voice_prompt")]
+
+
+async def test_invalid_input_is_reported_with_its_tag(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        with pytest.raises(InferenceServerException, match=r"\[invalid_input\].*target_text"):
+            await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("   "))
+        with pytest.raises(InferenceServerException, match=r"\[invalid_input\]"):
+            await stream(client, synthesis_inputs("   "))
