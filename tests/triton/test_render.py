@@ -1,0 +1,131 @@
+"""Render tool: option errors, idempotence, safe re-render, the TensorRT-LLM config's structure."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from triton_repo import contract
+from triton_repo.render import (
+    MARKER,
+    RenderError,
+    RenderOptions,
+    check_trtllm_config,
+    main,
+    render_repository,
+    write_repository,
+)
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def fake_trtllm_inputs(tmp_path: Path, max_batch_size: int = 32, max_seq_len: int = 4096) -> tuple[Path, Path]:
+    engine = tmp_path / "engine"
+    engine.mkdir()
+    (engine / "config.json").write_text(json.dumps({"build_config": {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}}))
+    (engine / "rank0.engine").write_bytes(b"\0")
+    llm_dir = tmp_path / "hf"
+    llm_dir.mkdir()
+    (llm_dir / "logits_bias.safetensors").write_bytes(b"\0")
+    return engine, llm_dir
+
+
+def test_render_is_idempotent_and_rerender_replaces_the_old_repository(tiny_model_dir, tmp_path):
+    options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", first_hop=10)
+    first = tree(write_repository(options))
+    assert tree(write_repository(options)) == first  # same options, byte-identical
+    assert {name.split("/")[0] for name in first} >= {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "llm", "token2wav"}
+    write_repository(replace(options, first_hop=20, instances={contract.STREAMING_MODEL: 3}))
+    changed = tree(tmp_path / "repo")
+    assert changed != first and b'string_value: "20"' in changed["token2wav/config.pbtxt"]
+    assert b"count: 3" in changed[f"{contract.STREAMING_MODEL}/config.pbtxt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no staging or backup left behind
+
+
+def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_model_dir, tmp_path):
+    repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo"))
+    configs = {}
+    for path in repo.glob("*/config.pbtxt"):
+        config = model_config_pb2.ModelConfig()
+        text_format.Parse(path.read_text(), config)
+        configs[config.name] = config
+    assert configs[contract.OFFLINE_MODEL].model_transaction_policy.decoupled is False
+    assert configs[contract.STREAMING_MODEL].model_transaction_policy.decoupled is True
+    assert [t.name for t in configs[contract.OFFLINE_MODEL].input] == [s.name for s in contract.INPUTS]
+    assert configs["audio_tokenizer"].dynamic_batching is not None and configs["audio_tokenizer"].max_batch_size > 0
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"llm_backend": "vllm"}, "--llm-backend"),
+        ({"dtype": "bf16"}, "needs --device cuda"),
+        ({"first_hop": 2}, "--first-hop must be >= 4"),
+        ({"max_batch": 0}, "--max-batch must be >= 1"),
+        ({"instances": {"token2wav": 2}}, "per-request state"),
+        ({"instances": {"nope": 1}}, "only cosyvoice2"),
+        ({"layout": "disaggregated"}, "needs --device cuda"),
+        ({"llm_backend": "tensorrt_llm", "device": "cuda"}, "needs --engine-dir"),
+    ],
+)
+def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):
+    with pytest.raises(RenderError, match=message):
+        write_repository(replace(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo"), **change))
+    assert not (tmp_path / "repo").exists()
+
+
+def test_missing_model_files_and_foreign_output_dirs_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(RenderError, match="lacks flow.pt"):
+        empty = tmp_path / "empty_model"
+        empty.mkdir()
+        for name in ("llm.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN"):
+            (empty / name).touch()
+        write_repository(RenderOptions(model_dir=empty, out=tmp_path / "repo"))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(RenderError, match="not rendered by this tool"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=foreign))
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
+def test_cli_reports_errors_and_renders(tiny_model_dir, tmp_path, capsys):
+    assert main(["--model-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "r")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "r"), "--instances", "cosyvoice2=2"]) == 0
+    assert (tmp_path / "r" / MARKER).is_file()
+
+
+def test_tensorrt_llm_config_is_complete_and_consistent(tiny_model_dir, tmp_path):
+    engine, llm_dir = fake_trtllm_inputs(tmp_path)
+    repo = render_repository(
+        tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine,
+        max_batch=16, max_seq_len=2048,
+    )  # fmt: skip
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((repo / "llm" / "config.pbtxt").read_text(), config)
+    assert config.backend == "tensorrtllm" and config.model_transaction_policy.decoupled
+    assert check_trtllm_config(config) == []
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["max_tokens_in_paged_kv_cache"] == str(16 * 2048) and params["gpt_model_path"] == str(engine.resolve())
+    assert {"embedding_bias", "stop_words_list", "min_length", "random_seed", "stop"} <= {t.name for t in config.input}
+    orchestrator = (repo / contract.OFFLINE_MODEL / "config.pbtxt").read_text()
+    assert str((llm_dir / "logits_bias.safetensors").resolve()) in orchestrator
+    # the checker catches the upstream mistakes
+    config.parameters["max_tokens_in_paged_kv_cache"].string_value = "2560"
+    config.model_transaction_policy.decoupled = False
+    errors = " ".join(check_trtllm_config(config))
+    assert "KV pool 2560" in errors and "decoupled" in errors
+
+
+def test_tensorrt_llm_limits_are_checked_against_the_engine(tiny_model_dir, tmp_path):
+    engine, llm_dir = fake_trtllm_inputs(tmp_path, max_batch_size=8)
+    with pytest.raises(RenderError, match="exceeds the engine's max_batch_size 8"):
+        render_repository(tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine)
