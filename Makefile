@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 run: venv
-	$(PY) -m gateway
+	$(PY) -m triton_repo.stack
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
