@@ -4,6 +4,7 @@ tritonserver, speech with the openai SDK, deletion, auth."""
 from __future__ import annotations
 
 import io
+import json
 
 import av
 import numpy as np
@@ -65,6 +66,8 @@ def test_uploaded_voice_is_listed_spoken_with_and_deleted(voice_gateway, standin
     assert (rate, channels) == (16_000, 1)
     assert CLIP_SECONDS - 0.01 <= samples.size / rate <= CLIP_SECONDS + 0.2  # codec priming/padding
     assert dominant_frequency(samples, rate) == pytest.approx(FUNDAMENTAL_HZ, abs=3)
+    metadata = json.loads((voice_gateway.settings.uploaded_voices_dir / f"{voice_id}.json").read_text())
+    assert (metadata["name"], metadata["transcript"], metadata["consent"]) == (name, transcript, "cons_1234")
 
     # The upload prepared the voice in the pipeline (empty target text)...
     [warmup] = [r for r in standin_backend.requests() if r["voice_id"] == voice_id]
