@@ -15,7 +15,7 @@ import math
 import time
 import unicodedata
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -73,7 +73,9 @@ def validate_name(raw: str | None) -> str:
         )
     if name.casefold().startswith(RESERVED_NAME_PREFIX):
         raise _invalid(
-            f"Voice names starting with '{RESERVED_NAME_PREFIX}' are reserved for voice ids.", "name", "invalid_voice_name"
+            f"Voice names starting with '{RESERVED_NAME_PREFIX}' are reserved for voice ids.",
+            "name",
+            "invalid_voice_name",
         )
     return name
 
@@ -143,7 +145,6 @@ class VoiceLibrary:
         *,
         max_upload_bytes: int,
         warmup_timeout_s: float,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         self._registry = registry
         self._store = store
@@ -151,7 +152,6 @@ class VoiceLibrary:
         self._metrics = metrics
         self._max_upload_bytes = max_upload_bytes
         self._warmup_timeout_s = warmup_timeout_s
-        self._clock = clock
         # Serializes "is the name free? -> store -> register" across concurrent uploads and deletions.
         self._lock = asyncio.Lock()
 
@@ -181,7 +181,9 @@ class VoiceLibrary:
         consent = validate_consent(upload.consent)
         self._check_name_free(name)
         if upload.audio is None:
-            raise _invalid("Attach the recording as the 'audio_sample' file.", AUDIO_PARAM, "missing_required_parameter")
+            raise _invalid(
+                "Attach the recording as the 'audio_sample' file.", AUDIO_PARAM, "missing_required_parameter"
+            )
         if upload.audio_bytes > self._max_upload_bytes:
             raise _invalid(
                 f"The audio sample is larger than the limit of {self._max_upload_bytes} bytes.",
@@ -194,7 +196,7 @@ class VoiceLibrary:
             name=name,
             transcript=transcript,
             samples=samples,
-            created_at=int(self._clock()),
+            created_at=int(time.time()),
             uploaded=True,
             consent=consent,
         )

@@ -62,7 +62,11 @@ class VoiceStore:
             "sample_rate": REFERENCE_SAMPLE_RATE,
             "samples": int(voice.samples.size),
         }
-        self._commit(metadata_path, json.dumps(metadata, ensure_ascii=False, indent=1).encode())
+        try:
+            self._commit(metadata_path, json.dumps(metadata, ensure_ascii=False, indent=1).encode())
+        except BaseException:
+            audio_path.unlink(missing_ok=True)  # a failed (not crashed) upload cleans up at once
+            raise
 
     def _commit(self, metadata_path: Path, content: bytes) -> None:
         self._write_atomically(metadata_path, content)

@@ -92,7 +92,8 @@ class VoiceRegistry:
     """Voices by name and by id (case-insensitive), plus aliases such as the OpenAI voice names.
 
     Shipped voices come first; an uploaded voice whose name was taken meanwhile (a shipped voice
-    added later) stays reachable by its id. Mutated only from the event loop (uploads and deletions), so lookups need no lock.
+    added later) stays reachable by its id. Mutated only from the event loop (uploads and
+    deletions), so lookups need no lock.
     """
 
     def __init__(self, voices: list[Voice], aliases: dict[str, str] | None = None) -> None:

@@ -142,3 +142,21 @@ def test_upload_while_triton_is_down_is_kept_and_prepared_by_the_first_speech(
     [second] = standin_backend.requests_tagged("zqpatientsecond")
     assert first["voice_id"] == second["voice_id"] == voice
     assert (first["voice_cached"], second["voice_cached"]) == (False, True)  # a miss computes, then hits
+
+
+def test_a_failed_write_stores_and_registers_nothing(standin_backend, gateway_factory, tmp_path, monkeypatch):
+    gateway = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
+
+    def disk_full(self, path, content):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(VoiceStore, "_commit", disk_full)
+    with gateway.http() as http:
+        response = upload(http, name="unlucky", audio=make_clip("wav", 1.5))
+        assert response.status_code == 500
+        assert response.json()["error"]["type"] == "server_error"
+        assert "unlucky" not in names(gateway)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    with gateway.http() as http:
+        assert upload(http, name="unlucky", audio=make_clip("wav", 1.5)).status_code == 200

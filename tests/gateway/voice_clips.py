@@ -81,9 +81,11 @@ def upload(
     **fields: str,
 ) -> httpx.Response:
     """``POST /v1/audio/voices`` as a multipart form (fields that are None are left out)."""
+    text_fields = {"name": name, "transcript": transcript, **fields}
+    # (None, value) is a plain form field, so the body is multipart even without a file.
     parts: dict[str, tuple[str | None, bytes | str] | tuple[str, bytes, str]] = {
-        key: (None, value) for key, value in {"name": name, "transcript": transcript, **fields}.items() if value is not None
-    }  # (None, value): a plain form field, so the body is multipart even without a file
+        key: (None, value) for key, value in text_fields.items() if value is not None
+    }
     if audio is not None:
         parts["audio_sample"] = (filename, audio, content_type)
     return http.post("/v1/audio/voices", files=parts)
