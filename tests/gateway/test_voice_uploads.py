@@ -45,6 +45,7 @@ def test_uploaded_voice_is_listed_spoken_with_and_deleted(voice_gateway, standin
     name = f"Clip {fmt.upper()}"
     transcript = f"This is the {fmt} reference clip, spoken slowly."
     uploads_before = voice_gateway.metric("tts_voice_uploads_total")
+    warmups_before = voice_gateway.metric("tts_voice_warmups_total", {"outcome": "ok"})
     with voice_gateway.http() as http:
         response = upload(
             http, name=name, audio=make_clip(fmt, CLIP_SECONDS), transcript=transcript,
@@ -60,6 +61,7 @@ def test_uploaded_voice_is_listed_spoken_with_and_deleted(voice_gateway, standin
         assert http.get(f"/v1/audio/voices/{voice_id}").json() == created
         assert http.get(f"/v1/audio/voices/{name.lower()}").json() == created  # names are case-insensitive
     assert voice_gateway.metric("tts_voice_uploads_total") == uploads_before + 1
+    assert voice_gateway.metric("tts_voice_warmups_total", {"outcome": "ok"}) == warmups_before + 1
 
     # Converted once to 16 kHz mono and kept: the voiced signal's pitch and length survive.
     samples, rate, channels = stored_wav(voice_gateway, voice_id)
@@ -100,6 +102,7 @@ def test_uploaded_voice_is_listed_spoken_with_and_deleted(voice_gateway, standin
     with voice_gateway.http() as http:
         deleted = http.delete(f"/v1/audio/voices/{voice_id}")
         assert deleted.json() == {"id": voice_id, "object": "audio.voice.deleted", "deleted": True}
+        assert voice_gateway.metric("tts_voice_deletions_total") >= 1
         missing = http.get(f"/v1/audio/voices/{voice_id}")
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "voice_not_found"
