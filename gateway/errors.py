@@ -46,10 +46,6 @@ class InvalidRequest(ApiError):
     default_code = "invalid_value"
 
 
-class VoiceNotFound(InvalidRequest):
-    default_code = "voice_not_found"
-
-
 class Unauthorized(ApiError):
     status = 401
     type = "invalid_request_error"
@@ -64,6 +60,10 @@ class NotFound(ApiError):
 
 class ModelNotFound(NotFound):
     default_code = "model_not_found"
+
+
+class VoiceNotFound(NotFound):
+    default_code = "voice_not_found"
 
 
 class Forbidden(ApiError):

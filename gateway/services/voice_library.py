@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, NotFound
+from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, NotFound, VoiceNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import Voice, VoiceRegistry, decode_to_reference, voice_id
@@ -172,7 +172,7 @@ class VoiceLibrary:
     def get(self, key: str) -> Voice:
         voice = self._registry.find(key)
         if voice is None:
-            raise NotFound(f"Voice '{key}' not found.", param="voice_id", code="voice_not_found")
+            raise VoiceNotFound(f"Voice '{key}' not found.", param="voice_id")
         return voice
 
     async def create(self, upload: VoiceUpload) -> Voice:
