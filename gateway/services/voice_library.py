@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, NotFound, VoiceNotFound
+from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, VoiceNotFound
 from gateway.metrics import GatewayMetrics
 from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import Voice, VoiceRegistry, decode_to_reference, voice_id
