@@ -8,8 +8,9 @@ are cast to the requested dtype; HiFT and the ONNX frontend stay fp32, as upstre
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -27,6 +28,8 @@ FLOW_FILE = "flow.pt"
 HIFT_FILE = "hift.pt"
 REQUIRED_FILES = (LLM_FILE, FLOW_FILE, HIFT_FILE, CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
 _MAX_LISTED = 10
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                   "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_")
 
 
 class CheckpointMismatchError(ValueError):
@@ -69,8 +72,24 @@ def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) 
     module.load_state_dict(state, strict=True, assign=True)
 
 
+@contextmanager
+def _meta_without_init() -> Iterator[None]:
+    """Build modules on the meta device without running their random init (the checkpoint replaces every
+    parameter anyway). Skipping it also avoids `normal_` on meta tensors, which imports torch._dynamo and fails
+    wherever a stray `triton` package shadows the real one (our tests/triton under pytest)."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def load_llm(path: Path, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> CosyVoice2LM:
-    with torch.device("meta"):
+    with _meta_without_init():
         llm = CosyVoice2LM(config.llm)
     load_into(llm, read_checkpoint(path), path)
     llm.to(device=device, dtype=dtype)
@@ -80,7 +99,7 @@ def load_llm(path: Path, config: EngineConfig, device: torch.device, dtype: torc
 
 
 def load_flow(path: Path, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> CausalFlow:
-    with torch.device("meta"):
+    with _meta_without_init():
         flow = CausalFlow(config.flow)  # its fixed CFM noise is still created on the CPU (not in the file)
     load_into(flow, read_checkpoint(path), path)
     return flow.to(device=device, dtype=dtype).eval()
