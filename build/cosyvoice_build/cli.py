@@ -23,7 +23,8 @@ _TRT_DEFAULTS = TrtllmOptions()
 
 
 def _env(option: str, default: object) -> object:
-    return os.environ.get(ENV_PREFIX + option.upper().replace("-", "_"), default)
+    """``COSYVOICE_<OPTION>``; empty counts as unset (compose passes ``${VAR:-}`` as an empty string)."""
+    return os.environ.get(ENV_PREFIX + option.upper().replace("-", "_")) or default
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("llm-backend", _DEFAULTS.llm_backend, choices=get_args(LLMBackend))
     opt("triton-layout", _DEFAULTS.triton_layout, choices=get_args(TritonLayout))
     opt("hf-dtype", _DEFAULTS.hf_dtype, choices=["float32", "bfloat16", "float16"])
+    opt("triton-device", None, choices=["cpu", "cuda"], help="device of the PyTorch models in Triton (default: render's)")
+    opt("triton-dtype", None, choices=["fp32", "fp16", "bf16"], help="their precision (default: render's, fp32)")
     opt("trt-dtype", _TRT_DEFAULTS.dtype, choices=["bfloat16", "float16"])
     opt("trt-weight-only", _TRT_DEFAULTS.weight_only, choices=["none", "int8", "int4"])
     for name in ("tp_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len"):
@@ -70,6 +73,8 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         llm_backend=args.llm_backend,
         triton_layout=args.triton_layout,
         hf_dtype=args.hf_dtype,
+        triton_device=args.triton_device,
+        triton_dtype=args.triton_dtype,
         trtllm=trt,
         smoke_text=args.smoke_text,
         smoke_url=args.smoke_url,

@@ -59,6 +59,10 @@ class BuildSettings:
     llm_backend: LLMBackend = "trtllm"
     triton_layout: TritonLayout = "single"
     hf_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    #: Where/in which precision Triton runs the PyTorch models; None: the render tool's default
+    #: (cuda for TensorRT-LLM or disaggregated, otherwise cpu; fp32).
+    triton_device: Literal["cpu", "cuda"] | None = None
+    triton_dtype: Literal["fp32", "fp16", "bf16"] | None = None
     trtllm: TrtllmOptions = field(default_factory=TrtllmOptions)
     smoke_text: str = "Hello, this is a smoke test of the speech pipeline."
     smoke_url: str | None = None  # an already running Triton (gRPC host:port); None: start one

@@ -1,10 +1,10 @@
 """The one place that calls the Triton repository render tool of ``triton_repo`` (owned by that package).
 
-Assumed interface (adjust here, and only here, if the tool differs): ``triton_repo.render.render_repository``
-called with keyword arguments ``output_dir``, ``model_dir`` (CosyVoice2 weights), ``llm_backend``
-("trtllm" | "torch"), ``llm_dir`` (our HF checkpoint: tokenizer, logits bias, vocabulary layout), ``engine_dir``
-(TensorRT-LLM engine, None for the torch backend) and ``layout`` ("single" | "disaggregated"); it writes the
-repository into ``output_dir``.
+Interface: ``triton_repo.render.render_repository`` with keyword arguments ``output_dir``, ``model_dir``
+(CosyVoice2 weights), ``llm_backend`` ("trtllm" | "torch"), ``llm_dir`` (our HF checkpoint: logits bias,
+vocabulary layout), ``engine_dir`` (TensorRT-LLM engine; None for the torch backend), ``layout`` ("single" |
+"disaggregated": one repository, LLM on the container's cuda:0, the rest on cuda:1) and render options: ``device``,
+``dtype``, and for TensorRT-LLM the engine's ``max_batch``/``max_seq_len`` (the KV cache is sized from them).
 """
 
 from __future__ import annotations
@@ -21,14 +21,22 @@ RENDER_FUNCTION = "render_repository"
 
 
 def render_arguments(settings: BuildSettings) -> dict[str, object]:
-    return {
+    trtllm = settings.llm_backend == "trtllm"
+    arguments: dict[str, object] = {
         "output_dir": settings.triton_repo_dir,
         "model_dir": settings.weights_dir,
         "llm_backend": settings.llm_backend,
-        "llm_dir": settings.hf_llm_dir,
-        "engine_dir": settings.engine_dir if settings.llm_backend == "trtllm" else None,
+        "llm_dir": settings.hf_llm_dir if trtllm else None,
+        "engine_dir": settings.engine_dir if trtllm else None,
         "layout": settings.triton_layout,
     }
+    if trtllm:  # serve exactly the shapes the engine was built for
+        arguments.update(max_batch=settings.trtllm.max_batch_size, max_seq_len=settings.trtllm.max_seq_len)
+    if settings.triton_device is not None:
+        arguments["device"] = settings.triton_device
+    if settings.triton_dtype is not None:
+        arguments["dtype"] = settings.triton_dtype
+    return arguments
 
 
 def render_triton_repository(settings: BuildSettings) -> Path:
@@ -44,5 +52,8 @@ def render_triton_repository(settings: BuildSettings) -> Path:
         inspect.signature(render).bind(**arguments)
     except TypeError as exc:
         raise StageError(f"{RENDER_MODULE}.{RENDER_FUNCTION} does not take {sorted(arguments)}: {exc}") from exc
-    render(**arguments)
+    try:
+        render(**arguments)
+    except (ValueError, TypeError) as exc:  # RenderError (a ValueError) names each refused option or input
+        raise StageError(str(exc)) from exc
     return settings.triton_repo_dir

@@ -20,19 +20,29 @@ MICRO_BASE_VOCAB = 492
 
 
 
-def _hide_tests_triton_namespace() -> None:
-    """tests/conftest.py puts tests/ on sys.path, where the folder tests/triton/ passes for the `triton` compiler
-    package that torch._dynamo probes when transformers imports a model class (then fails on `triton.language`).
-    Make `import triton` fail as it does on a machine without the compiler, only when that folder is what it finds."""
+def _import_torch_compiler_probes_without_tests_triton() -> None:
+    """tests/conftest.py puts tests/ on sys.path, where the test package tests/triton/ passes for the `triton`
+    compiler that torch._dynamo probes once, at import, when transformers loads a model class (it then fails on
+    `triton.language`). Import those modules while `import triton` fails as on a machine without the compiler,
+    then put the test package back so its own tests still import."""
     spec = importlib.util.find_spec("triton")
     tests_dir = REPO_ROOT / "tests"
-    if spec is not None and spec.origin is None and all(
-        Path(location).resolve().is_relative_to(tests_dir) for location in spec.submodule_search_locations or []
-    ):
-        sys.modules["triton"] = None  # type: ignore[assignment]
+    locations = [spec.origin] if spec is not None and spec.origin else list(spec.submodule_search_locations or []) if spec else []
+    if not locations or not all(Path(p).resolve().is_relative_to(tests_dir) for p in locations):
+        return
+    saved = sys.modules.get("triton")
+    sys.modules["triton"] = None  # type: ignore[assignment]
+    try:
+        import torch._dynamo  # noqa: F401
+        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
+    finally:
+        if saved is None:
+            del sys.modules["triton"]
+        else:
+            sys.modules["triton"] = saved
 
 
-_hide_tests_triton_namespace()
+_import_torch_compiler_probes_without_tests_triton()
 requires_parity = pytest.mark.skipif(not (MICRO_DIR / "llm.pt").exists(), reason=f"parity data absent ({MICRO_DIR})")
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from cosyvoice_build import smoke, triton_render
 from cosyvoice_build.pipeline import StageError
-from cosyvoice_build.settings import BuildSettings
+from cosyvoice_build.settings import BuildSettings, TrtllmOptions
 from triton_repo import contract
 
 
@@ -56,17 +56,32 @@ def test_render_tool_missing_stops_the_stage(monkeypatch: pytest.MonkeyPatch, tm
 def test_render_adapter_passes_the_build_outputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     calls = []
 
-    def render_repository(*, output_dir, model_dir, llm_backend, llm_dir, engine_dir, layout):
-        calls.append(dict(output_dir=output_dir, model_dir=model_dir, llm_backend=llm_backend, llm_dir=llm_dir, engine_dir=engine_dir, layout=layout))
+    def render_repository(output_dir, model_dir, llm_backend="pytorch", llm_dir=None, engine_dir=None, layout="single", **options):
+        calls.append(dict(output_dir=output_dir, model_dir=model_dir, llm_backend=llm_backend, llm_dir=llm_dir, engine_dir=engine_dir, layout=layout, **options))
 
     fake_render_module(monkeypatch, render_repository)
-    settings = BuildSettings(work_dir=tmp_path, model_source="local", model_dir=tmp_path / "weights")
+    trt = TrtllmOptions(max_batch_size=8, max_seq_len=2048, max_input_len=1024)
+    settings = BuildSettings(work_dir=tmp_path, model_source="local", model_dir=tmp_path / "weights", trtllm=trt)
     assert triton_render.render_triton_repository(settings) == tmp_path / "triton_repo" / "trtllm_single"
-    torch_settings = BuildSettings(work_dir=tmp_path, llm_backend="torch")
+    torch_settings = BuildSettings(work_dir=tmp_path, llm_backend="torch", triton_device="cuda", triton_dtype="bf16")
     triton_render.render_triton_repository(torch_settings)
-    assert calls[0]["model_dir"] == tmp_path / "weights"
-    assert calls[0]["engine_dir"] == settings.engine_dir and calls[0]["llm_dir"] == settings.hf_llm_dir
-    assert calls[1]["engine_dir"] is None and calls[1]["output_dir"] == tmp_path / "triton_repo" / "torch_single"
+    trt_call, torch_call = calls
+    assert trt_call["model_dir"] == tmp_path / "weights" and trt_call["llm_backend"] == "trtllm"
+    assert trt_call["engine_dir"] == settings.engine_dir and trt_call["llm_dir"] == settings.hf_llm_dir
+    assert (trt_call["max_batch"], trt_call["max_seq_len"]) == (8, 2048)  # the shapes the engine was built for
+    assert "device" not in trt_call  # left to the render tool's default
+    assert torch_call["engine_dir"] is None and torch_call["llm_dir"] is None
+    assert (torch_call["device"], torch_call["dtype"]) == ("cuda", "bf16")
+    assert torch_call["output_dir"] == tmp_path / "triton_repo" / "torch_single"
+
+
+def test_render_tool_refusal_is_a_stage_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def render_repository(**arguments):
+        raise ValueError("cannot render the Triton repository: --engine-dir holds no TensorRT-LLM engine")
+
+    fake_render_module(monkeypatch, render_repository)
+    with pytest.raises(StageError, match="holds no TensorRT-LLM engine"):
+        triton_render.render_triton_repository(BuildSettings(work_dir=tmp_path))
 
 
 def test_render_tool_with_another_signature_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -98,3 +113,20 @@ def test_smoke_test_reports_a_failing_model(standin_settings: BuildSettings) -> 
     failing = replace(standin_settings, smoke_text="failstart please")  # the stand-in errors on this word
     with pytest.raises(StageError, match=f"request to {contract.OFFLINE_MODEL}"):
         smoke.run_smoke_test(failing)
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_cli_builds_renders_and_smoke_tests_a_tiny_model_end_to_end(tmp_path: Path) -> None:
+    """Every stage with the real render tool and tritonserver: tiny random model, PyTorch LLM backend, CPU."""
+    pytest.importorskip("triton_repo.render")
+    from cosyvoice2.testing import write_tiny_model
+    from cosyvoice_build import cli
+
+    model_dir = write_tiny_model(tmp_path / "tiny")
+    args = ["--work-dir", str(tmp_path / "work"), "--model-source", "local", "--model-dir", str(model_dir)]
+    args += ["--llm-backend", "torch", "--triton-device", "cpu", "--smoke-text", "Hi."]
+    assert cli.main(args) == 0
+    log = (tmp_path / "work" / ".build" / "logs" / "build.log").read_text()
+    assert "[render] done" in log and "smoke test:" in log and "[smoke] done" in log
+    assert (tmp_path / "work" / "triton_repo" / "torch_single" / contract.OFFLINE_MODEL / "config.pbtxt").is_file()

@@ -184,3 +184,16 @@ def test_engine_without_metadata_is_refused(tmp_path: Path) -> None:
     (tmp_path / BUILD_META_FILE).write_text(json.dumps({"format": 99}))
     with pytest.raises(EngineIncompatibleError, match="format 99"):
         check_engine_compatible(tmp_path, H200)
+
+
+def test_check_engine_command_refuses_a_foreign_engine(engine_dir: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    from cosyvoice_build import check_engine
+
+    settings = BuildSettings(work_dir=tmp_path / "work")
+    settings.engine_dir.mkdir(parents=True)
+    (settings.engine_dir / BUILD_META_FILE).write_text((engine_dir / BUILD_META_FILE).read_text())
+    monkeypatch.setattr(RuntimeInfo, "detect", classmethod(lambda cls: H200))
+    assert check_engine.main(["--work-dir", str(settings.work_dir)]) == 0
+    monkeypatch.setattr(RuntimeInfo, "detect", classmethod(lambda cls: replace(H200, gpu_name="NVIDIA A10G", compute_capability="8.6")))
+    assert check_engine.main(["--work-dir", str(settings.work_dir)]) == 1
+    assert "GPU model" in capsys.readouterr().err
