@@ -17,4 +17,5 @@ RUN python3 -m pip install ".[engine]"
 ENV COSYVOICE_WORK_DIR=/models
 VOLUME ["/models"]
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository=/models/triton_repo/trtllm_single"]
+# Refuse an engine built for another GPU or TensorRT-LLM version before serving it (compose uses the same command).
+CMD ["sh", "-c", "python3 -m cosyvoice_build.check_engine && exec tritonserver --model-repository=/models/triton_repo/trtllm_single"]
