@@ -118,3 +118,21 @@ def test_package_import_is_torch_free_and_lazy() -> None:
     code = ("import sys, cosyvoice2; assert 'torch' not in sys.modules, 'torch imported'; "
             "cosyvoice2.load; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
+
+
+PARITY_MICRO = REPO_ROOT.parent / "shared" / "data" / "parity" / "micro"
+
+
+@pytest.mark.skipif(not PARITY_MICRO.is_dir(), reason="shared parity data not available")
+@pytest.mark.parametrize("name", ["llm.pt", "flow.pt", "hift.pt"])
+def test_tiny_checkpoints_have_the_official_keys_and_shapes(tiny_model_dir: Path, name: str) -> None:
+    # the parity micro files were written by the upstream reference code at the same dimensions
+    ours = torch.load(tiny_model_dir / name, weights_only=True)
+    reference = torch.load(PARITY_MICRO / name, weights_only=True)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in reference.items()}
+
+
+def test_tiny_llm_checkpoint_ties_lm_head_to_the_text_embedding(tiny_model_dir: Path) -> None:
+    state = torch.load(tiny_model_dir / "llm.pt", weights_only=True)
+    head, embed = state["llm.model.lm_head.weight"], state["llm.model.model.embed_tokens.weight"]
+    assert head.untyped_storage().data_ptr() == embed.untyped_storage().data_ptr()
