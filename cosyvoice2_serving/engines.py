@@ -2,6 +2,7 @@
 
 * `build_decode_request` - the flat LLM inputs (TensorRT-LLM layout) -> the engine's `DecodeRequest`,
   so the PyTorch LLM model takes the same tensors as the TensorRT-LLM model.
+* `GraphedDecodeStep` - CUDA-graph replay of the batched decoder's step forward (GPU).
 * `BatchedToken2Wav` - `Token2WavEngine` over `cosyvoice2.streaming`: the flow of jobs with equal shapes
   runs as one batched forward; HiFT, its caches and its noise stay per stream (so a seeded request
   sounds the same whether or not it was batched).
@@ -66,6 +67,44 @@ def build_decode_request(
         max_token_text_ratio=(max_tokens + 0.5) / n,
     )
     return DecodeRequest(text=text.tolist(), prompt_speech_tokens=speech.tolist(), sampling=sampling)
+
+
+class GraphedDecodeStep:
+    """Stands in for the LLM module inside `BatchedDecoder`: its per-step forward (``[slots, 1]`` at per-slot
+    positions over the static KV cache, fixed shapes) is captured once as a CUDA graph and replayed, so a
+    step costs one launch instead of hundreds; every other attribute (prefill, embeddings) is the model's.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._output: torch.Tensor | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        if self._graph is None:
+            self._capture(embeds, positions, cache)
+        assert self._inputs is not None and self._graph is not None and self._output is not None
+        self._inputs[0].copy_(embeds)
+        self._inputs[1].copy_(positions)
+        self._graph.replay()
+        return self._output
+
+    def _capture(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> None:
+        self._inputs = (embeds.clone(), positions.clone())
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, kernel selection); a step is idempotent
+            for _ in range(2):
+                self._model(*self._inputs, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._output = self._model(*self._inputs, cache)
+        self._graph = graph
 
 
 # -- token2wav -------------------------------------------------------------------------------------

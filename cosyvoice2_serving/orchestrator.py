@@ -12,6 +12,7 @@ so no per-request state outlives the request anywhere in the pipeline.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
@@ -22,6 +23,10 @@ from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.stats import Stats
 from triton_repo import contract
+
+logger = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 10.0
 
 ORCHESTRATOR_STATS = (
     "orchestrator_active_requests",
@@ -346,8 +351,13 @@ class _Run:
             jobs.append(self.clients.token2wav_close(self.request_id))
         self.llm_running = self.stream_open = False
         if jobs:
-            # Shielded: this also runs while the request's task is being cancelled.
-            await asyncio.shield(asyncio.gather(*jobs, return_exceptions=True))
+            # Shielded: this also runs while the request's task is being cancelled. Bounded: a stuck
+            # downstream model must not keep the request (and its client's final response) forever.
+            cleanup = asyncio.gather(*jobs, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(cleanup), RELEASE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("request %s: releasing its LLM/token2wav state timed out", self.request_id)
 
 
 async def run_until_cancelled(

@@ -235,6 +235,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
                     "max_batch": opts.max_batch,
                     "max_seq_len": opts.max_seq_len,
                     "max_waiting": opts.max_waiting,
+                    "cuda_graphs": str(opts.device == "cuda").lower(),
                 }
             ),
         )

@@ -25,6 +25,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 #: Blocking BLS stream iteration runs here, never on the stub's event loop (it would stall every request).
 _BLS_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="bls")
+_IN_FLIGHT: set[asyncio.Task] = set()
 
 
 def model_config(args: Mapping[str, str]) -> dict[str, Any]:
@@ -67,7 +68,9 @@ def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]
     """
     loop = asyncio.get_running_loop()
     for request in requests:
-        loop.create_task(_serve_one(request, handle))
+        task = loop.create_task(_serve_one(request, handle))
+        _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
+        task.add_done_callback(_IN_FLIGHT.discard)
 
 
 async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> None:
