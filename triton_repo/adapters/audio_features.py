@@ -11,14 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, SpeakerEncoder, SpeechTokenizer
+from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, SpeakerEncoder, SpeechTokenizer, default_providers
 from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
 from triton_repo import contract, internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
 
 
 def _providers(device: str) -> list[str]:
-    return ["CUDAExecutionProvider", "CPUExecutionProvider"] if device.startswith("cuda") else ["CPUExecutionProvider"]
+    return default_providers() if device.startswith("cuda") else ["CPUExecutionProvider"]
 
 
 class _AudioModel:
