@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -80,13 +81,21 @@ class GraphedDecodeStep:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._output: torch.Tensor | None = None
+        self._failed = False
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
     def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        if self._failed:
+            return self._model(embeds, positions, cache)
         if self._graph is None:
-            self._capture(embeds, positions, cache)
+            try:
+                self._capture(embeds, positions, cache)
+            except Exception:  # noqa: BLE001 - graphs are an optimisation: run eagerly instead
+                logging.getLogger(__name__).exception("CUDA graph capture failed; decoding eagerly")
+                self._failed = True
+                return self._model(embeds, positions, cache)
         assert self._inputs is not None and self._graph is not None and self._output is not None
         self._inputs[0].copy_(embeds)
         self._inputs[1].copy_(positions)
