@@ -9,6 +9,7 @@ in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process gr
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -36,11 +37,11 @@ def free_port() -> int:
 
 
 def _pytriton_dir() -> Path:
-    try:
-        import pytriton  # noqa: PLC0415 - optional dependency, only needed to launch
-    except ImportError as exc:  # pragma: no cover - depends on install
-        raise TritonLaunchError("nvidia-pytriton is not installed: pip install '.[triton]'") from exc
-    return Path(pytriton.__file__).resolve().parent / "tritonserver"
+    # Locate the wheel without importing it: only its binaries are needed, not its client's dependencies.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:  # pragma: no cover - depends on install
+        raise TritonLaunchError("nvidia-pytriton is not installed: pip install '.[triton]'")
+    return Path(next(iter(spec.submodule_search_locations))).resolve() / "tritonserver"
 
 
 @dataclass
