@@ -290,12 +290,16 @@ class Orchestrator:
             start, index = 0, 0  # the streaming schedule's position
             run.llm_running = True
             async for ids in self.clients.llm(request_id, llm_request):
-                tokens.extend(self._speech_tokens(ids))
+                speech, ended = self._speech_tokens(ids)
+                tokens.extend(speech)
                 while streaming and (chunk := schedule.next_chunk(start, index, len(tokens), finished=False)):
                     audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)
                     sent, start, index = chunk.feed, chunk.stop, index + 1
                     yield AudioChunk(audio, input_tokens, len(tokens), final=False)
-            run.llm_running = False
+                if ended:
+                    break  # an end id: the utterance is complete (release() stops the sequence if it runs on)
+            else:
+                run.llm_running = False
             if not tokens:
                 audio = np.zeros(0, dtype=np.float32)
             elif streaming:
@@ -317,11 +321,22 @@ class Orchestrator:
             finally:
                 self.stats.add("orchestrator_active_requests", -1)
 
-    def _speech_tokens(self, ids: list[int]) -> list[int]:
-        """LLM ids -> speech tokens; end ids are dropped (the LLM stops on them, they are never audio)."""
+    def _speech_tokens(self, ids: list[int]) -> tuple[list[int], bool]:
+        """LLM ids -> (speech tokens before the first non-speech id, whether such an id ended the utterance).
+
+        End ids stop the utterance and are never audio. Any other non-speech id (a text id that escaped the
+        logits mask) ends it too, loudly, instead of being fed to the flow or silently skipped.
+        """
         vocab = self.config.vocab
-        speech = [i - vocab.speech_offset for i in ids]
-        return [t for t in speech if 0 <= t < vocab.speech_token_size]
+        speech: list[int] = []
+        for i in ids:
+            token = i - vocab.speech_offset
+            if not 0 <= token < vocab.speech_token_size:
+                if i not in vocab.end_ids:
+                    logger.warning("LLM produced non-speech id %d; ending the utterance there", i)
+                return speech, True
+            speech.append(token)
+        return speech, False
 
 
 @dataclass

@@ -30,7 +30,7 @@ class WordTokenizer:
 
 
 class FakeClients:
-    """LLM: `tokens` speech ids (+ offset) in batches of `batch`, then an end id; token2wav: 960 samples/token."""
+    """LLM: `tokens` speech ids (+ offset) in batches of `batch`; token2wav: 960 samples/token."""
 
     def __init__(self, tokens: list[int], batch: int = 4, hold_after: int | None = None) -> None:
         self.tokens, self.batch, self.hold_after = tokens, batch, hold_after
@@ -45,7 +45,7 @@ class FakeClients:
 
     async def llm(self, request_id, request):
         self.llm_requests.append(request)
-        ids = [t + VOCAB.speech_offset for t in self.tokens] + [VOCAB.end_ids[0]]
+        ids = [t + VOCAB.speech_offset for t in self.tokens]
         for i in range(0, len(ids), self.batch):
             if self.hold_after is not None and i >= self.hold_after:
                 await asyncio.Event().wait()  # the LLM never finishes: only a cancel ends this
@@ -118,6 +118,19 @@ async def test_llm_request_layout_limits_and_seed():
     assert (llm.min_tokens, llm.max_tokens) == (4, 40)  # 2x and 20x the 2 target tokens
     await collect(orch, request("aa bbb", seed=None), streaming=False)
     assert clients.llm_requests[0].seed != clients.llm_requests[1].seed  # no fixed seed
+
+
+async def test_ids_after_an_end_id_are_not_audio_and_the_sequence_is_stopped():
+    class RunsOn(FakeClients):
+        async def llm(self, request_id, request):
+            offset = VOCAB.speech_offset
+            yield [offset + 1, offset + 2, VOCAB.end_ids[1], offset + 3]
+            yield [offset + 4]  # a backend that keeps going after the end id
+
+    clients = RunsOn([])
+    [chunk] = await collect(orchestrator(clients), request(), streaming=False)
+    assert clients.calls[0][1] == [1, 2] and chunk.output_tokens == 2
+    assert clients.stopped == [clients.calls[0][0]]
 
 
 async def test_max_tokens_is_clamped_to_the_sequence_limit_and_impossible_prompts_are_rejected():
