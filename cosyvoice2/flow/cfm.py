@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import CFMConfig
@@ -37,9 +39,11 @@ def euler_schedule(n_timesteps: int) -> list[tuple[float, float]]:
 class CausalCFM(nn.Module):
     """Runs the estimator n_timesteps times on a (2B, ...) batch: conditional rows then unconditional rows.
 
-    For a given frame count T every estimator call has identical shapes (graph capture / compile friendly).
-    `rand_noise` is a non-persistent buffer created on CPU even under a meta-device build; it is not in the
-    state dict, so load with `assign=True` rather than `to_empty()`, which would overwrite it with garbage.
+    For a given frame count T every estimator call has identical shapes. On CUDA the whole Euler loop is replayed
+    from a CUDA graph per (batch, frame bucket, streaming) (`CFMGraphs`; the loop is launch-bound); set
+    `cuda_graphs = None` to run it eagerly. `rand_noise` is a non-persistent buffer created on CPU even under a
+    meta-device build; it is not in the state dict, so load with `assign=True` rather than `to_empty()`, which
+    would overwrite it with garbage.
     """
 
     def __init__(self, estimator: CausalUNetEstimator, config: CFMConfig, noise: Optional[torch.Tensor] = None) -> None:
@@ -48,14 +52,24 @@ class CausalCFM(nn.Module):
         self.estimator = estimator
         self.register_buffer("rand_noise", fixed_noise(config) if noise is None else noise, persistent=False)
         self.schedule = euler_schedule(config.n_timesteps)
+        self.cuda_graphs: Optional[CFMGraphs] = CFMGraphs(self)
 
     def forward(
         self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool = False
     ) -> torch.Tensor:
         """mu, cond (B, 80, T); mask (B, 1, T); spks (B, 80) -> mel (B, 80, T) float32."""
-        batch, _, frames = mu.shape
+        frames = mu.size(-1)
         if frames > self.rand_noise.size(-1):
             raise ValueError(f"flow call of {frames} frames exceeds the {self.rand_noise.size(-1)}-frame noise buffer")
+        if self.cuda_graphs is not None and mu.is_cuda:
+            return self.cuda_graphs.run(mu, mask, spks, cond, streaming)
+        return self.solve(mu, mask, spks, cond, streaming).float()
+
+    def solve(
+        self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool
+    ) -> torch.Tensor:
+        """The Euler loop in the input dtype: static shapes, no host syncs (what `CFMGraphs` captures)."""
+        batch, _, frames = mu.shape
         x = self.rand_noise[:, :, :frames].to(mu).expand(batch, -1, -1)
         mask_in = torch.cat([mask, mask])
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
@@ -68,4 +82,65 @@ class CausalCFM(nn.Module):
             velocity = self.estimator(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in, bias)
             v_cond, v_uncond = velocity[:batch], velocity[batch:]
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
-        return x.float()
+        return x
+
+
+class _CapturedSolve:
+    """One captured Euler loop: static input buffers, the graph, its output buffer."""
+
+    def __init__(self, cfm: CausalCFM, like: tuple[torch.Tensor, ...], streaming: bool, pool: object) -> None:
+        self.inputs = tuple(torch.zeros_like(t) for t in like)  # mu, mask, spks, cond
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS/cuDNN handles, lazy inits)
+            cfm.solve(*self.inputs, streaming)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = cfm.solve(*self.inputs, streaming)
+
+
+class CFMGraphs:
+    """CUDA graphs of the CFM Euler loop, captured on first use per (batch, frame bucket, streaming, dtype).
+
+    A call of T frames runs in the bucket of ceil(T / frame_bucket) * frame_bucket frames, the extra frames
+    masked out (mask 0, zero mu/cond): every estimator op is per-frame, causal, or attends only to unmasked
+    keys, so the first T output frames equal an unpadded solve. Graphs share one memory pool; replays are
+    serialised by a lock because the input/output buffers are static.
+    """
+
+    def __init__(self, cfm: CausalCFM, frame_bucket: int = 128) -> None:
+        self._cfm = [cfm]  # a list, so the module is not registered as a child (no cycle in the module tree)
+        self.frame_bucket = frame_bucket
+        self._captured: dict[tuple, _CapturedSolve] = {}
+        self._pool: object | None = None
+        self._lock = threading.Lock()
+
+    def padded_frames(self, frames: int) -> int:
+        return -(-frames // self.frame_bucket) * self.frame_bucket
+
+    def pad(
+        self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Inputs padded at the end to the frame bucket (zeros: masked frames)."""
+        extra = self.padded_frames(mu.size(-1)) - mu.size(-1)
+        return F.pad(mu, (0, extra)), F.pad(mask, (0, extra)), spks, F.pad(cond, (0, extra))
+
+    def run(
+        self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool
+    ) -> torch.Tensor:
+        cfm, frames = self._cfm[0], mu.size(-1)
+        inputs = self.pad(mu, mask, spks, cond)
+        if inputs[0].size(-1) > cfm.rand_noise.size(-1):
+            return cfm.solve(mu, mask, spks, cond, streaming).float()
+        key = (mu.device, mu.dtype, mu.size(0), inputs[0].size(-1), streaming)
+        with self._lock:
+            captured = self._captured.get(key)
+            if captured is None:
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                captured = self._captured[key] = _CapturedSolve(cfm, inputs, streaming, self._pool)
+            for static, value in zip(captured.inputs, inputs):
+                static.copy_(value)
+            captured.graph.replay()
+            return captured.output[:, :, :frames].to(torch.float32, copy=True)

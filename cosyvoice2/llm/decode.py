@@ -23,22 +23,30 @@ Rules (upstream ``Qwen2LM.inference``):
   (``prefix_length + max_len > max_seq_len``); ``required_seq_len(request)`` gives the needed length.
 - Requests may be added between any two ``step`` calls (continuous batching); each keeps its own sampling state
   and ``torch.Generator`` (seeded by ``SamplingParams.seed``), so its tokens do not depend on its neighbours.
-- ``step`` first samples every active slot from its pending log-probs (``decoder.logp[slot]``, the distribution
-  for the next token), then runs one forward of shape ``[num_slots, 1]`` at per-slot positions over the static KV
-  cache (free slots carry a dummy token at position 0, which a later prefill overwrites). The forward has static
-  shapes, so it can be captured in a CUDA graph; sampling is host-driven (one sync per active slot).
+- ``step`` samples every active slot from its pending log-probs (``decoder.logp[slot]``, the distribution for the
+  next token) and feeds the new tokens back: one forward of shape ``[rows, 1]`` at per-slot positions over the
+  static KV cache, where ``rows`` is the smallest batch bucket covering the highest active slot (free rows in
+  between carry junk that a later prefill overwrites). Sampling runs on the device for all rows at once
+  (``ras_draw``; the per-slot state lives in ``_SlotTable``), so a step costs one host sync, to read the tokens.
+- On CUDA the whole step (sampling + forward) is captured once per bucket in a CUDA graph at construction
+  (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs the same code.
 - Not thread-safe: drive one decoder from one thread.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
 from cosyvoice2.llm.model import CosyVoice2LM
-from cosyvoice2.llm.sampling import SamplingParams, make_generator, ras_sample
+from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 @dataclass(frozen=True)
@@ -80,27 +88,85 @@ class NoFreeSlotError(RuntimeError):
 
 @dataclass
 class _SlotState:
-    params: SamplingParams
-    generator: torch.Generator
-    prefix_length: int
-    min_len: int
+    """Host-side bookkeeping of one running request (what ``step`` reports needs no device reads)."""
+
     max_len: int
-    history: list[int] = field(default_factory=list)
+    emitted: int = 0
+
+
+class _SlotTable:
+    """Per-slot sampling state on the device, one row per slot, read by the batched step without host syncs.
+
+    ``uniforms[slot, i]`` are the two uniforms of the slot's i-th draw, drawn at ``add`` from the request's
+    generator; ``history[slot, :emitted]`` are its emitted ids (the RAS window reads them).
+    """
+
+    def __init__(self, num_slots: int, max_seq_len: int, device: torch.device) -> None:
+        self._ints = torch.zeros(num_slots, 5, dtype=torch.long, device=device)
+        self._floats = torch.zeros(num_slots, 2, device=device)
+        self.emitted, self.prefix_len, self.min_len, self.top_k, self.win_size = self._ints.unbind(1)
+        self.top_p, self.repeat_threshold = self._floats.unbind(1)
+        self.history = torch.zeros(num_slots, max_seq_len, dtype=torch.long, device=device)
+        self.uniforms = torch.zeros(num_slots, max_seq_len, 2, device=device)
+
+    def reset(self, slot: int, request: DecodeRequest, min_len: int, uniforms: torch.Tensor) -> None:
+        p = request.sampling
+        self._ints[slot] = torch.tensor([0, request.prefix_length, min_len, p.top_k, p.win_size])
+        self._floats[slot] = torch.tensor([p.top_p, p.win_size * p.tau_r])
+        self.uniforms[slot, : uniforms.shape[0]] = uniforms
+
+
+class _StepGraphs:
+    """One CUDA graph of the decode step per batch bucket, sharing one memory pool (replays never overlap)."""
+
+    def __init__(self, step: Callable[[int], None], buckets: Sequence[int]) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles, autotuning)
+            for rows in buckets:
+                step(rows)
+        torch.cuda.current_stream().wait_stream(side)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        for rows in buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                step(rows)
+            self._graphs[rows] = graph
+
+    def replay(self, rows: int) -> None:
+        self._graphs[rows].replay()
 
 
 class BatchedDecoder:
     """Fixed number of KV-cache slots; one ``step`` advances every active request by one token."""
 
-    def __init__(self, model: CosyVoice2LM, num_slots: int, max_seq_len: int) -> None:
+    def __init__(
+        self,
+        model: CosyVoice2LM,
+        num_slots: int,
+        max_seq_len: int,
+        cuda_graphs: bool | None = None,
+        batch_buckets: Sequence[int] = BATCH_BUCKETS,
+    ) -> None:
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = model.llm_decoder.weight.device
         self.cache = model.new_cache(num_slots, max_seq_len)
         self.logp = torch.zeros(num_slots, model.config.num_speech_classes, device=self.device)
+        self.buckets = sorted({b for b in batch_buckets if b < num_slots} | {num_slots})
+        self._table = _SlotTable(num_slots, max_seq_len, self.device)
+        self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._slots: dict[int, _SlotState] = {}
         self._eos_id = model.config.eos_id
         self._stop_ids = frozenset(model.config.stop_ids)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self._graphs: _StepGraphs | None = None
+        if cuda_graphs:
+            with torch.inference_mode():
+                self._graphs = _StepGraphs(self._advance, self.buckets)
 
     @property
     def active_slots(self) -> list[int]:
@@ -124,61 +190,109 @@ class BatchedDecoder:
         hidden = self.model.hidden(prefix, cache=self.cache, slot=slot)
         self.logp[slot] = self.model.log_probs(hidden[0, -1])
         min_len, max_len = token_limits(len(request.text), request.sampling)
-        self._slots[slot] = _SlotState(
-            params=request.sampling,
-            generator=make_generator(request.sampling.seed, self.device),
-            prefix_length=request.prefix_length,
-            min_len=min_len,
-            max_len=max_len,
-        )
+        # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
+        uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
+        self._table.reset(slot, request, min_len, uniforms.to(self.device))
+        self._slots[slot] = _SlotState(max_len=max_len)
         return slot
 
     def remove(self, slot: int) -> None:
         """Drop a request (e.g. cancelled); its slot becomes free."""
         self._slots.pop(slot, None)
 
-    def _sample(self, slot: int, state: _SlotState) -> SlotOutput:
-        if len(state.history) >= state.max_len:
-            return SlotOutput(token=None, finished=True, reason="length")
-        logp = self.logp[slot].clone()
-        if len(state.history) < state.min_len:
-            logp[self._eos_id] = float("-inf")
-        token = ras_sample(logp, state.history, state.params, state.generator)
-        if token in self._stop_ids:
-            return SlotOutput(token=None, finished=True, reason="stop")
-        state.history.append(token)
-        if len(state.history) >= state.max_len:
-            return SlotOutput(token=token, finished=True, reason="length")
-        return SlotOutput(token=token, finished=False)
+    def _advance(self, rows: int) -> None:
+        """Sample rows ``[0, rows)`` from ``logp``, record the tokens, feed them back and refresh ``logp``.
+
+        Static shapes and no host syncs: this is what the CUDA graphs capture.
+        """
+        t, r = self._table, slice(0, rows)
+        emitted, last = t.emitted[r], self.max_seq_len - 1
+        logp = self.logp[r].clone()
+        # below the minimum length the EOS id cannot be drawn
+        logp[:, self._eos_id] = torch.where(emitted < t.min_len[r], float("-inf"), logp[:, self._eos_id])
+        draw = emitted.clamp(max=last).view(rows, 1, 1).expand(rows, 1, 2)
+        uniforms = t.uniforms[r].gather(1, draw).squeeze(1)
+        tokens = ras_draw(logp, uniforms, t.history[r], emitted, t.top_p[r], t.top_k[r], t.win_size[r],
+                          t.repeat_threshold[r])
+        t.history[r].scatter_(1, emitted.clamp(max=last).unsqueeze(1), tokens.unsqueeze(1))
+        positions = (t.prefix_len[r] + emitted).clamp(max=last)  # the new token's position
+        emitted.add_(1)
+        self._tokens[r] = tokens
+        embeds = self.model.embed_speech(tokens.unsqueeze(1))
+        self.logp[r] = self.model(embeds, positions.unsqueeze(1), self.cache)[:, -1]
+
+    def _bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
 
     @torch.inference_mode()
     def step(self) -> dict[int, SlotOutput]:
         """Sample one token for every active slot, free finished slots, then feed the new tokens back."""
-        outputs = {slot: self._sample(slot, state) for slot, state in sorted(self._slots.items())}
-        tokens = [0] * self.num_slots
-        positions = [0] * self.num_slots
-        for slot, out in outputs.items():
-            if out.finished:
+        outputs: dict[int, SlotOutput] = {}
+        for slot, state in list(self._slots.items()):
+            if state.emitted >= state.max_len:  # max_len 0: finished before drawing anything
+                outputs[slot] = SlotOutput(token=None, finished=True, reason="length")
                 del self._slots[slot]
-            else:
-                state = self._slots[slot]
-                tokens[slot] = out.token
-                positions[slot] = state.prefix_length + len(state.history) - 1
         if self._slots:
-            token_ids = torch.tensor(tokens, device=self.device).view(-1, 1)
-            embeds = self.model.embed_speech(token_ids)
-            pos = torch.tensor(positions, device=self.device).view(-1, 1)
-            self.logp.copy_(self.model(embeds, pos, self.cache)[:, -1])
-        return outputs
+            rows = self._bucket(max(self._slots) + 1)
+            if self._graphs is not None:
+                self._graphs.replay(rows)
+            else:
+                self._advance(rows)
+            tokens = self._tokens[:rows].tolist()  # the step's one host sync
+            for slot, state in list(self._slots.items()):
+                outputs[slot] = self._report(slot, state, tokens[slot])
+        return dict(sorted(outputs.items()))
+
+    def _report(self, slot: int, state: _SlotState, token: int) -> SlotOutput:
+        if token in self._stop_ids:
+            del self._slots[slot]
+            return SlotOutput(token=None, finished=True, reason="stop")
+        state.emitted += 1
+        if state.emitted >= state.max_len:
+            del self._slots[slot]
+            return SlotOutput(token=token, finished=True, reason="length")
+        return SlotOutput(token=token, finished=False)
+
+
+class _SoloDecoders:
+    """Reusable one-slot decoders per model and cache size, so ``generate_tokens`` does not re-allocate the
+    cache (and re-capture CUDA graphs) for every request. Thread-safe; a decoder is lent to one request at a time."""
+
+    MIN_SEQ_LEN = 512
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: weakref.WeakKeyDictionary[CosyVoice2LM, dict[int, list[BatchedDecoder]]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @contextmanager
+    def lend(self, model: CosyVoice2LM, needed: int) -> Iterator[BatchedDecoder]:
+        capacity = max(self.MIN_SEQ_LEN, 1 << (needed - 1).bit_length())
+        with self._lock:
+            free = self._free.setdefault(model, {}).setdefault(capacity, [])
+            decoder = free.pop() if free else None
+        if decoder is None:
+            decoder = BatchedDecoder(model, num_slots=1, max_seq_len=capacity)
+        try:
+            yield decoder
+        finally:
+            for slot in decoder.active_slots:
+                decoder.remove(slot)
+            with self._lock:
+                self._free.setdefault(model, {}).setdefault(capacity, []).append(decoder)
+
+
+_SOLO_DECODERS = _SoloDecoders()
 
 
 def generate_tokens(model: CosyVoice2LM, request: DecodeRequest) -> Iterator[int]:
     """Yield one request's speech tokens as they are decoded (a one-slot ``BatchedDecoder``)."""
-    decoder = BatchedDecoder(model, num_slots=1, max_seq_len=required_seq_len(request))
-    slot = decoder.add(request)
-    while True:
-        out = decoder.step()[slot]
-        if out.token is not None:
-            yield out.token
-        if out.finished:
-            return
+    with _SOLO_DECODERS.lend(model, required_seq_len(request)) as decoder:
+        slot = decoder.add(request)
+        while True:
+            out = decoder.step()[slot]
+            if out.token is not None:
+                yield out.token
+            if out.finished:
+                return

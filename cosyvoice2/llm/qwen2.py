@@ -9,6 +9,12 @@ Two attention paths:
   and values are scattered at their absolute positions and every query attends to the whole buffer under the mask
   ``key_position <= query_position``. Shapes depend only on (batch, new tokens, max_len), never on the data, so a
   one-token decode step over all slots is CUDA-graph capturable (no ``.item()``, no data-dependent shapes).
+
+A decode step is launch-bound (a 0.5B model reads its weights in ~0.17 ms on an H200), so the code keeps the
+kernel count per layer low: one fused RMSNorm, rotary embedding as one batched matmul per tensor, one scatter per
+cache write, and GQA attention without expanding the KV heads: the ``G`` query heads that share a KV head become
+``G`` query rows of that head, so SDPA sees plain multi-head attention with a shared additive mask and can use a
+fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -68,32 +74,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as HF Qwen2 does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel on CUDA; it normalises in fp32 and applies the weight before rounding back (HF Qwen2
+        # rounds first: at most one ulp apart in bf16, identical in fp32).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
-def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[B, T, head_dim]`` for integer ``positions [B, T]`` (computed in fp32, rotate-half layout)."""
+def rotary_matrix(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rotate-half rotary embedding as a linear map: ``[B, T, head_dim, head_dim]`` for ``positions [B, T]``.
+
+    ``x @ R`` equals ``x * cos + rotate_half(x) * sin`` (two non-zero products per output), so applying it is a
+    single batched matmul instead of five elementwise kernels. Angles are computed in fp32.
+    """
+    half = head_dim // 2
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.float()[..., None] * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    angles = positions.float()[..., None] * inv_freq  # [B, T, half]
+    cos, sin = torch.diag_embed(angles.cos()), torch.diag_embed(angles.sin())
+    # out[:half] = x1 cos - x2 sin ; out[half:] = x2 cos + x1 sin   (rows index the input, columns the output)
+    top = torch.cat((cos, sin), dim=-1)
+    bottom = torch.cat((-sin, cos), dim=-1)
+    return torch.cat((top, bottom), dim=-2).to(dtype).reshape(*positions.shape, 2 * half, 2 * half)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, T, head_dim]; cos/sin: [B, T, head_dim]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
+    """x: ``[B, T, heads, head_dim]``; rotary: ``[B, T, head_dim, head_dim]`` from ``rotary_matrix``."""
+    batch, length, heads, dim = x.shape
+    out = torch.bmm(x.reshape(batch * length, heads, dim), rotary.reshape(batch * length, dim, dim))
+    return out.view(batch, length, heads, dim)
 
 
 class Qwen2Attention(nn.Module):
@@ -110,30 +117,31 @@ class Qwen2Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q = apply_rotary(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim), rotary)
+        k = apply_rotary(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim), rotary)
+        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
             key_cache, value_cache = cache
-            # Scatter the new keys/values at (row, head, position); static shapes, no host sync.
-            rows = torch.arange(batch, device=x.device).view(batch, 1, 1)
-            heads = torch.arange(self.num_kv_heads, device=x.device).view(1, -1, 1)
-            pos = positions.view(batch, 1, length)
-            key_cache.index_put_((rows, heads, pos), k)
-            value_cache.index_put_((rows, heads, pos), v)
-            out = F.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=mask, enable_gqa=True)
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
-        return self.o_proj(out)
+            # Scatter the new keys/values at their positions along the length axis; static shapes, no host sync.
+            index = positions.view(batch, 1, length, 1).expand(batch, self.num_kv_heads, length, self.head_dim)
+            key_cache.scatter_(2, index, k)
+            value_cache.scatter_(2, index, v)
+            groups = self.num_heads // self.num_kv_heads
+            # q head h uses KV head h // groups: fold each group into query rows (group-major, then time).
+            q = q.reshape(batch, self.num_kv_heads, groups * length, self.head_dim)
+            out = F.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=mask)
+            # split the rows back into (group, time) by a view (fused kernels return a transposed memory layout)
+            out = out.view(batch, self.num_kv_heads, groups, length, self.head_dim).permute(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
 class Qwen2MLP(nn.Module):
@@ -158,13 +166,12 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, mask)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -189,28 +196,36 @@ class Qwen2Model(nn.Module):
 
         inputs_embeds: ``[B, T, hidden]``. positions: ``[B, T]`` absolute positions (default ``0..T-1``).
         cache: attend through the static KV cache. ``slot`` selects one cache row for a batch of 1 (prefill);
-        ``slot=None`` means the batch covers all cache rows in order (the decode step).
+        ``slot=None`` means the batch covers the first ``B`` cache rows in order (the decode step).
         """
         batch, length, _ = inputs_embeds.shape
         if positions is None:
             positions = torch.arange(length, device=inputs_embeds.device).expand(batch, length)
-        cos, sin = rotary_cos_sin(
-            positions, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype
-        )
+        rotary = rotary_matrix(positions, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype)
         mask = None
         if cache is not None:
-            key_positions = torch.arange(cache.max_len, device=inputs_embeds.device)
-            mask = (key_positions.view(1, 1, 1, -1) <= positions.view(batch, 1, length, 1))
+            mask = self._cache_mask(positions, cache.max_len, inputs_embeds.dtype)
         x = inputs_embeds
         for index, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None:
                 keys, values = cache.keys[index], cache.values[index]
-                if slot is not None:
-                    keys, values = keys[slot : slot + 1], values[slot : slot + 1]
-                layer_cache = (keys, values)
-            x = layer(x, cos, sin, positions, layer_cache, mask)
+                rows = slice(slot, slot + 1) if slot is not None else slice(0, batch)
+                layer_cache = (keys[rows], values[rows])
+            x = layer(x, rotary, positions, layer_cache, mask)
         return self.norm(x)
+
+    def _cache_mask(self, positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``[B, 1, G*T, max_len]`` (0 where ``key_position <= query_position``, else -inf) for the
+        grouped query rows of ``Qwen2Attention``; built once per forward and shared by all layers."""
+        batch, length = positions.shape
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        key_positions = torch.arange(max_len, device=positions.device)
+        visible = key_positions.view(1, 1, -1) <= positions.view(batch, length, 1)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+        if length == 1:
+            return mask.view(batch, 1, 1, max_len)  # broadcasts over the group rows
+        return mask.unsqueeze(1).expand(batch, groups, length, max_len).reshape(batch, 1, groups * length, max_len)
 
 
 class Qwen2ForCausalLM(nn.Module):

@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Engine micro-benchmarks at the released size with random weights (no model files): LLM prefill and decode step,
+flow per call, HiFT per call, eager against CUDA graphs, and the implied streaming first-chunk latency.
+
+    PYTHONUNBUFFERED=1 python scripts/gpu_microbench.py --device cuda --dtype bf16 --json bench.json
+
+Every number is wall-clock per call with a device sync at the end (what a caller waits for), over `--repeats`
+calls after warm-up; tables give p50 / p90 / max in milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cosyvoice2.config import resolve_dtype  # noqa: E402
+from cosyvoice2.flow import CausalFlow, FlowConfig  # noqa: E402
+from cosyvoice2.hift import HiFTConfig, HiFTGenerator  # noqa: E402
+from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams  # noqa: E402
+
+PROMPT_TOKENS = 150  # prompt speech tokens (6 s of reference audio)
+TEXT_TOKENS = 50  # prompt transcript + target text tokens
+FIRST_HOP, LOOKAHEAD = 25, 3
+
+
+class Bench:
+    def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
+        self.device, self.repeats, self.warmup = device, repeats, warmup
+        self.rows: list[dict] = []
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def time(self, section: str, case: str, variant: str, fn: Callable[[], object], repeats: int | None = None) -> dict:
+        for _ in range(self.warmup):
+            fn()
+        samples = []
+        for _ in range(repeats or self.repeats):
+            self.sync()
+            start = time.perf_counter()
+            fn()
+            self.sync()
+            samples.append((time.perf_counter() - start) * 1e3)
+        samples.sort()
+        row = {"section": section, "case": case, "variant": variant, "n": len(samples),
+               "p50": statistics.median(samples), "p90": samples[int(0.9 * (len(samples) - 1))], "max": samples[-1]}
+        self.rows.append(row)
+        print(f"  {section:<8} {case:<34} {variant:<8} p50 {row['p50']:8.3f}  p90 {row['p90']:8.3f}  "
+              f"max {row['max']:8.3f} ms", flush=True)
+        return row
+
+    def p50(self, section: str, case: str, variant: str) -> float:
+        return next(r["p50"] for r in self.rows if (r["section"], r["case"], r["variant"]) == (section, case, variant))
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second (the memory ceiling)."""
+    src = torch.randn(256 * 1024 * 1024, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start)
+
+
+def count_kernels(device: torch.device, fn: Callable[[], object]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def variants(device: torch.device) -> list[tuple[str, bool]]:
+    """(name, use CUDA graphs) pairs measured on `device`."""
+    return [("eager", False), ("graph", True)] if device.type == "cuda" else [("eager", False)]
+
+
+def decode_request(index: int) -> DecodeRequest:
+    text = [1000 + (index + i) % 5000 for i in range(TEXT_TOKENS)]
+    speech = [(7 * index + 13 * i) % 6561 for i in range(PROMPT_TOKENS)]
+    # large max ratio: random weights never stop (stop ids are masked in the head), the slot keeps decoding
+    return DecodeRequest(text=text[20:], prompt_text=text[:20], prompt_speech_tokens=speech,
+                         sampling=SamplingParams(seed=index, min_token_text_ratio=0, max_token_text_ratio=40))
+
+
+def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
+    device = bench.device
+    print("LLM (Qwen2 0.5B body, static KV cache)", flush=True)
+    with torch.device(device):
+        llm = CosyVoice2LM(LLMConfig()).to(dtype).eval()
+    with torch.no_grad():
+        llm.llm_decoder.bias[list(llm.config.stop_ids)] = float("-inf")  # benchmark mode: never stop
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.named_parameters() if "embed" not in n)
+    print(f"  weights read per step: {weight_bytes / 1e6:.0f} MB", flush=True)
+
+    slots = max(batches)
+    decoders = {}
+    for variant, graphs in variants(device):
+        start = time.perf_counter()
+        decoders[variant] = BatchedDecoder(llm, num_slots=slots, max_seq_len=max_seq_len, cuda_graphs=graphs)
+        bench.sync()
+        print(f"  {variant} decoder with {slots} slots built in {time.perf_counter() - start:.1f} s "
+              f"(buckets {decoders[variant].buckets})", flush=True)
+
+    def prefill(decoder: BatchedDecoder) -> None:
+        decoder.remove(decoder.add(decode_request(0)))
+
+    prefix = decode_request(0).prefix_length
+    bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
+
+    for batch in batches:
+        for variant, decoder in decoders.items():
+            for slot in decoder.active_slots:
+                decoder.remove(slot)
+            for i in range(batch):
+                decoder.add(decode_request(i))
+            bench.time("llm", f"decode step batch {batch}", variant, decoder.step, repeats=bench.repeats)
+            assert len(decoder.active_slots) == batch, "a slot stopped during the benchmark"
+    for variant, decoder in decoders.items():
+        if device.type != "cuda":
+            break
+        for slot in decoder.active_slots:
+            decoder.remove(slot)
+        decoder.add(decode_request(0))
+        kernels = count_kernels(device, decoder.step)
+        print(f"  kernels per decode step, batch 1, {variant}: {kernels}", flush=True)
+        bench.rows.append({"section": "llm", "case": "kernels per step batch 1", "variant": variant, "count": kernels})
+    del decoders, llm
+
+
+def flow_cases() -> list[tuple[str, int, bool]]:
+    """(name, tokens fed to the flow, final) for the streaming chunk calls and an offline call."""
+    pad = -PROMPT_TOKENS % FIRST_HOP
+    first = FIRST_HOP + pad
+    return [
+        (f"stream chunk 1 ({first}+{LOOKAHEAD} tok)", first + LOOKAHEAD, False),
+        (f"stream chunk 2 (hop 50, {first + 50 + LOOKAHEAD} tok)", first + 50 + LOOKAHEAD, False),
+        (f"stream chunk 3 (hop 100, {first + 150 + LOOKAHEAD} tok)", first + 150 + LOOKAHEAD, False),
+        ("offline 250 tok", 250, True),
+    ]
+
+
+def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
+    device = bench.device
+    print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG)", flush=True)
+    with torch.device(device):
+        flow = CausalFlow(FlowConfig()).to(dtype).eval()
+    flow.decoder.rand_noise = flow.decoder.rand_noise.to(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    prompt_token = torch.randint(0, 6561, (1, PROMPT_TOKENS), device=device, generator=gen)
+    prompt_feat = torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype)
+    xvector = torch.randn(1, 192, device=device, generator=gen).to(dtype)
+    graphs = flow.decoder.cuda_graphs
+    for name, tokens, final in flow_cases():
+        token = torch.randint(0, 6561, (1, tokens), device=device, generator=gen)
+
+        def call() -> torch.Tensor:
+            return flow.inference(token, prompt_token, prompt_feat, xvector, streaming=not final, finalize=final)
+
+        with torch.inference_mode():
+            bench.time("flow", f"{name} encoder", "eager",
+                       lambda: flow.encode(token, prompt_token, not final, final), repeats=max(3, bench.repeats // 4))
+        flow.decoder.cuda_graphs = None
+        bench.time("flow", name, "eager", call, repeats=max(3, bench.repeats // 4))
+        flow.decoder.cuda_graphs = graphs
+        if device.type != "cuda":
+            continue
+        start = time.perf_counter()
+        call()  # first call of a frame bucket captures its graph
+        bench.sync()
+        print(f"  graph capture for {name}: {time.perf_counter() - start:.2f} s", flush=True)
+        bench.time("flow", name, "graph", call)
+    del flow
+
+
+def hift_frames() -> list[tuple[str, int]]:
+    """(name, mel frames) HiFT sees: chunks carry the previous chunk's last 8 frames, 2 frames per token."""
+    first = FIRST_HOP + (-PROMPT_TOKENS % FIRST_HOP)
+    return [(f"stream chunk 1 ({first} tok)", 2 * first), ("stream chunk 2 (50 tok)", 100 + 8),
+            ("stream chunk 3 (100 tok)", 200 + 8), ("offline 250 tok", 500)]
+
+
+def bench_hift(bench: Bench) -> None:
+    device = bench.device
+    print("HiFT (fp32, weight norm folded)", flush=True)
+    hift = HiFTGenerator(HiFTConfig())
+    hift.fold_weight_norm()
+    hift = hift.to(device).eval()
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, frames in hift_frames():
+        mel = torch.randn(1, 80, frames, device=device, generator=gen)
+        bench.time("hift", name, "eager", lambda: hift.inference(mel, generator=gen))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bf16", help="LLM + flow dtype (HiFT is always fp32)")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default="llm,flow,hift")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise SystemExit("this benchmark measures CUDA graphs and needs a CUDA device")
+    dtype = resolve_dtype(args.dtype)
+    bench = Bench(device, args.repeats, args.warmup)
+    props = torch.cuda.get_device_properties(device)
+    bandwidth = copy_bandwidth(device)
+    print(f"{props.name}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    only = set(args.only.split(","))
+    with torch.inference_mode():
+        if "llm" in only:
+            bench_llm(bench, dtype, [int(b) for b in args.batches.split(",")], args.max_seq_len)
+        if "flow" in only:
+            bench_flow(bench, dtype)
+        if "hift" in only:
+            bench_hift(bench)
+
+    print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
+    for row in bench.rows:
+        if "p50" in row:
+            print(f"| {row['section']} | {row['case']} | {row['variant']} | {row['p50']:.3f} | {row['p90']:.3f} "
+                  f"| {row['max']:.3f} |")
+    if {"llm", "flow", "hift"} <= only:
+        first_tokens = FIRST_HOP + (-PROMPT_TOKENS % FIRST_HOP) + LOOKAHEAD
+        flow_case, hift_case = flow_cases()[0][0], hift_frames()[0][0]
+        parts = {variant: {
+            "prefill": bench.p50("llm", f"prefill {decode_request(0).prefix_length} tokens", "eager"),
+            f"{first_tokens} decode steps": first_tokens * bench.p50("llm", "decode step batch 1", variant),
+            "flow": bench.p50("flow", flow_case, variant),
+            "hift": bench.p50("hift", hift_case, "eager"),
+        } for variant in ("eager", "graph")}
+        print("\nImplied streaming first chunk at batch 1 (p50 parts):")
+        for variant, part in parts.items():
+            detail = " + ".join(f"{k} {v:.1f}" for k, v in part.items())
+            print(f"  {variant}: {detail} = {sum(part.values()):.1f} ms")
+        bench.rows.append({"section": "first_chunk", "parts": parts})
+    if args.json:
+        args.json.write_text(json.dumps({"device": props.name, "torch": torch.__version__,
+                                         "copy_bandwidth": bandwidth, "rows": bench.rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

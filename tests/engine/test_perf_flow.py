@@ -1,0 +1,52 @@
+"""The CFM's CUDA-graph path pads a call to a frame bucket; the padded solve must equal the unpadded one on the
+real frames (CPU), and graph replays must equal the eager solve (CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyvoice2.flow import CausalFlow
+from cosyvoice2.testing import tiny_config
+from cosyvoice2.testing.models import randomize_
+
+
+def flow_inputs(frames: int, prompt_frames: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    mu = torch.randn(1, 80, frames, generator=gen)
+    cond = torch.zeros(1, 80, frames)
+    cond[:, :, :prompt_frames] = torch.randn(1, 80, prompt_frames, generator=gen)
+    return mu, torch.ones(1, 1, frames), torch.randn(1, 80, generator=gen), cond
+
+
+@pytest.fixture(scope="module")
+def flow() -> CausalFlow:
+    return randomize_(CausalFlow(tiny_config().flow), seed=3).eval()
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("frames", [70, 128, 131])
+@torch.inference_mode()
+def test_bucket_padding_leaves_real_frames_unchanged(flow: CausalFlow, frames: int, streaming: bool) -> None:
+    cfm = flow.decoder
+    inputs = flow_inputs(frames, prompt_frames=40, seed=frames)
+    padded = cfm.cuda_graphs.pad(*inputs)
+    assert padded[0].size(-1) == cfm.cuda_graphs.padded_frames(frames) >= frames
+    reference = cfm.solve(*inputs, streaming)
+    got = cfm.solve(*padded, streaming)[:, :, :frames]
+    assert reference.abs().max() > 0.1
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_graph_replay_matches_eager_solve(flow: CausalFlow, dtype: torch.dtype) -> None:
+    cfm = flow.to("cuda", dtype).decoder
+    for frames, streaming in [(131, True), (131, True), (90, False), (250, True)]:  # the repeat replays
+        inputs = [t.to("cuda", dtype) for t in flow_inputs(frames, prompt_frames=40, seed=frames)]
+        eager = cfm.solve(*inputs, streaming).float()
+        graph = cfm(*inputs, streaming)
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(graph, eager, rtol=tol, atol=tol)
+    flow.to("cpu", torch.float32)
