@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 import openai
 import pytest
 
@@ -18,14 +21,29 @@ def real_gateway(pipeline, gateway_factory):
     return gateway_factory(pipeline.server.grpc_url)
 
 
-@pytest.mark.parametrize("response_format", ["wav", "pcm"])
-def test_speech_from_the_real_pipeline_is_whole_tokens_of_24k_audio(real_gateway, response_format):
+@pytest.mark.parametrize("response_format", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_every_format_decodes_and_lossless_ones_hold_whole_tokens(real_gateway, response_format):
     data = real_gateway.client().audio.speech.create(
         model="tts-1", voice="alloy", input="Hello from the real pipeline.", response_format=response_format
     ).read()
     samples, rate = decode(data, response_format)
-    assert rate == 24_000 and samples.size > 0
-    assert samples.size % SAMPLES_PER_TOKEN == 0  # one segment: 960 samples per generated speech token
+    assert samples.size > 0 and rate in (24_000, 48_000)  # opus decodes at 48 kHz
+    if response_format in ("wav", "pcm", "flac"):
+        assert rate == 24_000 and samples.size % SAMPLES_PER_TOKEN == 0  # 960 samples per speech token
+
+
+def test_sse_usage_is_the_pipelines_token_count(real_gateway):
+    with real_gateway.client().audio.speech.with_streaming_response.create(
+        model="gpt-4o-mini-tts", voice="coral", input="Usage flows from the pipeline to the client.",
+        response_format="pcm", stream_format="sse",
+    ) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    done = events[-1]
+    assert done["type"] == "speech.audio.done" and len(events) >= 3  # several deltas: streamed, not buffered
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    samples, _ = decode(audio, "pcm")
+    usage = done["usage"]
+    assert usage["input_tokens"] > 0 and samples.size == usage["output_tokens"] * SAMPLES_PER_TOKEN
 
 
 def test_streamed_speech_arrives_in_several_pieces(real_gateway):
