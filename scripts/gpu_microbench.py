@@ -77,17 +77,37 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 * 10 / (time.perf_counter() - start)
 
 
-def count_kernels(device: torch.device, fn: Callable[[], object]) -> int:
+def kernel_profile(device: torch.device, fn: Callable[[], object], top: int = 8) -> dict:
+    """Kernels launched by one call of `fn`: count, summed GPU time (busy) and the costliest kernel names."""
     from torch.profiler import ProfilerActivity, profile
 
+    fn()
+    torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    by_name: dict[str, float] = {}
+    count = 0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            count += 1
+            by_name[event.name[:60]] = by_name.get(event.name[:60], 0.0) + event.time_range.elapsed_us() / 1e3
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {"kernels": count, "busy_ms": sum(by_name.values()), "top": busiest}
 
 
-def variants(device: torch.device) -> list[tuple[str, bool]]:
+def report_profile(bench: "Bench", section: str, case: str, profile_: dict) -> None:
+    print(f"  {section} {case}: {profile_['kernels']} kernels, {profile_['busy_ms']:.3f} ms of kernel time; top:",
+          flush=True)
+    for name, ms in profile_["top"]:
+        print(f"      {ms:8.3f} ms  {name}", flush=True)
+    bench.rows.append({"section": section, "case": f"profile {case}", **profile_})
+
+
+def variants(device: torch.device, compiled: bool) -> list[tuple[str, bool]]:
     """(name, use CUDA graphs) pairs measured on `device`."""
+    if compiled:
+        return [("compiled", True)]
     return [("eager", False), ("graph", True)] if device.type == "cuda" else [("eager", False)]
 
 
@@ -99,9 +119,10 @@ def decode_request(index: int) -> DecodeRequest:
                          sampling=SamplingParams(seed=index, min_token_text_ratio=0, max_token_text_ratio=40))
 
 
-def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
+def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int, compiled: bool = False) -> None:
+    """Eager and CUDA-graph decoders, or (`compiled`) the torch.compile'd step inside CUDA graphs."""
     device = bench.device
-    print("LLM (Qwen2 0.5B body, static KV cache)", flush=True)
+    print(f"LLM (Qwen2 0.5B body, static KV cache){' compiled step' if compiled else ''}", flush=True)
     with torch.device(device):
         llm = CosyVoice2LM(LLMConfig()).to(dtype).eval()
     with torch.no_grad():
@@ -111,9 +132,10 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
 
     slots = max(batches)
     decoders = {}
-    for variant, graphs in variants(device):
+    for variant, graphs in variants(device, compiled):
         start = time.perf_counter()
-        decoders[variant] = BatchedDecoder(llm, num_slots=slots, max_seq_len=max_seq_len, cuda_graphs=graphs)
+        decoders[variant] = BatchedDecoder(llm, num_slots=slots, max_seq_len=max_seq_len, cuda_graphs=graphs,
+                                           compile_step=compiled)
         bench.sync()
         print(f"  {variant} decoder with {slots} slots built in {time.perf_counter() - start:.1f} s "
               f"(buckets {decoders[variant].buckets})", flush=True)
@@ -121,8 +143,9 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
     def prefill(decoder: BatchedDecoder) -> None:
         decoder.remove(decoder.add(decode_request(0)))
 
-    prefix = decode_request(0).prefix_length
-    bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
+    if not compiled:
+        prefix = decode_request(0).prefix_length
+        bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
 
     for batch in batches:
         for variant, decoder in decoders.items():
@@ -132,15 +155,14 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
                 decoder.add(decode_request(i))
             bench.time("llm", f"decode step batch {batch}", variant, decoder.step, repeats=bench.repeats)
             assert len(decoder.active_slots) == batch, "a slot stopped during the benchmark"
-    for variant, decoder in decoders.items():
-        if device.type != "cuda":
-            break
-        for slot in decoder.active_slots:
-            decoder.remove(slot)
-        decoder.add(decode_request(0))
-        kernels = count_kernels(device, decoder.step)
-        print(f"  kernels per decode step, batch 1, {variant}: {kernels}", flush=True)
-        bench.rows.append({"section": "llm", "case": "kernels per step batch 1", "variant": variant, "count": kernels})
+    if device.type == "cuda" and not compiled:  # where a graph replay's time goes: kernels vs launch gaps
+        decoder = decoders["eager"]
+        for batch in (1, max(batches)):
+            for slot in decoder.active_slots:
+                decoder.remove(slot)
+            for i in range(batch):
+                decoder.add(decode_request(i))
+            report_profile(bench, "llm", f"decode step batch {batch}", kernel_profile(device, decoder.step))
     del decoders, llm
 
 
@@ -156,11 +178,15 @@ def flow_cases() -> list[tuple[str, int, bool]]:
     ]
 
 
-def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
+def bench_flow(bench: Bench, dtype: torch.dtype, compiled: bool = False) -> None:
+    """Eager and CUDA-graph CFM loops, or (`compiled`) a torch.compile'd estimator inside the CUDA graphs."""
     device = bench.device
-    print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG)", flush=True)
+    print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG){' compiled' if compiled else ''}",
+          flush=True)
     with torch.device(device):
         flow = CausalFlow(FlowConfig()).to(dtype).eval()
+    if compiled:
+        flow.decoder.estimator.forward = torch.compile(flow.decoder.estimator.forward, dynamic=True)
     flow.decoder.rand_noise = flow.decoder.rand_noise.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     prompt_token = torch.randint(0, 6561, (1, PROMPT_TOKENS), device=device, generator=gen)
@@ -173,19 +199,22 @@ def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
         def call() -> torch.Tensor:
             return flow.inference(token, prompt_token, prompt_feat, xvector, streaming=not final, finalize=final)
 
-        with torch.inference_mode():
-            bench.time("flow", f"{name} encoder", "eager",
-                       lambda: flow.encode(token, prompt_token, not final, final), repeats=max(3, bench.repeats // 4))
-        flow.decoder.cuda_graphs = None
-        bench.time("flow", name, "eager", call, repeats=max(3, bench.repeats // 4))
-        flow.decoder.cuda_graphs = graphs
+        if not compiled:
+            with torch.inference_mode():
+                bench.time("flow", f"{name} encoder", "eager", lambda: flow.encode(token, prompt_token, not final, final),
+                           repeats=max(3, bench.repeats // 4))
+            flow.decoder.cuda_graphs = None
+            bench.time("flow", name, "eager", call, repeats=max(3, bench.repeats // 4))
+            if device.type == "cuda" and name == flow_cases()[0][0]:
+                report_profile(bench, "flow", name, kernel_profile(device, call))
+            flow.decoder.cuda_graphs = graphs
         if device.type != "cuda":
             continue
         start = time.perf_counter()
         call()  # first call of a frame bucket captures its graph
         bench.sync()
         print(f"  graph capture for {name}: {time.perf_counter() - start:.2f} s", flush=True)
-        bench.time("flow", name, "graph", call)
+        bench.time("flow", name, "compiled" if compiled else "graph", call)
     del flow
 
 
@@ -202,10 +231,13 @@ def bench_hift(bench: Bench) -> None:
     hift = HiFTGenerator(HiFTConfig())
     hift.fold_weight_norm()
     hift = hift.to(device).eval()
+    graphs = hift.cuda_graphs
     gen = torch.Generator(device=device).manual_seed(0)
     for name, frames in hift_frames():
         mel = torch.randn(1, 80, frames, device=device, generator=gen)
-        bench.time("hift", name, "eager", lambda: hift.inference(mel, generator=gen))
+        for variant, _ in variants(device, compiled=False):
+            hift.cuda_graphs = graphs if variant == "graph" else None
+            bench.time("hift", name, variant, lambda: hift.inference(mel, generator=gen))  # warm-up captures
 
 
 def main() -> int:
@@ -216,7 +248,8 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="llm,flow,hift")
+    parser.add_argument("--only", default="llm,flow,hift", help="comma list of llm, flow, hift, llm-compiled, "
+                        "flow-compiled (torch.compile'd step / estimator inside the CUDA graphs)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -235,6 +268,10 @@ def main() -> int:
             bench_flow(bench, dtype)
         if "hift" in only:
             bench_hift(bench)
+        if "flow-compiled" in only:
+            bench_flow(bench, dtype, compiled=True)
+        if "llm-compiled" in only:
+            bench_llm(bench, dtype, [int(b) for b in args.batches.split(",")], args.max_seq_len, compiled=True)
 
     print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
     for row in bench.rows:
@@ -248,8 +285,15 @@ def main() -> int:
             "prefill": bench.p50("llm", f"prefill {decode_request(0).prefix_length} tokens", "eager"),
             f"{first_tokens} decode steps": first_tokens * bench.p50("llm", "decode step batch 1", variant),
             "flow": bench.p50("flow", flow_case, variant),
-            "hift": bench.p50("hift", hift_case, "eager"),
+            "hift": bench.p50("hift", hift_case, variant),
         } for variant in ("eager", "graph")}
+        for variant in ("compiled",):
+            try:
+                parts[variant] = {**parts["graph"],  # prefill and HiFT as in the graph variant
+                                  f"{first_tokens} decode steps": first_tokens * bench.p50("llm", "decode step batch 1", variant),
+                                  "flow": bench.p50("flow", flow_case, variant)}
+            except StopIteration:
+                pass
         print("\nImplied streaming first chunk at batch 1 (p50 parts):")
         for variant, part in parts.items():
             detail = " + ".join(f"{k} {v:.1f}" for k, v in part.items())

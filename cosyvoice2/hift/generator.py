@@ -5,6 +5,7 @@ State-dict keys are exactly those of the released `hift.pt` (weight norm as torc
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
         self.conv_post = wn_conv1d(stage_channels[-1], n_freq_channels, 7, padding=3)
         self.register_buffer("stft_window", _periodic_hann(c.istft_n_fft), persistent=False)
+        self.cuda_graphs: HiFTGraphs | None = HiFTGraphs(self)
 
     # ---- loading -------------------------------------------------------------------------------------
     @staticmethod
@@ -127,15 +129,73 @@ class HiFTGenerator(nn.Module):
 
         cache_source (B, 1, S): source samples of the previous streaming chunk; they overwrite the start
         of this chunk's source so the excitation phase stays continuous. `noise` injects the random draws;
-        otherwise they are drawn from `generator` (torch's default generator when None).
+        otherwise they are drawn from `generator` (torch's default generator when None). On CUDA, shapes seen
+        before are replayed from CUDA graphs (`cuda_graphs`; None runs eagerly).
         """
         if noise is None:
             noise = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], generator)
+        if cache_source is None:
+            cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
+        if self.cuda_graphs is not None and speech_feat.is_cuda:
+            return self.cuda_graphs.run(speech_feat, noise, cache_source)
+        return self.vocode(speech_feat, noise.initial_phase, noise.sine_noise, cache_source)
+
+    def vocode(self, speech_feat: torch.Tensor, initial_phase: torch.Tensor, sine_noise: torch.Tensor,
+               cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`inference` on explicit tensors: static shapes, no host syncs (what `HiFTGraphs` captures)."""
         f0 = self.predict_f0(speech_feat)
-        source = self.source(f0, noise)
-        if cache_source is not None and cache_source.shape[2] > 0:
+        source = self.source(f0, SourceNoise(initial_phase, sine_noise))
+        if cache_source.shape[2] > 0:
             source[:, :, :cache_source.shape[2]] = cache_source
         return self.decode(speech_feat, source), source
+
+
+class _CapturedVocode:
+    """One captured `vocode` call: static input buffers, the graph, its output buffers."""
+
+    def __init__(self, hift: HiFTGenerator, inputs: tuple[torch.Tensor, ...], pool: object) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside capture (cuDNN/cuFFT plans, lazy inits)
+            hift.vocode(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = hift.vocode(*self.inputs)
+
+
+class HiFTGraphs:
+    """CUDA graphs of `HiFTGenerator.vocode` per input shape. HiFT is launch-bound (its time hardly depends on the
+    length), but lengths cannot be padded (non-causal convolutions), so a shape is captured on its second
+    occurrence: streaming chunk lengths repeat, one-off final-chunk lengths stay eager. At most `max_graphs`."""
+
+    def __init__(self, hift: HiFTGenerator, max_graphs: int = 32) -> None:
+        self._hift = [hift]  # a list, so the module is not registered as a child
+        self.max_graphs = max_graphs
+        self._seen: set[tuple] = set()
+        self._captured: dict[tuple, _CapturedVocode] = {}
+        self._pool: object | None = None
+        self._lock = threading.Lock()
+
+    def run(self, speech_feat: torch.Tensor, noise: SourceNoise,
+            cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hift = self._hift[0]
+        inputs = (speech_feat, noise.initial_phase.to(speech_feat), noise.sine_noise.to(speech_feat), cache_source)
+        key = (speech_feat.device, *(tuple(t.shape) for t in inputs))
+        with self._lock:
+            captured = self._captured.get(key)
+            if captured is None:
+                if key not in self._seen or len(self._captured) >= self.max_graphs:
+                    self._seen.add(key)
+                    return hift.vocode(*inputs)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
+            for static, value in zip(captured.inputs, inputs):
+                static.copy_(value)
+            captured.graph.replay()
+            return tuple(t.clone() for t in captured.outputs)
 
 
 def _periodic_hann(n: int) -> torch.Tensor:

@@ -26,10 +26,13 @@ Rules (upstream ``Qwen2LM.inference``):
 - ``step`` samples every active slot from its pending log-probs (``decoder.logp[slot]``, the distribution for the
   next token) and feeds the new tokens back: one forward of shape ``[rows, 1]`` at per-slot positions over the
   static KV cache, where ``rows`` is the smallest batch bucket covering the highest active slot (free rows in
-  between carry junk that a later prefill overwrites). Sampling runs on the device for all rows at once
-  (``ras_draw``; the per-slot state lives in ``_SlotTable``), so a step costs one host sync, to read the tokens.
-- On CUDA the whole step (sampling + forward) is captured once per bucket in a CUDA graph at construction
-  (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs the same code.
+  between carry junk that a later prefill overwrites) and attention reads the smallest length bucket of the cache
+  covering the longest sequence. Sampling runs on the device for all rows at once (``ras_draw``; the per-slot
+  state lives in ``_SlotTable``), so a step costs one host sync, to read the tokens.
+- On CUDA the whole step (sampling + forward) is captured once per (batch bucket, length bucket) in a CUDA graph
+  at construction (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs
+  the same code. ``compile_step=True`` additionally compiles the step with ``torch.compile`` (Inductor fuses the
+  elementwise kernels) before capture: fewer, larger kernels, at a one-time compile cost.
 - Not thread-safe: drive one decoder from one thread.
 """
 
@@ -47,6 +50,7 @@ from cosyvoice2.llm.model import CosyVoice2LM
 from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,13 @@ class NoFreeSlotError(RuntimeError):
 class _SlotState:
     """Host-side bookkeeping of one running request (what ``step`` reports needs no device reads)."""
 
+    prefix_length: int
     max_len: int
     emitted: int = 0
+
+    @property
+    def next_position(self) -> int:
+        return self.prefix_length + self.emitted
 
 
 class _SlotTable:
@@ -116,26 +125,29 @@ class _SlotTable:
         self.uniforms[slot, : uniforms.shape[0]] = uniforms
 
 
-class _StepGraphs:
-    """One CUDA graph of the decode step per batch bucket, sharing one memory pool (replays never overlap)."""
+Shape = tuple[int, int]  # (rows, kv_len) of one decode step
 
-    def __init__(self, step: Callable[[int], None], buckets: Sequence[int]) -> None:
+
+class _StepGraphs:
+    """One CUDA graph of the decode step per shape, sharing one memory pool (replays never overlap)."""
+
+    def __init__(self, step: Callable[[int, int], None], shapes: Sequence[Shape]) -> None:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles, autotuning)
-            for rows in buckets:
-                step(rows)
+        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles, compilation)
+            for shape in shapes:
+                step(*shape)
         torch.cuda.current_stream().wait_stream(side)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        for rows in buckets:
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+        for shape in shapes:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                step(rows)
-            self._graphs[rows] = graph
+                step(*shape)
+            self._graphs[shape] = graph
 
-    def replay(self, rows: int) -> None:
-        self._graphs[rows].replay()
+    def replay(self, shape: Shape) -> None:
+        self._graphs[shape].replay()
 
 
 class BatchedDecoder:
@@ -148,6 +160,8 @@ class BatchedDecoder:
         max_seq_len: int,
         cuda_graphs: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
+        length_buckets: Sequence[int] = LENGTH_BUCKETS,
+        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.num_slots = num_slots
@@ -156,6 +170,7 @@ class BatchedDecoder:
         self.cache = model.new_cache(num_slots, max_seq_len)
         self.logp = torch.zeros(num_slots, model.config.num_speech_classes, device=self.device)
         self.buckets = sorted({b for b in batch_buckets if b < num_slots} | {num_slots})
+        self.length_buckets = sorted({b for b in length_buckets if b < max_seq_len} | {max_seq_len})
         self._table = _SlotTable(num_slots, max_seq_len, self.device)
         self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._slots: dict[int, _SlotState] = {}
@@ -163,10 +178,14 @@ class BatchedDecoder:
         self._stop_ids = frozenset(model.config.stop_ids)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
+        self._step_fn: Callable[[int, int], None] = self._advance
+        if compile_step:
+            self._step_fn = torch.compile(self._advance, dynamic=True)
         self._graphs: _StepGraphs | None = None
         if cuda_graphs:
+            shapes = [(rows, kv_len) for rows in self.buckets for kv_len in self.length_buckets]
             with torch.inference_mode():
-                self._graphs = _StepGraphs(self._advance, self.buckets)
+                self._graphs = _StepGraphs(self._step_fn, shapes)
 
     @property
     def active_slots(self) -> list[int]:
@@ -187,21 +206,23 @@ class BatchedDecoder:
             raise ValueError(f"request needs {needed} cache positions, decoder has {self.max_seq_len}")
         slot = free[0]
         prefix = self.model.embed_prefix(request.text, request.prompt_text, request.prompt_speech_tokens)
-        hidden = self.model.hidden(prefix, cache=self.cache, slot=slot)
+        hidden = self.model.hidden(prefix, cache=self.cache, slot=slot,
+                                   kv_len=self._bucket(self.length_buckets, request.prefix_length))
         self.logp[slot] = self.model.log_probs(hidden[0, -1])
         min_len, max_len = token_limits(len(request.text), request.sampling)
         # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
         uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
         self._table.reset(slot, request, min_len, uniforms.to(self.device))
-        self._slots[slot] = _SlotState(max_len=max_len)
+        self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=max_len)
         return slot
 
     def remove(self, slot: int) -> None:
         """Drop a request (e.g. cancelled); its slot becomes free."""
         self._slots.pop(slot, None)
 
-    def _advance(self, rows: int) -> None:
-        """Sample rows ``[0, rows)`` from ``logp``, record the tokens, feed them back and refresh ``logp``.
+    def _advance(self, rows: int, kv_len: int) -> None:
+        """Sample rows ``[0, rows)`` from ``logp``, record the tokens, feed them back (attending to the first
+        ``kv_len`` cache positions) and refresh ``logp``.
 
         Static shapes and no host syncs: this is what the CUDA graphs capture.
         """
@@ -215,14 +236,15 @@ class BatchedDecoder:
         tokens = ras_draw(logp, uniforms, t.history[r], emitted, t.top_p[r], t.top_k[r], t.win_size[r],
                           t.repeat_threshold[r])
         t.history[r].scatter_(1, emitted.clamp(max=last).unsqueeze(1), tokens.unsqueeze(1))
-        positions = (t.prefix_len[r] + emitted).clamp(max=last)  # the new token's position
+        positions = (t.prefix_len[r] + emitted).clamp(max=kv_len - 1)  # the new token's (free rows: junk)
         emitted.add_(1)
         self._tokens[r] = tokens
         embeds = self.model.embed_speech(tokens.unsqueeze(1))
-        self.logp[r] = self.model(embeds, positions.unsqueeze(1), self.cache)[:, -1]
+        self.logp[r] = self.model(embeds, positions.unsqueeze(1), self.cache, kv_len=kv_len)[:, -1]
 
-    def _bucket(self, rows: int) -> int:
-        return next(b for b in self.buckets if b >= rows)
+    @staticmethod
+    def _bucket(buckets: Sequence[int], size: int) -> int:
+        return next(b for b in buckets if b >= size)
 
     @torch.inference_mode()
     def step(self) -> dict[int, SlotOutput]:
@@ -233,11 +255,12 @@ class BatchedDecoder:
                 outputs[slot] = SlotOutput(token=None, finished=True, reason="length")
                 del self._slots[slot]
         if self._slots:
-            rows = self._bucket(max(self._slots) + 1)
+            rows = self._bucket(self.buckets, max(self._slots) + 1)
+            kv_len = self._bucket(self.length_buckets, max(s.next_position for s in self._slots.values()) + 1)
             if self._graphs is not None:
-                self._graphs.replay(rows)
+                self._graphs.replay((rows, kv_len))
             else:
-                self._advance(rows)
+                self._step_fn(rows, kv_len)
             tokens = self._tokens[:rows].tolist()  # the step's one host sync
             for slot, state in list(self._slots.items()):
                 outputs[slot] = self._report(slot, state, tokens[slot])

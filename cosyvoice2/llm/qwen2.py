@@ -191,12 +191,15 @@ class Qwen2Model(nn.Module):
         positions: torch.Tensor | None = None,
         cache: StaticKVCache | None = None,
         slot: int | None = None,
+        kv_len: int | None = None,
     ) -> torch.Tensor:
         """Last hidden state after the final norm, ``[B, T, hidden]``.
 
         inputs_embeds: ``[B, T, hidden]``. positions: ``[B, T]`` absolute positions (default ``0..T-1``).
         cache: attend through the static KV cache. ``slot`` selects one cache row for a batch of 1 (prefill);
         ``slot=None`` means the batch covers the first ``B`` cache rows in order (the decode step).
+        kv_len: attend to the first ``kv_len`` cache positions only (default: all); every position must be below
+        it. Attention cost scales with it, so callers pass a bucket just above their longest sequence.
         """
         batch, length, _ = inputs_embeds.shape
         if positions is None:
@@ -204,14 +207,15 @@ class Qwen2Model(nn.Module):
         rotary = rotary_matrix(positions, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype)
         mask = None
         if cache is not None:
-            mask = self._cache_mask(positions, cache.max_len, inputs_embeds.dtype)
+            kv_len = kv_len or cache.max_len
+            mask = self._cache_mask(positions, kv_len, inputs_embeds.dtype)
         x = inputs_embeds
         for index, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None:
                 keys, values = cache.keys[index], cache.values[index]
                 rows = slice(slot, slot + 1) if slot is not None else slice(0, batch)
-                layer_cache = (keys[rows], values[rows])
+                layer_cache = (keys[rows, :, :kv_len], values[rows, :, :kv_len])
             x = layer(x, rotary, positions, layer_cache, mask)
         return self.norm(x)
 

@@ -115,9 +115,10 @@ REQUESTS = [
 
 @torch.inference_mode()
 def decode_batched(model: CosyVoice2LM, buckets: tuple[int, ...], join_at: list[int]) -> list[list[int]]:
-    """Requests join at the given steps (continuous batching); returns each request's tokens."""
+    """Requests join at the given steps (continuous batching); returns each request's tokens. With buckets, the
+    length buckets make attention read 16, 24, 32 or all cache positions as the sequences grow."""
     decoder = BatchedDecoder(model, num_slots=4, max_seq_len=max(map(required_seq_len, REQUESTS)),
-                             cuda_graphs=False, batch_buckets=buckets)
+                             cuda_graphs=False, batch_buckets=buckets, length_buckets=(16, 24, 32) if buckets else ())
     owner: dict[int, int] = {}
     tokens: list[list[int]] = [[] for _ in REQUESTS]
     step, pending = 0, list(range(len(REQUESTS)))

@@ -1,5 +1,5 @@
-"""The CFM's CUDA-graph path pads a call to a frame bucket; the padded solve must equal the unpadded one on the
-real frames (CPU), and graph replays must equal the eager solve (CUDA only)."""
+"""CUDA graphs of token2wav. The CFM's graph path pads a call to a frame bucket: the padded solve must equal the
+unpadded one on the real frames (CPU). Graph replays of the CFM loop and of HiFT must equal eager runs (CUDA)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cosyvoice2.flow import CausalFlow
+from cosyvoice2.hift import HiFTGenerator
 from cosyvoice2.testing import tiny_config
 from cosyvoice2.testing.models import randomize_
 
@@ -50,3 +51,20 @@ def test_graph_replay_matches_eager_solve(flow: CausalFlow, dtype: torch.dtype) 
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(graph, eager, rtol=tol, atol=tol)
     flow.to("cpu", torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@torch.inference_mode()
+def test_hift_graph_replays_match_eager_vocoding() -> None:
+    hift = randomize_(HiFTGenerator(tiny_config().hift), seed=4).to("cuda").eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for frames, cache in [(40, 0), (40, 0), (40, 0), (58, 3840), (58, 3840), (58, 3840), (33, 0)]:
+        mel = torch.randn(1, 80, frames, device="cuda", generator=gen)
+        noise = hift.draw_noise(1, frames, gen)
+        cache_source = torch.randn(1, 1, cache, device="cuda", generator=gen)
+        graphs, hift.cuda_graphs = hift.cuda_graphs, None
+        eager = hift.inference(mel, cache_source, noise)
+        hift.cuda_graphs = graphs
+        replayed = hift.inference(mel, cache_source, noise)  # eager, then captured, then replayed
+        for got, want in zip(replayed, eager):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
