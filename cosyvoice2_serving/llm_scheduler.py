@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Generic, Protocol, TypeVar
@@ -29,6 +30,8 @@ LLM_STATS = (
     "llm_cancelled_total",
     "llm_failed_total",
     "llm_steps_total",
+    "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
+    "llm_prefill_seconds_total",
 )
 
 
@@ -182,18 +185,21 @@ class ContinuousBatchingScheduler(Generic[R]):
                 self._step()
 
     def _admit(self, job: _Job[R]) -> None:
+        started = time.perf_counter()
         try:
             slot = self.decoder.add(job.request)
         except Exception as exc:  # a bad request fails alone
             with self._lock:
                 self._finish(job, "llm_failed_total", exc)
             return
+        self.stats.add("llm_prefill_seconds_total", time.perf_counter() - started)
         with self._lock:
             job.slot = slot
             self._active[slot] = job
             self.stats.set("llm_active_sequences", len(self._active))
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.decoder.step()
         except Exception as exc:  # the batch state is unknown: fail the sequences in it, keep serving
@@ -202,6 +208,7 @@ class ContinuousBatchingScheduler(Generic[R]):
                     self._release(job, "llm_failed_total", exc)
             return
         self.stats.add("llm_steps_total")
+        self.stats.add("llm_step_seconds_total", time.perf_counter() - started)
         with self._lock:
             for slot, out in outputs.items():
                 job = self._active.get(slot)

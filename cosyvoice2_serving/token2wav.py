@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, Sequence, TypeVar
@@ -36,6 +37,7 @@ TOKEN2WAV_STATS = (
     "token2wav_max_jobs_per_call",
     "token2wav_failed_total",
     "token2wav_closed_total",
+    "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
 )
 
 
@@ -169,10 +171,12 @@ class Token2WavService(Generic[S]):
             work.append(Work(state, job.tokens, job.chunk))
         if not work:
             return
+        started = time.perf_counter()
         try:
             results: list[np.ndarray | Exception] = self.engine.run(work)
         except Exception as exc:
             results = [exc] * len(work)
+        self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_engine_calls_total")
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
         for job, result in zip(runnable, results):
