@@ -268,10 +268,17 @@ def main() -> int:
             bench_flow(bench, dtype)
         if "hift" in only:
             bench_hift(bench)
-        if "flow-compiled" in only:
-            bench_flow(bench, dtype, compiled=True)
-        if "llm-compiled" in only:
-            bench_llm(bench, dtype, [int(b) for b in args.batches.split(",")], args.max_seq_len, compiled=True)
+        # experiments last, and a failure there must not lose the tables above
+        for name, run in (("flow-compiled", lambda: bench_flow(bench, dtype, compiled=True)),
+                          ("llm-compiled", lambda: bench_llm(bench, dtype, [int(b) for b in args.batches.split(",")],
+                                                             args.max_seq_len, compiled=True))):
+            if name in only:
+                start = time.perf_counter()
+                try:
+                    run()
+                except Exception as error:  # noqa: BLE001 - report and go on
+                    print(f"  {name} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                print(f"  {name} took {time.perf_counter() - start:.0f} s (compilation included)", flush=True)
 
     print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
     for row in bench.rows:

@@ -88,6 +88,10 @@ class HiFTGenerator(nn.Module):
 
     def decode(self, speech_feat: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """(B, 80, M) mel + (B, 1, T) source -> (B, T) audio clamped to +-audio_limit."""
+        return self.synthesize(*self.spectrum(speech_feat, source))
+
+    def spectrum(self, speech_feat: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 80, M) mel + (B, 1, T) source -> iSTFT magnitude and phase, each (B, n_fft/2 + 1, frames)."""
         c = self.config
         source_spec = self._stft(source.squeeze(1))
         n_kernels = len(c.resblock_kernel_sizes)
@@ -107,6 +111,12 @@ class HiFTGenerator(nn.Module):
         n_bins = c.istft_n_fft // 2 + 1
         magnitude = torch.exp(x[:, :n_bins]).clamp(max=1e2)
         phase = torch.sin(x[:, n_bins:])
+        return magnitude, phase
+
+    def synthesize(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
+        """iSTFT of magnitude/phase -> (B, T) audio clamped to +-audio_limit (kept out of CUDA graphs: torch.istft
+        checks its window on the host)."""
+        c = self.config
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
         audio = torch.istft(spectrum, c.istft_n_fft, c.istft_hop, c.istft_n_fft, window=self.stft_window)
         return audio.clamp(-c.audio_limit, c.audio_limit)
@@ -137,17 +147,20 @@ class HiFTGenerator(nn.Module):
         if cache_source is None:
             cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
         if self.cuda_graphs is not None and speech_feat.is_cuda:
-            return self.cuda_graphs.run(speech_feat, noise, cache_source)
-        return self.vocode(speech_feat, noise.initial_phase, noise.sine_noise, cache_source)
+            magnitude, phase, source = self.cuda_graphs.run(speech_feat, noise, cache_source)
+        else:
+            magnitude, phase, source = self.vocode(speech_feat, noise.initial_phase, noise.sine_noise, cache_source)
+        return self.synthesize(magnitude, phase), source
 
     def vocode(self, speech_feat: torch.Tensor, initial_phase: torch.Tensor, sine_noise: torch.Tensor,
-               cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`inference` on explicit tensors: static shapes, no host syncs (what `HiFTGraphs` captures)."""
+               cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`inference` up to the iSTFT on explicit tensors -> (magnitude, phase, source): static shapes, no host
+        syncs (what `HiFTGraphs` captures)."""
         f0 = self.predict_f0(speech_feat)
         source = self.source(f0, SourceNoise(initial_phase, sine_noise))
         if cache_source.shape[2] > 0:
             source[:, :, :cache_source.shape[2]] = cache_source
-        return self.decode(speech_feat, source), source
+        return *self.spectrum(speech_feat, source), source
 
 
 class _CapturedVocode:
@@ -166,7 +179,7 @@ class _CapturedVocode:
 
 
 class HiFTGraphs:
-    """CUDA graphs of `HiFTGenerator.vocode` per input shape. HiFT is launch-bound (its time hardly depends on the
+    """CUDA graphs of `HiFTGenerator.vocode` (everything but the iSTFT) per input shape. HiFT is launch-bound (its time hardly depends on the
     length), but lengths cannot be padded (non-causal convolutions), so a shape is captured on its second
     occurrence: streaming chunk lengths repeat, one-off final-chunk lengths stay eager. At most `max_graphs`."""
 
@@ -179,7 +192,7 @@ class HiFTGraphs:
         self._lock = threading.Lock()
 
     def run(self, speech_feat: torch.Tensor, noise: SourceNoise,
-            cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         hift = self._hift[0]
         inputs = (speech_feat, noise.initial_phase.to(speech_feat), noise.sine_noise.to(speech_feat), cache_source)
         key = (speech_feat.device, *(tuple(t.shape) for t in inputs))
