@@ -37,6 +37,7 @@ TOKEN2WAV_STATS = (
     "token2wav_max_jobs_per_call",
     "token2wav_failed_total",
     "token2wav_closed_total",
+    "token2wav_expired_total",
     "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
 )
 
@@ -87,10 +88,13 @@ class _Job(Generic[S]):
 
 
 class Token2WavService(Generic[S]):
-    def __init__(self, engine: Token2WavEngine[S], stats: Stats | None = None) -> None:
+    def __init__(self, engine: Token2WavEngine[S], stats: Stats | None = None, idle_timeout_s: float = 300.0) -> None:
         self.engine = engine
         self.stats = stats or Stats(TOKEN2WAV_STATS)
+        # A stream whose orchestrator vanished (crashed process) would never be closed: expire idle ones.
+        self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, S] = {}
+        self._last_used: dict[str, float] = {}
         # Ids closed recently: a close can overtake the request's own in-flight first chunk, which must
         # then not open the stream again (ids are never reused, so remembering the last few suffices).
         self._closed_ids: OrderedDict[str, None] = OrderedDict()
@@ -121,13 +125,12 @@ class Token2WavService(Generic[S]):
     def close_stream(self, request_id: str) -> bool:
         """Free the state of `request_id` (cancelled or abandoned request). False if it had none."""
         with self._cond:
-            existed = self._streams.pop(request_id, None) is not None
+            existed = self._drop(request_id)
             self._closed_ids[request_id] = None
             while len(self._closed_ids) > CLOSED_IDS_REMEMBERED:
                 self._closed_ids.popitem(last=False)
             if existed:
                 self.stats.add("token2wav_closed_total")
-                self.stats.set("token2wav_active_streams", len(self._streams))
         return existed
 
     def active_streams(self) -> set[str]:
@@ -144,8 +147,10 @@ class Token2WavService(Generic[S]):
     def _run(self) -> None:
         while True:
             with self._cond:
+                self._expire_idle()
                 while not self._pending and not self._closed:
-                    self._cond.wait()
+                    self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
+                    self._expire_idle()
                 if self._closed:
                     for job in self._pending:
                         job.resolve(RuntimeError("token2wav service is shut down"))
@@ -185,8 +190,7 @@ class Token2WavService(Generic[S]):
             if job.chunk is not None and (failed or job.chunk.final):
                 # a failed chunk leaves the stream's caches inconsistent; a final one ends it
                 with self._cond:
-                    self._streams.pop(job.request_id, None)
-                    self.stats.set("token2wav_active_streams", len(self._streams))
+                    self._drop(job.request_id)
             job.resolve(result)
 
     def _state_for(self, job: _Job[S]) -> S:
@@ -206,5 +210,20 @@ class Token2WavService(Generic[S]):
                     self._streams[job.request_id] = state
                     self.stats.set("token2wav_active_streams", len(self._streams))
             elif state is None:
-                raise InvalidInput(f"token2wav stream {job.request_id} is not open (closed or never opened)")
+                raise InvalidInput(f"token2wav stream {job.request_id} is not open (closed, expired or never opened)")
+            self._last_used[job.request_id] = time.monotonic()
             return state
+
+    def _drop(self, request_id: str) -> bool:
+        """Forget a stream. Caller holds the lock."""
+        self._last_used.pop(request_id, None)
+        existed = self._streams.pop(request_id, None) is not None
+        self.stats.set("token2wav_active_streams", len(self._streams))
+        return existed
+
+    def _expire_idle(self) -> None:
+        """Drop streams unused for `idle_timeout_s`. Caller holds the lock."""
+        deadline = time.monotonic() - self.idle_timeout_s
+        for request_id in [r for r, used in self._last_used.items() if used < deadline]:
+            if self._drop(request_id):
+                self.stats.add("token2wav_expired_total")

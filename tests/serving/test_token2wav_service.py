@@ -80,6 +80,22 @@ async def test_close_frees_the_stream_and_a_late_first_chunk_cannot_reopen_it():
         service.shutdown()
 
 
+async def test_idle_streams_of_a_vanished_orchestrator_expire():
+    service = Token2WavService(FakeEngine(), idle_timeout_s=0.05)
+    try:
+        await service.process("orphan", np.arange(8), PROMPT, chunk(0, 5))
+        assert service.active_streams() == {"orphan"}
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not service.active_streams():
+                break
+        assert service.active_streams() == set() and service.stats.get("token2wav_expired_total") == 1
+        with pytest.raises(InvalidInput, match="expired"):
+            await service.process("orphan", np.arange(8, 10), None, chunk(5, 10, final=True))
+    finally:
+        service.shutdown()
+
+
 async def test_errors_free_the_stream_and_do_not_touch_other_streams():
     service = Token2WavService(FakeEngine())
     try:
