@@ -348,9 +348,7 @@ class _Run:
     llm_running: bool = False
     stream_open: bool = False
 
-    async def token2wav(
-        self, tokens: list[int], prompt: PromptTensors, chunk: Chunk | None, seed: int
-    ) -> np.ndarray:
+    async def token2wav(self, tokens: list[int], prompt: PromptTensors, chunk: Chunk | None, seed: int) -> np.ndarray:
         first = not self.stream_open
         # Streaming: the stream exists from the first call until its final chunk; offline keeps no state.
         self.stream_open = chunk is not None and not chunk.final

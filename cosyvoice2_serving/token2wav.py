@@ -184,7 +184,7 @@ class Token2WavService(Generic[S]):
         self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_engine_calls_total")
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
-        for job, result in zip(runnable, results):
+        for job, result in zip(runnable, results, strict=True):
             failed = isinstance(result, Exception)
             self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
             if job.chunk is not None and (failed or job.chunk.final):

@@ -25,7 +25,8 @@ from pathlib import Path
 from string import Template
 from typing import Sequence
 
-from triton_repo import contract, internal_io as io
+from triton_repo import contract
+from triton_repo import internal_io as io
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
@@ -129,7 +130,9 @@ def _check_trtllm(opts: RenderOptions) -> list[str]:
         build = json.loads((opts.engine_dir / "config.json").read_text()).get("build_config", {})
         for key, ours in (("max_batch_size", opts.max_batch), ("max_seq_len", opts.max_seq_len)):
             if key in build and ours > int(build[key]):
-                errors.append(f"--{key.replace('_size', '').replace('_', '-')} {ours} exceeds the engine's {key} {build[key]}")
+                errors.append(
+                    f"--{key.replace('_size', '').replace('_', '-')} {ours} exceeds the engine's {key} {build[key]}"
+                )
     if opts.llm_dir is None:
         errors.append(f"--llm-backend tensorrt_llm needs --llm-dir (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
     elif not (opts.llm_dir / LOGITS_BIAS_FILE).is_file():
@@ -301,7 +304,15 @@ def validate_repository(repo: Path) -> None:
 
     errors: list[str] = []
     models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
-    expected = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding", "llm", "token2wav"}
+    expected = {
+        contract.OFFLINE_MODEL,
+        contract.STREAMING_MODEL,
+        "voice_prompt",
+        "audio_tokenizer",
+        "speaker_embedding",
+        "llm",
+        "token2wav",
+    }
     if set(models) != expected:
         errors.append(f"models {models} != expected {sorted(expected)}")
     for name in models:
@@ -434,13 +445,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="repository directory to (re)write")
     parser.add_argument("--llm-backend", default=defaults.llm_backend, choices=sorted(LLM_BACKENDS))
     parser.add_argument("--engine-dir", type=Path, help="TensorRT-LLM engine directory (tensorrt_llm backend)")
-    parser.add_argument("--llm-dir", type=Path, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)")
-    parser.add_argument("--device", default=None, choices=("cpu", "cuda"), help="default: cuda for tensorrt_llm, else cpu")
+    parser.add_argument(
+        "--llm-dir", type=Path, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)"
+    )
+    parser.add_argument(
+        "--device", default=None, choices=("cpu", "cuda"), help="default: cuda for tensorrt_llm, else cpu"
+    )
     parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="LLM and flow dtype")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="LLM sequences decoded together")
     parser.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help="prompt + generated tokens")
-    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="queued LLM requests before overload")
-    parser.add_argument("--instances", action="append", default=[], metavar="MODEL=COUNT", help=f"one of {', '.join(SCALABLE)}")
+    parser.add_argument(
+        "--max-waiting", type=int, default=defaults.max_waiting, help="queued LLM requests before overload"
+    )
+    parser.add_argument(
+        "--instances", action="append", default=[], metavar="MODEL=COUNT", help=f"one of {', '.join(SCALABLE)}"
+    )
     parser.add_argument("--first-hop", type=int, default=defaults.first_hop, help="tokens in the first streaming chunk")
     parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
     parser.add_argument("--layout", default=defaults.layout, choices=LAYOUTS)

@@ -48,7 +48,17 @@ def ensure_model_dir(model_dir: Path) -> None:
             "point --model-dir at such a directory or fill this one with the official files"
         )
     print(f"[stack] {model_dir} is empty: downloading the weights (cosyvoice_build download stage)", flush=True)
-    command = [sys.executable, "-m", "cosyvoice_build", "--work-dir", str(model_dir.parent), "--from", "download", "--to", "download"]
+    command = [
+        sys.executable,
+        "-m",
+        "cosyvoice_build",
+        "--work-dir",
+        str(model_dir.parent),
+        "--from",
+        "download",
+        "--to",
+        "download",
+    ]
     if subprocess.run(command, check=False).returncode != 0:  # noqa: S603 - our own module
         raise StackError(f"downloading the weights failed ({' '.join(command)}); see its output above")
 
@@ -64,7 +74,10 @@ def run_stack(model_dir: Path, repo_dir: Path, device: str, dtype: str, gateway_
     gateway: subprocess.Popen | None = None
     try:
         server.start(ready_timeout=900)
-        print(f"[stack] tritonserver ready: grpc {server.grpc_url}, metrics :{server.metrics_port}, log {server.log_path}", flush=True)
+        print(
+            f"[stack] tritonserver ready: grpc {server.grpc_url}, metrics :{server.metrics_port}, log {server.log_path}",
+            flush=True,
+        )
         env = {**os.environ, "TTS_TRITON_URL": server.grpc_url}
         if gateway_port is not None:
             env["TTS_PORT"] = str(gateway_port)
@@ -92,7 +105,9 @@ def run_stack(model_dir: Path, repo_dir: Path, device: str, dtype: str, gateway_
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m triton_repo.stack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, default=Path(os.environ.get("COSYVOICE_MODEL_DIR", DEFAULT_MODEL_DIR)))
+    parser.add_argument(
+        "--model-dir", type=Path, default=Path(os.environ.get("COSYVOICE_MODEL_DIR", DEFAULT_MODEL_DIR))
+    )
     parser.add_argument("--repo-dir", type=Path, default=DEFAULT_REPO_DIR, help="where the repository is rendered")
     parser.add_argument("--device", default=os.environ.get("COSYVOICE_DEVICE", "cpu"), choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=os.environ.get("COSYVOICE_DTYPE", "fp32"), choices=("fp32", "fp16", "bf16"))

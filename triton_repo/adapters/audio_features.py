@@ -11,9 +11,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, SpeakerEncoder, SpeechTokenizer, default_providers
+from cosyvoice2.frontend.onnx_models import (
+    CAMPPLUS_FILE,
+    SPEECH_TOKENIZER_FILE,
+    SpeakerEncoder,
+    SpeechTokenizer,
+    default_providers,
+)
 from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
-from triton_repo import contract, internal_io as io
+from triton_repo import contract
+from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
 
 

@@ -144,7 +144,9 @@ class MetricsExporter:
         metric = self._metrics.get(name)
         if metric is None:
             kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
-            family = pb_utils.MetricFamily(name=f"cosyvoice2_{name}", description=f"CosyVoice2 pipeline: {name}", kind=kind)
+            family = pb_utils.MetricFamily(
+                name=f"cosyvoice2_{name}", description=f"CosyVoice2 pipeline: {name}", kind=kind
+            )
             self._families[name] = family
             metric = self._metrics[name] = family.Metric(labels={"model": self._model_name})
         if counter:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.llm import BatchedDecoder
 from cosyvoice2.loading import LLM_FILE, load_llm
@@ -20,8 +22,6 @@ from cosyvoice2_serving.orchestrator import LLMVocab
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
-
-import torch
 
 
 class TritonPythonModel:

@@ -23,7 +23,8 @@ from cosyvoice2_serving.orchestrator import (
     stream_schedule,
 )
 from cosyvoice2_serving.stats import Stats
-from triton_repo import contract, internal_io as io
+from triton_repo import contract
+from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
     FINAL,
     MetricsExporter,

@@ -14,7 +14,8 @@ from cosyvoice2_serving.engines import prompt_tensors
 from cosyvoice2_serving.orchestrator import PromptTensors
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
-from triton_repo import contract, internal_io as io
+from triton_repo import contract
+from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve
 
 
@@ -30,7 +31,9 @@ class TritonPythonModel:
 
     async def _handle(self, request: Any, sender: Any) -> None:
         arrays = read_inputs(request, io.VOICE_PROMPT_INPUTS)
-        wav = arrays[contract.REFERENCE_WAV.name].reshape(-1)[: int(arrays[contract.REFERENCE_WAV_LEN.name].reshape(-1)[0])]
+        wav = arrays[contract.REFERENCE_WAV.name].reshape(-1)[
+            : int(arrays[contract.REFERENCE_WAV_LEN.name].reshape(-1)[0])
+        ]
         raw_id = arrays[contract.VOICE_ID.name].reshape(-1)[0]
         voice_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
         prompt = await self.cache.get(voice_id, lambda: self._compute(wav))
