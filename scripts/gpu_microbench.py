@@ -60,7 +60,8 @@ class Bench:
         return row
 
     def p50(self, section: str, case: str, variant: str) -> float:
-        return next(r["p50"] for r in self.rows if (r["section"], r["case"], r["variant"]) == (section, case, variant))
+        return next(r["p50"] for r in self.rows
+                    if (r["section"], r.get("case"), r.get("variant")) == (section, case, variant))
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -104,10 +105,8 @@ def report_profile(bench: "Bench", section: str, case: str, profile_: dict) -> N
     bench.rows.append({"section": section, "case": f"profile {case}", **profile_})
 
 
-def variants(device: torch.device, compiled: bool) -> list[tuple[str, bool]]:
+def variants(device: torch.device) -> list[tuple[str, bool]]:
     """(name, use CUDA graphs) pairs measured on `device`."""
-    if compiled:
-        return [("compiled", True)]
     return [("eager", False), ("graph", True)] if device.type == "cuda" else [("eager", False)]
 
 
@@ -119,10 +118,10 @@ def decode_request(index: int) -> DecodeRequest:
                          sampling=SamplingParams(seed=index, min_token_text_ratio=0, max_token_text_ratio=40))
 
 
-def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int, compiled: bool = False) -> None:
-    """Eager and CUDA-graph decoders, or (`compiled`) the torch.compile'd step inside CUDA graphs."""
+def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
+    """Eager and CUDA-graph decoders; where the time of one step goes (kernel profile)."""
     device = bench.device
-    print(f"LLM (Qwen2 0.5B body, static KV cache){' compiled step' if compiled else ''}", flush=True)
+    print("LLM (Qwen2 0.5B body, static KV cache)", flush=True)
     with torch.device(device):
         llm = CosyVoice2LM(LLMConfig()).to(dtype).eval()
     with torch.no_grad():
@@ -132,10 +131,9 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
 
     slots = max(batches)
     decoders = {}
-    for variant, graphs in variants(device, compiled):
+    for variant, graphs in variants(device):
         start = time.perf_counter()
-        decoders[variant] = BatchedDecoder(llm, num_slots=slots, max_seq_len=max_seq_len, cuda_graphs=graphs,
-                                           compile_step=compiled)
+        decoders[variant] = BatchedDecoder(llm, num_slots=slots, max_seq_len=max_seq_len, cuda_graphs=graphs)
         bench.sync()
         print(f"  {variant} decoder with {slots} slots built in {time.perf_counter() - start:.1f} s "
               f"(buckets {decoders[variant].buckets})", flush=True)
@@ -143,9 +141,8 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
     def prefill(decoder: BatchedDecoder) -> None:
         decoder.remove(decoder.add(decode_request(0)))
 
-    if not compiled:
-        prefix = decode_request(0).prefix_length
-        bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
+    prefix = decode_request(0).prefix_length
+    bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
 
     for batch in batches:
         for variant, decoder in decoders.items():
@@ -155,7 +152,7 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
                 decoder.add(decode_request(i))
             bench.time("llm", f"decode step batch {batch}", variant, decoder.step, repeats=bench.repeats)
             assert len(decoder.active_slots) == batch, "a slot stopped during the benchmark"
-    if device.type == "cuda" and not compiled:  # where a graph replay's time goes: kernels vs launch gaps
+    if device.type == "cuda":  # where a graph replay's time goes: kernels vs launch gaps
         decoder = decoders["eager"]
         for batch in (1, max(batches)):
             for slot in decoder.active_slots:
@@ -178,15 +175,12 @@ def flow_cases() -> list[tuple[str, int, bool]]:
     ]
 
 
-def bench_flow(bench: Bench, dtype: torch.dtype, compiled: bool = False) -> None:
-    """Eager and CUDA-graph CFM loops, or (`compiled`) a torch.compile'd estimator inside the CUDA graphs."""
+def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
+    """Eager and CUDA-graph CFM loops (the encoder runs eagerly in both)."""
     device = bench.device
-    print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG){' compiled' if compiled else ''}",
-          flush=True)
+    print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG)", flush=True)
     with torch.device(device):
         flow = CausalFlow(FlowConfig()).to(dtype).eval()
-    if compiled:
-        flow.decoder.estimator.forward = torch.compile(flow.decoder.estimator.forward, dynamic=True)
     flow.decoder.rand_noise = flow.decoder.rand_noise.to(device)
     gen = torch.Generator(device=device).manual_seed(0)
     prompt_token = torch.randint(0, 6561, (1, PROMPT_TOKENS), device=device, generator=gen)
@@ -199,22 +193,21 @@ def bench_flow(bench: Bench, dtype: torch.dtype, compiled: bool = False) -> None
         def call() -> torch.Tensor:
             return flow.inference(token, prompt_token, prompt_feat, xvector, streaming=not final, finalize=final)
 
-        if not compiled:
-            with torch.inference_mode():
-                bench.time("flow", f"{name} encoder", "eager", lambda: flow.encode(token, prompt_token, not final, final),
-                           repeats=max(3, bench.repeats // 4))
-            flow.decoder.cuda_graphs = None
-            bench.time("flow", name, "eager", call, repeats=max(3, bench.repeats // 4))
-            if device.type == "cuda" and name == flow_cases()[0][0]:
-                report_profile(bench, "flow", name, kernel_profile(device, call))
-            flow.decoder.cuda_graphs = graphs
+        with torch.inference_mode():
+            bench.time("flow", f"{name} encoder", "eager", lambda: flow.encode(token, prompt_token, not final, final),
+                       repeats=max(3, bench.repeats // 4))
+        flow.decoder.cuda_graphs = None
+        bench.time("flow", name, "eager", call, repeats=max(3, bench.repeats // 4))
+        if device.type == "cuda" and name == flow_cases()[0][0]:
+            report_profile(bench, "flow", name, kernel_profile(device, call))
+        flow.decoder.cuda_graphs = graphs
         if device.type != "cuda":
             continue
         start = time.perf_counter()
         call()  # first call of a frame bucket captures its graph
         bench.sync()
         print(f"  graph capture for {name}: {time.perf_counter() - start:.2f} s", flush=True)
-        bench.time("flow", name, "compiled" if compiled else "graph", call)
+        bench.time("flow", name, "graph", call)
     del flow
 
 
@@ -235,7 +228,7 @@ def bench_hift(bench: Bench) -> None:
     gen = torch.Generator(device=device).manual_seed(0)
     for name, frames in hift_frames():
         mel = torch.randn(1, 80, frames, device=device, generator=gen)
-        for variant, _ in variants(device, compiled=False):
+        for variant, _ in variants(device):
             hift.cuda_graphs = graphs if variant == "graph" else None
             bench.time("hift", name, variant, lambda: hift.inference(mel, generator=gen))  # warm-up captures
 
@@ -248,8 +241,7 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="llm,flow,hift", help="comma list of llm, flow, hift, llm-compiled, "
-                        "flow-compiled (torch.compile'd step / estimator inside the CUDA graphs)")
+    parser.add_argument("--only", default="llm,flow,hift", help="comma list of llm, flow, hift")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -268,17 +260,6 @@ def main() -> int:
             bench_flow(bench, dtype)
         if "hift" in only:
             bench_hift(bench)
-        # experiments last, and a failure there must not lose the tables above
-        for name, run in (("flow-compiled", lambda: bench_flow(bench, dtype, compiled=True)),
-                          ("llm-compiled", lambda: bench_llm(bench, dtype, [int(b) for b in args.batches.split(",")],
-                                                             args.max_seq_len, compiled=True))):
-            if name in only:
-                start = time.perf_counter()
-                try:
-                    run()
-                except Exception as error:  # noqa: BLE001 - report and go on
-                    print(f"  {name} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                print(f"  {name} took {time.perf_counter() - start:.0f} s (compilation included)", flush=True)
 
     print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
     for row in bench.rows:
@@ -294,13 +275,6 @@ def main() -> int:
             "flow": bench.p50("flow", flow_case, variant),
             "hift": bench.p50("hift", hift_case, variant),
         } for variant in ("eager", "graph")}
-        for variant in ("compiled",):
-            try:
-                parts[variant] = {**parts["graph"],  # prefill and HiFT as in the graph variant
-                                  f"{first_tokens} decode steps": first_tokens * bench.p50("llm", "decode step batch 1", variant),
-                                  "flow": bench.p50("flow", flow_case, variant)}
-            except StopIteration:
-                pass
         print("\nImplied streaming first chunk at batch 1 (p50 parts):")
         for variant, part in parts.items():
             detail = " + ".join(f"{k} {v:.1f}" for k, v in part.items())

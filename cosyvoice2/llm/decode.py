@@ -31,8 +31,7 @@ Rules (upstream ``Qwen2LM.inference``):
   state lives in ``_SlotTable``), so a step costs one host sync, to read the tokens.
 - On CUDA the whole step (sampling + forward) is captured once per (batch bucket, length bucket) in a CUDA graph
   at construction (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs
-  the same code. ``compile_step=True`` additionally compiles the step with ``torch.compile`` (Inductor fuses the
-  elementwise kernels) before capture: fewer, larger kernels, at a one-time compile cost.
+  the same code.
 - Not thread-safe: drive one decoder from one thread.
 """
 
@@ -135,7 +134,7 @@ class _StepGraphs:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles, compilation)
+        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles)
             for shape in shapes:
                 step(*shape)
         torch.cuda.current_stream().wait_stream(side)
@@ -161,7 +160,6 @@ class BatchedDecoder:
         cuda_graphs: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         length_buckets: Sequence[int] = LENGTH_BUCKETS,
-        compile_step: bool = False,
     ) -> None:
         self.model = model
         self.num_slots = num_slots
@@ -178,14 +176,11 @@ class BatchedDecoder:
         self._stop_ids = frozenset(model.config.stop_ids)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self._step_fn: Callable[[int, int], None] = self._advance
-        if compile_step:
-            self._step_fn = torch.compile(self._advance, dynamic=True)
         self._graphs: _StepGraphs | None = None
         if cuda_graphs:
             shapes = [(rows, kv_len) for rows in self.buckets for kv_len in self.length_buckets]
             with torch.inference_mode():
-                self._graphs = _StepGraphs(self._step_fn, shapes)
+                self._graphs = _StepGraphs(self._advance, shapes)
 
     @property
     def active_slots(self) -> list[int]:
@@ -260,7 +255,7 @@ class BatchedDecoder:
             if self._graphs is not None:
                 self._graphs.replay((rows, kv_len))
             else:
-                self._step_fn(rows, kv_len)
+                self._advance(rows, kv_len)
             tokens = self._tokens[:rows].tolist()  # the step's one host sync
             for slot, state in list(self._slots.items()):
                 outputs[slot] = self._report(slot, state, tokens[slot])

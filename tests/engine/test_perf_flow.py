@@ -58,12 +58,15 @@ def test_bucket_padding_leaves_real_frames_unchanged(flow: CausalFlow, frames: i
 @torch.inference_mode()
 def test_graph_replay_matches_eager_solve(flow: CausalFlow, dtype: torch.dtype) -> None:
     cfm = flow.to("cuda", dtype).decoder
-    for frames, streaming in [(131, True), (131, True), (90, False), (250, True)]:  # the repeat replays
-        inputs = [t.to("cuda", dtype) for t in flow_inputs(frames, prompt_frames=40, seed=frames)]
-        eager = cfm.solve(*inputs, streaming).float()
-        graph = cfm(*inputs, streaming)
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        torch.testing.assert_close(graph, eager, rtol=tol, atol=tol)
+    # fp32 without TF32 convolutions: the padded graph and the unpadded eager call pick different conv algorithms,
+    # and TF32 alone puts them ~1e-3 apart (seen on an H200)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for frames, streaming in [(131, True), (131, True), (90, False), (250, True)]:  # the repeat replays
+            inputs = [t.to("cuda", dtype) for t in flow_inputs(frames, prompt_frames=40, seed=frames)]
+            eager = cfm.solve(*inputs, streaming).float()
+            graph = cfm(*inputs, streaming)
+            tol = 5e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(graph, eager, rtol=tol, atol=tol)
     flow.to("cpu", torch.float32)
 
 
