@@ -12,6 +12,7 @@ Requests beyond the free slots wait in a bounded queue; a full queue rejects wit
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -22,6 +23,8 @@ from cosyvoice2_serving.errors import Overloaded
 from cosyvoice2_serving.stats import Stats
 
 R = TypeVar("R")
+
+logger = logging.getLogger(__name__)
 
 LLM_STATS = (
     "llm_active_sequences",
@@ -168,21 +171,32 @@ class ContinuousBatchingScheduler(Generic[R]):
     # -- worker thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._lock:
-                while not self._closed and not self._active and not self._waiting:
-                    self._lock.wait()
-                if self._closed:
-                    self._fail_all(RuntimeError("LLM scheduler shut down"))
+            try:
+                if not self._iterate():
                     return
-                self._drop_cancelled()
-                admit = []
-                while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
-                    admit.append(self._waiting.popleft())
-                self.stats.set("llm_waiting_requests", len(self._waiting))
-            for job in admit:  # prefill outside the lock: submit/cancel stay responsive
-                self._admit(job)
-            if self._active:
-                self._step()
+            except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: fail them, go on
+                logger.exception("LLM scheduler iteration failed")
+                with self._lock:
+                    self._fail_all(exc)
+
+    def _iterate(self) -> bool:
+        """Admit, then step once. False when the scheduler is closed."""
+        with self._lock:
+            while not self._closed and not self._active and not self._waiting:
+                self._lock.wait()
+            if self._closed:
+                self._fail_all(RuntimeError("LLM scheduler shut down"))
+                return False
+            self._drop_cancelled()
+            admit = []
+            while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
+                admit.append(self._waiting.popleft())
+            self.stats.set("llm_waiting_requests", len(self._waiting))
+        for job in admit:  # prefill outside the lock: submit/cancel stay responsive
+            self._admit(job)
+        if self._active:
+            self._step()
+        return True
 
     def _admit(self, job: _Job[R]) -> None:
         started = time.perf_counter()

@@ -13,6 +13,7 @@ runs the flow of jobs with equal shapes as one batched forward.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from cosyvoice2_serving.stats import Stats
 S = TypeVar("S")
 
 CLOSED_IDS_REMEMBERED = 4096
+
+logger = logging.getLogger(__name__)
 
 TOKEN2WAV_STATS = (
     "token2wav_active_streams",
@@ -145,23 +148,33 @@ class Token2WavService(Generic[S]):
 
     # -- worker thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            with self._cond:
+        while self._iterate():
+            pass
+
+    def _iterate(self) -> bool:
+        """Take the next batch and run it. False when the service is shut down."""
+        with self._cond:
+            self._expire_idle()
+            while not self._pending and not self._closed:
+                self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
                 self._expire_idle()
-                while not self._pending and not self._closed:
-                    self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
-                    self._expire_idle()
-                if self._closed:
-                    for job in self._pending:
-                        job.resolve(RuntimeError("token2wav service is shut down"))
-                    return
-                batch, seen = [], set()
-                for job in list(self._pending):
-                    if job.request_id not in seen:  # one job per stream per call keeps chunk order
-                        seen.add(job.request_id)
-                        batch.append(job)
-                        self._pending.remove(job)
+            if self._closed:
+                for job in self._pending:
+                    job.resolve(RuntimeError("token2wav service is shut down"))
+                return False
+            batch, seen = [], set()
+            for job in list(self._pending):
+                if job.request_id not in seen:  # one job per stream per call keeps chunk order
+                    seen.add(job.request_id)
+                    batch.append(job)
+                    self._pending.remove(job)
+        try:
             self._execute(batch)
+        except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
+            logger.exception("token2wav batch failed")
+            for job in batch:
+                job.resolve(exc)  # no-op for jobs already answered
+        return True
 
     def _execute(self, batch: list[_Job[S]]) -> None:
         work: list[Work[S]] = []

@@ -113,3 +113,22 @@ async def test_overload_rejects_beyond_slots_plus_queue_and_bad_requests_fail_al
     finally:
         decoder.gate.set()
         scheduler.close()
+
+
+async def test_an_unexpected_worker_error_fails_the_running_requests_but_not_the_scheduler():
+    decoder = ScriptedDecoder(num_slots=2)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
+    broken = {"once": True}
+
+    def listener(name, value):
+        if name == "llm_steps_total" and value == 1 and broken.pop("once", False):
+            raise RuntimeError("metrics exporter broke")
+
+    scheduler.stats.add_listener(listener)
+    try:
+        with pytest.raises(RuntimeError, match="metrics exporter broke"):
+            await collect(scheduler.submit("a", Script(0, 3)))
+        assert await collect(scheduler.submit("b", Script(7, 2))) == [7, 8]
+        assert scheduler.active_request_ids() == set()
+    finally:
+        scheduler.close()
