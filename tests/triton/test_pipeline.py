@@ -55,6 +55,17 @@ async def wait_metrics(pipeline, predicate, timeout=30.0):
     return pipeline.metrics()
 
 
+async def settled_metrics(pipeline):
+    """Metrics once every component has published its latest values (they are pushed every 100 ms)."""
+    previous = pipeline.metrics()
+    while True:
+        await asyncio.sleep(0.3)
+        current = pipeline.metrics()
+        if current == previous:
+            return current
+        previous = current
+
+
 async def test_offline_audio_length_matches_the_generated_tokens(pipeline):
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         result = await client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=5))
@@ -90,7 +101,7 @@ async def test_eight_concurrent_streams_all_complete(pipeline):
 
 
 async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
-    before = pipeline.metrics()
+    before = await settled_metrics(pipeline)
     long_text = " ".join(["This sentence keeps the language model busy for a long while."] * 4)
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         chunks = await stream(client, synthesis_inputs(long_text, seed=9), cancel_after=1)
@@ -103,8 +114,8 @@ async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
                 and m[("token2wav_active_streams", "token2wav")] == 0
             )
 
-        metrics = await wait_metrics(pipeline, freed)
-    assert freed(metrics), metrics
+        assert freed(await wait_metrics(pipeline, freed))
+        metrics = await settled_metrics(pipeline)
     for stat, model in [
         ("orchestrator_cancelled_total", "cosyvoice2_stream"),
         ("llm_cancelled_total", "llm"),
@@ -116,9 +127,9 @@ async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
 async def test_a_repeated_voice_hits_the_prompt_cache(pipeline):
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("First.", voice="voice-repeat"))
-        first = pipeline.metrics()
+        first = await settled_metrics(pipeline)
         await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("Second.", voice="voice-repeat"))
-        second = pipeline.metrics()
+        second = await settled_metrics(pipeline)
     key = ("voice_cache_hits_total", "voice_prompt")
     assert second[key] == first[key] + 1
     assert second[("voice_cache_misses_total", "voice_prompt")] == first[("voice_cache_misses_total", "voice_prompt")]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
@@ -130,29 +132,46 @@ class MetricsExporter:
     """Mirrors a `Stats` object into Triton custom metrics ``cosyvoice2_<stat>{model="<name>"}``.
 
     Stats named ``*_total`` are counters, the rest gauges. Shown on tritonserver's metrics port.
+    Every metric call is an IPC round trip to tritonserver, so hot loops (decoder steps, token2wav
+    calls) never make one: a single publisher thread pushes the changed values at most every 100 ms.
     """
 
-    def __init__(self, stats: Stats, model_name: str) -> None:
-        self._families: dict[str, Any] = {}  # keep the families alive: metrics die with them
-        self._metrics: dict[str, Any] = {}
-        self._last: dict[str, float] = {}
-        self._model_name = model_name
-        stats.add_listener(self._update)
+    PERIOD_S = 0.1
 
-    def _update(self, name: str, value: float) -> None:
-        counter = name.endswith("_total")
-        metric = self._metrics.get(name)
-        if metric is None:
-            kind = pb_utils.MetricFamily.COUNTER if counter else pb_utils.MetricFamily.GAUGE
+    def __init__(self, stats: Stats, model_name: str) -> None:
+        self._stats = stats
+        self._families: list[Any] = []  # keep the families alive: metrics die with them
+        self._metrics: dict[str, Any] = {}
+        for name in stats.snapshot():
+            kind = pb_utils.MetricFamily.COUNTER if name.endswith("_total") else pb_utils.MetricFamily.GAUGE
             family = pb_utils.MetricFamily(
                 name=f"cosyvoice2_{name}", description=f"CosyVoice2 pipeline: {name}", kind=kind
             )
-            self._families[name] = family
-            metric = self._metrics[name] = family.Metric(labels={"model": self._model_name})
-        if counter:
-            delta = value - self._last.get(name, 0.0)
-            if delta > 0:
-                metric.increment(delta)
-        else:
-            metric.set(value)
-        self._last[name] = value
+            self._families.append(family)
+            self._metrics[name] = family.Metric(labels={"model": model_name})
+        self._published: dict[str, float] = {}
+        self._changed = threading.Event()
+        stats.add_listener(lambda name, value: self._changed.set())
+        threading.Thread(target=self._publish_forever, name=f"metrics-{model_name}", daemon=True).start()
+
+    def _publish_forever(self) -> None:
+        while True:
+            self._changed.wait()
+            self._changed.clear()
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - metrics must never take the model down
+                logger.exception("publishing metrics failed")
+            time.sleep(self.PERIOD_S)
+
+    def _publish(self) -> None:
+        for name, value in self._stats.snapshot().items():
+            last = self._published.get(name, 0.0)
+            if value == last and name in self._published:
+                continue
+            if name.endswith("_total"):
+                if value > last:
+                    self._metrics[name].increment(value - last)
+            else:
+                self._metrics[name].set(value)
+            self._published[name] = value
