@@ -27,7 +27,8 @@ from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import DecodeRequest, SamplingParams
 from cosyvoice2.streaming import ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import LLMVocab, PromptTensors
+from cosyvoice2.vocab import SpeechVocabLayout
+from cosyvoice2_serving.orchestrator import PromptTensors
 from cosyvoice2_serving.token2wav import Work
 from triton_repo.contract import REFERENCE_SAMPLE_RATE
 
@@ -35,7 +36,7 @@ from triton_repo.contract import REFERENCE_SAMPLE_RATE
 # -- LLM -------------------------------------------------------------------------------------------
 def build_decode_request(
     input_ids: np.ndarray,
-    vocab: LLMVocab,
+    vocab: SpeechVocabLayout,
     min_tokens: int,
     max_tokens: int,
     seed: int | None,
@@ -46,7 +47,7 @@ def build_decode_request(
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
     if ids.size < 2 or ids[0] != vocab.sos_id:
         raise InvalidInput("LLM input_ids must start with <|sos|>")
-    task_positions = np.flatnonzero(ids == vocab.task_id)
+    task_positions = np.flatnonzero(ids == vocab.task_id_id)
     if task_positions.size != 1:
         raise InvalidInput("LLM input_ids must hold exactly one <|task_id|>")
     split = int(task_positions[0])

@@ -19,6 +19,8 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
+from cosyvoice2.vocab import SpeechVocabLayout
+
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.stats import Stats
@@ -58,42 +60,6 @@ class PromptTensors:
 
 
 @dataclass(frozen=True)
-class LLMVocab:
-    """Token ids in the LLM's flat vocabulary (the TensorRT-LLM checkpoint layout, spec §2.8).
-
-    Text ids come first (``text_vocab_size`` = len(tokenizer)), then speech token k at offset + k, then
-    the three end ids (EOS, EOS2, FILL), then SOS and TASK_ID.
-    """
-
-    text_vocab_size: int
-    speech_token_size: int = 6561
-
-    @property
-    def speech_offset(self) -> int:
-        return self.text_vocab_size
-
-    @property
-    def end_ids(self) -> tuple[int, int, int]:
-        base = self.speech_offset + self.speech_token_size
-        return (base, base + 1, base + 2)
-
-    @property
-    def sos_id(self) -> int:
-        return self.speech_offset + self.speech_token_size + 3
-
-    @property
-    def task_id(self) -> int:
-        return self.sos_id + 1
-
-    @property
-    def size(self) -> int:
-        return self.task_id + 1
-
-    def speech_to_llm(self, tokens: np.ndarray) -> np.ndarray:
-        return tokens.astype(np.int32) + self.speech_offset
-
-
-@dataclass(frozen=True)
 class LLMRequest:
     """Inputs of one LLM sequence, in the form both LLM backends take (TensorRT-LLM names in the adapter)."""
 
@@ -128,7 +94,7 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    vocab: LLMVocab
+    vocab: SpeechVocabLayout
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
@@ -250,8 +216,8 @@ class Orchestrator:
             )
         input_ids = np.concatenate(
             [
-                np.array([vocab.sos_id, *prompt_ids, *target_ids, vocab.task_id], dtype=np.int32),
-                vocab.speech_to_llm(prompt.speech_tokens),
+                np.array([vocab.sos_id, *prompt_ids, *target_ids, vocab.task_id_id], dtype=np.int32),
+                vocab.to_vocab_ids(prompt.speech_tokens),
             ]
         )
         min_tokens = int(len(target_ids) * sampling.min_token_text_ratio)

@@ -17,7 +17,8 @@ from typing import Mapping
 import numpy as np
 
 from cosyvoice2.streaming import Chunk
-from cosyvoice2_serving.orchestrator import LLMRequest, LLMVocab, PromptTensors
+from cosyvoice2.vocab import SpeechVocabLayout
+from cosyvoice2_serving.orchestrator import LLMRequest, PromptTensors
 from triton_repo.contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
 
 Arrays = Mapping[str, "np.ndarray | None"]
@@ -79,7 +80,7 @@ def _col(value: object, dtype: type) -> np.ndarray:
 
 
 # -- LLM: orchestrator side ------------------------------------------------------------------------
-def llm_request_tensors(request: LLMRequest, vocab: LLMVocab, logits_bias: np.ndarray | None) -> dict[str, np.ndarray]:
+def llm_request_tensors(request: LLMRequest, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None) -> dict[str, np.ndarray]:
     """The LLM inputs (batch of one). `logits_bias` masks text ids for TensorRT-LLM (docs/triton.md)."""
     eos, eos2, fill = vocab.end_ids
     tensors = {

@@ -1,26 +1,19 @@
-"""The extended vocabulary of our HF/TensorRT-LLM LLM checkpoint: where speech tokens, end ids and markers sit.
+"""Build-side names of the extended LLM vocabulary: token strings, the logits bias file, the chat template.
 
-Torch-free: the build CLI, the Triton models and any runtime read it (``cosyvoice2_llm.json`` beside the checkpoint)::
-
-    [0, T)                 text tokens (T = len(CosyVoice2 tokenizer) = 151663 for the released model)
-    T + k, k < 6561        speech token k                      <|s_k|>
-    T + 6561 .. T + 6563   the three end ids (EOS, 6562, FILL)  <|eos1|> <|eos2|> <|eos3|>
-    T + 6564, T + 6565     <|sos|>, <|task_id|>
-    up to a multiple of 128  padding
+The id layout itself is `cosyvoice2.vocab.SpeechVocabLayout`, shared with the serving code.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from cosyvoice2.vocab import END_TOKENS, LAYOUT_FILE, LOGITS_BIAS_FILE, VOCAB_PAD_MULTIPLE, SpeechVocabLayout
 
-LAYOUT_FILE = "cosyvoice2_llm.json"
-LOGITS_BIAS_FILE = "logits_bias.safetensors"
+__all__ = [
+    "CHAT_TEMPLATE", "END_TOKENS", "LAYOUT_FILE", "LOGITS_BIAS_FILE", "LOGITS_BIAS_KEY", "MASKED_LOGIT_BIAS",
+    "SOS_TOKEN", "TASK_ID_TOKEN", "VOCAB_PAD_MULTIPLE", "SpeechVocabLayout", "speech_token_name",
+]
+
 LOGITS_BIAS_KEY = "logits_bias"
 MASKED_LOGIT_BIAS = -1.0e9
-VOCAB_PAD_MULTIPLE = 128
-END_TOKENS = ("<|eos1|>", "<|eos2|>", "<|eos3|>")
 SOS_TOKEN = "<|sos|>"
 TASK_ID_TOKEN = "<|task_id|>"
 #: The prompt format the TRT-LLM runtime feeds: <|sos|> text <|task_id|>, then prompt speech tokens as ids.
@@ -34,69 +27,3 @@ CHAT_TEMPLATE = (
 
 def speech_token_name(k: int) -> str:
     return f"<|s_{k}|>"
-
-
-@dataclass(frozen=True)
-class SpeechVocabLayout:
-    """Where speech tokens, end ids and prompt markers sit in the extended vocabulary."""
-
-    text_vocab_size: int  # = offset of speech token 0 (ORIGINAL_VOCAB_SIZE upstream)
-    speech_token_size: int = 6561
-
-    @property
-    def speech_offset(self) -> int:
-        return self.text_vocab_size
-
-    @property
-    def num_speech_classes(self) -> int:
-        """Rows of ``llm_decoder``/``speech_embedding``: speech tokens plus the three end ids."""
-        return self.speech_token_size + len(END_TOKENS)
-
-    @property
-    def end_ids(self) -> tuple[int, ...]:
-        """All three stop the decode (the reference's stop_token_ids); the first is EOS proper."""
-        first = self.speech_offset + self.speech_token_size
-        return tuple(range(first, first + len(END_TOKENS)))
-
-    @property
-    def sos_id(self) -> int:
-        return self.speech_offset + self.num_speech_classes
-
-    @property
-    def task_id_id(self) -> int:
-        return self.sos_id + 1
-
-    @property
-    def vocab_size(self) -> int:
-        return self.task_id_id + 1
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return -(-self.vocab_size // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
-
-    def to_vocab_id(self, speech_token: int) -> int:
-        return self.speech_offset + speech_token
-
-    def to_speech_token(self, vocab_id: int) -> int:
-        """Inverse of ``to_vocab_id``; refuses ids outside the speech range (end ids included: they stop)."""
-        token = vocab_id - self.speech_offset
-        if not 0 <= token < self.speech_token_size:
-            raise ValueError(f"vocabulary id {vocab_id} is not a speech token")
-        return token
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            **asdict(self),
-            "speech_offset": self.speech_offset,
-            "end_ids": list(self.end_ids),
-            "sos_id": self.sos_id,
-            "task_id_id": self.task_id_id,
-            "vocab_size": self.vocab_size,
-            "padded_vocab_size": self.padded_vocab_size,
-            "logits_bias_file": LOGITS_BIAS_FILE,
-        }
-
-    @classmethod
-    def load(cls, hf_dir: Path) -> SpeechVocabLayout:
-        data = json.loads((Path(hf_dir) / LAYOUT_FILE).read_text())
-        return cls(text_vocab_size=int(data["text_vocab_size"]), speech_token_size=int(data["speech_token_size"]))

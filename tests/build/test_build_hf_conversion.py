@@ -64,16 +64,6 @@ def test_released_vocabulary_layout_matches_upstream_ids() -> None:
         layout.to_speech_token(158224)  # an end id is not a speech token
 
 
-@pytest.mark.parametrize("text_vocab_size", [151663, 512])
-def test_layout_agrees_with_the_serving_orchestrator(text_vocab_size: int) -> None:
-    """The Triton pipeline keeps its own view of the same ids (cosyvoice2_serving.LLMVocab): they must agree."""
-    orchestrator = pytest.importorskip("cosyvoice2_serving.orchestrator")
-    ours, theirs = SpeechVocabLayout(text_vocab_size), orchestrator.LLMVocab(text_vocab_size)
-    assert (ours.speech_offset, ours.end_ids, ours.sos_id, ours.task_id_id, ours.vocab_size) == (
-        theirs.speech_offset, theirs.end_ids, theirs.sos_id, theirs.task_id, theirs.size
-    )  # fmt: skip
-
-
 def test_micro_text_vocabulary_ends_where_speech_starts(layout: SpeechVocabLayout) -> None:
     assert layout.speech_offset == 512  # every micro text id (< 512) stays a text row
 

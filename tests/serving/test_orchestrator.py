@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from cosyvoice2.streaming import ChunkSchedule
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.orchestrator import (
-    LLMVocab,
     Orchestrator,
     OrchestratorConfig,
     PromptTensors,
@@ -19,7 +19,7 @@ from cosyvoice2_serving.orchestrator import (
 )
 from triton_repo import contract
 
-VOCAB = LLMVocab(text_vocab_size=1000, speech_token_size=50)
+VOCAB = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
 SAMPLES_PER_TOKEN = 960
 PROMPT = PromptTensors(np.arange(7, dtype=np.int32), np.zeros((14, 80), np.float32), np.ones(192, np.float32))
 
@@ -113,7 +113,7 @@ async def test_llm_request_layout_limits_and_seed():
     orch = orchestrator(clients)
     await collect(orch, request("aa bbb", seed=None), streaming=False)
     [llm] = clients.llm_requests
-    expected = [VOCAB.sos_id, 3, 4, 2, 3, VOCAB.task_id] + [VOCAB.speech_offset + t for t in range(7)]
+    expected = [VOCAB.sos_id, 3, 4, 2, 3, VOCAB.task_id_id] + [VOCAB.speech_offset + t for t in range(7)]
     assert llm.input_ids.tolist() == expected
     assert (llm.min_tokens, llm.max_tokens) == (4, 40)  # 2x and 20x the 2 target tokens
     await collect(orch, request("aa bbb", seed=None), streaming=False)

@@ -18,7 +18,7 @@ from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2_serving.engines import GraphedDecodeStep, build_decode_request
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
-from cosyvoice2_serving.orchestrator import LLMVocab
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
@@ -31,7 +31,7 @@ class TritonPythonModel:
         config = EngineConfig.for_model_dir(model_dir)
         device = torch.device(params["device"])
         llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params["dtype"]))
-        self.vocab = LLMVocab(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
+        self.vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
         decoder = BatchedDecoder(llm, num_slots=int(params["max_batch"]), max_seq_len=int(params["max_seq_len"]))
         if device.type == "cuda" and params.get("cuda_graphs") == "true":
             decoder.model = GraphedDecodeStep(llm)

@@ -11,10 +11,10 @@ from safetensors.numpy import load_file
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     LLMRequest,
-    LLMVocab,
     Orchestrator,
     OrchestratorConfig,
     PromptTensors,
@@ -44,7 +44,7 @@ LOGITS_BIAS_KEY = "logits_bias"
 class TritonClients:
     """`PipelineClients` over BLS calls to the repository's internal models."""
 
-    def __init__(self, vocab: LLMVocab, logits_bias: np.ndarray | None) -> None:
+    def __init__(self, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None) -> None:
         self.vocab = vocab
         self.logits_bias = logits_bias
 
@@ -90,7 +90,7 @@ class TritonPythonModel:
         model_dir = Path(params["model_dir"])
         engine = EngineConfig.for_model_dir(model_dir)
         tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
-        vocab = LLMVocab(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
+        vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
         schedule = stream_schedule(engine.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
         config = OrchestratorConfig(
             vocab=vocab,
