@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,31 +16,6 @@ MICRO_DIR = PARITY_DIR / "micro"
 #: for the released model).
 MICRO_BASE_VOCAB = 492
 
-
-
-def _import_torch_compiler_probes_without_tests_triton() -> None:
-    """tests/conftest.py puts tests/ on sys.path, where the test package tests/triton/ passes for the `triton`
-    compiler that torch._dynamo probes once, at import, when transformers loads a model class (it then fails on
-    `triton.language`). Import those modules while `import triton` fails as on a machine without the compiler,
-    then put the test package back so its own tests still import."""
-    spec = importlib.util.find_spec("triton")
-    tests_dir = REPO_ROOT / "tests"
-    locations = [spec.origin] if spec is not None and spec.origin else list(spec.submodule_search_locations or []) if spec else []
-    if not locations or not all(Path(p).resolve().is_relative_to(tests_dir) for p in locations):
-        return
-    saved = sys.modules.get("triton")
-    sys.modules["triton"] = None  # type: ignore[assignment]
-    try:
-        import torch._dynamo  # noqa: F401
-        import transformers.models.qwen2.modeling_qwen2  # noqa: F401
-    finally:
-        if saved is None:
-            del sys.modules["triton"]
-        else:
-            sys.modules["triton"] = saved
-
-
-_import_torch_compiler_probes_without_tests_triton()
 requires_parity = pytest.mark.skipif(not (MICRO_DIR / "llm.pt").exists(), reason=f"parity data absent ({MICRO_DIR})")
 
 
