@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from cosyvoice2.flow.config import FlowConfig
 from cosyvoice2.hift.config import HiFTConfig
+from cosyvoice2.layout import TOKENIZER_SUBDIR
 from cosyvoice2.llm.model import LLMConfig
 from cosyvoice2.llm.qwen2 import Qwen2Config
 from cosyvoice2.streaming import ChunkSchedule
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     import torch
 
 ENGINE_CONFIG_FILE = "engine_config.json"
-TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
 QWEN_CONFIG_FILE = f"{TOKENIZER_SUBDIR}/config.json"
 
 _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16",

@@ -17,16 +17,14 @@ from torch import nn
 
 from cosyvoice2.config import TOKENIZER_SUBDIR, EngineConfig, resolve_dtype
 from cosyvoice2.flow import CausalFlow
-from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE, PromptModels
+from cosyvoice2.frontend.onnx_models import PromptModels
 from cosyvoice2.hift import HiFTGenerator
+from cosyvoice2.layout import CHECKPOINT_FILES, FLOW_FILE, HIFT_FILE, LLM_FILE, ONNX_FILES
 from cosyvoice2.llm import CosyVoice2LM
 from cosyvoice2.pipeline import CosyVoice2
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
-LLM_FILE = "llm.pt"
-FLOW_FILE = "flow.pt"
-HIFT_FILE = "hift.pt"
-REQUIRED_FILES = (LLM_FILE, FLOW_FILE, HIFT_FILE, CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE)
+REQUIRED_FILES = (*CHECKPOINT_FILES, *ONNX_FILES)
 _MAX_LISTED = 10
 _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
                    "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_")

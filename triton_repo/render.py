@@ -25,6 +25,8 @@ from pathlib import Path
 from string import Template
 from typing import Sequence
 
+from cosyvoice2.layout import MODEL_FILES
+from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from triton_repo import contract
 from triton_repo import internal_io as io
 
@@ -36,8 +38,6 @@ DTYPES = ("fp32", "fp16", "bf16")
 LAYOUTS = ("single", "disaggregated")
 #: Models whose instance count may be chosen; llm and token2wav keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
-MODEL_FILES = ("llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2.onnx", "CosyVoice-BlankEN")
-LOGITS_BIAS_FILE = "logits_bias.safetensors"
 
 
 class RenderError(ValueError):

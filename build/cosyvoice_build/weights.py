@@ -10,10 +10,10 @@ from typing import Callable, Protocol
 from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.settings import BuildSettings
 
-TOKENIZER_DIR = "CosyVoice-BlankEN"
-#: What our engine loads, relative to the model directory (spec §6.1).
-TORCH_CHECKPOINTS = ("llm.pt", "flow.pt", "hift.pt")
-ONNX_MODELS = ("campplus.onnx", "speech_tokenizer_v2.onnx")
+from cosyvoice2.layout import CHECKPOINT_FILES as TORCH_CHECKPOINTS
+from cosyvoice2.layout import ONNX_FILES as ONNX_MODELS
+from cosyvoice2.layout import TOKENIZER_SUBDIR as TOKENIZER_DIR
+
 JSON_FILES = (f"{TOKENIZER_DIR}/config.json", f"{TOKENIZER_DIR}/vocab.json", f"{TOKENIZER_DIR}/tokenizer_config.json")
 TEXT_FILES = (f"{TOKENIZER_DIR}/merges.txt",)
 REQUIRED_FILES = TORCH_CHECKPOINTS + ONNX_MODELS + JSON_FILES + TEXT_FILES

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-CAMPPLUS_FILE = "campplus.onnx"
-SPEECH_TOKENIZER_FILE = "speech_tokenizer_v2.onnx"
+from cosyvoice2.layout import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+
 
 
 def default_providers() -> list[str]:

@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-from cosyvoice2.vocab import SpeechVocabLayout
+from cosyvoice2.vocab import LOGITS_BIAS_FILE, SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     LLMRequest,
@@ -37,7 +37,6 @@ from triton_repo.adapters.common import (
     serve,
 )
 
-LOGITS_BIAS_FILE = "logits_bias.safetensors"
 LOGITS_BIAS_KEY = "logits_bias"
 
 
