@@ -20,7 +20,8 @@ fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel o
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +98,43 @@ def rotary_matrix(positions: torch.Tensor, head_dim: int, theta: float, dtype: t
 
 
 def apply_rotary(x: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:
-    """x: ``[B, T, heads, head_dim]``; rotary: ``[B, T, head_dim, head_dim]`` from ``rotary_matrix``."""
+    """x: ``[B, T, heads, head_dim]`` (may be a head slice of a wider tensor); rotary: ``[B, T, head_dim, head_dim]``
+    from ``rotary_matrix``."""
     batch, length, heads, dim = x.shape
     out = torch.bmm(x.reshape(batch * length, heads, dim), rotary.reshape(batch * length, dim, dim))
     return out.view(batch, length, heads, dim)
+
+
+class MergedKeys:
+    """Serves several official projections as one ``nn.Linear`` whose output rows are their concatenation
+    (q|k|v, gate|up): one GEMM instead of several. ``state_dict`` and ``load_state_dict`` of the owning module
+    still use the official per-projection keys (``q_proj.weight`` ...), so checkpoints load unchanged.
+    """
+
+    def __init__(self, owner: nn.Module, merged: str, parts: Sequence[tuple[str, int]]) -> None:
+        self.merged = merged
+        self.names = [name for name, _ in parts]
+        self.sizes = [size for _, size in parts]
+        # partials: torch tags hooks with an attribute, which bound methods do not accept
+        owner.register_state_dict_post_hook(partial(self._split))
+        owner.register_load_state_dict_pre_hook(partial(self._merge))
+
+    def _tensor_names(self, owner: nn.Module) -> list[str]:
+        linear = getattr(owner, self.merged)
+        return ["weight"] + (["bias"] if linear.bias is not None else [])
+
+    def _split(self, owner: nn.Module, state: dict[str, torch.Tensor], prefix: str, _metadata: Any) -> None:
+        for tensor in self._tensor_names(owner):
+            merged = state.pop(f"{prefix}{self.merged}.{tensor}")
+            # copies, not views of one storage: saved files then hold independent tensors (safetensors needs it)
+            for name, part in zip(self.names, merged.split(self.sizes)):
+                state[f"{prefix}{name}.{tensor}"] = part.clone()
+
+    def _merge(self, owner: nn.Module, state: dict[str, torch.Tensor], prefix: str, *_args: Any) -> None:
+        for tensor in self._tensor_names(owner):
+            keys = [f"{prefix}{name}.{tensor}" for name in self.names]
+            if all(key in state for key in keys):  # otherwise the strict load reports what is missing
+                state[f"{prefix}{self.merged}.{tensor}"] = torch.cat([state.pop(key) for key in keys])
 
 
 class Qwen2Attention(nn.Module):
@@ -109,10 +143,10 @@ class Qwen2Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=True)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self._keys = MergedKeys(self, "qkv_proj", [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)])
 
     def forward(
         self,
@@ -123,36 +157,39 @@ class Qwen2Attention(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = apply_rotary(self.q_proj(x).view(batch, length, self.num_heads, self.head_dim), rotary)
-        k = apply_rotary(self.k_proj(x).view(batch, length, self.num_kv_heads, self.head_dim), rotary)
-        v = self.v_proj(x).view(batch, length, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, :, : heads + kv_heads], rotary)  # q and k heads rotated by one bmm
+        q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
             key_cache, value_cache = cache
             # Scatter the new keys/values at their positions along the length axis; static shapes, no host sync.
-            index = positions.view(batch, 1, length, 1).expand(batch, self.num_kv_heads, length, self.head_dim)
+            index = positions.view(batch, 1, length, 1).expand(batch, kv_heads, length, self.head_dim)
             key_cache.scatter_(2, index, k)
             value_cache.scatter_(2, index, v)
-            groups = self.num_heads // self.num_kv_heads
+            groups = heads // kv_heads
             # q head h uses KV head h // groups: fold each group into query rows (group-major, then time).
-            q = q.reshape(batch, self.num_kv_heads, groups * length, self.head_dim)
+            q = q.reshape(batch, kv_heads, groups * length, self.head_dim)
             out = F.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=mask)
             # split the rows back into (group, time) by a view (fused kernels return a transposed memory layout)
-            out = out.view(batch, self.num_kv_heads, groups, length, self.head_dim).permute(0, 3, 1, 2, 4)
-        return self.o_proj(out.reshape(batch, length, self.num_heads * self.head_dim))
+            out = out.view(batch, kv_heads, groups, length, self.head_dim).permute(0, 3, 1, 2, 4)
+        return self.o_proj(out.reshape(batch, length, heads * self.head_dim))
 
 
 class Qwen2MLP(nn.Module):
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self._keys = MergedKeys(self, "gate_up_proj", [("gate_proj", size), ("up_proj", size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Qwen2DecoderLayer(nn.Module):
