@@ -2,7 +2,7 @@
 
 * `build_decode_request` - the flat LLM inputs (TensorRT-LLM layout) -> the engine's `DecodeRequest`,
   so the PyTorch LLM model takes the same tensors as the TensorRT-LLM model.
-* `GraphedDecodeStep` - CUDA-graph replay of the batched decoder's step forward (GPU).
+* `disable_stop_tokens` - benchmark mode for random weights (fixed generated lengths).
 * `BatchedToken2Wav` - `Token2WavEngine` over `cosyvoice2.streaming`: the flow of jobs with equal shapes
   runs as one batched forward; HiFT, its caches and its noise stay per stream (so a seeded request
   sounds the same whether or not it was batched).
@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -24,7 +23,7 @@ from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
-from cosyvoice2.llm import DecodeRequest, SamplingParams
+from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
 from cosyvoice2.streaming import ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
@@ -71,50 +70,11 @@ def build_decode_request(
     return DecodeRequest(text=text.tolist(), prompt_speech_tokens=speech.tolist(), sampling=sampling)
 
 
-class GraphedDecodeStep:
-    """Stands in for the LLM module inside `BatchedDecoder`: its per-step forward (``[slots, 1]`` at per-slot
-    positions over the static KV cache, fixed shapes) is captured once as a CUDA graph and replayed, so a
-    step costs one launch instead of hundreds; every other attribute (prefill, embeddings) is the model's.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._inputs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._output: torch.Tensor | None = None
-        self._failed = False
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-    def __call__(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        if self._failed:
-            return self._model(embeds, positions, cache)
-        if self._graph is None:
-            try:
-                self._capture(embeds, positions, cache)
-            except Exception:  # noqa: BLE001 - graphs are an optimisation: run eagerly instead
-                logging.getLogger(__name__).exception("CUDA graph capture failed; decoding eagerly")
-                self._failed = True
-                return self._model(embeds, positions, cache)
-        assert self._inputs is not None and self._graph is not None and self._output is not None
-        self._inputs[0].copy_(embeds)
-        self._inputs[1].copy_(positions)
-        self._graph.replay()
-        return self._output
-
-    def _capture(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> None:
-        self._inputs = (embeds.clone(), positions.clone())
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, kernel selection); a step is idempotent
-            for _ in range(2):
-                self._model(*self._inputs, cache)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._output = self._model(*self._inputs, cache)
-        self._graph = graph
+@torch.no_grad()
+def disable_stop_tokens(llm: CosyVoice2LM) -> None:
+    """Benchmark mode of a whole deployment: the stop ids are never sampled (-inf head bias), so every sequence
+    runs to the length limit its request sets. Random weights would otherwise stop at random."""
+    llm.llm_decoder.bias[list(llm.config.stop_ids)] = float("-inf")
 
 
 # -- token2wav -------------------------------------------------------------------------------------

@@ -90,6 +90,15 @@ class SamplingConfig:
     temperature: float = 1.0
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+    # Benchmark mode (random weights stop at random): exactly round(ratio x target text tokens) speech tokens.
+    fixed_token_text_ratio: float | None = None
+
+    def token_limits(self, num_text_tokens: int) -> tuple[int, int]:
+        """(min, max) speech tokens for `num_text_tokens` target text tokens."""
+        if self.fixed_token_text_ratio is not None:
+            fixed = max(1, round(num_text_tokens * self.fixed_token_text_ratio))
+            return fixed, fixed
+        return int(num_text_tokens * self.min_token_text_ratio), int(num_text_tokens * self.max_token_text_ratio)
 
 
 @dataclass(frozen=True)
@@ -220,9 +229,9 @@ class Orchestrator:
                 vocab.to_vocab_ids(prompt.speech_tokens),
             ]
         )
-        min_tokens = int(len(target_ids) * sampling.min_token_text_ratio)
+        min_tokens, max_tokens = sampling.token_limits(len(target_ids))
         room = self.config.max_sequence_len - input_ids.size
-        max_tokens = min(int(len(target_ids) * sampling.max_token_text_ratio), room)
+        max_tokens = min(max_tokens, room)
         if max_tokens < max(min_tokens, 1):
             raise InvalidInput(
                 f"prompt ({input_ids.size} tokens) leaves no room for speech within the LLM's "

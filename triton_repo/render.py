@@ -59,6 +59,9 @@ class RenderOptions:
     instances: dict[str, int] = field(default_factory=dict)
     first_hop: int = 25
     chunk_growth: int = 2
+    # Benchmark mode for random-weight models (they stop at random): every request generates exactly
+    # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
+    benchmark_speech_ratio: float | None = None
     layout: str = "single"
     voice_cache: int = 64  # voices kept in the voice-prompt cache
     max_target_text_tokens: int = 300
@@ -104,6 +107,8 @@ def check_options(opts: RenderOptions) -> None:
     ):  # fmt: skip
         if value < low:
             errors.append(f"{name} must be >= {low}, got {value}")
+    if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:
+        errors.append(f"--benchmark-speech-ratio must be > 0, got {opts.benchmark_speech_ratio}")
     for model, count in opts.instances.items():
         if model not in SCALABLE:
             errors.append(
@@ -173,6 +178,8 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
         "max_sequence_len": opts.max_seq_len,
         "max_target_text_tokens": opts.max_target_text_tokens,
     }
+    if opts.benchmark_speech_ratio is not None:
+        orchestrator_params["benchmark_speech_ratio"] = opts.benchmark_speech_ratio
     if opts.llm_backend == "tensorrt_llm":
         assert opts.llm_dir is not None
         orchestrator_params["llm_logits_bias"] = (opts.llm_dir / LOGITS_BIAS_FILE).resolve()
@@ -238,7 +245,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
                     "max_batch": opts.max_batch,
                     "max_seq_len": opts.max_seq_len,
                     "max_waiting": opts.max_waiting,
-                    "cuda_graphs": str(opts.device == "cuda").lower(),
+                    "never_stop": str(opts.benchmark_speech_ratio is not None).lower(),
                 }
             ),
         )
@@ -463,6 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--first-hop", type=int, default=defaults.first_hop, help="tokens in the first streaming chunk")
     parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
     parser.add_argument("--layout", default=defaults.layout, choices=LAYOUTS)
+    parser.add_argument(
+        "--benchmark-speech-ratio", type=float, default=None, metavar="R",
+        help="benchmarks on random weights only: every request generates round(R x text tokens) speech tokens",
+    )  # fmt: skip
     parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
     args = parser.parse_args(argv)
     try:
@@ -484,6 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chunk_growth=args.chunk_growth,
                 layout=args.layout,
                 voice_cache=args.voice_cache,
+                benchmark_speech_ratio=args.benchmark_speech_ratio,
             )
         )
     except RenderError as exc:

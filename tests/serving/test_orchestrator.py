@@ -14,6 +14,7 @@ from cosyvoice2_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
     PromptTensors,
+    SamplingConfig,
     SynthesisRequest,
     parse_request,
 )
@@ -118,6 +119,17 @@ async def test_llm_request_layout_limits_and_seed():
     assert (llm.min_tokens, llm.max_tokens) == (4, 40)  # 2x and 20x the 2 target tokens
     await collect(orch, request("aa bbb", seed=None), streaming=False)
     assert clients.llm_requests[0].seed != clients.llm_requests[1].seed  # no fixed seed
+
+
+async def test_benchmark_mode_fixes_the_generated_length_per_text_token():
+    clients = FakeClients(list(range(10)))
+    fixed = SamplingConfig(fixed_token_text_ratio=3.4)
+    await collect(orchestrator(clients, sampling=fixed), request("aa bbb ccc"), streaming=False)
+    assert (clients.llm_requests[0].min_tokens, clients.llm_requests[0].max_tokens) == (10, 10)  # round(3 x 3.4)
+    # 14 prefix ids leave room for 6 of the 10: refused, never silently shortened
+    with pytest.raises(InvalidInput, match="sequence limit"):
+        await collect(orchestrator(clients, sampling=fixed, max_sequence_len=20), request("aa bbb ccc"), streaming=False)
+    assert len(clients.llm_requests) == 1
 
 
 async def test_ids_after_an_end_id_are_not_audio_and_the_sequence_is_stopped():

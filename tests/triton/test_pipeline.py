@@ -9,8 +9,10 @@ import pytest
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
-from tests.triton.conftest import synthesis_inputs
+from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from tests.triton.conftest import FIRST_HOP, synthesis_inputs
 from triton_repo import contract
+from triton_repo.render import RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton
 
@@ -141,3 +143,37 @@ async def test_invalid_input_is_reported_with_its_tag(pipeline):
             await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("   "))
         with pytest.raises(InferenceServerException, match=r"\[invalid_input\]"):
             await stream(client, synthesis_inputs("   "))
+
+
+@pytest.fixture(scope="module")
+def benchmark_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory):
+    """The pipeline rendered in benchmark mode (`--benchmark-speech-ratio`)."""
+    repo = write_repository(
+        RenderOptions(
+            model_dir=tiny_model_dir,
+            out=tmp_path_factory.mktemp("benchmark") / "repo",
+            max_batch=4,
+            max_seq_len=1024,
+            first_hop=FIRST_HOP,
+            benchmark_speech_ratio=BENCHMARK_RATIO,
+        )
+    )
+    return triton_server_factory(repo, ready_timeout=240)
+
+
+BENCHMARK_RATIO = 6.5
+
+
+async def test_benchmark_mode_generates_exactly_the_fixed_length(benchmark_pipeline, tiny_model_dir):
+    """Random weights stop at random; in benchmark mode every request runs to round(ratio x text tokens)."""
+    text_tokens = len(CosyVoice2Tokenizer.from_model_dir(tiny_model_dir).encode(TEXT))
+    expected = round(text_tokens * BENCHMARK_RATIO)
+    async with aio.InferenceServerClient(benchmark_pipeline.grpc_url) as client:
+        results = await asyncio.gather(
+            *(client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=seed)) for seed in range(3))
+        )
+        chunks = await stream(client, synthesis_inputs(TEXT, seed=9))
+    for result in results:
+        assert int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]) == expected
+        assert result.as_numpy(contract.WAVEFORM.name).size == expected * SAMPLES_PER_TOKEN
+    assert chunks[-1][2] == expected and sum(c[0].size for c in chunks) == expected * SAMPLES_PER_TOKEN

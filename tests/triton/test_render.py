@@ -72,6 +72,7 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"instances": {"token2wav": 2}}, "per-request state"),
         ({"instances": {"nope": 1}}, "only cosyvoice2"),
         ({"layout": "disaggregated"}, "needs --device cuda"),
+        ({"benchmark_speech_ratio": 0.0}, "--benchmark-speech-ratio must be > 0"),
         ({"llm_backend": "tensorrt_llm", "device": "cuda"}, "needs --engine-dir"),
     ],
 )

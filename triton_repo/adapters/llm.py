@@ -15,7 +15,7 @@ from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.llm import BatchedDecoder
 from cosyvoice2.loading import LLM_FILE, load_llm
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-from cosyvoice2_serving.engines import GraphedDecodeStep, build_decode_request
+from cosyvoice2_serving.engines import build_decode_request, disable_stop_tokens
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from cosyvoice2.vocab import SpeechVocabLayout
@@ -32,9 +32,10 @@ class TritonPythonModel:
         device = torch.device(params["device"])
         llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params["dtype"]))
         self.vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
+        if params.get("never_stop") == "true":
+            disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
+        # On CUDA the decoder captures its step as CUDA graphs (one per batch/length bucket) right here.
         decoder = BatchedDecoder(llm, num_slots=int(params["max_batch"]), max_seq_len=int(params["max_seq_len"]))
-        if device.type == "cuda" and params.get("cuda_graphs") == "true":
-            decoder.model = GraphedDecodeStep(llm)
         self.stats = Stats(LLM_STATS)
         self.metrics = MetricsExporter(self.stats, args["model_name"])
         self.scheduler = ContinuousBatchingScheduler(decoder, int(params["max_waiting"]), self.stats)

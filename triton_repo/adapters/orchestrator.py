@@ -18,6 +18,7 @@ from cosyvoice2_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
     PromptTensors,
+    SamplingConfig,
     SynthesisRequest,
     parse_request,
     stream_schedule,
@@ -91,15 +92,19 @@ class TritonPythonModel:
         tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
         vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
         schedule = stream_schedule(engine.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+        benchmark_ratio = float(params["benchmark_speech_ratio"]) if params.get("benchmark_speech_ratio") else None
         config = OrchestratorConfig(
             vocab=vocab,
             schedule=schedule,
+            sampling=SamplingConfig(fixed_token_text_ratio=benchmark_ratio),
             max_sequence_len=int(params["max_sequence_len"]),
             max_target_text_tokens=int(params["max_target_text_tokens"]),
         )
         logits_bias = None
         if params.get("llm_logits_bias"):
             logits_bias = load_file(params["llm_logits_bias"])[LOGITS_BIAS_KEY].astype(np.float32)
+            if benchmark_ratio is not None:  # TensorRT-LLM: keep the stop ids from being sampled at all
+                logits_bias[list(vocab.end_ids)] = -1e9
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
         self.metrics = MetricsExporter(self.stats, args["model_name"])
