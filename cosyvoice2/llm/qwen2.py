@@ -1,7 +1,8 @@
 """Our own Qwen2 decoder body (inference only): RMSNorm, rotary embeddings, GQA attention via SDPA, SwiGLU MLP.
 
-Module and parameter names follow Hugging Face's ``Qwen2ForCausalLM`` (``model.embed_tokens``,
-``model.layers.N.self_attn.q_proj`` ..., ``model.norm``, ``lm_head``) so the checkpoint loads without renaming.
+State-dict keys follow Hugging Face's ``Qwen2ForCausalLM`` (``model.embed_tokens``,
+``model.layers.N.self_attn.q_proj`` ..., ``model.norm``, ``lm_head``) so the checkpoint loads without renaming,
+although q|k|v and gate|up are stored fused, one Linear each (``MergedKeys`` maps the keys).
 
 Two attention paths:
 - no cache: plain causal attention over the given sequence (teacher forcing, parity checks);
@@ -11,8 +12,9 @@ Two attention paths:
   one-token decode step over all slots is CUDA-graph capturable (no ``.item()``, no data-dependent shapes).
 
 A decode step is launch-bound (a 0.5B model reads its weights in ~0.17 ms on an H200), so the code keeps the
-kernel count per layer low: one fused RMSNorm, rotary embedding as one batched matmul per tensor, one scatter per
-cache write, and GQA attention without expanding the KV heads: the ``G`` query heads that share a KV head become
+kernel count per layer low: one GEMM for q|k|v and one for gate|up, the residual add fused into the following
+RMSNorm and SiLU fused with the gate product (``cosyvoice2.kernels``: Triton on CUDA), rotary embedding of q and k
+as one batched matmul, one scatter per cache write, and GQA attention without expanding the KV heads: the ``G`` query heads that share a KV head become
 ``G`` query rows of that head, so SDPA sees plain multi-head attention with a shared additive mask and can use a
 fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel on CUDA).
 """
@@ -26,6 +28,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cosyvoice2.kernels import add_rms_norm, silu_mul
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class RMSNorm(nn.Module):
         # One fused kernel on CUDA; it normalises in fp32 and applies the weight before rounding back (HF Qwen2
         # rounds first: at most one ulp apart in bf16, identical in fp32).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)`` in one kernel on CUDA (the residual stream's add fused in)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rotary_matrix(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> torch.Tensor:
@@ -188,8 +196,7 @@ class Qwen2MLP(nn.Module):
         self._keys = MergedKeys(self, "gate_up_proj", [("gate_proj", size), ("up_proj", size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Qwen2DecoderLayer(nn.Module):
@@ -203,13 +210,23 @@ class Qwen2DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rotary: torch.Tensor,
         positions: torch.Tensor,
         cache: tuple[torch.Tensor, torch.Tensor] | None,
         mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, positions, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream before it)``: the caller adds the two (the next layer's fused norm does).
+
+        x: the previous layer's MLP output, or the embeddings for the first layer (``residual`` None).
+        """
+        if residual is None:
+            residual, hidden = x, self.input_layernorm(x)
+        else:
+            hidden, residual = self.input_layernorm.add_forward(x, residual)
+        attention = self.self_attn(hidden, rotary, positions, cache, mask)
+        hidden, residual = self.post_attention_layernorm.add_forward(attention, residual)
+        return self.mlp(hidden), residual
 
 
 class Qwen2Model(nn.Module):
@@ -246,15 +263,15 @@ class Qwen2Model(nn.Module):
         if cache is not None:
             kv_len = kv_len or cache.max_len
             mask = self._cache_mask(positions, kv_len, inputs_embeds.dtype)
-        x = inputs_embeds
+        x, residual = inputs_embeds, None
         for index, layer in enumerate(self.layers):
             layer_cache = None
             if cache is not None:
                 keys, values = cache.keys[index], cache.values[index]
                 rows = slice(slot, slot + 1) if slot is not None else slice(0, batch)
                 layer_cache = (keys[rows, :, :kv_len], values[rows, :, :kv_len])
-            x = layer(x, rotary, positions, layer_cache, mask)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, positions, layer_cache, mask)
+        return self.norm.add_forward(x, residual)[0]
 
     def _cache_mask(self, positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask ``[B, 1, G*T, max_len]`` (0 where ``key_position <= query_position``, else -inf) for the
