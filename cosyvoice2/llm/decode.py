@@ -13,6 +13,7 @@ Rules (upstream ``Qwen2LM.inference``):
     decoder = BatchedDecoder(model, num_slots=8, max_seq_len=2048)
     slot = decoder.add(DecodeRequest(text=ids, prompt_text=p_ids, prompt_speech_tokens=toks,
                                      sampling=SamplingParams(seed=7)))   # prefill into a free slot
+    slots = decoder.add_many([request_a, request_b])   # several prefills in one forward, slots in request order
     while decoder.active_slots:
         for slot, out in decoder.step().items():   # one batched forward over all slots
             if out.token is not None: ...           # new speech token of that request
@@ -20,7 +21,10 @@ Rules (upstream ``Qwen2LM.inference``):
     decoder.remove(slot)                            # cancel a running request
 
 - ``add`` raises ``NoFreeSlotError`` when all slots are busy, ``ValueError`` when the request cannot fit
-  (``prefix_length + max_len > max_seq_len``); ``required_seq_len(request)`` gives the needed length.
+  (``prefix_length + max_len > max_seq_len``); ``required_seq_len(request)`` gives the needed length. ``add_many``
+  raises the same errors before prefilling anything (all or nothing). Its prefixes are right-padded to the longest
+  and run as one causal forward; each row's log-probs and cache entries equal a solo prefill's up to float
+  rounding (GEMM and attention blocking differ with the batch shape).
 - Requests may be added between any two ``step`` calls (continuous batching); each keeps its own sampling state
   and ``torch.Generator`` (seeded by ``SamplingParams.seed``), so its tokens do not depend on its neighbours.
 - ``step`` samples every active slot from its pending log-probs (``decoder.logp[slot]``, the distribution for the
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Literal, Sequence
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from cosyvoice2.llm.model import CosyVoice2LM
 from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
@@ -190,26 +195,36 @@ class BatchedDecoder:
     def free_slots(self) -> list[int]:
         return [s for s in range(self.num_slots) if s not in self._slots]
 
-    @torch.inference_mode()
     def add(self, request: DecodeRequest) -> int:
         """Prefill ``request`` into a free slot and return the slot index."""
+        return self.add_many([request])[0]
+
+    @torch.inference_mode()
+    def add_many(self, requests: Sequence[DecodeRequest]) -> list[int]:
+        """Prefill several requests in one forward (prefixes right-padded to the longest) into free slots, lowest
+        first; returns their slots in request order. All or nothing: raises before prefilling any request."""
         free = self.free_slots
-        if not free:
-            raise NoFreeSlotError(f"all {self.num_slots} slots are busy")
-        needed = required_seq_len(request)
-        if needed > self.max_seq_len:
-            raise ValueError(f"request needs {needed} cache positions, decoder has {self.max_seq_len}")
-        slot = free[0]
-        prefix = self.model.embed_prefix(request.text, request.prompt_text, request.prompt_speech_tokens)
-        hidden = self.model.hidden(prefix, cache=self.cache, slot=slot,
-                                   kv_len=self._bucket(self.length_buckets, request.prefix_length))
-        self.logp[slot] = self.model.log_probs(hidden[0, -1])
-        min_len, max_len = token_limits(len(request.text), request.sampling)
-        # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
-        uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
-        self._table.reset(slot, request, min_len, uniforms.to(self.device))
-        self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=max_len)
-        return slot
+        if len(requests) > len(free):
+            raise NoFreeSlotError(f"{len(requests)} requests, {len(free)} of {self.num_slots} slots free")
+        for request in requests:
+            needed = required_seq_len(request)
+            if needed > self.max_seq_len:
+                raise ValueError(f"request needs {needed} cache positions, decoder has {self.max_seq_len}")
+        if not requests:
+            return []
+        slots = free[: len(requests)]
+        prefixes = [self.model.embed_prefix(r.text, r.prompt_text, r.prompt_speech_tokens)[0] for r in requests]
+        hidden = self.model.hidden(pad_sequence(prefixes, batch_first=True), cache=self.cache, slots=slots)
+        last = torch.tensor([r.prefix_length - 1 for r in requests], device=self.device)
+        rows = torch.tensor(slots, device=self.device)
+        self.logp[rows] = self.model.log_probs(hidden[torch.arange(len(requests), device=self.device), last])
+        for slot, request in zip(slots, requests):
+            min_len, max_len = token_limits(len(request.text), request.sampling)
+            # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
+            uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
+            self._table.reset(slot, request, min_len, uniforms.to(self.device))
+            self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=max_len)
+        return slots
 
     def remove(self, slot: int) -> None:
         """Drop a request (e.g. cancelled); its slot becomes free."""

@@ -108,11 +108,11 @@ class CosyVoice2LM(nn.Module):
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: StaticKVCache | None = None,
-        slot: int | None = None,
+        slots: Sequence[int] | torch.Tensor | None = None,
         kv_len: int | None = None,
     ) -> torch.Tensor:
         """Last hidden state after the final RMSNorm (see ``Qwen2Model.forward`` for the cache arguments)."""
-        return self.body(inputs_embeds, positions, cache, slot, kv_len)
+        return self.body(inputs_embeds, positions, cache, slots, kv_len)
 
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """log_softmax over the 6564 speech classes, in fp32."""
@@ -123,10 +123,10 @@ class CosyVoice2LM(nn.Module):
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: StaticKVCache | None = None,
-        slot: int | None = None,
+        slots: Sequence[int] | torch.Tensor | None = None,
         kv_len: int | None = None,
     ) -> torch.Tensor:
-        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slot, kv_len))
+        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slots, kv_len))
 
     def new_cache(
         self, num_slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None

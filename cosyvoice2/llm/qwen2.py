@@ -4,12 +4,17 @@ State-dict keys follow Hugging Face's ``Qwen2ForCausalLM`` (``model.embed_tokens
 ``model.layers.N.self_attn.q_proj`` ..., ``model.norm``, ``lm_head``) so the checkpoint loads without renaming,
 although q|k|v and gate|up are stored fused, one Linear each (``MergedKeys`` maps the keys).
 
-Two attention paths:
-- no cache: plain causal attention over the given sequence (teacher forcing, parity checks);
-- ``StaticKVCache``: gpt-fast style preallocated ``[slots, kv_heads, max_len, head_dim]`` buffers per layer. New keys
-  and values are scattered at their absolute positions and every query attends to the whole buffer under the mask
-  ``key_position <= query_position``. Shapes depend only on (batch, new tokens, max_len), never on the data, so a
-  one-token decode step over all slots is CUDA-graph capturable (no ``.item()``, no data-dependent shapes).
+Attention over a ``StaticKVCache`` (gpt-fast style preallocated ``[slots, kv_heads, max_len, head_dim]`` buffers per
+layer) or none, in three modes:
+- no cache: plain causal attention over the given sequences (teacher forcing, parity checks);
+- prefill (cache + ``slots``): the same causal attention over whole sequences starting at position 0, and the
+  keys/values are written to the given cache rows. Rows may be right-padded to a common length: causal attention
+  never lets a real token see the padding after it, and the padding's cache entries lie beyond the sequence, where
+  decode steps overwrite them before any query can see them;
+- decode (cache, no ``slots``): batch row ``b`` is cache row ``b``; new keys and values are scattered at their
+  absolute positions and every query attends to the buffer under the mask ``key_position <= query_position``.
+  Shapes depend only on (batch, new tokens, kv_len), never on the data, so a one-token decode step over all slots
+  is CUDA-graph capturable (no ``.item()``, no data-dependent shapes).
 
 A decode step is launch-bound (a 0.5B model reads its weights in ~0.17 ms on an H200), so the code keeps the
 kernel count per layer low: one GEMM for q|k|v and one for gate|up, the residual add fused into the following
@@ -157,31 +162,30 @@ class Qwen2Attention(nn.Module):
         self._keys = MergedKeys(self, "qkv_proj", [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)])
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rotary: torch.Tensor,
-        positions: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
+        self, x: torch.Tensor, plan: "AttentionPlan", cache: tuple[torch.Tensor, torch.Tensor] | None
     ) -> torch.Tensor:
+        """cache: this layer's whole key and value buffers, or None (see the module docstring for the modes)."""
         batch, length, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(batch, length, heads + 2 * kv_heads, self.head_dim)
-        qk = apply_rotary(qkv[:, :, : heads + kv_heads], rotary)  # q and k heads rotated by one bmm
+        qk = apply_rotary(qkv[:, :, : heads + kv_heads], plan.rotary)  # q and k heads rotated by one bmm
         q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is None:
+        if cache is None or plan.slots is not None:
+            if cache is not None:
+                cache[0][plan.slots, :, :length] = k
+                cache[1][plan.slots, :, :length] = v
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
-            key_cache, value_cache = cache
+            key_cache, value_cache = (buffer[:batch, :, : plan.kv_len] for buffer in cache)
             # Scatter the new keys/values at their positions along the length axis; static shapes, no host sync.
-            index = positions.view(batch, 1, length, 1).expand(batch, kv_heads, length, self.head_dim)
+            index = plan.positions.view(batch, 1, length, 1).expand(batch, kv_heads, length, self.head_dim)
             key_cache.scatter_(2, index, k)
             value_cache.scatter_(2, index, v)
             groups = heads // kv_heads
             # q head h uses KV head h // groups: fold each group into query rows (group-major, then time).
             q = q.reshape(batch, kv_heads, groups * length, self.head_dim)
-            out = F.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, key_cache, value_cache, attn_mask=plan.mask)
             # split the rows back into (group, time) by a view (fused kernels return a transposed memory layout)
             out = out.view(batch, kv_heads, groups, length, self.head_dim).permute(0, 3, 1, 2, 4)
         return self.o_proj(out.reshape(batch, length, heads * self.head_dim))
@@ -211,10 +215,8 @@ class Qwen2DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: torch.Tensor,
-        positions: torch.Tensor,
+        plan: "AttentionPlan",
         cache: tuple[torch.Tensor, torch.Tensor] | None,
-        mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream before it)``: the caller adds the two (the next layer's fused norm does).
 
@@ -224,9 +226,20 @@ class Qwen2DecoderLayer(nn.Module):
             residual, hidden = x, self.input_layernorm(x)
         else:
             hidden, residual = self.input_layernorm.add_forward(x, residual)
-        attention = self.self_attn(hidden, rotary, positions, cache, mask)
+        attention = self.self_attn(hidden, plan, cache)
         hidden, residual = self.post_attention_layernorm.add_forward(attention, residual)
         return self.mlp(hidden), residual
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What every layer's attention shares in one forward (built once by ``Qwen2Model``)."""
+
+    rotary: torch.Tensor  # [B, T, head_dim, head_dim], see rotary_matrix
+    positions: torch.Tensor  # [B, T]
+    slots: torch.Tensor | None = None  # prefill: the cache rows that receive the keys/values
+    kv_len: int = 0  # decode: cache positions attended to
+    mask: torch.Tensor | None = None  # decode: additive mask over those positions
 
 
 class Qwen2Model(nn.Module):
@@ -244,33 +257,34 @@ class Qwen2Model(nn.Module):
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: StaticKVCache | None = None,
-        slot: int | None = None,
+        slots: Sequence[int] | torch.Tensor | None = None,
         kv_len: int | None = None,
     ) -> torch.Tensor:
         """Last hidden state after the final norm, ``[B, T, hidden]``.
 
-        inputs_embeds: ``[B, T, hidden]``. positions: ``[B, T]`` absolute positions (default ``0..T-1``).
-        cache: attend through the static KV cache. ``slot`` selects one cache row for a batch of 1 (prefill);
-        ``slot=None`` means the batch covers the first ``B`` cache rows in order (the decode step).
-        kv_len: attend to the first ``kv_len`` cache positions only (default: all); every position must be below
-        it. Attention cost scales with it, so callers pass a bucket just above their longest sequence.
+        inputs_embeds: ``[B, T, hidden]``. positions: ``[B, T]`` absolute positions (default ``0..T-1``; the
+        modes without a cache or with ``slots`` treat each row as a whole sequence from position 0).
+        cache + slots: prefill; row ``b`` goes to cache row ``slots[b]``. cache alone: a decode step over cache
+        rows ``0..B-1``, attending to the first ``kv_len`` cache positions only (default: all; every position must
+        be below it; attention cost scales with it, so callers pass a bucket just above their longest sequence).
         """
         batch, length, _ = inputs_embeds.shape
+        device = inputs_embeds.device
         if positions is None:
-            positions = torch.arange(length, device=inputs_embeds.device).expand(batch, length)
+            positions = torch.arange(length, device=device).expand(batch, length)
         rotary = rotary_matrix(positions, self.config.head_dim, self.config.rope_theta, inputs_embeds.dtype)
-        mask = None
-        if cache is not None:
+        if cache is None:
+            plan = AttentionPlan(rotary, positions)
+        elif slots is not None:
+            plan = AttentionPlan(rotary, positions, slots=torch.as_tensor(slots, device=device))
+        else:
             kv_len = kv_len or cache.max_len
-            mask = self._cache_mask(positions, kv_len, inputs_embeds.dtype)
+            plan = AttentionPlan(rotary, positions, kv_len=kv_len,
+                                 mask=self._cache_mask(positions, kv_len, inputs_embeds.dtype))
         x, residual = inputs_embeds, None
         for index, layer in enumerate(self.layers):
-            layer_cache = None
-            if cache is not None:
-                keys, values = cache.keys[index], cache.values[index]
-                rows = slice(slot, slot + 1) if slot is not None else slice(0, batch)
-                layer_cache = (keys[rows, :, :kv_len], values[rows, :, :kv_len])
-            x, residual = layer(x, residual, rotary, positions, layer_cache, mask)
+            layer_cache = (cache.keys[index], cache.values[index]) if cache is not None else None
+            x, residual = layer(x, residual, plan, layer_cache)
         return self.norm.add_forward(x, residual)[0]
 
     def _cache_mask(self, positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:

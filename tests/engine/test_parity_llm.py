@@ -82,7 +82,7 @@ def test_static_kv_cache_steps(model: CosyVoice2LM, dump) -> None:
     prefix = torch.from_numpy(dump["llm_lm_input"])
     prefix_len = prefix.shape[1]
     cache = model.new_cache(num_slots=2, max_len=96)
-    rows = [model(prefix, cache=cache, slot=1)[0, -1]]
+    rows = [model(prefix, cache=cache, slots=[1])[0, -1]]
     for i, token in enumerate(dump["in_teacher_speech_token"][0].tolist()):
         embeds = model.embed_speech(torch.tensor([[7], [token]]))
         positions = torch.tensor([[3], [prefix_len + i]])

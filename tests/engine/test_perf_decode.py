@@ -86,7 +86,7 @@ def decode_row_by_row(model: CosyVoice2LM, request: DecodeRequest) -> list[int]:
     uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
     cache = model.new_cache(1, required_seq_len(request))
     prefix = model.embed_prefix(request.text, request.prompt_text, request.prompt_speech_tokens)
-    logp = model(prefix, cache=cache, slot=0)[0, -1]
+    logp = model(prefix, cache=cache, slots=[0])[0, -1]
     p, tokens = request.sampling, []
     while len(tokens) < max_len:
         row = logp.clone()

@@ -1,0 +1,83 @@
+"""Batched prefill (``BatchedDecoder.add_many``): several requests of different lengths in one right-padded forward
+give each request the log-probs, cache entries and tokens it gets when prefilled alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, NoFreeSlotError, Qwen2Config
+from cosyvoice2.llm import SamplingParams, required_seq_len
+
+REQUESTS = [
+    DecodeRequest(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3] * 5,
+                  sampling=SamplingParams(seed=1, min_token_text_ratio=1, max_token_text_ratio=6)),
+    DecodeRequest(text=[9, 10], sampling=SamplingParams(seed=2, max_token_text_ratio=8)),
+    DecodeRequest(text=[11, 12, 13], prompt_speech_tokens=[5, 9, 30, 2, 7, 7],
+                  sampling=SamplingParams(seed=3, top_k=3, max_token_text_ratio=5)),
+]
+MAX_SEQ_LEN = max(map(required_seq_len, REQUESTS))
+
+
+@pytest.fixture(scope="module")
+def model() -> CosyVoice2LM:
+    torch.manual_seed(0)
+    qwen = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=64, vocab_size=64)
+    lm = CosyVoice2LM(LLMConfig(qwen=qwen, speech_token_size=40)).eval()
+    with torch.no_grad():
+        lm.llm_decoder.weight.mul_(40.0)  # peaky logits: the sampled tokens depend on small logit differences
+    return lm
+
+
+def decode_to_end(decoder: BatchedDecoder, slots: list[int]) -> dict[int, list[int]]:
+    tokens: dict[int, list[int]] = {slot: [] for slot in slots}
+    while decoder.active_slots:
+        for slot, out in decoder.step().items():
+            if out.token is not None:
+                tokens[slot].append(out.token)
+    return tokens
+
+
+def solo(model: CosyVoice2LM, request: DecodeRequest) -> tuple[BatchedDecoder, int]:
+    decoder = BatchedDecoder(model, num_slots=1, max_seq_len=MAX_SEQ_LEN)
+    return decoder, decoder.add(request)
+
+
+def test_batched_prefill_matches_solo_prefill(model: CosyVoice2LM) -> None:
+    assert len({r.prefix_length for r in REQUESTS}) == len(REQUESTS)  # the padding is really exercised
+    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=MAX_SEQ_LEN)
+    decoder.add(REQUESTS[0])  # slot 0 busy: the batch goes to slots 1, 2, 3
+    slots = decoder.add_many(REQUESTS)
+    assert slots == [1, 2, 3]
+    for slot, request in zip(slots, REQUESTS):
+        alone, alone_slot = solo(model, request)
+        torch.testing.assert_close(decoder.logp[slot], alone.logp[alone_slot], rtol=1e-5, atol=1e-5)
+        real = slice(0, request.prefix_length)
+        for layer in range(model.config.qwen.num_hidden_layers):
+            torch.testing.assert_close(decoder.cache.keys[layer][slot, :, real],
+                                       alone.cache.keys[layer][alone_slot, :, real], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(decoder.cache.values[layer][slot, :, real],
+                                       alone.cache.values[layer][alone_slot, :, real], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_prefill_decodes_the_same_tokens_as_solo(model: CosyVoice2LM) -> None:
+    decoder = BatchedDecoder(model, num_slots=3, max_seq_len=MAX_SEQ_LEN)
+    together = decode_to_end(decoder, decoder.add_many(REQUESTS))
+    alone = []
+    for request in REQUESTS:
+        single, slot = solo(model, request)
+        alone.append(decode_to_end(single, [slot])[slot])
+    assert list(together.values()) == alone
+    assert all(len(tokens) > 3 for tokens in alone)
+
+
+def test_add_many_is_all_or_nothing(model: CosyVoice2LM) -> None:
+    decoder = BatchedDecoder(model, num_slots=2, max_seq_len=MAX_SEQ_LEN)
+    with pytest.raises(NoFreeSlotError):
+        decoder.add_many(REQUESTS)
+    too_long = DecodeRequest(text=[1] * 10, sampling=SamplingParams(max_token_text_ratio=50))
+    with pytest.raises(ValueError, match="cache positions"):
+        decoder.add_many([REQUESTS[1], too_long])
+    assert decoder.free_slots == [0, 1]
+    assert decoder.add_many([]) == []
