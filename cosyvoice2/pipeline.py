@@ -12,7 +12,6 @@ from dataclasses import replace
 from typing import Iterator, Sequence
 
 import numpy as np
-import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.flow import CausalFlow
@@ -30,7 +29,7 @@ class CosyVoice2:
     """The engine. Build it with `cosyvoice2.load(model_dir, device, dtype)`.
 
     Benchmark mode (`set_fixed_token_count`), for random-weight models that never stop sensibly: every text
-    segment then generates exactly that many speech tokens.
+    segment then generates exactly that many speech tokens (a per-request limit; the shared LLM is untouched).
     """
 
     def __init__(self, config: EngineConfig, llm: CosyVoice2LM, flow: CausalFlow, hift: HiFTGenerator,
@@ -43,7 +42,6 @@ class CosyVoice2:
         self.sampling = sampling
         self.token2wav_engine = Token2Wav(flow, hift, config)
         self.fixed_token_count: int | None = None
-        self._stop_bias: torch.Tensor | None = None  # the real head bias of the stop ids while in benchmark mode
 
     @property
     def sample_rate(self) -> int:
@@ -59,19 +57,10 @@ class CosyVoice2:
         return segment_text(text, self.tokenizer.count)
 
     def set_fixed_token_count(self, count: int | None) -> None:
-        """Benchmark mode on (count) or off (None). Affects every request of this pipeline: while on, the
-        LLM head's bias of the three stop ids is -inf (they are never sampled) and max_len is the count."""
+        """Benchmark mode on (count) or off (None) for the requests this pipeline builds from now on: they never
+        draw a stop id and stop after `count` tokens (`SamplingParams.ignore_eos`, `max_tokens`)."""
         if count is not None and count < 1:
             raise ValueError(f"fixed token count must be >= 1, got {count}")
-        bias = self.llm.llm_decoder.bias
-        stop_ids = list(self.config.llm.stop_ids)
-        with torch.no_grad():
-            if count is not None and self._stop_bias is None:
-                self._stop_bias = bias[stop_ids].clone()
-                bias[stop_ids] = float("-inf")
-            elif count is None and self._stop_bias is not None:
-                bias[stop_ids] = self._stop_bias
-                self._stop_bias = None
         self.fixed_token_count = count
 
     # ---- LLM -------------------------------------------------------------------------------------------------
@@ -80,9 +69,7 @@ class CosyVoice2:
         text = self.tokenizer.encode(segment)
         sampling = replace(self.sampling, seed=seed)
         if self.fixed_token_count is not None:
-            # max_len = int(len(text) * ratio) must equal the count; the +0.5 absorbs float rounding
-            ratio = (self.fixed_token_count + 0.5) / len(text)
-            sampling = replace(sampling, min_token_text_ratio=0.0, max_token_text_ratio=ratio)
+            sampling = replace(sampling, max_tokens=self.fixed_token_count, ignore_eos=True)
         return DecodeRequest(text=text, prompt_text=self.tokenizer.encode(normalize(prompt.transcript)),
                              prompt_speech_tokens=prompt.speech_tokens.tolist(), sampling=sampling)
 

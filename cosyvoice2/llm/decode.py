@@ -2,10 +2,12 @@
 
 Rules (upstream ``Qwen2LM.inference``):
 - input = [SOS, prompt_text ++ text, TASK_ID, prompt speech tokens] (``CosyVoice2LM.embed_prefix``);
-- ``min_len = int(len(text) * 2)``, ``max_len = int(len(text) * 20)``, counting *target* text tokens only;
+- ``min_len = int(len(text) * 2)``, ``max_len = int(len(text) * 20)``, counting *target* text tokens only
+  (``SamplingParams.min_tokens`` / ``max_tokens`` set them directly, per request);
 - while fewer than ``min_len`` tokens were emitted, the EOS log-prob (id 6561) is set to -inf before sampling
   (only 6561: upstream masks nothing else);
-- any of 6561/6562/6563 stops the request and is never emitted; at ``max_len`` emitted tokens it stops too;
+- any of 6561/6562/6563 stops the request and is never emitted; at ``max_len`` emitted tokens it stops too
+  (``SamplingParams.ignore_eos``: none of them is ever drawn, the request runs to ``max_len``);
 - each emitted token is fed back through ``speech_embedding``.
 
 ``BatchedDecoder`` API (what the Triton PyTorch LLM backend drives)::
@@ -72,8 +74,15 @@ class DecodeRequest:
 
 
 def token_limits(num_text_tokens: int, params: SamplingParams) -> tuple[int, int]:
-    """(min_len, max_len) speech tokens for ``num_text_tokens`` target text tokens (prompt text excluded)."""
-    return int(num_text_tokens * params.min_token_text_ratio), int(num_text_tokens * params.max_token_text_ratio)
+    """(min_len, max_len) speech tokens: the request's explicit limits, else the ratios times
+    ``num_text_tokens`` target text tokens (prompt text excluded)."""
+    min_len = params.min_tokens
+    if min_len is None:
+        min_len = int(num_text_tokens * params.min_token_text_ratio)
+    max_len = params.max_tokens
+    if max_len is None:
+        max_len = int(num_text_tokens * params.max_token_text_ratio)
+    return min_len, max_len
 
 
 def required_seq_len(request: DecodeRequest) -> int:
@@ -111,22 +120,28 @@ class _SlotTable:
     """Per-slot sampling state on the device, one row per slot, read by the batched step without host syncs.
 
     ``uniforms[slot, i]`` are the two uniforms of the slot's i-th draw, drawn at ``add`` from the request's
-    generator; ``history[slot, :emitted]`` are its emitted ids (the RAS window reads them).
+    generator; ``history[slot, :emitted]`` are its emitted ids (the RAS window reads them);
+    ``stop_bias[slot, 0 or 1]`` is added to the log-probs of the stop ids before / after ``min_len`` tokens.
     """
 
-    def __init__(self, num_slots: int, max_seq_len: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, max_seq_len: int, num_stop_ids: int, device: torch.device) -> None:
         self._ints = torch.zeros(num_slots, 5, dtype=torch.long, device=device)
         self._floats = torch.zeros(num_slots, 2, device=device)
         self.emitted, self.prefix_len, self.min_len, self.top_k, self.win_size = self._ints.unbind(1)
         self.top_p, self.repeat_threshold = self._floats.unbind(1)
         self.history = torch.zeros(num_slots, max_seq_len, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(num_slots, max_seq_len, 2, device=device)
+        self.stop_bias = torch.zeros(num_slots, 2, num_stop_ids, device=device)
 
     def reset(self, slot: int, request: DecodeRequest, min_len: int, uniforms: torch.Tensor) -> None:
         p = request.sampling
         self._ints[slot] = torch.tensor([0, request.prefix_length, min_len, p.top_k, p.win_size])
         self._floats[slot] = torch.tensor([p.top_p, p.win_size * p.tau_r])
         self.uniforms[slot, : uniforms.shape[0]] = uniforms
+        after_min = torch.full((self.stop_bias.shape[-1],), float("-inf") if p.ignore_eos else 0.0)
+        before_min = after_min.clone()
+        before_min[0] = float("-inf")  # the first stop id is EOS, the only one upstream masks below min_len
+        self.stop_bias[slot] = torch.stack([before_min, after_min])
 
 
 Shape = tuple[int, int]  # (rows, kv_len) of one decode step
@@ -174,11 +189,10 @@ class BatchedDecoder:
         self.logp = torch.zeros(num_slots, model.config.num_speech_classes, device=self.device)
         self.buckets = sorted({b for b in batch_buckets if b < num_slots} | {num_slots})
         self.length_buckets = sorted({b for b in length_buckets if b < max_seq_len} | {max_seq_len})
-        self._table = _SlotTable(num_slots, max_seq_len, self.device)
+        self._stop_ids = model.config.stop_ids
+        self._table = _SlotTable(num_slots, max_seq_len, len(self._stop_ids), self.device)
         self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._slots: dict[int, _SlotState] = {}
-        self._eos_id = model.config.eos_id
-        self._stop_ids = frozenset(model.config.stop_ids)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         self._graphs: _StepGraphs | None = None
@@ -239,8 +253,9 @@ class BatchedDecoder:
         t, r = self._table, slice(0, rows)
         emitted, last = t.emitted[r], self.max_seq_len - 1
         logp = self.logp[r].clone()
-        # below the minimum length the EOS id cannot be drawn
-        logp[:, self._eos_id] = torch.where(emitted < t.min_len[r], float("-inf"), logp[:, self._eos_id])
+        # below the minimum length the EOS id cannot be drawn; with ignore_eos no stop id can (ids are contiguous)
+        below_min = (emitted < t.min_len[r]).unsqueeze(1)
+        logp[:, self._stop_ids[0] : self._stop_ids[-1] + 1] += torch.where(below_min, *t.stop_bias[r].unbind(1))
         draw = emitted.clamp(max=last).view(rows, 1, 1).expand(rows, 1, 2)
         uniforms = t.uniforms[r].gather(1, draw).squeeze(1)
         tokens = ras_draw(logp, uniforms, t.history[r], emitted, t.top_p[r], t.top_k[r], t.win_size[r],

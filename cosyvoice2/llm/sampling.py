@@ -24,7 +24,13 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters; defaults are CosyVoice2's (``cosyvoice2.yaml`` / ``Qwen2LM.inference``)."""
+    """Per-request decoding parameters; defaults are CosyVoice2's (``cosyvoice2.yaml`` / ``Qwen2LM.inference``).
+
+    Length limits, all per request: EOS (6561) cannot be drawn before ``min_tokens`` speech tokens and the request
+    stops after ``max_tokens``; unset, they are ``int(len(text) * min/max_token_text_ratio)`` as upstream.
+    ``ignore_eos``: no stop id (6561-6563) is ever drawn, so the request runs to ``max_tokens`` (benchmark mode
+    for random weights, which stop at random).
+    """
 
     top_p: float = 0.8
     top_k: int = 25
@@ -33,6 +39,15 @@ class SamplingParams:
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
     seed: int | None = None
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("min_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

@@ -145,3 +145,31 @@ def test_decoder_reports_length_finish_with_the_last_token() -> None:
     assert all(o.token is not None for o in outputs)
     assert [o.finished for o in outputs] == [False] * 19 + [True]
     assert outputs[-1].reason == "length" and decoder.active_slots == []
+
+
+# ---- explicit per-request limits ----------------------------------------------------------------------------------
+def test_explicit_limits_replace_the_text_ratios() -> None:
+    eos_first = tiny_model({EOS: 30.0})
+    request = DecodeRequest(text=TEXT, sampling=SamplingParams(seed=6, min_tokens=4, max_tokens=50))
+    assert len(list(generate_tokens(eos_first, request))) == 4  # EOS masked for 4 tokens only (ratio: 10)
+    never_ending = tiny_model({EOS: -1e4, EOS2: -1e4, FILL: -1e4})
+    request = DecodeRequest(text=TEXT, sampling=SamplingParams(seed=6, max_tokens=7))
+    assert len(list(generate_tokens(never_ending, request))) == 7  # ratio: 100
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=-1)
+
+
+@pytest.mark.parametrize("end_id", [EOS, EOS2, FILL])
+def test_ignore_eos_runs_to_max_tokens_without_touching_other_requests(end_id: int) -> None:
+    model = tiny_model({end_id: 30.0})
+    ignoring = DecodeRequest(text=TEXT, sampling=SamplingParams(seed=7, max_tokens=12, ignore_eos=True))
+    normal = DecodeRequest(text=TEXT, sampling=SamplingParams(seed=8, max_tokens=12))
+    decoder = BatchedDecoder(model, num_slots=2, max_seq_len=required_seq_len(normal))
+    slots = decoder.add_many([ignoring, normal])
+    tokens: dict[int, list[int]] = {slot: [] for slot in slots}
+    while decoder.active_slots:
+        for slot, out in decoder.step().items():
+            if out.token is not None:
+                tokens[slot].append(out.token)
+    assert len(tokens[slots[0]]) == 12 and all(t < EOS for t in tokens[slots[0]])
+    assert len(tokens[slots[1]]) == (10 if end_id == EOS else 0)  # the neighbour keeps the upstream rules
