@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import cosyvoice2.kernels  # noqa: E402
 from cosyvoice2.config import resolve_dtype  # noqa: E402
 from cosyvoice2.flow import CausalFlow, FlowConfig  # noqa: E402
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator  # noqa: E402
@@ -113,19 +114,22 @@ def variants(device: torch.device) -> list[tuple[str, bool]]:
 def decode_request(index: int) -> DecodeRequest:
     text = [1000 + (index + i) % 5000 for i in range(TEXT_TOKENS)]
     speech = [(7 * index + 13 * i) % 6561 for i in range(PROMPT_TOKENS)]
-    # large max ratio: random weights never stop (stop ids are masked in the head), the slot keeps decoding
+    # benchmark mode per request: no stop id is ever drawn, the slot keeps decoding up to max_tokens
     return DecodeRequest(text=text[20:], prompt_text=text[:20], prompt_speech_tokens=speech,
-                         sampling=SamplingParams(seed=index, min_token_text_ratio=0, max_token_text_ratio=40))
+                         sampling=SamplingParams(seed=index, max_tokens=1200, ignore_eos=True))
+
+
+PREFILL_BATCHES = (1, 8, 16)
 
 
 def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
     """Eager and CUDA-graph decoders; where the time of one step goes (kernel profile)."""
     device = bench.device
-    print("LLM (Qwen2 0.5B body, static KV cache)", flush=True)
+    fused = "Triton" if cosyvoice2.kernels._triton_kernels() is not None else "PyTorch fallback (triton missing)"
+    print(f"LLM (Qwen2 0.5B body, fused q|k|v and gate|up, static KV cache; add+RMSNorm and SiLU*up: {fused})",
+          flush=True)
     with torch.device(device):
         llm = CosyVoice2LM(LLMConfig()).to(dtype).eval()
-    with torch.no_grad():
-        llm.llm_decoder.bias[list(llm.config.stop_ids)] = float("-inf")  # benchmark mode: never stop
     weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.named_parameters() if "embed" not in n)
     print(f"  weights read per step: {weight_bytes / 1e6:.0f} MB", flush=True)
 
@@ -138,18 +142,22 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
         print(f"  {variant} decoder with {slots} slots built in {time.perf_counter() - start:.1f} s "
               f"(buckets {decoders[variant].buckets})", flush=True)
 
-    def prefill(decoder: BatchedDecoder) -> None:
-        decoder.remove(decoder.add(decode_request(0)))
+    def prefill(decoder: BatchedDecoder, batch: int) -> None:
+        for slot in decoder.add_many([decode_request(i) for i in range(batch)]):
+            decoder.remove(slot)
 
     prefix = decode_request(0).prefix_length
-    bench.time("llm", f"prefill {prefix} tokens", "eager", lambda: prefill(decoders["eager"]))
+    for batch in (b for b in PREFILL_BATCHES if b <= slots):  # add_many: one right-padded forward
+        bench.time("llm", f"prefill {prefix} tokens x {batch}", "eager", lambda: prefill(decoders["eager"], batch))
+    if device.type == "cuda":
+        report_profile(bench, "llm", f"prefill {prefix} tokens x 1",
+                       kernel_profile(device, lambda: prefill(decoders["eager"], 1)))
 
     for batch in batches:
         for variant, decoder in decoders.items():
             for slot in decoder.active_slots:
                 decoder.remove(slot)
-            for i in range(batch):
-                decoder.add(decode_request(i))
+            decoder.add_many([decode_request(i) for i in range(batch)])
             bench.time("llm", f"decode step batch {batch}", variant, decoder.step, repeats=bench.repeats)
             assert len(decoder.active_slots) == batch, "a slot stopped during the benchmark"
     if device.type == "cuda":  # where a graph replay's time goes: kernels vs launch gaps
@@ -157,8 +165,7 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
         for batch in (1, max(batches)):
             for slot in decoder.active_slots:
                 decoder.remove(slot)
-            for i in range(batch):
-                decoder.add(decode_request(i))
+            decoder.add_many([decode_request(i) for i in range(batch)])
             report_profile(bench, "llm", f"decode step batch {batch}", kernel_profile(device, decoder.step))
     del decoders, llm
 
@@ -270,7 +277,7 @@ def main() -> int:
         first_tokens = FIRST_HOP + (-PROMPT_TOKENS % FIRST_HOP) + LOOKAHEAD
         flow_case, hift_case = flow_cases()[0][0], hift_frames()[0][0]
         parts = {variant: {
-            "prefill": bench.p50("llm", f"prefill {decode_request(0).prefix_length} tokens", "eager"),
+            "prefill": bench.p50("llm", f"prefill {decode_request(0).prefix_length} tokens x 1", "eager"),
             f"{first_tokens} decode steps": first_tokens * bench.p50("llm", "decode step batch 1", variant),
             "flow": bench.p50("flow", flow_case, variant),
             "hift": bench.p50("hift", hift_case, variant),
