@@ -1,13 +1,21 @@
-"""Shared test fixtures: a real tritonserver on free ports for any model repository."""
+"""Shared test fixtures: a real tritonserver on free ports for any model repository, and real gateways
+(uvicorn + the OpenAI SDK as client) in front of any tritonserver (tests/gateway and tests/triton)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
+import uvicorn
 
-from triton_repo.server import TritonServer
+from gateway.app import create_app
+from gateway.settings import Settings
+from triton_repo.server import TritonServer, free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: Shared reference data lives next to the checkout: <repo root>/../shared.
@@ -34,3 +42,75 @@ def triton_server_factory() -> Iterator[TritonFactory]:
     yield start
     for server in started:
         server.cleanup()
+
+
+class IsolatedSettings(Settings):
+    """Settings from the test's arguments only: a developer's TTS_* variables or .env must not leak in."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, **other_sources):  # type: ignore[override]
+        return (init_settings,)
+
+
+class RunningGateway:
+    """A real uvicorn server with ``create_app(settings)`` in a background thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.app = create_app(settings)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+        )
+        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    def start(self) -> RunningGateway:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+    def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
+
+    def async_client(self, api_key: str = "unused", **options: object) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=30)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """A sample of the gateway's /metrics (0 when absent)."""
+        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
+        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
+            if line.startswith(wanted + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+@pytest.fixture(scope="session")
+def gateway_factory(tmp_path_factory) -> Iterator[Callable[..., RunningGateway]]:
+    """``start(triton_url, **settings) -> RunningGateway`` on a free port; stopped at session end.
+    Each gateway gets an empty uploaded-voices directory unless one is given."""
+    running: list[RunningGateway] = []
+
+    def start(triton_url: str, **overrides: object) -> RunningGateway:
+        overrides.setdefault("uploaded_voices_dir", tmp_path_factory.mktemp("uploaded_voices"))
+        settings = IsolatedSettings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
+        gateway = RunningGateway(settings).start()
+        running.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in running:
+        gateway.stop()

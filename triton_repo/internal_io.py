@@ -12,12 +12,13 @@ cannot tell the backends apart.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.vocab import SpeechVocabLayout
+from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.orchestrator import LLMRequest, PromptTensors
 from triton_repo.contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
 
@@ -72,6 +73,35 @@ TOKEN2WAV_INPUTS = (
     TensorSpec(PROMPT_XVECTOR.name, "FP32", (-1,), optional=True),
 )  # fmt: skip
 WAVEFORM = TensorSpec("waveform", "FP32", (-1,))
+
+# -- engine (colocated layout): the LLM and token2wav tensors on one decoupled model ---------------
+def _explicit_batch(spec: TensorSpec) -> TensorSpec:
+    """`engine` has max_batch_size 0, so the LLM tensors' batch dimension of 1 is part of their dims."""
+    return replace(spec, dims=(-1, *spec.dims), reshape=None)
+
+
+#: Every input is optional: a request carries the LLM set or the token2wav set (`engine_request_kind`).
+ENGINE_INPUTS = tuple(replace(_explicit_batch(s), optional=True) for s in LLM_INPUTS) + tuple(
+    replace(s, optional=True) for s in TOKEN2WAV_INPUTS
+)
+ENGINE_OUTPUTS = (*(_explicit_batch(s) for s in LLM_OUTPUTS), WAVEFORM)
+LLM_KIND = "llm"
+TOKEN2WAV_KIND = "token2wav"
+_KINDS = ((LLM_KIND, LLM_INPUTS), (TOKEN2WAV_KIND, TOKEN2WAV_INPUTS))
+
+
+def engine_request_kind(input_names: Iterable[str]) -> str:
+    """`LLM_KIND` or `TOKEN2WAV_KIND`: the one tensor set whose required inputs are all present and
+    which holds every input present; anything else is `InvalidInput`."""
+    names = set(input_names)
+    for kind, specs in _KINDS:
+        if {s.name for s in specs if not s.optional} <= names <= {s.name for s in specs}:
+            return kind
+    expected = "; ".join(
+        f"{kind}: {', '.join(s.name for s in specs if not s.optional)} (+ optional {kind} inputs)"
+        for kind, specs in _KINDS
+    )
+    raise InvalidInput(f"engine: inputs {sorted(names)} match no request kind; expected {expected}")
 
 
 def _col(value: object, dtype: type) -> np.ndarray:

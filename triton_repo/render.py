@@ -3,7 +3,7 @@
     python -m triton_repo.render --model-dir models/CosyVoice2-0.5B --out models/triton_repo \\
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
-        [--first-hop 25] [--chunk-growth 2] [--layout single|disaggregated]
+        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated]
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. Every option is checked before
@@ -35,8 +35,12 @@ MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the dire
 
 LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm"}
 DTYPES = ("fp32", "fp16", "bf16")
-LAYOUTS = ("single", "disaggregated")
-#: Models whose instance count may be chosen; llm and token2wav keep per-request state in-process.
+#: colocated: the PyTorch LLM and token2wav in one model (`engine`, one process: concurrent CUDA streams);
+#: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, the rest on GPU 1.
+LAYOUTS = ("colocated", "single", "disaggregated")
+DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
+ENGINE_MODEL = "engine"
+#: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
 
 
@@ -62,18 +66,22 @@ class RenderOptions:
     # Benchmark mode for random-weight models (they stop at random): every request generates exactly
     # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
     benchmark_speech_ratio: float | None = None
-    layout: str = "single"
+    layout: str | None = None  # None: DEFAULT_LAYOUT of the LLM backend
     voice_cache: int = 64  # voices kept in the voice-prompt cache
     max_target_text_tokens: int = 300
     audio_max_batch: int = 8
     max_queue_delay_us: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            object.__setattr__(self, "layout", DEFAULT_LAYOUT.get(self.llm_backend, "single"))
 
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)
 
     def device_of(self, model: str) -> str:
         """`disaggregated` puts the LLM on GPU 0 and everything else on GPU 1."""
-        if self.device == "cpu" or self.layout == "single":
+        if self.device == "cpu" or self.layout != "disaggregated":
             return self.device if self.device == "cpu" else "cuda:0"
         return "cuda:0" if model == "llm" else "cuda:1"
 
@@ -97,6 +105,11 @@ def check_options(opts: RenderOptions) -> None:
         errors.append(f"--dtype {opts.dtype} needs --device cuda (CPU runs fp32)")
     if opts.layout not in LAYOUTS:
         errors.append(f"--layout must be one of {', '.join(LAYOUTS)}, got {opts.layout!r}")
+    if opts.layout == "colocated" and opts.llm_backend == "tensorrt_llm":
+        errors.append(
+            "--layout colocated needs --llm-backend pytorch: TensorRT-LLM runs inside tritonserver itself, so it "
+            "cannot share the token2wav process (use --layout single or disaggregated)"
+        )
     if opts.layout == "disaggregated" and opts.device != "cuda":
         errors.append("--layout disaggregated needs --device cuda (it puts the LLM and token2wav on two GPUs)")
     for name, value, low in (
@@ -113,7 +126,7 @@ def check_options(opts: RenderOptions) -> None:
         if model not in SCALABLE:
             errors.append(
                 f"--instances {model}={count}: only {', '.join(SCALABLE)} may have several instances "
-                "(llm and token2wav hold per-request state in their process)"
+                "(llm, token2wav and engine hold per-request state in their process)"
             )
         elif count < 1:
             errors.append(f"--instances {model}={count}: the count must be >= 1")
@@ -167,8 +180,7 @@ def _python_model(module: str, cls: str = "TritonPythonModel") -> str:
 def render_files(opts: RenderOptions) -> dict[str, str]:
     """Relative path -> file content of the whole repository (no I/O besides reading templates)."""
     files: dict[str, str] = {}
-    model_dir = opts.model_dir.resolve()
-    common = {"model_dir": model_dir}
+    common = {"model_dir": opts.model_dir.resolve()}
     schedule = {"first_hop": opts.first_hop, "chunk_growth": opts.chunk_growth}
 
     orchestrator_params = {
@@ -177,6 +189,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
         "llm_backend": opts.llm_backend,
         "max_sequence_len": opts.max_seq_len,
         "max_target_text_tokens": opts.max_target_text_tokens,
+        **internal_models(opts),
     }
     if opts.benchmark_speech_ratio is not None:
         orchestrator_params["benchmark_speech_ratio"] = opts.benchmark_speech_ratio
@@ -226,52 +239,87 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
         )
         files[f"{name}/1/model.py"] = _python_model("audio_features", cls)
 
+    if opts.layout == "colocated":
+        files[f"{ENGINE_MODEL}/config.pbtxt"] = _fill(
+            "engine.pbtxt",
+            name=ENGINE_MODEL,
+            inputs=contract.pbtxt_io_block("input", io.ENGINE_INPUTS),
+            outputs=contract.pbtxt_io_block("output", io.ENGINE_OUTPUTS),
+            parameters=_parameters({**_llm_parameters(opts), **_token2wav_parameters(opts)}),
+        )
+        files[f"{ENGINE_MODEL}/1/model.py"] = _python_model("engine")
+    else:
+        files.update(_llm_files(opts))
+        files["token2wav/config.pbtxt"] = _fill(
+            "token2wav.pbtxt",
+            name="token2wav",
+            inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
+            outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
+            parameters=_parameters(_token2wav_parameters(opts)),
+        )
+        files["token2wav/1/model.py"] = _python_model("token2wav")
+    files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
+    return files
+
+
+def internal_models(opts: RenderOptions) -> dict[str, str]:
+    """The orchestrator's targets for its LLM and token2wav calls (`adapters.orchestrator.InternalModels`)."""
+    colocated = opts.layout == "colocated"
+    return {
+        "llm_model": ENGINE_MODEL if colocated else "llm",
+        "token2wav_model": ENGINE_MODEL if colocated else "token2wav",
+        "token2wav_decoupled": str(colocated).lower(),
+    }
+
+
+def expected_models(opts: RenderOptions) -> set[str]:
+    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", "token2wav"}
+    frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
+    return frontend | internal
+
+
+def _llm_parameters(opts: RenderOptions) -> dict[str, object]:
+    """Parameters of the PyTorch LLM (`adapters.llm.LLMHandler`)."""
+    return {
+        "model_dir": opts.model_dir.resolve(),
+        "device": opts.device_of("llm"),
+        "dtype": opts.dtype,
+        "max_batch": opts.max_batch,
+        "max_seq_len": opts.max_seq_len,
+        "max_waiting": opts.max_waiting,
+        "never_stop": str(opts.benchmark_speech_ratio is not None).lower(),
+    }
+
+
+def _token2wav_parameters(opts: RenderOptions) -> dict[str, object]:
+    """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`)."""
+    return {
+        "model_dir": opts.model_dir.resolve(),
+        "device": opts.device_of("token2wav"),
+        "dtype": opts.dtype,
+        "first_hop": opts.first_hop,
+        "chunk_growth": opts.chunk_growth,
+    }
+
+
+def _llm_files(opts: RenderOptions) -> dict[str, str]:
+    """The separate `llm` model (single/disaggregated layouts) of either backend."""
     llm_io = {
         "inputs": contract.pbtxt_io_block("input", io.LLM_INPUTS),
         "outputs": contract.pbtxt_io_block("output", io.LLM_OUTPUTS),
     }
     if opts.llm_backend == "pytorch":
-        files["llm/config.pbtxt"] = _fill(
-            "llm_pytorch.pbtxt",
-            name="llm",
-            max_batch=opts.max_batch,
-            max_seq_len=opts.max_seq_len,
-            **llm_io,
-            parameters=_parameters(
-                {
-                    **common,
-                    "device": opts.device_of("llm"),
-                    "dtype": opts.dtype,
-                    "max_batch": opts.max_batch,
-                    "max_seq_len": opts.max_seq_len,
-                    "max_waiting": opts.max_waiting,
-                    "never_stop": str(opts.benchmark_speech_ratio is not None).lower(),
-                }
-            ),
-        )
-        files["llm/1/model.py"] = _python_model("llm")
-    else:
-        assert opts.engine_dir is not None
-        files["llm/config.pbtxt"] = _fill(
-            "llm_tensorrt_llm.pbtxt",
-            name="llm",
-            max_batch=opts.max_batch,
-            max_seq_len=opts.max_seq_len,
-            **llm_io,
-            parameters=_parameters(trtllm_parameters(opts)),
-        )
-        files["llm/1/.keep"] = ""  # the backend needs the version directory; the engine stays in engine_dir
-
-    files["token2wav/config.pbtxt"] = _fill(
-        "token2wav.pbtxt",
-        name="token2wav",
-        inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
-        outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
-        parameters=_parameters({**common, **schedule, "device": opts.device_of("token2wav"), "dtype": opts.dtype}),
-    )
-    files["token2wav/1/model.py"] = _python_model("token2wav")
-    files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
-    return files
+        config = _fill(
+            "llm_pytorch.pbtxt", name="llm", max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, **llm_io,
+            parameters=_parameters(_llm_parameters(opts)),
+        )  # fmt: skip
+        return {"llm/config.pbtxt": config, "llm/1/model.py": _python_model("llm")}
+    config = _fill(
+        "llm_tensorrt_llm.pbtxt", name="llm", max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, **llm_io,
+        parameters=_parameters(trtllm_parameters(opts)),
+    )  # fmt: skip
+    # the backend needs the version directory; the engine stays in engine_dir
+    return {"llm/config.pbtxt": config, "llm/1/.keep": ""}
 
 
 def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
@@ -304,22 +352,13 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
 
 
 # -- validation of the rendered repository --------------------------------------------------------
-def validate_repository(repo: Path) -> None:
-    """Structural check of a rendered repository; raises RenderError naming every problem."""
+def validate_repository(repo: Path, expected: set[str]) -> None:
+    """Structural check of a rendered repository holding the models `expected`; raises RenderError naming every problem."""
     from google.protobuf import text_format  # noqa: PLC0415 - only needed here
     from tritonclient.grpc import model_config_pb2  # noqa: PLC0415
 
     errors: list[str] = []
     models = sorted(p.parent.name for p in repo.glob("*/config.pbtxt"))
-    expected = {
-        contract.OFFLINE_MODEL,
-        contract.STREAMING_MODEL,
-        "voice_prompt",
-        "audio_tokenizer",
-        "speaker_embedding",
-        "llm",
-        "token2wav",
-    }
     if set(models) != expected:
         errors.append(f"models {models} != expected {sorted(expected)}")
     for name in models:
@@ -339,7 +378,7 @@ def validate_repository(repo: Path) -> None:
             errors.append(f"{repo / name}: missing version directory 1/")
         if config.backend == "python" and not (repo / name / "1" / "model.py").is_file():
             errors.append(f"{repo / name}/1/model.py missing")
-        if name in ("llm", "token2wav") and any(g.count != 1 for g in config.instance_group):
+        if name in ("llm", "token2wav", ENGINE_MODEL) and any(g.count != 1 for g in config.instance_group):
             errors.append(f"{path}: {name} must have exactly one instance")
         if config.backend == "tensorrtllm":
             errors += check_trtllm_config(config)
@@ -395,7 +434,7 @@ def write_repository(opts: RenderOptions) -> Path:
             path = staging / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(content)
-        validate_repository(staging)
+        validate_repository(staging, expected_models(opts))
         if out.exists():
             old = out.with_name(f".{out.name}.old-{staging.name.rsplit('-', 1)[-1]}")
             out.rename(old)
@@ -415,10 +454,10 @@ def render_repository(
     llm_backend: str = "pytorch",
     llm_dir: Path | None = None,
     engine_dir: Path | None = None,
-    layout: str = "single",
+    layout: str | None = None,
     **options: object,
 ) -> Path:
-    """Library entry point (the build tooling's `render` stage calls this)."""
+    """Library entry point (the build tooling's `render` stage calls this); layout None = the backend's default."""
     backend = LLM_BACKENDS.get(llm_backend, llm_backend)
     options.setdefault("device", "cuda" if backend == "tensorrt_llm" or layout == "disaggregated" else "cpu")
     return write_repository(
@@ -469,7 +508,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--first-hop", type=int, default=defaults.first_hop, help="tokens in the first streaming chunk")
     parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
-    parser.add_argument("--layout", default=defaults.layout, choices=LAYOUTS)
+    parser.add_argument(
+        "--layout", default=None, choices=LAYOUTS,
+        help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",
+    )  # fmt: skip
     parser.add_argument(
         "--benchmark-speech-ratio", type=float, default=None, metavar="R",
         help="benchmarks on random weights only: every request generates round(R x text tokens) speech tokens",

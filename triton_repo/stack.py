@@ -1,5 +1,6 @@
-"""The local stack (`make run`): render the repository with the PyTorch LLM, start the bundled
-tritonserver and the gateway in front of it; Ctrl-C (SIGINT) or SIGTERM stops both.
+"""The local stack (`make run`): render the repository with the PyTorch LLM (the default, colocated
+layout: LLM and token2wav in one `engine` process), start the bundled tritonserver and the gateway in
+front of it; Ctrl-C (SIGINT) or SIGTERM stops both.
 
     python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
 

@@ -1,25 +1,22 @@
-"""Gateway test rig: the stand-in pipeline in a real tritonserver, real uvicorn gateways, the
-real OpenAI SDK as client."""
+"""Gateway test rig: the stand-in pipeline in a real tritonserver in front of the shared gateway rig
+(real uvicorn gateways, the real OpenAI SDK as client; tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
-import uvicorn
 
-from gateway.app import create_app
-from gateway.settings import Settings
+# The gateway rig (IsolatedSettings, RunningGateway, the gateway_factory fixture) lives in tests/conftest.py:
+# tests/triton runs it in front of the real pipeline. Re-exported for the tests that import it from here.
+from tests.conftest import IsolatedSettings, RunningGateway  # noqa: F401
 from tests.gateway.standin_model.repository import render_standin_repository
-from triton_repo.server import TritonServer, free_port
+from triton_repo.server import TritonServer
 
 
 #: The stand-in's chunk schedule in the shared server: enough chunks to see streaming happen.
@@ -61,78 +58,6 @@ def start_standin_backend(factory: Callable[..., TritonServer], root: Path, **po
 @pytest.fixture(scope="session")
 def standin_backend(triton_server_factory, tmp_path_factory) -> StandinBackend:
     return start_standin_backend(triton_server_factory, tmp_path_factory.mktemp("standin"))
-
-
-class IsolatedSettings(Settings):
-    """Settings from the test's arguments only: a developer's TTS_* variables or .env must not leak in."""
-
-    @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, **other_sources):  # type: ignore[override]
-        return (init_settings,)
-
-
-class RunningGateway:
-    """A real uvicorn server with ``create_app(settings)`` in a background thread."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.app = create_app(settings)
-        self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
-        )
-        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.settings.port}"
-
-    def start(self) -> RunningGateway:
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("gateway did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
-
-    def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
-
-    def async_client(self, api_key: str = "unused", **options: object) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30)
-
-    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """A sample of the gateway's /metrics (0 when absent)."""
-        wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
-        for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
-            if line.startswith(wanted + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-
-@pytest.fixture(scope="session")
-def gateway_factory(tmp_path_factory) -> Iterator[Callable[..., RunningGateway]]:
-    """``start(triton_url, **settings) -> RunningGateway`` on a free port; stopped at session end.
-    Each gateway gets an empty uploaded-voices directory unless one is given."""
-    running: list[RunningGateway] = []
-
-    def start(triton_url: str, **overrides: object) -> RunningGateway:
-        overrides.setdefault("uploaded_voices_dir", tmp_path_factory.mktemp("uploaded_voices"))
-        settings = IsolatedSettings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
-        gateway = RunningGateway(settings).start()
-        running.append(gateway)
-        return gateway
-
-    yield start
-    for gateway in running:
-        gateway.stop()
 
 
 @pytest.fixture(scope="session")

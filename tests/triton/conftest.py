@@ -1,7 +1,9 @@
-"""The real pipeline (tiny random model, PyTorch LLM, CPU) in one tritonserver shared by the module's tests."""
+"""The real pipeline (tiny random model, PyTorch LLM, CPU, default = colocated layout) in one tritonserver
+shared by the session's tests."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 from dataclasses import dataclass
@@ -16,12 +18,15 @@ from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import TritonServer
 
 FIRST_HOP = 5
+SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
 
 
 @dataclass
 class Pipeline:
     server: TritonServer
     repo: Path
+    llm_model: str  # the model label of the llm_* metrics
+    token2wav_model: str  # ... and of the token2wav_* metrics
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """(stat, model) -> value of every `cosyvoice2_*` metric."""
@@ -70,4 +75,53 @@ def pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipelin
             first_hop=FIRST_HOP,
         )
     )
-    return Pipeline(server=triton_server_factory(repo, ready_timeout=240), repo=repo)
+    server = triton_server_factory(repo, ready_timeout=240)
+    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+
+
+async def stream(client, inputs, cancel_after: int | None = None):
+    """(waveform, input_tokens, output_tokens, final) per response of one streaming request."""
+
+    async def requests():
+        yield {"model_name": contract.STREAMING_MODEL, "inputs": inputs}
+
+    out = []
+    responses = client.stream_infer(requests())
+    async for result, error in responses:
+        if error is not None:
+            raise error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        out.append(
+            (
+                result.as_numpy(contract.WAVEFORM.name),
+                int(result.as_numpy(contract.INPUT_TOKENS.name)[0]),
+                int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
+                final,
+            )
+        )
+        if final:
+            break
+        if cancel_after is not None and len(out) >= cancel_after:
+            responses.cancel()
+            break
+    return out
+
+
+async def wait_metrics(pipeline, predicate, timeout=30.0):
+    for _ in range(int(timeout / 0.1)):
+        metrics = pipeline.metrics()
+        if predicate(metrics):
+            return metrics
+        await asyncio.sleep(0.1)
+    return pipeline.metrics()
+
+
+async def settled_metrics(pipeline):
+    """Metrics once every component has published its latest values (they are pushed every 100 ms)."""
+    previous = pipeline.metrics()
+    while True:
+        await asyncio.sleep(0.3)
+        current = pipeline.metrics()
+        if current == previous:
+            return current
+        previous = current

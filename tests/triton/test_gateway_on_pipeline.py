@@ -9,11 +9,9 @@ import openai
 import pytest
 
 from tests.gateway.audio_checks import decode
-from tests.gateway.conftest import gateway_factory  # noqa: F401 - the gateway test rig, reused
+from tests.triton.conftest import SAMPLES_PER_TOKEN
 
 pytestmark = pytest.mark.triton
-
-SAMPLES_PER_TOKEN = 960
 
 
 @pytest.fixture(scope="module")

@@ -6,66 +6,25 @@ import asyncio
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-from tests.triton.conftest import FIRST_HOP, synthesis_inputs
+from tests.triton.conftest import (
+    FIRST_HOP,
+    SAMPLES_PER_TOKEN,
+    settled_metrics,
+    stream,
+    synthesis_inputs,
+    wait_metrics,
+)
 from triton_repo import contract
 from triton_repo.render import RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton
 
-SAMPLES_PER_TOKEN = 960  # 2 mel frames x 480 samples at 24 kHz
 TEXT = "Hello world, the tiny model speaks."
-
-
-async def stream(client, inputs, cancel_after: int | None = None):
-    """(waveform, input_tokens, output_tokens, final) per response of one streaming request."""
-
-    async def requests():
-        yield {"model_name": contract.STREAMING_MODEL, "inputs": inputs}
-
-    out = []
-    responses = client.stream_infer(requests())
-    async for result, error in responses:
-        if error is not None:
-            raise error
-        final = result.get_response().parameters["triton_final_response"].bool_param
-        out.append(
-            (
-                result.as_numpy(contract.WAVEFORM.name),
-                int(result.as_numpy(contract.INPUT_TOKENS.name)[0]),
-                int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-                final,
-            )
-        )
-        if final:
-            break
-        if cancel_after is not None and len(out) >= cancel_after:
-            responses.cancel()
-            break
-    return out
-
-
-async def wait_metrics(pipeline, predicate, timeout=30.0):
-    for _ in range(int(timeout / 0.1)):
-        metrics = pipeline.metrics()
-        if predicate(metrics):
-            return metrics
-        await asyncio.sleep(0.1)
-    return pipeline.metrics()
-
-
-async def settled_metrics(pipeline):
-    """Metrics once every component has published its latest values (they are pushed every 100 ms)."""
-    previous = pipeline.metrics()
-    while True:
-        await asyncio.sleep(0.3)
-        current = pipeline.metrics()
-        if current == previous:
-            return current
-        previous = current
 
 
 async def test_offline_audio_length_matches_the_generated_tokens(pipeline):
@@ -98,8 +57,8 @@ async def test_eight_concurrent_streams_all_complete(pipeline):
         total = chunks[-1][2]
         assert total > 0 and sum(w.size for w, *_ in chunks) == total * SAMPLES_PER_TOKEN
     metrics = await wait_metrics(pipeline, lambda m: m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0)
-    assert metrics[("token2wav_active_streams", "token2wav")] == 0
-    assert metrics[("llm_active_sequences", "llm")] == 0
+    assert metrics[("token2wav_active_streams", pipeline.token2wav_model)] == 0
+    assert metrics[("llm_active_sequences", pipeline.llm_model)] == 0
 
 
 async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
@@ -112,16 +71,16 @@ async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
         def freed(m):
             return (
                 m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0
-                and m[("llm_active_sequences", "llm")] == 0
-                and m[("token2wav_active_streams", "token2wav")] == 0
+                and m[("llm_active_sequences", pipeline.llm_model)] == 0
+                and m[("token2wav_active_streams", pipeline.token2wav_model)] == 0
             )
 
         assert freed(await wait_metrics(pipeline, freed))
         metrics = await settled_metrics(pipeline)
     for stat, model in [
         ("orchestrator_cancelled_total", "cosyvoice2_stream"),
-        ("llm_cancelled_total", "llm"),
-        ("token2wav_closed_total", "token2wav"),
+        ("llm_cancelled_total", pipeline.llm_model),
+        ("token2wav_closed_total", pipeline.token2wav_model),
     ]:
         assert metrics[(stat, model)] == before.get((stat, model), 0) + 1, stat
 
@@ -177,3 +136,28 @@ async def test_benchmark_mode_generates_exactly_the_fixed_length(benchmark_pipel
         assert int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]) == expected
         assert result.as_numpy(contract.WAVEFORM.name).size == expected * SAMPLES_PER_TOKEN
     assert chunks[-1][2] == expected and sum(c[0].size for c in chunks) == expected * SAMPLES_PER_TOKEN
+
+
+def infer_input(name: str, value: np.ndarray, triton_dtype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(value.shape), triton_dtype)
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        pytest.param(  # half an LLM request, half a token2wav request
+            [("input_ids", np.array([[1, 2, 3]], np.int32), "INT32"), ("stream_id", np.array([b"s1"], object), "BYTES")],
+            id="mixed",
+        ),
+        pytest.param([("seed", np.array([3], np.uint64), "UINT64")], id="neither"),
+    ],
+)
+async def test_a_malformed_engine_request_is_invalid_input(pipeline, inputs):
+    async def requests():
+        yield {"model_name": "engine", "inputs": [infer_input(*spec) for spec in inputs], "request_id": "malformed"}
+
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        errors = [str(error) async for _, error in client.stream_infer(requests()) if error is not None]
+    assert len(errors) == 1 and "[invalid_input] engine: inputs" in errors[0]

@@ -10,7 +10,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from cosyvoice2_serving.errors import InvalidInput
 from triton_repo import contract
+from triton_repo import internal_io as io
 from triton_repo.render import (
     MARKER,
     RenderError,
@@ -41,10 +43,10 @@ def test_render_is_idempotent_and_rerender_replaces_the_old_repository(tiny_mode
     options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", first_hop=10)
     first = tree(write_repository(options))
     assert tree(write_repository(options)) == first  # same options, byte-identical
-    assert {name.split("/")[0] for name in first} >= {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "llm", "token2wav"}
+    assert {name.split("/")[0] for name in first} >= {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "engine"}
     write_repository(replace(options, first_hop=20, instances={contract.STREAMING_MODEL: 3}))
     changed = tree(tmp_path / "repo")
-    assert changed != first and b'string_value: "20"' in changed["token2wav/config.pbtxt"]
+    assert changed != first and b'string_value: "20"' in changed["engine/config.pbtxt"]
     assert b"count: 3" in changed[f"{contract.STREAMING_MODEL}/config.pbtxt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no staging or backup left behind
 
@@ -74,6 +76,9 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"layout": "disaggregated"}, "needs --device cuda"),
         ({"benchmark_speech_ratio": 0.0}, "--benchmark-speech-ratio must be > 0"),
         ({"llm_backend": "tensorrt_llm", "device": "cuda"}, "needs --engine-dir"),
+        ({"llm_backend": "tensorrt_llm", "device": "cuda", "layout": "colocated"}, "colocated needs --llm-backend pytorch"),
+        ({"layout": "shared"}, "--layout must be one of colocated, single, disaggregated"),
+        ({"instances": {"engine": 2}}, "per-request state"),
     ],
 )
 def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):
@@ -130,3 +135,68 @@ def test_tensorrt_llm_limits_are_checked_against_the_engine(tiny_model_dir, tmp_
     engine, llm_dir = fake_trtllm_inputs(tmp_path, max_batch_size=8)
     with pytest.raises(RenderError, match="exceeds the engine's max_batch_size 8"):
         render_repository(tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine)
+
+
+def parsed_configs(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
+    configs = {}
+    for path in repo.glob("*/config.pbtxt"):
+        config = model_config_pb2.ModelConfig()
+        text_format.Parse(path.read_text(), config)
+        configs[config.name] = config
+    return configs
+
+
+def parameters(config: model_config_pb2.ModelConfig) -> dict[str, str]:
+    return {key: value.string_value for key, value in config.parameters.items()}
+
+
+def test_the_default_layout_hosts_llm_and_token2wav_in_one_engine_model(tiny_model_dir, tmp_path):
+    repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", max_batch=4))
+    configs = parsed_configs(repo)
+    assert "engine" in configs and not {"llm", "token2wav"} & configs.keys()
+    engine = configs["engine"]
+    assert engine.backend == "python" and engine.model_transaction_policy.decoupled
+    assert engine.max_batch_size == 0 and [g.count for g in engine.instance_group] == [1]
+    inputs = {t.name: t for t in engine.input}
+    expected = [s.name for s in io.LLM_INPUTS] + [s.name for s in io.TOKEN2WAV_INPUTS]
+    assert list(inputs) == expected and all(t.optional for t in inputs.values())
+    assert list(inputs["input_ids"].dims) == [-1, -1]  # the LLM's batch dimension is explicit
+    assert {t.name for t in engine.output} == {"output_ids", "sequence_length", "waveform"}
+    params = parameters(engine)
+    assert params["max_batch"] == "4" and params["first_hop"] == "25" and params["device"] == "cpu"
+    for pipeline_model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
+        orchestrator = parameters(configs[pipeline_model])
+        assert (orchestrator["llm_model"], orchestrator["token2wav_model"]) == ("engine", "engine")
+        assert orchestrator["token2wav_decoupled"] == "true"
+    assert json.loads((repo / MARKER).read_text())["layout"] == "colocated"
+
+
+def test_the_single_layout_renders_separate_llm_and_token2wav_models(tiny_model_dir, tmp_path):
+    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "repo"), "--layout", "single"]) == 0
+    configs = parsed_configs(tmp_path / "repo")
+    assert {"llm", "token2wav"} <= configs.keys() and "engine" not in configs
+    assert configs["llm"].model_transaction_policy.decoupled and configs["llm"].max_batch_size == 16
+    assert not configs["token2wav"].model_transaction_policy.decoupled
+    orchestrator = parameters(configs[contract.STREAMING_MODEL])
+    assert (orchestrator["llm_model"], orchestrator["token2wav_model"]) == ("llm", "token2wav")
+    assert orchestrator["token2wav_decoupled"] == "false"
+
+
+def test_tensorrt_llm_defaults_to_the_single_layout(tiny_model_dir, tmp_path):
+    engine, llm_dir = fake_trtllm_inputs(tmp_path)
+    repo = render_repository(
+        tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine
+    )
+    assert {"llm", "token2wav"} <= parsed_configs(repo).keys()
+    assert json.loads((repo / MARKER).read_text())["layout"] == "single"
+
+
+def test_engine_requests_are_told_apart_by_their_inputs():
+    llm = io.llm_stop_tensors().keys()
+    token2wav = io.token2wav_close_tensors("r1").keys()
+    assert io.engine_request_kind(llm) == io.LLM_KIND
+    assert io.engine_request_kind(token2wav) == io.TOKEN2WAV_KIND
+    assert not {s.name for s in io.LLM_INPUTS} & {s.name for s in io.TOKEN2WAV_INPUTS}  # no ambiguous name
+    for names in ([], ["seed"], [*llm, "stream_id"], ["input_ids", "input_lengths"], [*token2wav, "stop"]):
+        with pytest.raises(InvalidInput, match=r"^\[invalid_input\] engine: inputs"):
+            io.engine_request_kind(names)

@@ -128,21 +128,35 @@ async def bls_stream(
             yield arrays
 
 
-class MetricsExporter:
-    """Mirrors a `Stats` object into Triton custom metrics ``cosyvoice2_<stat>{model="<name>"}``.
+async def bls_one(
+    model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], decoupled: bool, request_id: str = ""
+) -> dict[str, np.ndarray | None]:
+    """The one response of a call that answers once, whether `model` is decoupled or not."""
+    if not decoupled:
+        return await bls(model, inputs, outputs, request_id)
+    responses = [arrays async for arrays in bls_stream(model, inputs, outputs, request_id)]
+    if len(responses) != 1:
+        raise RemoteError(f"{model} sent {len(responses)} responses where one was expected")
+    return responses[0]
 
-    Stats named ``*_total`` are counters, the rest gauges. Shown on tritonserver's metrics port.
+
+class MetricsExporter:
+    """Mirrors `Stats` objects into Triton custom metrics ``cosyvoice2_<stat>{model="<name>"}``.
+
+    Stats named ``*_total`` are counters, the rest gauges. Shown on tritonserver's metrics port. A model
+    hosting several components (the colocated `engine`: LLM and token2wav) exports all their stats under
+    its one model label; their names must not clash.
     Every metric call is an IPC round trip to tritonserver, so hot loops (decoder steps, token2wav
     calls) never make one: a single publisher thread pushes the changed values at most every 100 ms.
     """
 
     PERIOD_S = 0.1
 
-    def __init__(self, stats: Stats, model_name: str) -> None:
+    def __init__(self, model_name: str, *stats: Stats) -> None:
         self._stats = stats
         self._families: list[Any] = []  # keep the families alive: metrics die with them
         self._metrics: dict[str, Any] = {}
-        for name in stats.snapshot():
+        for name in self._snapshot():
             kind = pb_utils.MetricFamily.COUNTER if name.endswith("_total") else pb_utils.MetricFamily.GAUGE
             family = pb_utils.MetricFamily(
                 name=f"cosyvoice2_{name}", description=f"CosyVoice2 pipeline: {name}", kind=kind
@@ -151,8 +165,19 @@ class MetricsExporter:
             self._metrics[name] = family.Metric(labels={"model": model_name})
         self._published: dict[str, float] = {}
         self._changed = threading.Event()
-        stats.add_listener(lambda name, value: self._changed.set())
+        for component in stats:
+            component.add_listener(lambda name, value: self._changed.set())
         threading.Thread(target=self._publish_forever, name=f"metrics-{model_name}", daemon=True).start()
+
+    def _snapshot(self) -> dict[str, float]:
+        merged: dict[str, float] = {}
+        for component in self._stats:
+            values = component.snapshot()
+            clash = merged.keys() & values.keys()
+            if clash:
+                raise ValueError(f"stats exported twice under one model: {sorted(clash)}")
+            merged.update(values)
+        return merged
 
     def _publish_forever(self) -> None:
         while True:
@@ -165,7 +190,7 @@ class MetricsExporter:
             time.sleep(self.PERIOD_S)
 
     def _publish(self) -> None:
-        for name, value in self._stats.snapshot().items():
+        for name, value in self._snapshot().items():
             last = self._published.get(name, 0.0)
             if value == last and name in self._published:
                 continue

@@ -1,13 +1,14 @@
 """`llm` with the PyTorch backend: continuous batching over a static KV cache, streaming token ids.
 
 Same tensors as the TensorRT-LLM backend's model (`internal_io.LLM_INPUTS/OUTPUTS`), including its
-cancellation by a second request with `stop` set and the same request id.
+cancellation by a second request with `stop` set and the same request id. `LLMHandler` is the whole
+model; the colocated `engine` model hosts it next to token2wav.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -15,18 +16,20 @@ from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.llm import BatchedDecoder
 from cosyvoice2.loading import LLM_FILE, load_llm
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from cosyvoice2.vocab import SpeechVocabLayout
+from cosyvoice2_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
 from cosyvoice2_serving.engines import build_decode_request, disable_stop_tokens
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
-from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
+class LLMHandler:
+    """The scheduler built from the model's parameters, and the answer to one LLM request."""
+
+    def __init__(self, params: Mapping[str, str]) -> None:
         model_dir = Path(params["model_dir"])
         config = EngineConfig.for_model_dir(model_dir)
         device = torch.device(params["device"])
@@ -37,13 +40,11 @@ class TritonPythonModel:
         # On CUDA the decoder captures its step as CUDA graphs (one per batch/length bucket) right here.
         decoder = BatchedDecoder(llm, num_slots=int(params["max_batch"]), max_seq_len=int(params["max_seq_len"]))
         self.stats = Stats(LLM_STATS)
-        self.metrics = MetricsExporter(self.stats, args["model_name"])
-        self.scheduler = ContinuousBatchingScheduler(decoder, int(params["max_waiting"]), self.stats)
+        self.scheduler = ContinuousBatchingScheduler(
+            StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY)), int(params["max_waiting"]), self.stats
+        )
 
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
-
-    async def _handle(self, request: Any, sender: Any) -> None:
+    async def handle(self, request: Any, sender: Any) -> None:
         request_id = request.request_id()
         llm_request, stop = io.parse_llm_request(read_inputs(request, io.LLM_INPUTS))
         if stop:
@@ -69,5 +70,17 @@ class TritonPythonModel:
         finally:
             stream.cancel()  # no-op once finished; frees the slot when the client went away
 
-    def finalize(self) -> None:
+    def close(self) -> None:
         self.scheduler.close()
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self.llm = LLMHandler(model_params(args))
+        self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self.llm.handle)
+
+    def finalize(self) -> None:
+        self.llm.close()

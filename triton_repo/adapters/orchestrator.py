@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -30,6 +31,7 @@ from triton_repo.adapters.common import (
     FINAL,
     MetricsExporter,
     bls,
+    bls_one,
     bls_stream,
     is_decoupled,
     model_params,
@@ -41,12 +43,26 @@ from triton_repo.adapters.common import (
 LOGITS_BIAS_KEY = "logits_bias"
 
 
+@dataclass(frozen=True)
+class InternalModels:
+    """Which models answer the LLM and token2wav calls (rendered per layout: `engine` when colocated)."""
+
+    llm: str
+    token2wav: str
+    token2wav_decoupled: bool
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, str]) -> InternalModels:
+        return cls(params["llm_model"], params["token2wav_model"], params["token2wav_decoupled"] == "true")
+
+
 class TritonClients:
     """`PipelineClients` over BLS calls to the repository's internal models."""
 
-    def __init__(self, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None) -> None:
+    def __init__(self, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None, models: InternalModels) -> None:
         self.vocab = vocab
         self.logits_bias = logits_bias
+        self.models = models
 
     async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
         out = await bls(
@@ -64,24 +80,29 @@ class TritonClients:
 
     async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
         inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias)
-        async for out in bls_stream("llm", inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
+        async for out in bls_stream(self.models.llm, inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
             ids = io.llm_response_ids(out)
             if ids:
                 yield ids
 
     async def llm_stop(self, request_id: str) -> None:
-        async for _ in bls_stream("llm", io.llm_stop_tensors(), [s.name for s in io.LLM_OUTPUTS], request_id):
+        outputs = [s.name for s in io.LLM_OUTPUTS]
+        async for _ in bls_stream(self.models.llm, io.llm_stop_tensors(), outputs, request_id):
             pass
 
     async def token2wav(
         self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
     ) -> np.ndarray:
-        out = await bls("token2wav", io.token2wav_tensors(request_id, tokens, prompt, chunk, seed), [io.WAVEFORM.name])
-        waveform = out[io.WAVEFORM.name]
+        waveform = await self._token2wav_call(io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
         return np.zeros(0, np.float32) if waveform is None else waveform.astype(np.float32).reshape(-1)
 
     async def token2wav_close(self, request_id: str) -> None:
-        await bls("token2wav", io.token2wav_close_tensors(request_id), [io.WAVEFORM.name])
+        await self._token2wav_call(io.token2wav_close_tensors(request_id))
+
+    async def _token2wav_call(self, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+        models = self.models
+        out = await bls_one(models.token2wav, inputs, [io.WAVEFORM.name], models.token2wav_decoupled)
+        return out[io.WAVEFORM.name]
 
 
 class TritonPythonModel:
@@ -107,8 +128,9 @@ class TritonPythonModel:
                 logits_bias[list(vocab.end_ids)] = -1e9
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
-        self.metrics = MetricsExporter(self.stats, args["model_name"])
-        self.orchestrator = Orchestrator(config, tokenizer, TritonClients(vocab, logits_bias), self.stats)
+        self.metrics = MetricsExporter(args["model_name"], self.stats)
+        clients = TritonClients(vocab, logits_bias, InternalModels.from_params(params))
+        self.orchestrator = Orchestrator(config, tokenizer, clients, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
         serve(requests, self._handle)

@@ -1,18 +1,20 @@
 """`token2wav`: flow + HiFT with per-request streams; concurrent chunks share batched flow forwards.
 
 Must run as ONE instance: a stream's state lives in this process (render enforces count 1).
+`Token2WavHandler` is the whole model; the colocated `engine` model hosts it next to the LLM.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
+from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from cosyvoice2_serving.engines import BatchedToken2Wav
 from cosyvoice2_serving.orchestrator import stream_schedule
 from cosyvoice2_serving.stats import Stats
@@ -21,23 +23,23 @@ from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
+class Token2WavHandler:
+    """The token2wav service built from the model's parameters, and the answer to one request."""
+
+    def __init__(self, params: Mapping[str, str]) -> None:
         model_dir = Path(params["model_dir"])
         config = EngineConfig.for_model_dir(model_dir)
         device, dtype = torch.device(params["device"]), resolve_dtype(params["dtype"])
         flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
         hift = load_hift(model_dir / HIFT_FILE, config, device)
         schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+        engine = BatchedToken2Wav(flow, hift, config, schedule)
         self.stats = Stats(TOKEN2WAV_STATS)
-        self.metrics = MetricsExporter(self.stats, args["model_name"])
-        self.service = Token2WavService(BatchedToken2Wav(flow, hift, config, schedule), self.stats)
+        self.service = Token2WavService(
+            StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats
+        )
 
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
-
-    async def _handle(self, request: Any, sender: Any) -> None:
+    async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
         if close:
             self.service.close_stream(stream_id)
@@ -46,5 +48,17 @@ class TritonPythonModel:
             audio = await self.service.process(stream_id, tokens, prompt, chunk, seed)
         sender.send(response({io.WAVEFORM.name: audio.astype(np.float32)}), flags=FINAL)
 
-    def finalize(self) -> None:
+    def close(self) -> None:
         self.service.shutdown()
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        self.token2wav = Token2WavHandler(model_params(args))
+        self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self.token2wav.handle)
+
+    def finalize(self) -> None:
+        self.token2wav.close()

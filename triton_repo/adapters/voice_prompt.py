@@ -23,7 +23,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = model_params(args)
         self.stats = Stats(CACHE_STATS)
-        self.metrics = MetricsExporter(self.stats, args["model_name"])
+        self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(int(params["cache_capacity"]), self.stats)
 
     async def execute(self, requests: list[Any]) -> None:

@@ -1,0 +1,38 @@
+"""`engine` (colocated layout): the PyTorch LLM and token2wav in ONE process, one decoupled model.
+
+Two models would be two processes, two CUDA contexts that the GPU time-slices; in one process the
+LLM scheduler's and token2wav's worker threads run their kernels concurrently on their own CUDA
+streams (token2wav's with the higher priority, `cosyvoice2_serving.cuda_streams`). A request is an
+LLM request or a token2wav request by its inputs (`internal_io.engine_request_kind`); each is answered
+exactly as the separate `llm` / `token2wav` models answer it (token2wav: one response, flagged final).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from triton_repo import internal_io as io
+from triton_repo.adapters.common import MetricsExporter, model_params, serve
+from triton_repo.adapters.llm import LLMHandler
+from triton_repo.adapters.token2wav import Token2WavHandler
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict[str, str]) -> None:
+        params = model_params(args)
+        # The LLM first: its CUDA graphs are captured while no other thread uses the GPU yet.
+        self.llm = LLMHandler(params)
+        self.token2wav = Token2WavHandler(params)
+        self.metrics = MetricsExporter(args["model_name"], self.llm.stats, self.token2wav.stats)
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle)
+
+    async def _handle(self, request: Any, sender: Any) -> None:
+        kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())
+        handler = self.llm if kind == io.LLM_KIND else self.token2wav
+        await handler.handle(request, sender)
+
+    def finalize(self) -> None:
+        self.llm.close()
+        self.token2wav.close()
