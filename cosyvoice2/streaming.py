@@ -114,6 +114,16 @@ class FlowPrompt:
 
 
 @dataclass(frozen=True)
+class FlowCall:
+    """One flow call: the flow runs over prompt + tokens and returns the mel of tokens[start:]."""
+
+    tokens: Sequence[int]
+    prompt: FlowPrompt
+    start: int
+    final: bool  # full attention, no lookahead; otherwise chunk attention and the last 3 tokens are context only
+
+
+@dataclass(frozen=True)
 class HiFTCache:
     """What a non-final chunk leaves for the next one (upstream hift_cache_dict entry)."""
 
@@ -124,6 +134,11 @@ class HiFTCache:
 
 class Token2Wav:
     """Stateless token -> audio conversion (flow + HiFT); one instance serves any number of streams.
+
+    Batching: `run_chunks` runs one chunk of each of several streams (and offline utterances, as one-chunk
+    streams) together: one flow forward per attention mode (rows of any lengths, padded and masked) and one
+    HiFT forward (padded and masked). Every stream keeps its own HiFT caches and noise generator and draws
+    exactly what it would draw alone, so its audio is the same batched or not (up to float rounding).
 
     The flow runs in the model dtype; HiFT always runs in fp32 (as upstream). HiFT's source noise comes from
     the caller's `torch.Generator`, so a seeded request is reproducible whatever else runs.
@@ -163,35 +178,89 @@ class Token2Wav:
             generator.manual_seed(seed)
         return generator
 
-    def mel(self, tokens: "Sequence[int] | torch.Tensor", prompt: FlowPrompt, start: int, final: bool) -> "torch.Tensor":
-        """Mel (1, 80, frames) fp32 on the HiFT device for tokens[start:] of one flow call over tokens.
+    def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
+        """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.
 
         Non-final calls use chunk attention and treat the last `pre_lookahead_len` tokens as context only;
-        the final call uses full attention, as upstream (§3.7).
+        final calls use full attention, as upstream (§3.7).
         """
         import torch
 
-        token = torch.as_tensor(tokens, dtype=torch.long, device=self.flow_device).view(1, -1)
-        mel = self.flow.inference(token, prompt.tokens, prompt.mel, prompt.xvector, streaming=not final,
-                                  finalize=final)
-        start_frame = start * self.config.flow.token_mel_ratio
-        return mel[:, :, start_frame:].to(self.hift_device, torch.float32)
+        out: "list[torch.Tensor | None]" = [None] * len(calls)
+        for final in (False, True):
+            rows = [i for i, call in enumerate(calls) if call.final == final]
+            if not rows:
+                continue
+            mels = self.flow.inference_batch(
+                [torch.as_tensor(calls[i].tokens, dtype=torch.long, device=self.flow_device).view(-1) for i in rows],
+                [calls[i].prompt.tokens[0] for i in rows],
+                [calls[i].prompt.mel[0] for i in rows],
+                torch.cat([calls[i].prompt.xvector for i in rows]),
+                streaming=not final,
+                finalize=final,
+            )
+            for i, mel in zip(rows, mels):
+                start_frame = calls[i].start * self.config.flow.token_mel_ratio
+                out[i] = mel[None, :, start_frame:].to(self.hift_device, torch.float32)
+        return out  # type: ignore[return-value]
+
+    def mel(self, tokens: "Sequence[int] | torch.Tensor", prompt: FlowPrompt, start: int, final: bool) -> "torch.Tensor":
+        """`mels` of one call."""
+        return self.mels([FlowCall(tokens, prompt, start, final)])[0]
+
+    def vocode_batch(self, mels: "Sequence[torch.Tensor]", cache_sources: "Sequence[torch.Tensor | None]",
+                     generators: "Sequence[torch.Generator]") -> "list[tuple[torch.Tensor, torch.Tensor]]":
+        """(1, 80, M_i) mels -> [(audio (480 M_i,), source (1, 1, 480 M_i))] in one HiFT forward; each row's
+        noise is drawn from its own generator for its own length, exactly as a call alone draws it."""
+        noises = [self.hift.draw_noise(1, mel.shape[2], generator) for mel, generator in zip(mels, generators)]
+        return self.hift.inference_batch(mels, cache_sources, noises)
 
     def vocode(self, mel: "torch.Tensor", cache_source: "torch.Tensor | None",
                generator: "torch.Generator") -> "tuple[torch.Tensor, torch.Tensor]":
-        """(1, 80, M) mel -> (audio (480 M,), source (1, 1, 480 M))."""
-        audio, source = self.hift.inference(mel, cache_source=cache_source, generator=generator)
-        return audio[0], source
+        """`vocode_batch` of one call."""
+        return self.vocode_batch([mel], [cache_source], [generator])[0]
+
+    def run_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]") -> list[np.ndarray]:
+        """Run the next chunk of each of several streams (one chunk per stream) in one batched flow + HiFT pass.
+
+        Each chunk must continue its stream (start where the last one stopped, its tokens already added). A call
+        that raises leaves every stream as it was (tokens, caches and generator state), so its chunks can be
+        retried one by one.
+        """
+        import torch
+
+        streams = [stream for stream, _ in work]
+        if len({id(stream) for stream in streams}) != len(streams):
+            raise ValueError("run_chunks takes at most one chunk per stream")
+        for stream, chunk in work:
+            stream.check_next(chunk)
+        generator_states = [stream.generator.get_state() for stream in streams]
+        try:
+            with torch.inference_mode():
+                mels = self.mels([stream.flow_call(chunk) for stream, chunk in work])
+                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels)]
+                rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]  # an empty stream has nothing
+                vocoded = self.vocode_batch([inputs[i][0] for i in rows], [inputs[i][1] for i in rows],
+                                            [streams[i].generator for i in rows]) if rows else []
+        except BaseException:
+            for stream, state in zip(streams, generator_states):
+                stream.generator.set_state(state)
+            raise
+        results = dict(zip(rows, vocoded))
+        with torch.inference_mode():
+            return [stream.emit(chunk, inputs[i][0], *results[i]) if i in results else stream.emit_nothing(chunk)
+                    for i, (stream, chunk) in enumerate(work)]
+
+    def offline_job(self, tokens: "Sequence[int]", prompt: FlowPrompt,
+                    generator: "torch.Generator") -> "tuple[Token2WavStream, Chunk]":
+        """An utterance as a one-chunk stream (one final chunk over all tokens), to batch with `run_chunks`."""
+        stream = self.open_stream(prompt, generator)
+        stream.extend(tokens)
+        return stream, Chunk(start=0, stop=len(stream.tokens), feed=len(stream.tokens), final=True)
 
     def offline(self, tokens: "Sequence[int]", prompt: FlowPrompt, generator: "torch.Generator") -> np.ndarray:
         """All tokens at once (upstream stream=False): 960 samples per token, float32 24 kHz."""
-        import torch
-
-        with torch.inference_mode():
-            if len(tokens) == 0:
-                return np.zeros(0, dtype=np.float32)
-            audio, _ = self.vocode(self.mel(tokens, prompt, 0, final=True), None, generator)
-            return audio.cpu().numpy()
+        return self.run_chunks([self.offline_job(tokens, prompt, generator)])[0]
 
     def open_stream(self, prompt: FlowPrompt, generator: "torch.Generator",
                     first_hop: int | None = None) -> "Token2WavStream":
@@ -204,6 +273,9 @@ class Token2WavStream:
     Audio per chunk: a non-final chunk emits 2 x hop x 480 samples (the first one 3840 fewer, held back for
     the cross-fade), the final chunk emits the rest plus the held-back 3840, so a stream of N tokens yields
     exactly 960 N samples in total, like `Token2Wav.offline`.
+
+    `push`/`finish` run the chunks that became ready, alone. A batching caller instead `extend`s several
+    streams, takes each one's `next_chunk` and runs them together with `Token2Wav.run_chunks`.
     """
 
     def __init__(self, engine: Token2Wav, prompt: FlowPrompt, schedule: ChunkSchedule,
@@ -221,11 +293,21 @@ class Token2WavStream:
     def _start(self) -> int:
         return self.chunks[-1].stop if self.chunks else 0
 
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Add newly generated tokens without running anything."""
+        if self.finished:
+            raise RuntimeError("tokens added after the final chunk")
+        self.tokens.extend(int(t) for t in tokens)
+
+    def next_chunk(self, finished: bool) -> Chunk | None:
+        """The schedule's next chunk over the tokens added so far (`finished`: the LLM is done), or None."""
+        if self.finished:
+            return None
+        return self.schedule.next_chunk(self._start, len(self.chunks), len(self.tokens), finished)
+
     def push(self, tokens: Iterable[int]) -> list[np.ndarray]:
         """Add newly generated tokens; returns the audio chunks that became ready (possibly none)."""
-        if self.finished:
-            raise RuntimeError("push() after finish()")
-        self.tokens.extend(int(t) for t in tokens)
+        self.extend(tokens)
         return self._drain(finished=False)
 
     def finish(self) -> np.ndarray:
@@ -238,32 +320,50 @@ class Token2WavStream:
 
     def _drain(self, finished: bool) -> list[np.ndarray]:
         out: list[np.ndarray] = []
-        while (chunk := self.schedule.next_chunk(self._start, len(self.chunks), len(self.tokens), finished)):
-            out.append(self._run(chunk))
-            self.chunks.append(chunk)
-            if chunk.final:
-                break
+        while (chunk := self.next_chunk(finished)):
+            out.extend(self.engine.run_chunks([(self, chunk)]))
         return out
 
-    def _run(self, chunk: Chunk) -> np.ndarray:
+    # ---- the steps of one chunk, driven by `Token2Wav.run_chunks` ----------------------------------------
+    def check_next(self, chunk: Chunk) -> None:
+        if self.finished:
+            raise RuntimeError("the stream already ran its final chunk")
+        if chunk.start != self._start or not chunk.start <= chunk.stop <= chunk.feed <= len(self.tokens):
+            raise ValueError(f"{chunk} does not continue the stream (at token {self._start} of {len(self.tokens)})")
+
+    def flow_call(self, chunk: Chunk) -> FlowCall:
+        return FlowCall(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final)
+
+    def hift_input(self, mel: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor | None]":
+        """This chunk's HiFT input: the cached mel frames re-vocoded before the new ones, and the cached source."""
         import torch
 
-        engine = self.engine
-        with torch.inference_mode():
-            mel = engine.mel(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final)
-            cache = self._cache
-            if cache is None and mel.shape[2] == 0:
-                return np.zeros(0, dtype=np.float32)  # empty stream: nothing to vocode
-            if cache is not None:
-                mel = torch.cat([cache.mel, mel], dim=2)
-            audio, source = engine.vocode(mel, cache.source if cache else None, self.generator)
-            if cache is not None:
-                faded = audio[: engine.overlap] * engine.fade_in + cache.speech * engine.fade_out
-                audio = torch.cat([faded, audio[engine.overlap :]])
-            if chunk.final:
-                self._cache = None
-            else:
-                self._cache = HiFTCache(mel[:, :, -engine.mel_cache_len :], source[:, :, -engine.overlap :],
-                                        audio[-engine.overlap :])
-                audio = audio[: -engine.overlap]
-            return audio.cpu().numpy()
+        if self._cache is None:
+            return mel, None
+        return torch.cat([self._cache.mel, mel], dim=2), self._cache.source
+
+    def emit(self, chunk: Chunk, mel: "torch.Tensor", audio: "torch.Tensor", source: "torch.Tensor") -> np.ndarray:
+        """Cross-fade with the held-back audio, keep this chunk's cache, return its audio."""
+        import torch
+
+        engine, cache = self.engine, self._cache
+        if cache is not None:
+            faded = audio[: engine.overlap] * engine.fade_in + cache.speech * engine.fade_out
+            audio = torch.cat([faded, audio[engine.overlap :]])
+        if chunk.final:
+            self._cache = None
+        else:
+            self._cache = HiFTCache(mel[:, :, -engine.mel_cache_len :], source[:, :, -engine.overlap :],
+                                    audio[-engine.overlap :])
+            audio = audio[: -engine.overlap]
+        self._advance(chunk)
+        return audio.cpu().numpy()
+
+    def emit_nothing(self, chunk: Chunk) -> np.ndarray:
+        """A chunk of an empty stream (no tokens, nothing cached): no audio."""
+        self._advance(chunk)
+        return np.zeros(0, dtype=np.float32)
+
+    def _advance(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+        self.finished = chunk.final

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph_buckets import batch_bucket, round_up
 from .config import CFMConfig
 from .estimator import CausalUNetEstimator
 
@@ -101,12 +102,13 @@ class _CapturedSolve:
 
 
 class CFMGraphs:
-    """CUDA graphs of the CFM Euler loop, captured on first use per (batch, frame bucket, streaming, dtype).
+    """CUDA graphs of the CFM Euler loop, captured on first use per (batch bucket, frame bucket, streaming, dtype).
 
     A call of T frames runs in the bucket of ceil(T / frame_bucket) * frame_bucket frames, the extra frames
     masked out (mask 0, zero mu/cond): every estimator op is per-frame, causal, or attends only to unmasked
-    keys, so the first T output frames equal an unpadded solve. Graphs share one memory pool; replays are
-    serialised by a lock because the input/output buffers are static.
+    keys, so the first T output frames equal an unpadded solve. The batch is padded to `batch_bucket` with
+    all-masked rows (rows never interact). Graphs share one memory pool; replays are serialised by a lock
+    because the input/output buffers are static.
     """
 
     def __init__(self, cfm: CausalCFM, frame_bucket: int = 128) -> None:
@@ -117,14 +119,16 @@ class CFMGraphs:
         self._lock = threading.Lock()
 
     def padded_frames(self, frames: int) -> int:
-        return -(-frames // self.frame_bucket) * self.frame_bucket
+        return round_up(frames, self.frame_bucket)
 
     def pad(
         self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        """Inputs padded at the end to the frame bucket (zeros: masked frames)."""
+        """Inputs padded at the end to the frame bucket and the batch bucket (zeros: masked frames and rows)."""
         extra = self.padded_frames(mu.size(-1)) - mu.size(-1)
-        return F.pad(mu, (0, extra)), F.pad(mask, (0, extra)), spks, F.pad(cond, (0, extra))
+        rows = batch_bucket(mu.size(0)) - mu.size(0)
+        return (F.pad(mu, (0, extra, 0, 0, 0, rows)), F.pad(mask, (0, extra, 0, 0, 0, rows)),
+                F.pad(spks, (0, 0, 0, rows)), F.pad(cond, (0, extra, 0, 0, 0, rows)))
 
     def run(
         self, mu: torch.Tensor, mask: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor, streaming: bool
@@ -133,7 +137,7 @@ class CFMGraphs:
         inputs = self.pad(mu, mask, spks, cond)
         if inputs[0].size(-1) > cfm.rand_noise.size(-1):
             return cfm.solve(mu, mask, spks, cond, streaming).float()
-        key = (mu.device, mu.dtype, mu.size(0), inputs[0].size(-1), streaming)
+        key = (mu.device, mu.dtype, inputs[0].size(0), inputs[0].size(-1), streaming)
         with self._lock:
             captured = self._captured.get(key)
             if captured is None:
@@ -143,4 +147,4 @@ class CFMGraphs:
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
-            return captured.output[:, :, :frames].to(torch.float32, copy=True)
+            return captured.output[: mu.size(0), :, :frames].to(torch.float32, copy=True)

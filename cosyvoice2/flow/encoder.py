@@ -1,7 +1,9 @@
 """UpsampleConformerEncoder: 25 Hz token embeddings -> 50 Hz hidden states (spec §3.4).
 
 Key layout follows upstream flow.pt (`embed.out.{0,1}`, `encoders.N.self_attn.linear_q`, ...).
-Padding masks are not modelled: every sequence in a batch must have the same length.
+Rows of different lengths are right-padded and given `lengths`: attention hides the padded keys, the
+lookahead convolution sees each row's own context (or zeros) right after its end, and everything else is
+per-frame or causal, so a row's real frames equal those of running it alone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ def relative_position_table(length: int, dim: int, device: torch.device, dtype: 
     angle = distance * inv_freq
     table = torch.stack([torch.sin(angle), torch.cos(angle)], dim=-1).flatten(1)  # even sin, odd cos
     return table.unsqueeze(0).to(dtype)
+
+
+def _length_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
+    """(B,) lengths -> (B, length) bool, True on each row's real frames."""
+    return torch.arange(length, device=lengths.device) < lengths.unsqueeze(1)
 
 
 class LinearEmbedding(nn.Module):
@@ -123,14 +130,15 @@ class PreLookaheadLayer(nn.Module):
         self.conv1 = nn.Conv1d(width, width, lookahead + 1)
         self.conv2 = nn.Conv1d(width, width, 3)
 
-    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor]) -> torch.Tensor:
-        h = x.transpose(1, 2)
-        if context is None:
-            h = F.pad(h, (0, self.lookahead))
-        else:
+    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
+        """x (B, T, W) with `lengths` (B,) real frames per row; context (B, lookahead, W) follows each row's end."""
+        h = x.transpose(1, 2) * _length_mask(lengths, x.size(1)).unsqueeze(1)  # zeros after each row's end
+        h = F.pad(h, (0, self.lookahead))
+        if context is not None:
             if context.size(1) != self.lookahead:
                 raise ValueError(f"lookahead context must have {self.lookahead} frames, got {context.size(1)}")
-            h = torch.cat([h, context.transpose(1, 2)], dim=2)
+            after_end = lengths.unsqueeze(1) + torch.arange(self.lookahead, device=x.device)  # (B, lookahead)
+            h = h.scatter(2, after_end.unsqueeze(1).expand(-1, h.size(1), -1), context.transpose(1, 2))
         h = F.leaky_relu(self.conv1(h), negative_slope=0.01)
         h = self.conv2(F.pad(h, (self.conv2.kernel_size[0] - 1, 0)))
         return h.transpose(1, 2) + x
@@ -166,19 +174,31 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(width, eps=_EMBED_LN_EPS)
 
-    def _visibility(self, length: int, chunk_size: int, device: torch.device, streaming: bool) -> Optional[torch.Tensor]:
-        return chunk_visibility(length, chunk_size, device) if streaming else None
+    @staticmethod
+    def _visibility(length: int, chunk_size: int, streaming: bool, lengths: Optional[torch.Tensor],
+                    device: torch.device) -> Optional[torch.Tensor]:
+        """Which keys each query sees: (L, L), (B, 1, 1, L) or (B, 1, L, L) bool, or None for all."""
+        visible = chunk_visibility(length, chunk_size, device) if streaming else None
+        if lengths is not None:
+            keys = _length_mask(lengths, length)[:, None, None, :]
+            visible = keys if visible is None else visible & keys
+        return visible
 
-    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, streaming: bool = False) -> torch.Tensor:
-        """x (B, T, W) token embeddings, context (B, lookahead, W) or None -> (B, stride*T, W)."""
+    def forward(self, x: torch.Tensor, context: Optional[torch.Tensor] = None, streaming: bool = False,
+                lengths: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x (B, T, W) token embeddings, context (B, lookahead, W) or None -> (B, stride*T, W).
+
+        lengths (B,): real frames per right-padded row (None: all T); output row b is real up to stride*lengths[b].
+        """
         cfg = self.config
         length = x.size(1)
         x = self.embed(x)
         if context is not None:
             context = self.embed(context)
         pos_table = relative_position_table(length, cfg.width, x.device, x.dtype)
-        visible = self._visibility(length, cfg.static_chunk_size, x.device, streaming)
-        x = self.pre_lookahead_layer(x, context)
+        visible = self._visibility(length, cfg.static_chunk_size, streaming, lengths, x.device)
+        full = torch.full((x.size(0),), length, dtype=torch.long, device=x.device)
+        x = self.pre_lookahead_layer(x, context, full if lengths is None else lengths)
         for layer in self.encoders:
             x = layer(x, pos_table, visible)
 
@@ -186,7 +206,9 @@ class UpsampleConformerEncoder(nn.Module):
         length = x.size(1)
         x = self.up_embed(x)
         pos_table = relative_position_table(length, cfg.width, x.device, x.dtype)
-        visible = self._visibility(length, cfg.static_chunk_size * cfg.upsample_stride, x.device, streaming)
+        up_lengths = None if lengths is None else lengths * cfg.upsample_stride
+        visible = self._visibility(length, cfg.static_chunk_size * cfg.upsample_stride, streaming, up_lengths,
+                                   x.device)
         for layer in self.up_encoders:
             x = layer(x, pos_table, visible)
         return self.after_norm(x)

@@ -19,7 +19,13 @@ class F0Predictor(nn.Module):
         self.condnet = nn.Sequential(*layers)  # conv indices 0, 2, 4, 6, 8 as in hift.pt
         self.classifier = nn.Linear(cond_channels, 1)
 
-    def forward(self, mel: torch.Tensor) -> torch.Tensor:
-        """mel (B, 80, M) -> f0 in Hz (B, M)."""
-        hidden = self.condnet(mel).transpose(1, 2)
-        return self.classifier(hidden).squeeze(-1).abs()
+    def forward(self, mel: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mel (B, 80, M) -> f0 in Hz (B, M); with `mask` (B, 1, M) padded frames stay zero between the convs
+        (the zero padding a row sees alone) and get f0 = 0."""
+        hidden = mel if mask is None else mel * mask
+        for layer in self.condnet:
+            hidden = layer(hidden)
+            if mask is not None and isinstance(layer, nn.ELU):
+                hidden = hidden * mask
+        f0 = self.classifier(hidden.transpose(1, 2)).squeeze(-1).abs()
+        return f0 if mask is None else f0 * mask[:, 0]

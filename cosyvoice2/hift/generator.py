@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..graph_buckets import batch_bucket, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -77,9 +79,13 @@ class HiFTGenerator(nn.Module):
         return fold_weight_norm(self)
 
     # ---- forward pieces --------------------------------------------------------------------------------
-    def predict_f0(self, speech_feat: torch.Tensor) -> torch.Tensor:
-        """(B, 80, M) mel -> (B, M) f0 in Hz."""
-        return self.f0_predictor(speech_feat)
+    # A batch may hold rows of different lengths, right-padded: `frames` (B,) gives each row's real mel frames.
+    # Every layer re-zeroes the padded positions (the zero padding a row sees alone), the source STFT reflects
+    # each row at its own end, and the iSTFT overlap-adds and normalises each row over its own frames, so a
+    # row's real samples are those of running it alone (exact up to float rounding; tested).
+    def predict_f0(self, speech_feat: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, 80, M) mel -> (B, M) f0 in Hz (0 on padded frames, so the source phase stops there)."""
+        return self.f0_predictor(speech_feat, mask)
 
     def source(self, f0: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
         """(B, M) f0 -> (B, 1, M * samples_per_frame) excitation."""
@@ -87,25 +93,35 @@ class HiFTGenerator(nn.Module):
         return self.m_source(f0_audio_rate, noise)
 
     def decode(self, speech_feat: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        """(B, 80, M) mel + (B, 1, T) source -> (B, T) audio clamped to +-audio_limit."""
-        return self.synthesize(*self.spectrum(speech_feat, source))
+        """(B, 80, M) mel + (B, 1, T) source -> (B, T) audio clamped to +-audio_limit (rows of full length)."""
+        frames = self._full_lengths(speech_feat, speech_feat.shape[2])
+        return self.synthesize(*self.spectrum(speech_feat, source, frames), frames)
 
-    def spectrum(self, speech_feat: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, 80, M) mel + (B, 1, T) source -> iSTFT magnitude and phase, each (B, n_fft/2 + 1, frames)."""
+    def spectrum(self, speech_feat: torch.Tensor, source: torch.Tensor,
+                 frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, 80, M) mel + (B, 1, T) source -> iSTFT magnitude and phase, each (B, n_fft/2 + 1, stft frames)."""
         c = self.config
-        source_spec = self._stft(source.squeeze(1))
+        hops_per_frame = c.samples_per_frame // c.istft_hop
+        source_spec = self._stft(source.squeeze(1), frames * c.samples_per_frame)
+        source_spec = source_spec * _length_mask(frames * hops_per_frame + 1, source_spec)
         n_kernels = len(c.resblock_kernel_sizes)
-        x = self.conv_pre(speech_feat)
+        mask = _length_mask(frames, speech_feat)
+        x = self.conv_pre(speech_feat * mask) * mask
+        real = frames
         for i, (up, source_down, source_block) in enumerate(zip(self.ups, self.source_downs,
                                                                  self.source_resblocks)):
             x = up(F.leaky_relu(x, c.lrelu_slope))
+            real = real * c.upsample_rates[i]
             if i == len(self.ups) - 1:
                 x = F.pad(x, (1, 0), mode="reflect")  # one extra frame to match the centred source STFT
-            x = x + source_block(source_down(source_spec))
+                real = real + 1
+            mask = _length_mask(real, x)
+            x = x * mask
+            x = x + source_block(source_down(source_spec) * mask, mask)
             blocks = self.resblocks[i * n_kernels:(i + 1) * n_kernels]
-            mrf = blocks[0](x)
+            mrf = blocks[0](x, mask)
             for block in blocks[1:]:
-                mrf = mrf + block(x)
+                mrf = mrf + block(x, mask)
             x = mrf / n_kernels
         x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as upstream
         n_bins = c.istft_n_fft // 2 + 1
@@ -113,23 +129,48 @@ class HiFTGenerator(nn.Module):
         phase = torch.sin(x[:, n_bins:])
         return magnitude, phase
 
-    def synthesize(self, magnitude: torch.Tensor, phase: torch.Tensor) -> torch.Tensor:
-        """iSTFT of magnitude/phase -> (B, T) audio clamped to +-audio_limit (kept out of CUDA graphs: torch.istft
-        checks its window on the host)."""
+    def synthesize(self, magnitude: torch.Tensor, phase: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """Centred iSTFT of magnitude/phase -> (B, 480 M) audio clamped to +-audio_limit; row b is real up to
+        480 frames[b]. Written out (irfft, window, overlap-add, divide by the row's own window envelope) rather
+        than torch.istft, whose envelope would span the padded frames and whose window check syncs the host."""
         c = self.config
+        n_fft, hop = c.istft_n_fft, c.istft_hop
+        n_frames = magnitude.shape[2]
+        frame_mask = _length_mask(frames * (c.samples_per_frame // hop) + 1, magnitude)
         spectrum = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        audio = torch.istft(spectrum, c.istft_n_fft, c.istft_hop, c.istft_n_fft, window=self.stft_window)
+        window = self.stft_window.view(1, n_fft, 1)
+        segments = torch.fft.irfft(spectrum, n=n_fft, dim=1) * window * frame_mask  # (B, n_fft, frames)
+        length = n_fft + hop * (n_frames - 1)
+
+        def overlap_add(columns: torch.Tensor) -> torch.Tensor:
+            return F.fold(columns, (1, length), (1, n_fft), stride=(1, hop)).view(columns.shape[0], length)
+
+        trim = slice(n_fft // 2, length - n_fft // 2)
+        audio = overlap_add(segments)[:, trim]
+        envelope = overlap_add((window * window * frame_mask).expand_as(segments))[:, trim]
+        audio = audio / envelope.clamp(min=1e-11)  # 0 only beyond a row's end, where audio is 0 too
         return audio.clamp(-c.audio_limit, c.audio_limit)
 
-    def _stft(self, signal: torch.Tensor) -> torch.Tensor:
+    def _stft(self, signal: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+        """Centred STFT of (B, T) rows, each reflect-padded at its own end (`samples` real samples)."""
         c = self.config
-        spec = torch.stft(signal, c.istft_n_fft, c.istft_hop, c.istft_n_fft, window=self.stft_window,
-                          center=True, pad_mode="reflect", return_complex=True)
+        pad = c.istft_n_fft // 2
+        length = signal.shape[1]
+        index = torch.arange(-pad, length + pad, device=signal.device).abs().unsqueeze(0)  # reflect at 0
+        last = (samples - 1).unsqueeze(1)
+        index = torch.where(index > last, 2 * last - index, index).clamp(0, length - 1)  # reflect at the end
+        padded = signal.gather(1, index)
+        spec = torch.stft(padded, c.istft_n_fft, c.istft_hop, c.istft_n_fft, window=self.stft_window,
+                          center=False, return_complex=True)
         return torch.cat([spec.real, spec.imag], dim=1)
 
     def draw_noise(self, batch: int, num_frames: int, generator: torch.Generator | None = None) -> SourceNoise:
         return SourceNoise.draw(batch, num_frames * self.config.samples_per_frame,
                                 self.config.num_harmonic_channels, generator, self.stft_window.device)
+
+    @staticmethod
+    def _full_lengths(like: torch.Tensor, length: int) -> torch.Tensor:
+        return torch.full((like.shape[0],), length, dtype=torch.long, device=like.device)
 
     @torch.inference_mode()
     def inference(self, speech_feat: torch.Tensor, cache_source: torch.Tensor | None = None,
@@ -146,21 +187,64 @@ class HiFTGenerator(nn.Module):
             noise = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], generator)
         if cache_source is None:
             cache_source = speech_feat.new_zeros(speech_feat.shape[0], 1, 0)
-        if self.cuda_graphs is not None and speech_feat.is_cuda:
-            magnitude, phase, source = self.cuda_graphs.run(speech_feat, noise, cache_source)
-        else:
-            magnitude, phase, source = self.vocode(speech_feat, noise.initial_phase, noise.sine_noise, cache_source)
-        return self.synthesize(magnitude, phase), source
+        return self._run(speech_feat, self._full_lengths(speech_feat, speech_feat.shape[2]), noise.initial_phase,
+                         noise.sine_noise, cache_source, self._full_lengths(speech_feat, cache_source.shape[2]))
 
-    def vocode(self, speech_feat: torch.Tensor, initial_phase: torch.Tensor, sine_noise: torch.Tensor,
-               cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`inference` up to the iSTFT on explicit tensors -> (magnitude, phase, source): static shapes, no host
-        syncs (what `HiFTGraphs` captures)."""
-        f0 = self.predict_f0(speech_feat)
+    @torch.inference_mode()
+    def inference_batch(self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None],
+                        noises: Sequence[SourceNoise]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several independent calls in one forward: mel (1, 80, M_i), its cache source (1, 1, S_i) or None and
+        its noise (drawn for M_i frames, as a call alone would draw it) -> [(audio (480 M_i,), source (1, 1, 480 M_i))].
+
+        Rows are right-padded to the longest and masked (see above), so each result equals `inference` of that
+        row alone.
+        """
+        spf = self.config.samples_per_frame
+        frames = [mel.shape[2] for mel in mels]
+        longest = max(frames)
+        caches = [c if c is not None else mels[0].new_zeros(1, 1, 0) for c in cache_sources]
+        cache_len = max(c.shape[2] for c in caches)
+
+        def lengths(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=mels[0].device)
+
+        audio, source = self._run(
+            torch.cat([F.pad(mel, (0, longest - mel.shape[2])) for mel in mels]),
+            lengths(frames),
+            torch.cat([n.initial_phase for n in noises]),
+            torch.cat([F.pad(n.sine_noise, (0, 0, 0, longest * spf - n.sine_noise.shape[1])) for n in noises]),
+            torch.cat([F.pad(c, (0, cache_len - c.shape[2])) for c in caches]),
+            lengths([c.shape[2] for c in caches]),
+        )
+        return [(audio[i, : m * spf], source[i : i + 1, :, : m * spf]) for i, m in enumerate(frames)]
+
+    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cuda_graphs is not None and inputs[0].is_cuda:
+            return self.cuda_graphs.run(*inputs)
+        return self.vocode(*inputs)
+
+    def vocode(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
+               sine_noise: torch.Tensor, cache_source: torch.Tensor,
+               cache_samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole vocoder on explicit tensors (static shapes, no host syncs: what `HiFTGraphs` captures).
+
+        speech_feat (B, 80, M) with `frames` (B,) real frames per row; initial_phase (B, H); sine_noise
+        (B, 480 M, H); cache_source (B, 1, S) with `cache_samples` (B,) real samples per row
+        -> (audio (B, 480 M), source (B, 1, 480 M)), each row real up to 480 frames[b].
+        """
+        f0 = self.predict_f0(speech_feat, _length_mask(frames, speech_feat))
         source = self.source(f0, SourceNoise(initial_phase, sine_noise))
         if cache_source.shape[2] > 0:
-            source[:, :, :cache_source.shape[2]] = cache_source
-        return *self.spectrum(speech_feat, source), source
+            head = source[:, :, :cache_source.shape[2]]
+            cached = _length_mask(cache_samples, cache_source).bool()
+            source[:, :, :cache_source.shape[2]] = torch.where(cached, cache_source, head)
+        return self.synthesize(*self.spectrum(speech_feat, source, frames), frames), source
+
+
+def _length_mask(lengths: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) lengths -> (B, 1, T) mask in like's dtype for a (B, C, T) tensor: 1 on each row's first lengths[b]."""
+    positions = torch.arange(like.shape[-1], device=like.device)
+    return (positions < lengths.unsqueeze(1)).unsqueeze(1).to(like.dtype)
 
 
 class _CapturedVocode:
@@ -179,36 +263,51 @@ class _CapturedVocode:
 
 
 class HiFTGraphs:
-    """CUDA graphs of `HiFTGenerator.vocode` (everything but the iSTFT) per input shape. HiFT is launch-bound (its time hardly depends on the
-    length), but lengths cannot be padded (non-causal convolutions), so a shape is captured on its second
-    occurrence: streaming chunk lengths repeat, one-off final-chunk lengths stay eager. At most `max_graphs`."""
+    """CUDA graphs of `HiFTGenerator.vocode` per padded shape. HiFT is launch-bound (its time hardly depends on
+    the size), and padding is exact (masks), so a call is padded to a frame bucket (`frame_bucket` mel frames)
+    and a batch bucket (1, 2, 4, 8, then multiples of 8) with empty rows. A bucket is captured on its second
+    occurrence (one-off shapes stay eager), at most `max_graphs`."""
 
-    def __init__(self, hift: HiFTGenerator, max_graphs: int = 32) -> None:
+    def __init__(self, hift: HiFTGenerator, max_graphs: int = 32, frame_bucket: int = 32) -> None:
         self._hift = [hift]  # a list, so the module is not registered as a child
         self.max_graphs = max_graphs
+        self.frame_bucket = frame_bucket
         self._seen: set[tuple] = set()
         self._captured: dict[tuple, _CapturedVocode] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
 
-    def run(self, speech_feat: torch.Tensor, noise: SourceNoise,
-            cache_source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def pad(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
+            sine_noise: torch.Tensor, cache_source: torch.Tensor,
+            cache_samples: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`vocode` inputs padded to the buckets: zero frames and empty rows (frames 0), all masked."""
+        batch, _, length = speech_feat.shape
+        extra_rows = batch_bucket(batch) - batch
+        extra_frames = round_up(length, self.frame_bucket) - length
+        extra_samples = extra_frames * self._hift[0].config.samples_per_frame
+        return (F.pad(speech_feat, (0, extra_frames, 0, 0, 0, extra_rows)), F.pad(frames, (0, extra_rows)),
+                F.pad(initial_phase, (0, 0, 0, extra_rows)), F.pad(sine_noise, (0, 0, 0, extra_samples, 0, extra_rows)),
+                F.pad(cache_source, (0, 0, 0, 0, 0, extra_rows)), F.pad(cache_samples, (0, extra_rows)))
+
+    def run(self, speech_feat: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hift = self._hift[0]
-        inputs = (speech_feat, noise.initial_phase.to(speech_feat), noise.sine_noise.to(speech_feat), cache_source)
+        batch, samples = speech_feat.shape[0], speech_feat.shape[2] * hift.config.samples_per_frame
+        inputs = self.pad(speech_feat, *rest)
         key = (speech_feat.device, *(tuple(t.shape) for t in inputs))
         with self._lock:
             captured = self._captured.get(key)
             if captured is None:
                 if key not in self._seen or len(self._captured) >= self.max_graphs:
                     self._seen.add(key)
-                    return hift.vocode(*inputs)
+                    return hift.vocode(speech_feat, *rest)
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
-            return tuple(t.clone() for t in captured.outputs)
+            audio, source = captured.outputs
+            return audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
 
 
 def _periodic_hann(n: int) -> torch.Tensor:

@@ -63,7 +63,15 @@ class ResBlock(nn.Module):
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x (B, C, T), zero where `mask` (B, 1, T) is 0. Re-zeroing after every conv gives each padded row
+        the zero "same" padding it would see alone (Snake(0) = 0), so its real frames do not depend on the
+        batch's padded length."""
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            x = x + conv2(act2(conv1(act1(x))))
+            h = conv1(act1(x))
+            if mask is not None:
+                h = h * mask
+            x = x + conv2(act2(h))
+            if mask is not None:
+                x = x * mask
         return x

@@ -37,10 +37,11 @@ class RecordingToken2Wav(Token2Wav):
         super().__init__(engine.flow, engine.hift, engine.config)
         self.calls: list[VocodeCall] = []
 
-    def vocode(self, mel, cache_source, generator):
-        audio, source = super().vocode(mel, cache_source, generator)
-        self.calls.append(VocodeCall(mel.clone(), source.clone(), audio.clone()))
-        return audio, source
+    def vocode_batch(self, mels, cache_sources, generators):
+        results = super().vocode_batch(mels, cache_sources, generators)
+        for mel, (audio, source) in zip(mels, results):
+            self.calls.append(VocodeCall(mel.clone(), source.clone(), audio.clone()))
+        return results
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
