@@ -3,15 +3,14 @@
 * `build_decode_request` - the flat LLM inputs (TensorRT-LLM layout) -> the engine's `DecodeRequest`,
   so the PyTorch LLM model takes the same tensors as the TensorRT-LLM model.
 * `disable_stop_tokens` - benchmark mode for random weights (fixed generated lengths).
-* `BatchedToken2Wav` - `Token2WavEngine` over `cosyvoice2.streaming`: the flow of jobs with equal shapes
-  runs as one batched forward; HiFT, its caches and its noise stay per stream (so a seeded request
-  sounds the same whether or not it was batched).
+* `BatchedToken2Wav` - `Token2WavEngine` over `cosyvoice2.streaming`: all jobs of a call (streaming chunks of
+  any shapes, offline utterances) share the flow and HiFT forwards; caches and noise stay per stream (so a
+  seeded request sounds the same whether or not it was batched).
 * `speech_tokens`, `speaker_xvector`, `prompt_tensors` - the prompt features from 16 kHz audio.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -24,7 +23,7 @@ from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fb
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
-from cosyvoice2.streaming import ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream
+from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import PromptTensors
@@ -84,41 +83,15 @@ class StreamState:
     stream: Token2WavStream
 
 
-class _BatchedMelToken2Wav(Token2Wav):
-    """`Token2Wav` whose flow results can be precomputed in a batch for the next `mel()` calls."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.precomputed: dict[tuple[int, int, int, bool], torch.Tensor] = {}
-
-    def mel(self, tokens, prompt: FlowPrompt, start: int, final: bool) -> torch.Tensor:
-        cached = self.precomputed.pop((id(prompt), len(tokens), start, final), None)
-        return cached if cached is not None else super().mel(tokens, prompt, start, final)
-
-    @torch.inference_mode()
-    def mel_batch(self, calls: Sequence[tuple[Sequence[int], FlowPrompt]], start: int, final: bool) -> None:
-        """One flow forward for several (tokens, prompt) of equal lengths; results wait in `precomputed`."""
-        token = torch.tensor([list(t) for t, _ in calls], dtype=torch.long, device=self.flow_device)
-        prompts = [p for _, p in calls]
-        mel = self.flow.inference(
-            token,
-            torch.cat([p.tokens for p in prompts]),
-            torch.cat([p.mel for p in prompts]),
-            torch.cat([p.xvector for p in prompts]),
-            streaming=not final,
-            finalize=final,
-        )
-        mel = mel[:, :, start * self.config.flow.token_mel_ratio :].to(self.hift_device, torch.float32)
-        for i, (tokens, prompt) in enumerate(calls):
-            self.precomputed[(id(prompt), len(tokens), start, final)] = mel[i : i + 1]
-
-
 class BatchedToken2Wav:
-    """`Token2WavEngine` for `Token2WavService`."""
+    """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
+    offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
+    attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule):
-        self.engine = _BatchedMelToken2Wav(flow, hift, config)
+        self.engine = Token2Wav(flow, hift, config)
         self.schedule = schedule  # prompt_tokens is set per stream
+        self.vocab_size = config.flow.vocab_size
 
     def open(self, prompt: PromptTensors, seed: int | None) -> StreamState:
         engine = self.engine
@@ -135,45 +108,29 @@ class BatchedToken2Wav:
         return StreamState(flow_prompt, Token2WavStream(engine, flow_prompt, schedule, engine.new_generator(seed)))
 
     def run(self, work: Sequence[Work[StreamState]]) -> list[np.ndarray | Exception]:
-        self._precompute_flow(work)
+        jobs = [self._job(item) for item in work]
+        ready = [job for job in jobs if not isinstance(job, Exception)]
         try:
-            return [self._run_one(item) for item in work]
-        finally:
-            self.engine.precomputed.clear()
+            audio = iter(self.engine.run_chunks(ready))
+            return [job if isinstance(job, Exception) else next(audio) for job in jobs]
+        except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
+            return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
 
-    def _precompute_flow(self, work: Sequence[Work[StreamState]]) -> None:
-        """Batch the flow calls that have one shape; a failure here just leaves them to run one by one."""
-        groups: dict[tuple, list[tuple[list[int], FlowPrompt]]] = defaultdict(list)
-        for item in work:
-            tokens = self._flow_tokens(item)
-            start = 0 if item.chunk is None else item.chunk.start
-            final = item.chunk is None or item.chunk.final
-            if tokens:
-                groups[(item.state.prompt.num_tokens, len(tokens), start, final)].append((tokens, item.state.prompt))
-        for (_, _, start, final), calls in groups.items():
-            if len(calls) > 1:
-                try:
-                    self.engine.mel_batch(calls, start, final)
-                except Exception:  # noqa: BLE001 - the per-stream path reports the real error
-                    pass
-
-    @staticmethod
-    def _flow_tokens(item: Work[StreamState]) -> list[int]:
-        if item.chunk is None:
-            return item.tokens.tolist()
-        return (item.state.stream.tokens + item.tokens.tolist())[: item.chunk.feed]
-
-    def _run_one(self, item: Work[StreamState]) -> np.ndarray | Exception:
-        state = item.state
+    def _job(self, item: Work[StreamState]) -> tuple[Token2WavStream, Chunk] | Exception:
         try:
+            tokens = item.tokens.tolist()
+            if tokens and max(tokens) >= self.vocab_size:  # on a GPU this would be a device-side assert for all
+                raise InvalidInput(f"speech token {max(tokens)} is outside the flow vocabulary ({self.vocab_size})")
             if item.chunk is None:
-                return self.engine.offline(item.tokens.tolist(), state.prompt, state.stream.generator)
-            pieces = state.stream.push(item.tokens.tolist())
-            if item.chunk.final:
-                pieces.append(state.stream.finish())
-            if len(pieces) != 1 and not item.chunk.final:
-                raise RuntimeError(f"expected one chunk for {item.chunk}, the stream ran {len(pieces)}")
-            return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
+            item.state.stream.extend(tokens)
+            return item.state.stream, item.chunk
+        except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
+            return exc
+
+    def _run_alone(self, job: tuple[Token2WavStream, Chunk]) -> np.ndarray | Exception:
+        try:
+            return self.engine.run_chunks([job])[0]
         except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed
             return exc
 
