@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Engine micro-benchmarks at the released size with random weights (no model files): LLM prefill and decode step,
-flow per call, HiFT per call, eager against CUDA graphs, and the implied streaming first-chunk latency.
+flow per call, HiFT per call, eager against CUDA graphs, the implied streaming first-chunk latency, and batched
+token2wav (flow + HiFT for many streams' first chunks or many offline utterances in one call).
 
     PYTHONUNBUFFERED=1 python scripts/gpu_microbench.py --device cuda --dtype bf16 --json bench.json
 
@@ -23,14 +24,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import cosyvoice2.kernels  # noqa: E402
-from cosyvoice2.config import resolve_dtype  # noqa: E402
+from cosyvoice2.config import EngineConfig, resolve_dtype  # noqa: E402
 from cosyvoice2.flow import CausalFlow, FlowConfig  # noqa: E402
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator  # noqa: E402
 from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams  # noqa: E402
+from cosyvoice2.streaming import FlowPrompt, Token2Wav  # noqa: E402
 
 PROMPT_TOKENS = 150  # prompt speech tokens (6 s of reference audio)
 TEXT_TOKENS = 50  # prompt transcript + target text tokens
 FIRST_HOP, LOOKAHEAD = 25, 3
+OFFLINE_TOKENS = 250
 
 
 class Bench:
@@ -182,13 +185,24 @@ def flow_cases() -> list[tuple[str, int, bool]]:
     ]
 
 
+def random_flow(config: FlowConfig, device: torch.device, dtype: torch.dtype) -> CausalFlow:
+    with torch.device(device):
+        flow = CausalFlow(config).to(dtype).eval()
+    flow.decoder.rand_noise = flow.decoder.rand_noise.to(device)
+    return flow
+
+
+def random_hift(config: HiFTConfig, device: torch.device) -> HiFTGenerator:
+    hift = HiFTGenerator(config)
+    hift.fold_weight_norm()
+    return hift.to(device).eval()
+
+
 def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
     """Eager and CUDA-graph CFM loops (the encoder runs eagerly in both)."""
     device = bench.device
     print(f"Flow (prompt {PROMPT_TOKENS} tokens, CFM 10 Euler steps with CFG)", flush=True)
-    with torch.device(device):
-        flow = CausalFlow(FlowConfig()).to(dtype).eval()
-    flow.decoder.rand_noise = flow.decoder.rand_noise.to(device)
+    flow = random_flow(FlowConfig(), device, dtype)
     gen = torch.Generator(device=device).manual_seed(0)
     prompt_token = torch.randint(0, 6561, (1, PROMPT_TOKENS), device=device, generator=gen)
     prompt_feat = torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype)
@@ -228,9 +242,7 @@ def hift_frames() -> list[tuple[str, int]]:
 def bench_hift(bench: Bench) -> None:
     device = bench.device
     print("HiFT (fp32, weight norm folded)", flush=True)
-    hift = HiFTGenerator(HiFTConfig())
-    hift.fold_weight_norm()
-    hift = hift.to(device).eval()
+    hift = random_hift(HiFTConfig(), device)
     graphs = hift.cuda_graphs
     gen = torch.Generator(device=device).manual_seed(0)
     for name, frames in hift_frames():
@@ -238,6 +250,53 @@ def bench_hift(bench: Bench) -> None:
         for variant, _ in variants(device):
             hift.cuda_graphs = graphs if variant == "graph" else None
             bench.time("hift", name, variant, lambda: hift.inference(mel, generator=gen))  # warm-up captures
+
+
+def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offline: list[int],
+                    config: EngineConfig = EngineConfig()) -> None:
+    """Batched token2wav (`Token2Wav.run_chunks`: one flow forward per attention mode + one HiFT forward):
+    the first chunks of N fresh streams, and N offline utterances, per call; graphs on CUDA."""
+    device = bench.device
+    print(f"Batched token2wav (flow {dtype}, HiFT fp32; prompts ~{PROMPT_TOKENS} tokens)", flush=True)
+    engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config)
+    gen = torch.Generator(device=device).manual_seed(0)
+    vocab = config.flow.vocab_size
+
+    def prompt(tokens: int) -> FlowPrompt:
+        return FlowPrompt(torch.randint(0, vocab, (1, tokens), device=device, generator=gen),
+                          torch.randn(1, 2 * tokens, 80, device=device, generator=gen).to(dtype),
+                          torch.randn(1, 192, device=device, generator=gen).to(dtype))
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+    def first_chunks(prompts: list[FlowPrompt]) -> list:
+        work = []
+        for i, flow_prompt in enumerate(prompts):
+            stream = engine.open_stream(flow_prompt, engine.new_generator(i))
+            stream.extend(tokens(FIRST_HOP + (-flow_prompt.num_tokens % FIRST_HOP) + LOOKAHEAD))
+            work.append((stream, stream.next_chunk(finished=False)))
+        return work
+
+    same = [prompt(PROMPT_TOKENS) for _ in range(max(streams + offline))]
+    # prompts of 150..178 tokens: first hops of 25..47 tokens, so the rows differ in length
+    mixed = [prompt(PROMPT_TOKENS + 7 * (i % 5)) for i in range(max(streams))]
+    for n in streams:
+        row = bench.time("t2w", f"first chunks x {n} (same prompt length)", "graph",
+                         lambda: engine.run_chunks(first_chunks(same[:n])))
+        print(f"    per stream {row['p50'] / n:.2f} ms", flush=True)
+    for n in streams:
+        if n > 1:
+            bench.time("t2w", f"first chunks x {n} (mixed prompt lengths)", "graph",
+                       lambda: engine.run_chunks(first_chunks(mixed[:n])))
+    for n in offline:
+        lengths = [OFFLINE_TOKENS - 20 + (40 * i) // max(1, n - 1) for i in range(n)]  # ~250 tokens each
+        utterances = [(tokens(length), same[i]) for i, length in enumerate(lengths)]
+        row = bench.time("t2w", f"offline x {n} (~{OFFLINE_TOKENS} tok)", "graph", lambda: engine.run_chunks(
+            [engine.offline_job(t, p, engine.new_generator(i)) for i, (t, p) in enumerate(utterances)]))
+        audio_s = sum(lengths) * config.samples_per_token / config.sample_rate
+        print(f"    RTF of the call {row['p50'] / 1e3 / audio_s:.4f} ({audio_s:.0f} s of audio)", flush=True)
+    del engine
 
 
 def main() -> int:
@@ -248,7 +307,9 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="llm,flow,hift", help="comma list of llm, flow, hift")
+    parser.add_argument("--only", default="llm,flow,hift,t2w", help="comma list of llm, flow, hift, t2w")
+    parser.add_argument("--t2w-streams", default="1,4,8,16,32", help="streams per batched first-chunk call")
+    parser.add_argument("--t2w-offline", default="8,32", help="utterances per batched offline call")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -267,6 +328,9 @@ def main() -> int:
             bench_flow(bench, dtype)
         if "hift" in only:
             bench_hift(bench)
+        if "t2w" in only:
+            bench_token2wav(bench, dtype, [int(n) for n in args.t2w_streams.split(",")],
+                            [int(n) for n in args.t2w_offline.split(",")])
 
     print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
     for row in bench.rows:
