@@ -52,12 +52,14 @@ def test_one_call_of_mixed_jobs_equals_each_job_alone(tiny_token2wav):  # noqa: 
     # together: one call per round; round 0 also carries the offline jobs and two bad jobs
     states = [engine.open(v, seed) for v, _, seed in streams]
     bad_token = Work(engine.open(voices[0], 1), np.array([5, 10**6], np.int32), None)
-    bad_state = engine.open(voices[1], 2)
-    bad_chunk = Work(bad_state, rng.integers(0, 100, 40).astype(np.int32), Chunk(start=7, stop=20, feed=23, final=False))
+    bad_chunk = Work(engine.open(voices[1], 2), rng.integers(0, 100, 40).astype(np.int32),
+                     Chunk(start=7, stop=20, feed=23, final=False))  # does not continue its (fresh) stream
     together, together_offline = [], []
     for index in range(max(map(len, plans))):
         work = jobs_of_round(states, index)
-        extra = [Work(engine.open(v, seed), t, None) for v, t, seed in offline] + [bad_token, bad_chunk] if index == 0 else []
+        extra = []
+        if index == 0:
+            extra = [Work(engine.open(v, seed), t, None) for v, t, seed in offline] + [bad_token, bad_chunk]
         results = engine.run(work + extra)
         if extra:
             *together_offline, token_error, chunk_error = results[len(work):]
