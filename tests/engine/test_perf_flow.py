@@ -76,13 +76,16 @@ def test_hift_graph_replays_match_eager_vocoding() -> None:
     torch.manual_seed(4)
     hift = randomized(HiFTGenerator(TINY_HIFT), seed=4).to("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for frames, cache in [(40, 0), (40, 0), (40, 0), (58, 3840), (58, 3840), (58, 3840), (33, 0)]:
-        mel = torch.randn(1, 80, frames, device="cuda", generator=gen)
-        noise = hift.draw_noise(1, frames, gen)
-        cache_source = torch.randn(1, 1, cache, device="cuda", generator=gen)
-        graphs, hift.cuda_graphs = hift.cuda_graphs, None
-        eager = hift.inference(mel, cache_source, noise)
-        hift.cuda_graphs = graphs
-        replayed = hift.inference(mel, cache_source, noise)  # eager, then captured, then replayed
-        for got, want in zip(replayed, eager):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # graphs run padded to a frame bucket: without TF32 convolutions, so that other conv algorithms for the padded
+    # shape stay at fp32 rounding (as the CFM test)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for frames, cache in [(40, 0), (40, 0), (40, 0), (58, 3840), (58, 3840), (58, 3840), (33, 0)]:
+            mel = torch.randn(1, 80, frames, device="cuda", generator=gen)
+            noise = hift.draw_noise(1, frames, gen)
+            cache_source = torch.randn(1, 1, cache, device="cuda", generator=gen)
+            graphs, hift.cuda_graphs = hift.cuda_graphs, None
+            eager = hift.inference(mel, cache_source, noise)
+            hift.cuda_graphs = graphs
+            replayed = hift.inference(mel, cache_source, noise)  # eager, then captured, then replayed
+            for got, want in zip(replayed, eager):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
