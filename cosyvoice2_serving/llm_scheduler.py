@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Generic, Protocol, TypeVar
+from typing import Any, AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
 from cosyvoice2_serving.errors import Overloaded
 from cosyvoice2_serving.stats import Stats
@@ -35,6 +35,7 @@ LLM_STATS = (
     "llm_steps_total",
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
     "llm_prefill_seconds_total",
+    "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
 )
 
 
@@ -54,6 +55,9 @@ class SlotDecoder(Protocol[R]):
 
     def add(self, request: R) -> int:
         """Prefill `request` into a free slot and return the slot index."""
+
+    def add_many(self, requests: Sequence[R]) -> list[int]:
+        """Prefill several requests in one forward (all or nothing); their slots, in order."""
 
     def step(self) -> dict[int, StepOutput]:
         """Advance every occupied slot by one token."""
@@ -192,25 +196,39 @@ class ContinuousBatchingScheduler(Generic[R]):
             while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
                 admit.append(self._waiting.popleft())
             self.stats.set("llm_waiting_requests", len(self._waiting))
-        for job in admit:  # prefill outside the lock: submit/cancel stay responsive
-            self._admit(job)
+        if admit:  # prefill outside the lock: submit/cancel stay responsive
+            self._admit(admit)
         if self._active:
             self._step()
         return True
 
-    def _admit(self, job: _Job[R]) -> None:
+    def _admit(self, jobs: list[_Job[R]]) -> None:
+        """Prefill `jobs` together (one forward); if that fails, one by one so a bad request fails alone."""
         started = time.perf_counter()
         try:
-            slot = self.decoder.add(job.request)
-        except Exception as exc:  # a bad request fails alone
-            with self._lock:
-                self._finish(job, "llm_failed_total", exc)
-            return
+            slots: list[int | BaseException] = (
+                list(self.decoder.add_many([job.request for job in jobs])) if len(jobs) > 1 else []
+            )
+        except Exception:  # noqa: BLE001 - retried per request below, which reports the real error
+            slots = []
+        if not slots:
+            slots = [self._add_one(job) for job in jobs]
         self.stats.add("llm_prefill_seconds_total", time.perf_counter() - started)
+        self.stats.add("llm_prefill_calls_total")
         with self._lock:
-            job.slot = slot
-            self._active[slot] = job
+            for job, slot in zip(jobs, slots, strict=True):
+                if isinstance(slot, BaseException):
+                    self._finish(job, "llm_failed_total", slot)
+                    continue
+                job.slot = slot
+                self._active[slot] = job
             self.stats.set("llm_active_sequences", len(self._active))
+
+    def _add_one(self, job: _Job[R]) -> int | BaseException:
+        try:
+            return self.decoder.add(job.request)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            return exc
 
     def _step(self) -> None:
         started = time.perf_counter()

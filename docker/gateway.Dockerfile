@@ -11,12 +11,16 @@ RUN useradd --create-home --uid 10001 gateway
 WORKDIR /app
 COPY . .
 # The base install is the gateway: its dependencies include no torch.
-RUN python -m pip install . && chown -R gateway:gateway /app
+RUN python -m pip install . && chown -R gateway:gateway /app \
+    && mkdir -p /data/voices && chown gateway:gateway /data/voices
 
 USER gateway
 ENV TTS_HOST=0.0.0.0 \
     TTS_PORT=8080 \
-    TTS_VOICES_DIR=/app/ref_audios
+    TTS_VOICES_DIR=/app/ref_audios \
+    TTS_UPLOADED_VOICES_DIR=/data/voices
+# Uploaded voices outlive the container (compose mounts a named volume here).
+VOLUME /data/voices
 EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/health', timeout=2)"]

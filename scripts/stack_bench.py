@@ -31,6 +31,20 @@ from triton_repo.render import RenderOptions, write_repository  # noqa: E402
 from triton_repo.server import TritonServer, free_port  # noqa: E402
 
 
+SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
+
+
+def realistic_ratio(model_dir: Path) -> float:
+    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer
+    (the random full-size model ships a tiny tokenizer with many more tokens per character than Qwen's)."""
+    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+    from ttsbench.sentences import SENTENCES
+
+    tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
+    chars = sum(len(s) for s in SENTENCES)
+    return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
+
+
 @dataclass(frozen=True)
 class Scenario:
     name: str
@@ -90,10 +104,10 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
-def run_scenario(scenario: Scenario, url: str, out_dir: Path, requests: int | None) -> None:
+def run_scenario(scenario: Scenario, url: str, out_dir: Path, requests: int | None, timeout: float) -> None:
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
                "--concurrency", scenario.concurrency, "--json", str(out_dir / f"{scenario.name}.json"),
-               "--no-records", *scenario.extra]  # fmt: skip
+               "--timeout", str(timeout), *scenario.extra]  # fmt: skip
     if requests:
         command += ["--requests", str(requests)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
@@ -110,8 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=2048)
-    parser.add_argument("--benchmark-speech-ratio", type=float, default=7.0,
-                        help="speech tokens per target text token (0 = off: real weights)")
+    parser.add_argument("--benchmark-speech-ratio", type=float,
+                        help="speech tokens per target text token (0 = off: real weights); default: what makes "
+                             f"the built-in sentences last {SPEECH_TOKENS_PER_CHAR} tokens per character with this "
+                             "model's tokenizer (~15 characters per second of English speech)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of one request, seconds")
     parser.add_argument("--render-arg", action="append", default=[], metavar="FIELD=VALUE",
                         help="extra RenderOptions field, e.g. first_hop=15 or layout=single")
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
@@ -129,13 +146,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             started = time.perf_counter()
             write_full_size_random_model(model_dir)
             print(f"wrote random full-size weights in {time.perf_counter() - started:.0f} s", flush=True)
+    ratio = args.benchmark_speech_ratio
+    if ratio is None:
+        ratio = realistic_ratio(model_dir)
+        print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
     extra = {}
     for item in args.render_arg:
         key, _, value = item.partition("=")
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     options = RenderOptions(
         model_dir=model_dir, out=args.work / "repo", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio or None, **extra,
+        max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, **extra,
     )  # fmt: skip
     repo = write_repository(options)
     scenarios = [s for s in DEFAULT_SCENARIOS if not args.only or s.name in args.only.split(",")]
@@ -156,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for scenario in scenarios:
             url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
             before = triton_metrics(server)
-            run_scenario(scenario, url, out_dir, args.requests)
+            run_scenario(scenario, url, out_dir, args.requests, args.timeout)
             results[scenario.name] = stage_breakdown(before, triton_metrics(server))
             print(json.dumps(results[scenario.name]), flush=True)
     except BaseException:
@@ -167,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             gateway.terminate()
             gateway.wait(10)
         server.cleanup()
+        log = args.work / "tritonserver.log"
+        if log.exists():  # the last lines travel with the results (a failed request's story is there)
+            (out_dir / "tritonserver_tail.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-400:]))
     (out_dir / "stages.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -12,7 +12,8 @@ from typing import Literal
 
 ModelSource = Literal["hf", "modelscope", "local"]
 LLMBackend = Literal["trtllm", "torch"]
-TritonLayout = Literal["single", "disaggregated"]
+#: colocated = LLM and token2wav in one process (PyTorch LLM only; avoids GPU time-slicing between processes)
+TritonLayout = Literal["single", "colocated", "disaggregated"]
 
 DEFAULT_MODEL_IDS: dict[str, str] = {"hf": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"}
 WEIGHTS_DIRNAME = "CosyVoice2-0.5B"

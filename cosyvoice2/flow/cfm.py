@@ -97,7 +97,7 @@ class _CapturedSolve:
             cfm.solve(*self.inputs, streaming)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = cfm.solve(*self.inputs, streaming)
 
 

@@ -258,7 +258,7 @@ class _CapturedVocode:
             hift.vocode(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = hift.vocode(*self.inputs)
 
 

@@ -161,7 +161,7 @@ class _StepGraphs:
         self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
         for shape in shapes:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 step(*shape)
             self._graphs[shape] = graph
 

@@ -94,6 +94,12 @@ def test_profile_is_a_complete_stack(configs: dict[str, dict], profile: str) -> 
     target = services[gateway]["environment"]["TTS_TRITON_URL"].split(":")[0]
     assert services[gateway]["depends_on"][target]["condition"] == "service_healthy"
     assert "/ready" in " ".join(services[gateway]["healthcheck"]["test"])
+    # uploaded voices live on a named volume at the directory the gateway image stores them in
+    dockerfile = (REPO_ROOT / "docker" / "gateway.Dockerfile").read_text()
+    [voices_dir] = re.findall(r"TTS_UPLOADED_VOICES_DIR=(\S+)", dockerfile)
+    mounts = [m if isinstance(m, dict) else dict(zip(("source", "target"), m.split(":"))) for m in services[gateway].get("volumes", [])]  # fmt: skip
+    named = set(configs[profile].get("volumes", {}))
+    assert any(m.get("source") in named and m.get("target") == voices_dir for m in mounts), mounts
     for name in roles["triton"]:
         triton = services[name]
         assert "/v2/health/ready" in " ".join(triton["healthcheck"]["test"])

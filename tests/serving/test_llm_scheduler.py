@@ -28,6 +28,7 @@ class ScriptedDecoder:
         self.slots: dict[int, list] = {}
         self.batches: list[set[int]] = []
         self.removed: list[int] = []
+        self.prefills: list[list[int]] = []  # the request bases of every add_many call
         self.gate = threading.Event()
         self.gate.set()
 
@@ -37,6 +38,12 @@ class ScriptedDecoder:
         slot = min(set(range(self.num_slots)) - set(self.slots))
         self.slots[slot] = [request, 0]
         return slot
+
+    def add_many(self, requests: list[Script]) -> list[int]:
+        if any(r.base < 0 for r in requests):  # all or nothing, like the real decoder
+            raise ValueError("bad request")
+        self.prefills.append([r.base for r in requests])
+        return [self.add(r) for r in requests]
 
     def step(self) -> dict[int, StepOutput]:
         self.gate.wait()
@@ -131,4 +138,34 @@ async def test_an_unexpected_worker_error_fails_the_running_requests_but_not_the
         assert await collect(scheduler.submit("b", Script(7, 2))) == [7, 8]
         assert scheduler.active_request_ids() == set()
     finally:
+        scheduler.close()
+
+
+async def test_waiting_requests_are_prefilled_together_and_a_bad_one_still_fails_alone():
+    decoder = ScriptedDecoder(num_slots=4)
+    decoder.gate.clear()  # hold the first step so that the next three requests wait together
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
+    try:
+        first = scheduler.submit("first", Script(0, 2))
+        while not decoder.slots:
+            await asyncio.sleep(0.01)
+        together = [scheduler.submit(f"t{i}", Script(100 * (i + 1), 2)) for i in range(3)]
+        decoder.gate.set()
+        results = await asyncio.gather(collect(first), *(collect(s) for s in together))
+        assert results == [[0, 1], [100, 101], [200, 201], [300, 301]]
+        assert [100, 200, 300] in decoder.prefills  # one prefill forward for the three that waited
+        assert scheduler.stats.get("llm_prefill_calls_total") < 4
+
+        decoder.gate.clear()
+        hold = scheduler.submit("hold", Script(7, 1))
+        while 7 not in {state[0].base for state in decoder.slots.values()}:
+            await asyncio.sleep(0.01)
+        bad, good = scheduler.submit("bad", Script(-1, 2)), scheduler.submit("good", Script(50, 2))
+        decoder.gate.set()
+        with pytest.raises(ValueError, match="bad request"):
+            await collect(bad)
+        assert await collect(good) == [50, 51] and await collect(hold) == [7]
+        assert scheduler.active_request_ids() == set()
+    finally:
+        decoder.gate.set()
         scheduler.close()

@@ -27,6 +27,9 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 #: Blocking BLS stream iteration runs here, never on the stub's event loop (it would stall every request).
 _BLS_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="bls")
+#: No internal model ever goes this long without answering (a decode step is milliseconds, a token2wav call
+#: well under a second): a silent callee fails the request with a clear error instead of hanging it.
+BLS_STALL_TIMEOUT_S = 60.0
 _IN_FLIGHT: set[asyncio.Task] = set()
 
 
@@ -110,8 +113,16 @@ async def bls(
     model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str = ""
 ) -> dict[str, np.ndarray | None]:
     """One call to a non-decoupled model."""
-    resp = await _bls_request(model, inputs, outputs, request_id).async_exec()
+    resp = await _within_stall_timeout(model, _bls_request(model, inputs, outputs, request_id).async_exec())
     return _outputs(resp, outputs)
+
+
+async def _within_stall_timeout(model: str, pending: Awaitable[Any]) -> Any:
+    try:
+        return await asyncio.wait_for(pending, BLS_STALL_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.error("BLS call to %s: no response for %.0f s", model, BLS_STALL_TIMEOUT_S)
+        raise RemoteError(f"internal model {model} sent no response for {BLS_STALL_TIMEOUT_S:.0f} s") from None
 
 
 async def bls_stream(
@@ -119,13 +130,22 @@ async def bls_stream(
 ) -> AsyncIterator[dict[str, np.ndarray | None]]:
     """The responses of a decoupled model as they arrive (the flag-only final one is skipped)."""
     loop = asyncio.get_running_loop()
-    iterator = await loop.run_in_executor(
-        _BLS_THREADS, lambda: _bls_request(model, inputs, outputs, request_id).exec(decoupled=True)
+    iterator = await _within_stall_timeout(
+        model,
+        loop.run_in_executor(_BLS_THREADS, lambda: _bls_request(model, inputs, outputs, request_id).exec(decoupled=True)),
     )
-    while (resp := await loop.run_in_executor(_BLS_THREADS, next, iterator, None)) is not None:
-        arrays = _outputs(resp, outputs)
-        if any(value is not None for value in arrays.values()):
-            yield arrays
+    try:
+        while True:
+            resp = await _within_stall_timeout(model, loop.run_in_executor(_BLS_THREADS, next, iterator, None))
+            if resp is None:
+                break
+            arrays = _outputs(resp, outputs)
+            if any(value is not None for value in arrays.values()):
+                yield arrays
+    except RemoteError:
+        if hasattr(iterator, "cancel"):  # lets the blocked `next` and the callee's request end
+            iterator.cancel()
+        raise
 
 
 async def bls_one(
