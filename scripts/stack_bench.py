@@ -178,6 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
             before = triton_metrics(server)
             run_scenario(scenario, url, out_dir, args.requests, args.timeout)
+            levels = json.loads((out_dir / f"{scenario.name}.json").read_text())["levels"]
+            if all(level["errors"] == level["requests"] for level in levels):
+                raise RuntimeError(f"{scenario.name}: every request failed; stopping (server log tail saved)")
             results[scenario.name] = stage_breakdown(before, triton_metrics(server))
             print(json.dumps(results[scenario.name]), flush=True)
     except BaseException:
