@@ -6,6 +6,7 @@ Imported only inside tritonserver's python stub (it needs `triton_python_backend
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import threading
@@ -22,6 +23,10 @@ from cosyvoice2_serving.stats import Stats
 from triton_repo.contract import TensorSpec
 
 logger = logging.getLogger("cosyvoice2.triton")
+
+# A stub that dies in native code leaves only "stub process is not healthy" behind: print every thread's
+# Python stack to stderr (tritonserver's log) on SIGSEGV/SIGABRT/SIGBUS/SIGFPE instead.
+faulthandler.enable(all_threads=True)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
