@@ -7,7 +7,7 @@ keeps it alive.
 
 All engine work runs on one worker thread. Whenever it is free it takes every pending job (at most one
 per stream, so a stream's chunks stay in order) and hands them to the engine in one call; the engine
-runs the flow of jobs with equal shapes as one batched forward.
+runs them as one batched flow + HiFT pass (any mix of chunk shapes and offline jobs, padded and masked).
 """
 
 from __future__ import annotations
