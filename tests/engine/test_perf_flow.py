@@ -6,23 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice2.flow import CausalFlow, EncoderConfig, EstimatorConfig, FlowConfig
-from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-
-# micro dimensions (as cosyvoice2.testing.tiny_config, which needs the frontend's audio stack that GPU images lack)
-TINY_FLOW = FlowConfig(encoder=EncoderConfig(width=16, attention_heads=2, linear_units=64, num_blocks=1),
-                       estimator=EstimatorConfig(channels=16, attention_head_dim=16, num_heads=2, n_blocks=1,
-                                                 num_mid_blocks=2))
-TINY_HIFT = HiFTConfig(base_channels=16, f0_cond_channels=16)
-
-
-def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Default init plus random norm/bias offsets, so that no parameter is a trivial 0 or 1."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    return module.eval()
+from cosyvoice2.flow import CausalFlow
+from cosyvoice2.hift import HiFTGenerator
+from tests.engine.micro_modules import TINY_FLOW, TINY_HIFT, randomized
 
 
 def flow_inputs(frames: int, prompt_frames: int, seed: int) -> tuple[torch.Tensor, ...]:

@@ -10,28 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.flow import CausalFlow, EncoderConfig, EstimatorConfig, FlowConfig
-from cosyvoice2.hift import HiFTConfig, HiFTGenerator
+from cosyvoice2.flow import CausalFlow
+from cosyvoice2.hift import HiFTGenerator
 from cosyvoice2.streaming import Chunk, Token2Wav
+from tests.engine.micro_modules import TINY_FLOW, TINY_HIFT, randomized
 
 TOL = dict(rtol=1e-5, atol=1e-5)
-TINY_FLOW = FlowConfig(encoder=EncoderConfig(width=16, attention_heads=2, linear_units=64, num_blocks=1),
-                       estimator=EstimatorConfig(channels=16, attention_head_dim=16, num_heads=2, n_blocks=1,
-                                                 num_mid_blocks=2))
-
-
-def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Default init plus random offsets, so that no norm weight or bias is a trivial 1 or 0."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in module.parameters():
-            param.add_(torch.randn_like(param) * 0.1)
-    return module.eval()
 
 
 @pytest.fixture(scope="module")
 def hift() -> HiFTGenerator:
-    return randomized(HiFTGenerator(HiFTConfig(base_channels=16, f0_cond_channels=16)), seed=4)
+    return randomized(HiFTGenerator(TINY_HIFT), seed=4)
 
 
 @pytest.fixture(scope="module")
