@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
@@ -30,8 +31,9 @@ faulthandler.enable(all_threads=True)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
-#: Blocking BLS stream iteration runs here, never on the stub's event loop (it would stall every request).
-_BLS_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="bls")
+#: Each decoupled BLS stream is read by one blocking reader here, never on the stub's event loop (it would
+#: stall every request). A reader is busy for its stream's whole life, hence the many workers.
+_BLS_THREADS = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="bls")
 #: No internal model ever goes this long without answering (a decode step is milliseconds, a token2wav call
 #: well under a second): a silent callee fails the request with a clear error instead of hanging it.
 BLS_STALL_TIMEOUT_S = 60.0
@@ -130,27 +132,100 @@ async def _within_stall_timeout(model: str, pending: Awaitable[Any]) -> Any:
         raise RemoteError(f"internal model {model} sent no response for {BLS_STALL_TIMEOUT_S:.0f} s") from None
 
 
+class _DeferredRelease:
+    """Keeps finished BLS response iterators referenced from Python for a while before dropping them.
+
+    The python stub of Triton <= 2.52 (python_backend before r25.01, #390) frees a finished decoupled BLS
+    stream from its own C++ messaging thread, without the GIL: when that thread drops the last reference,
+    the responses' numpy arrays are freed under a running interpreter and the stub dies ("malloc(): unaligned
+    fastbin chunk", SIGSEGV) after a few dozen streams. That release happens right after the final response
+    is read; holding our Python reference longer makes Python, with the GIL, always the last owner.
+    """
+
+    HOLD_S = 5.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: deque[tuple[float, Any]] = deque()
+
+    def keep(self, obj: Any) -> None:
+        now = time.monotonic()
+        expired = []
+        with self._lock:
+            self._held.append((now + self.HOLD_S, obj))
+            while self._held and self._held[0][0] <= now:
+                expired.append(self._held.popleft())
+        del expired  # dropped here, outside the lock
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+_RETIRED = _DeferredRelease()
+_END = object()
+
+
+def release_bls_streams() -> None:
+    """For a model's `finalize`: drop the held iterators while the stub can still release them cleanly."""
+    _RETIRED.clear()
+
+
+def _pump_stream(
+    model: str, request: Any, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, abandoned: threading.Event
+) -> None:
+    """Reads one decoupled BLS stream to its end in a thread of its own and hands each response to the loop.
+
+    One reader per stream, reading to the final response even if the caller left: a second concurrent reader
+    of a stub iterator is unsafe, and an iterator never read to its end is never released by the stub.
+    """
+
+    def hand_over(item: Any) -> None:
+        if abandoned.is_set():
+            return
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the model is shutting down
+            abandoned.set()
+
+    iterator = None
+    try:
+        iterator = request.exec(decoupled=True)
+        for resp in iterator:
+            hand_over(resp)
+        hand_over(_END)
+    except Exception as exc:  # noqa: BLE001 - the caller raises it
+        hand_over(RemoteError(f"{model}: {exc}"))
+    finally:
+        if iterator is not None:
+            _RETIRED.keep(iterator)
+
+
 async def bls_stream(
     model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str = ""
 ) -> AsyncIterator[dict[str, np.ndarray | None]]:
     """The responses of a decoupled model as they arrive (the flag-only final one is skipped)."""
     loop = asyncio.get_running_loop()
-    iterator = await _within_stall_timeout(
-        model,
-        loop.run_in_executor(_BLS_THREADS, lambda: _bls_request(model, inputs, outputs, request_id).exec(decoupled=True)),
-    )
+    queue: asyncio.Queue = asyncio.Queue()
+    abandoned = threading.Event()
+    request = _bls_request(model, inputs, outputs, request_id)
+    _BLS_THREADS.submit(_pump_stream, model, request, loop, queue, abandoned)
     try:
         while True:
-            resp = await _within_stall_timeout(model, loop.run_in_executor(_BLS_THREADS, next, iterator, None))
-            if resp is None:
-                break
-            arrays = _outputs(resp, outputs)
+            item = await _within_stall_timeout(model, queue.get())
+            if item is _END:
+                return
+            if isinstance(item, RemoteError):
+                raise item
+            arrays = _outputs(item, outputs)
             if any(value is not None for value in arrays.values()):
                 yield arrays
-    except RemoteError:
-        if hasattr(iterator, "cancel"):  # lets the blocked `next` and the callee's request end
-            iterator.cancel()
-        raise
+    finally:
+        # Early exit (error, cancellation, stall): the reader drains the rest on its own and drops it.
+        abandoned.set()
 
 
 async def bls_one(

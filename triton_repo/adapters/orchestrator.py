@@ -36,6 +36,7 @@ from triton_repo.adapters.common import (
     is_decoupled,
     model_params,
     read_inputs,
+    release_bls_streams,
     response,
     serve,
 )
@@ -147,3 +148,6 @@ class TritonPythonModel:
             )
             # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
             sender.send(out, flags=FINAL if chunk.final else 0)
+
+    def finalize(self) -> None:
+        release_bls_streams()
