@@ -104,14 +104,17 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
-def run_scenario(scenario: Scenario, url: str, out_dir: Path, requests: int | None, timeout: float) -> None:
+def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
+              timeout: float) -> None:  # fmt: skip
+    """One concurrency level of a scenario: one `tts-bench` run (so the metrics deltas around it are this
+    level's alone). At least two requests per worker are measured."""
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
-               "--concurrency", scenario.concurrency, "--json", str(out_dir / f"{scenario.name}.json"),
-               "--timeout", str(timeout), *scenario.extra]  # fmt: skip
+               "--concurrency", str(concurrency), "--json", str(json_path), "--timeout", str(timeout),
+               *scenario.extra]  # fmt: skip
     if requests:
-        command += ["--requests", str(requests)]
+        command += ["--requests", str(max(requests, 2 * concurrency))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
-    print(f"\n## {scenario.name}: {' '.join(command[1:])}", flush=True)
+    print(f"\n## {scenario.name} c={concurrency}: {' '.join(command[1:])}", flush=True)
     subprocess.run(command, check=True, env=env)  # noqa: S603 - our own module
 
 
@@ -176,13 +179,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
         for scenario in scenarios:
             url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
-            before = triton_metrics(server)
-            run_scenario(scenario, url, out_dir, args.requests, args.timeout)
-            levels = json.loads((out_dir / f"{scenario.name}.json").read_text())["levels"]
-            if all(level["errors"] == level["requests"] for level in levels):
-                raise RuntimeError(f"{scenario.name}: every request failed; stopping (server log tail saved)")
-            results[scenario.name] = stage_breakdown(before, triton_metrics(server))
-            print(json.dumps(results[scenario.name]), flush=True)
+            for concurrency in (int(c) for c in scenario.concurrency.split(",")):
+                name = f"{scenario.name}-c{concurrency}"
+                before = triton_metrics(server)
+                run_level(scenario, concurrency, url, out_dir / f"{name}.json", args.requests, args.timeout)
+                (level,) = json.loads((out_dir / f"{name}.json").read_text())["levels"]
+                if level["errors"] == level["requests"]:
+                    raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
+                results[name] = stage_breakdown(before, triton_metrics(server))
+                print(json.dumps(results[name]), flush=True)
     except BaseException:
         print(server.log_tail(80), flush=True)
         raise

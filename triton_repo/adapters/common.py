@@ -9,6 +9,7 @@ import asyncio
 import faulthandler
 import json
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -28,6 +29,11 @@ logger = logging.getLogger("cosyvoice2.triton")
 # A stub that dies in native code leaves only "stub process is not healthy" behind: print every thread's
 # Python stack to stderr (tritonserver's log) on SIGSEGV/SIGABRT/SIGBUS/SIGFPE instead.
 faulthandler.enable(all_threads=True)
+
+# Every stub runs several Python threads that hand work to each other (event loop, BLS readers, the LLM
+# scheduler, the token2wav worker): at the default 5 ms switch interval a thread woken by a finished GPU
+# step can wait that long for the GIL. 1 ms bounds each hand-off at a small cost in switches.
+sys.setswitchinterval(0.001)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
