@@ -105,12 +105,12 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
 
 
 def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
-              timeout: float) -> None:  # fmt: skip
+              timeout: float, warmup: int) -> None:  # fmt: skip
     """One concurrency level of a scenario: one `tts-bench` run (so the metrics deltas around it are this
     level's alone). At least two requests per worker are measured."""
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
                "--concurrency", str(concurrency), "--json", str(json_path), "--timeout", str(timeout),
-               *scenario.extra]  # fmt: skip
+               "--warmup", str(warmup), *scenario.extra]  # fmt: skip
     if requests:
         command += ["--requests", str(max(requests, 2 * concurrency))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
@@ -136,6 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="extra RenderOptions field, e.g. first_hop=15 or layout=single")
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
     parser.add_argument("--only", help="comma-separated scenario names (default: all)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="unmeasured requests per worker before each level (the token2wav CUDA graphs of a "
+                             "shape are captured on its second call)")
     args = parser.parse_args(argv)
 
     out_dir = args.out or args.work / "results"
@@ -182,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for concurrency in (int(c) for c in scenario.concurrency.split(",")):
                 name = f"{scenario.name}-c{concurrency}"
                 before = triton_metrics(server)
-                run_level(scenario, concurrency, url, out_dir / f"{name}.json", args.requests, args.timeout)
+                run_level(scenario, concurrency, url, out_dir / f"{name}.json", args.requests, args.timeout,
+                          args.warmup)
                 (level,) = json.loads((out_dir / f"{name}.json").read_text())["levels"]
                 if level["errors"] == level["requests"]:
                     raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")

@@ -102,7 +102,12 @@ class _CapturedSolve:
 
 
 class CFMGraphs:
-    """CUDA graphs of the CFM Euler loop, captured on first use per (batch bucket, frame bucket, streaming, dtype).
+    """CUDA graphs of the CFM Euler loop per (batch bucket, frame bucket, streaming, dtype).
+
+    Graphs pay off where the loop is launch-bound: small batches of short chunks (streaming). A shape is
+    captured on its second occurrence (a one-off shape would pay a capture, a warm-up run and a replay for
+    one call), only while padded rows x frames <= `max_graph_frames` (larger calls keep the GPU busy enough
+    that eager launches hide behind the kernels), and at most `max_graphs` of them.
 
     A call of T frames runs in the bucket of ceil(T / frame_bucket) * frame_bucket frames, the extra frames
     masked out (mask 0, zero mu/cond): every estimator op is per-frame, causal, or attends only to unmasked
@@ -111,9 +116,14 @@ class CFMGraphs:
     because the input/output buffers are static.
     """
 
-    def __init__(self, cfm: CausalCFM, frame_bucket: int = 128) -> None:
+    def __init__(
+        self, cfm: CausalCFM, frame_bucket: int = 128, max_graph_frames: int = 4096, max_graphs: int = 48
+    ) -> None:
         self._cfm = [cfm]  # a list, so the module is not registered as a child (no cycle in the module tree)
         self.frame_bucket = frame_bucket
+        self.max_graph_frames = max_graph_frames
+        self.max_graphs = max_graphs
+        self._seen: set[tuple] = set()
         self._captured: dict[tuple, _CapturedSolve] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
@@ -135,12 +145,16 @@ class CFMGraphs:
     ) -> torch.Tensor:
         cfm, frames = self._cfm[0], mu.size(-1)
         inputs = self.pad(mu, mask, spks, cond)
-        if inputs[0].size(-1) > cfm.rand_noise.size(-1):
+        rows, padded = inputs[0].size(0), inputs[0].size(-1)
+        if padded > cfm.rand_noise.size(-1) or rows * padded > self.max_graph_frames:
             return cfm.solve(mu, mask, spks, cond, streaming).float()
-        key = (mu.device, mu.dtype, inputs[0].size(0), inputs[0].size(-1), streaming)
+        key = (mu.device, mu.dtype, rows, padded, streaming)
         with self._lock:
             captured = self._captured.get(key)
             if captured is None:
+                if key not in self._seen or len(self._captured) >= self.max_graphs:
+                    self._seen.add(key)
+                    return cfm.solve(mu, mask, spks, cond, streaming).float()
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedSolve(cfm, inputs, streaming, self._pool)
