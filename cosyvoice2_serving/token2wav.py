@@ -5,9 +5,14 @@ the orchestrator's server-generated request id. The state exists from the reques
 its final chunk, an error in one of its chunks, or an explicit close (cancellation) - nothing else
 keeps it alive.
 
-All engine work runs on one worker thread. Whenever it is free it takes every pending job (at most one
+All engine work runs on one worker thread. Whenever it is free it takes the pending jobs (at most one
 per stream, so a stream's chunks stay in order) and hands them to the engine in one call; the engine
 runs them as one batched flow + HiFT pass (any mix of chunk shapes and offline jobs, padded and masked).
+
+First chunks go first: while any stream waits for its first chunk, a call runs only first chunks (plus
+jobs that have waited `max_defer_s`). A stream past its first chunk is already playing audio and has
+slack; a new stream's listener hears nothing until its first chunk is done, and later chunks (longer
+flow prefixes) would make that call several times slower.
 """
 
 from __future__ import annotations
@@ -71,9 +76,14 @@ class _Job(Generic[S]):
     seed: int | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(init=False)
+    queued_at: float = field(init=False, default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.future = self.loop.create_future()
+
+    @property
+    def is_first_chunk(self) -> bool:
+        return self.chunk is not None and self.chunk.start == 0
 
     def resolve(self, result: np.ndarray | BaseException) -> None:
         def settle() -> None:
@@ -91,8 +101,15 @@ class _Job(Generic[S]):
 
 
 class Token2WavService(Generic[S]):
-    def __init__(self, engine: Token2WavEngine[S], stats: Stats | None = None, idle_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        engine: Token2WavEngine[S],
+        stats: Stats | None = None,
+        idle_timeout_s: float = 300.0,
+        max_defer_s: float = 0.25,
+    ) -> None:
         self.engine = engine
+        self.max_defer_s = max_defer_s
         self.stats = stats or Stats(TOKEN2WAV_STATS)
         # A stream whose orchestrator vanished (crashed process) would never be closed: expire idle ones.
         self.idle_timeout_s = idle_timeout_s
@@ -162,12 +179,7 @@ class Token2WavService(Generic[S]):
                 for job in self._pending:
                     job.resolve(RuntimeError("token2wav service is shut down"))
                 return False
-            batch, seen = [], set()
-            for job in list(self._pending):
-                if job.request_id not in seen:  # one job per stream per call keeps chunk order
-                    seen.add(job.request_id)
-                    batch.append(job)
-                    self._pending.remove(job)
+            batch = self._take_batch()
         try:
             self._execute(batch)
         except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
@@ -175,6 +187,20 @@ class Token2WavService(Generic[S]):
             for job in batch:
                 job.resolve(exc)  # no-op for jobs already answered
         return True
+
+    def _take_batch(self) -> list[_Job[S]]:
+        """The next call's jobs, removed from the queue: one per stream (the oldest, which keeps a stream's
+        chunks in order); only first chunks and overdue jobs while any first chunk waits. Caller holds the lock."""
+        overdue = time.monotonic() - self.max_defer_s
+        heads: dict[str, _Job[S]] = {}
+        for job in self._pending:
+            heads.setdefault(job.request_id, job)
+        batch = list(heads.values())
+        if any(job.is_first_chunk for job in batch):
+            batch = [job for job in batch if job.is_first_chunk or job.queued_at < overdue]
+        for job in batch:
+            self._pending.remove(job)
+        return batch
 
     def _execute(self, batch: list[_Job[S]]) -> None:
         work: list[Work[S]] = []

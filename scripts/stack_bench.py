@@ -63,6 +63,12 @@ DEFAULT_SCENARIOS = (
 )
 
 
+WARMUP_SCENARIOS = (
+    Scenario("warmup-stream", "triton", "streaming", "8"),
+    Scenario("warmup-offline", "triton", "offline", "8"),
+)
+
+
 def triton_metrics(server: TritonServer) -> dict[str, float]:
     """stat name -> value of every `cosyvoice2_*` metric, summed over models (stat names are unique per family)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()  # noqa: S310
@@ -136,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="extra RenderOptions field, e.g. first_hop=15 or layout=single")
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
     parser.add_argument("--only", help="comma-separated scenario names (default: all)")
+    parser.add_argument("--server-warmup", type=int, default=48,
+                        help="unmeasured streaming and offline requests (8 at a time) before the first level")
     parser.add_argument("--warmup", type=int, default=2,
                         help="unmeasured requests per worker before each level (the token2wav CUDA graphs of a "
                              "shape are captured on its second call)")
@@ -180,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
             gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT)  # noqa: S603
             wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
+        if args.server_warmup:
+            # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
+            # a server that has been up a while has them all, so the levels below measure that state.
+            print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
+            for warm in WARMUP_SCENARIOS:
+                run_level(warm, int(warm.concurrency), server.grpc_url, out_dir / f"{warm.name}.json",
+                          args.server_warmup, args.timeout, 0)
         for scenario in scenarios:
             url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
             for concurrency in (int(c) for c in scenario.concurrency.split(",")):

@@ -169,3 +169,25 @@ def test_batched_flow_gives_the_same_audio_as_one_stream_at_a_time(tiny_token2wa
     single = engine.run([Work(engine.open(prompt, 11), tokens[0], None)])[0]
     np.testing.assert_allclose(offline[0], single, atol=5e-4)
     assert offline[0].size == 80 * 960
+
+
+async def test_first_chunks_run_before_later_chunks_unless_those_waited_too_long():
+    for max_defer_s, expected_calls in ((30.0, [[0], [5]]), (0.0, [[5, 0]])):
+        engine = FakeEngine()
+        service = Token2WavService(engine, max_defer_s=max_defer_s)
+        try:
+            await service.process("playing", np.arange(5), PROMPT, chunk(0, 5))  # its first chunk: done
+            engine.calls.clear()
+            engine.gate.clear()  # the worker blocks in the next call: everything below queues up
+            blocker = asyncio.create_task(service.process("blocker", np.arange(3), PROMPT, chunk(0, 3)))
+            await asyncio.sleep(0.05)
+            later = asyncio.create_task(service.process("playing", np.arange(5, 10), None, chunk(5, 10)))
+            await asyncio.sleep(0.01)
+            first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))
+            await asyncio.sleep(0.05)
+            engine.gate.set()
+            await asyncio.gather(blocker, later, first)
+            # calls list the tokens each stream had seen: "playing" had 5, a new stream 0
+            assert engine.calls[1:] == expected_calls, (max_defer_s, engine.calls)
+        finally:
+            service.shutdown()
