@@ -167,9 +167,6 @@ class _DeferredRelease:
         with self._lock:
             self._held.clear()
 
-    def __len__(self) -> int:
-        return len(self._held)
-
 
 _RETIRED = _DeferredRelease()
 _END = object()
