@@ -1,0 +1,509 @@
+"""Chunk-cached streaming flow: a streaming chunk costs in proportion to its new frames, not to its history.
+
+Why this is exact. In a streaming (non-final) flow call every layer is causal at the granularity of the attention
+chunk grid (25 tokens in the encoder, 50 frames in its up layers and in the estimator): attention sees only keys of
+the same or earlier chunks, the convolutions are causal (the lookahead layer reads 3 tokens ahead, which the
+chunk schedule always supplies), and the ODE's start noise is indexed by absolute frame. Every non-final chunk of
+the schedule ends on the grid, so the hidden states of all earlier frames - in every encoder layer, and in every
+estimator layer at every Euler step for both guidance rows - are identical in a later, longer call. Keeping them
+(attention keys/values, the last inputs of each causal conv) and running the network over the new frames only
+gives the same mel as recomputing the whole prefix, up to float summation order.
+
+What is not exact: upstream's final chunk uses *full* attention, so there every earlier frame also sees the
+final frames and all hidden states change. `CachedFlowState` therefore offers two ways to finish a stream: run the
+final chunk over the caches with chunk attention (cheap; earlier frames keep their chunk-causal states; measured
+deviation in docs/engine.md), or recompute it in full like the uncached path (exact).
+
+The voice prompt's share of the work is done once per voice (`prefix`): the part of the prompt that lies on whole
+grid chunks and whose lookahead context is prompt too. A stream starts from that prefix and shares its caches.
+
+Layout of the caches (per stream, one tensor per kind, appended per chunk along the frame axis):
+- encoder: keys/values of each conformer layer over tokens, and of each up layer over frames; the last 2 token
+  states before upsampling (the upsampling conv's left context);
+- estimator: per Euler step one tensor (blocks, k/v, guidance row, heads, frames, head_dim) and the last 2 input
+  frames of each causal conv (per step, per conv, guidance row).
+
+Rows of different histories and lengths run in one batched call: histories and new frames are right-padded and
+masked, as in `CausalFlow.inference_batch`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .encoder import ConformerLayer, relative_position_table
+from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
+
+CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
+PRE_LOOKAHEAD_LEFT = 2  # the lookahead layer's second conv (kernel 3, causal) reads 2 earlier positions
+
+
+# ---- state ---------------------------------------------------------------------------------------------
+@dataclass
+class EncoderCache:
+    tokens: int = 0  # tokens encoded (always on the 25-token grid)
+    kv: Optional[torch.Tensor] = None  # (layers, 2, heads, tokens, head_dim)
+    up_kv: Optional[torch.Tensor] = None  # (up layers, 2, heads, 2 tokens, head_dim)
+    up_tail: Optional[torch.Tensor] = None  # (width, 2): last 2 token states before upsampling
+
+
+@dataclass
+class EstimatorCache:
+    frames: int = 0
+    kv: list[torch.Tensor] = field(default_factory=list)  # per step: (blocks, 2, 2 rows, heads, frames, head_dim)
+    tails: list[list[torch.Tensor]] = field(default_factory=list)  # per step, per conv: (2 rows, C, 2)
+
+
+@dataclass
+class CachedSegment:
+    """Caches of a run of frames: the shared voice prefix, or what one stream added after it."""
+
+    encoder: EncoderCache = field(default_factory=EncoderCache)
+    estimator: EstimatorCache = field(default_factory=EstimatorCache)
+
+    def nbytes(self) -> int:
+        tensors = [self.encoder.kv, self.encoder.up_kv, self.encoder.up_tail, *self.estimator.kv]
+        tensors += [t for step in self.estimator.tails for t in step]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class CachedRow:
+    """One row of a cached flow call.
+
+    `tokens` holds the row's whole token sequence (prompt first) up to at least `stop` (+ lookahead when not
+    final); the call encodes tokens[start:stop] where start = prefix + own cached tokens (on the grid), returns
+    the mel of tokens[emit_from:stop], and, when `keep`, caches the states of the whole grid chunks it completed:
+    a chunk that ends off the grid (a first hop that is not a multiple of 25) leaves its partial grid chunk to be
+    recomputed by the next call, exactly as the uncached path recomputes it.
+    """
+
+    tokens: torch.Tensor  # (T,) int64: prompt tokens then generated tokens
+    prompt_mel: torch.Tensor  # (2P, 80) the prompt's mel (cond)
+    spks: torch.Tensor  # (80,) projected speaker embedding
+    prefix: CachedSegment  # shared (voice) caches; read only
+    own: CachedSegment  # this stream's caches after the prefix; appended when `keep`
+    stop: int  # one past the last token encoded in this call (absolute, prompt included)
+    final: bool  # no lookahead context (zeros), full attention among the new frames
+    keep: bool  # append this call's caches to `own` (a non-final chunk)
+    emit_from: int = -1  # first token whose mel is returned (absolute; default: the prompt's end)
+
+    @property
+    def start(self) -> int:
+        return self.prefix.encoder.tokens + self.own.encoder.tokens
+
+    def kept_tokens(self, grid: int) -> int:
+        """Tokens of this call whose states are cached afterwards (whole grid chunks; 0 unless `keep`)."""
+        return (self.stop // grid * grid - self.start) if self.keep and not self.final else 0
+
+    def first_emitted(self) -> int:
+        return max(self.emit_from, self.prompt_mel.size(0) // 2, self.start)
+
+
+def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=dim)
+
+
+# ---- the cached forward ----------------------------------------------------------------------------------
+class CachedFlowRunner:
+    """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
+
+    def __init__(self, flow: torch.nn.Module) -> None:
+        self.flow = flow
+        self.config = flow.config
+        self.stride = flow.config.token_mel_ratio
+        self.lookahead = flow.config.pre_lookahead_len
+        self.grid = flow.config.encoder.static_chunk_size
+
+    # -- prompt prefix ---------------------------------------------------------------------------------
+    def prefix_tokens(self, prompt_tokens: int) -> int:
+        """Prompt tokens whose states depend on the prompt alone: whole grid chunks whose lookahead is prompt."""
+        return max(0, prompt_tokens - self.lookahead) // self.grid * self.grid
+
+    @torch.inference_mode()
+    def prefix(self, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor, spks: torch.Tensor) -> CachedSegment:
+        """The shared caches of a voice prompt (prompt_tokens (P,), prompt_mel (2P, 80), spks (80,))."""
+        segment = CachedSegment()
+        n = self.prefix_tokens(prompt_tokens.numel())
+        if n:
+            row = CachedRow(prompt_tokens, prompt_mel, spks, CachedSegment(), segment, stop=n, final=False, keep=True,
+                           emit_from=n)
+            self.run([row])
+        return segment
+
+    def project_speaker(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """(B, 192) x-vectors -> (B, 80), as the flow does before the estimator."""
+        return self.flow.spk_embed_affine_layer(F.normalize(embeddings, dim=1))
+
+    # -- one batched call ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, rows: Sequence[CachedRow]) -> list[torch.Tensor]:
+        """`run_pending`, committing each row's new caches at once."""
+        mels, updates = self.run_pending(rows)
+        for row, update in zip(rows, updates):
+            self.commit(row.own, update)
+        return mels
+
+    @torch.inference_mode()
+    def run_pending(self, rows: Sequence[CachedRow]) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
+        """Mel (80, frames) float32 of tokens[first_emitted:stop] per row, and the caches each row's call adds
+        (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream."""
+        for row in rows:
+            if row.start % self.grid:
+                raise ValueError(f"cached flow rows must start on the {self.grid}-token grid, not {row.start}")
+            need = row.stop + (0 if row.final else self.lookahead)
+            if not row.start < row.stop or row.tokens.numel() < need:
+                raise ValueError(f"cached flow row needs tokens [{row.start}, {need}), has {row.tokens.numel()}")
+        mu, enc_out = self._encode(rows)
+        mel, est_out = self._solve(rows, mu)
+        updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
+        return mel, updates
+
+    # -- encoder -----------------------------------------------------------------------------------------
+    def _encode(self, rows: Sequence[CachedRow]) -> tuple[torch.Tensor, list[EncoderCache]]:
+        flow, encoder = self.flow, self.flow.encoder
+        device = flow.input_embedding.weight.device
+        batch = len(rows)
+        news = [row.stop - row.start for row in rows]
+        longest = max(news)
+        left = PRE_LOOKAHEAD_LEFT
+        width = self.config.encoder.width
+
+        # lookahead layer over [2 earlier tokens | new tokens | lookahead context | padding], in embedded space
+        span = left + longest + self.lookahead
+        ids = torch.zeros(batch, span, dtype=torch.long, device=device)
+        keep = torch.zeros(batch, span, dtype=torch.bool, device=device)  # positions that hold a real token
+        for b, row in enumerate(rows):
+            first = max(0, row.start - left)
+            end = row.stop + (0 if row.final else self.lookahead)
+            piece = row.tokens[first:end].to(device)
+            offset = left - (row.start - first)
+            ids[b, offset : offset + piece.numel()] = piece
+            keep[b, offset : offset + piece.numel()] = True
+        x = encoder.embed(flow.input_embedding(ids.clamp(min=0))) * keep.unsqueeze(-1).to(flow.input_embedding.weight.dtype)
+        pre = encoder.pre_lookahead_layer
+        h = F.leaky_relu(pre.conv1(x.transpose(1, 2)), negative_slope=0.01)  # (B, W, span - lookahead)
+        # upstream pads the second conv's input with zeros on the left: a row starting at token 0 has no history
+        h = h * keep[:, : h.size(2)].unsqueeze(1).to(h.dtype)
+        h = pre.conv2(h)  # (B, W, longest): outputs for the new tokens
+        x = h.transpose(1, 2) + x[:, left : left + longest]
+
+        hist = [row.start for row in rows]
+        x, kv_new = self._conformer(encoder.encoders, x, [row.prefix.encoder.kv for row in rows],
+                                    [row.own.encoder.kv for row in rows], hist, news, self.grid, rows,
+                                    [row.kept_tokens(self.grid) for row in rows])
+        # causal upsampling with the previous 2 token states as left context
+        tails = []
+        for b, row in enumerate(rows):
+            tail = row.own.encoder.up_tail if row.own.encoder.up_tail is not None else row.prefix.encoder.up_tail
+            tails.append(torch.zeros(width, 2, dtype=x.dtype, device=device) if tail is None else tail)
+        up = encoder.up_layer
+        seq = torch.cat([torch.stack(tails), x.transpose(1, 2)], dim=2)  # (B, W, 2 + longest)
+        kept = [row.kept_tokens(self.grid) for row in rows]
+        new_tails = [seq[b, :, kept[b] : kept[b] + 2].clone() for b in range(batch)]
+        h = seq.repeat_interleave(self.stride, dim=2)
+        x = up.conv(h).transpose(1, 2)  # (B, 2 longest, W)
+        x = encoder.up_embed(x)
+        up_news = [n * self.stride for n in news]
+        x, up_kv_new = self._conformer(encoder.up_encoders, x, [row.prefix.encoder.up_kv for row in rows],
+                                       [row.own.encoder.up_kv for row in rows], [s * self.stride for s in hist],
+                                       up_news, self.grid * self.stride, rows, [k * self.stride for k in kept])
+        mu = flow.encoder_proj(encoder.after_norm(x)).transpose(1, 2)  # (B, 80, 2 longest)
+        caches = [EncoderCache(kept[b], kv_new[b], up_kv_new[b], new_tails[b]) for b in range(batch)]
+        return mu, caches
+
+    def _conformer(self, layers: torch.nn.ModuleList, x: torch.Tensor, prefix_kv: list, own_kv: list,
+                   hist: list[int], news: list[int], chunk: int, rows: Sequence[CachedRow], kept: list[int]):
+        """Conformer layers over new positions with cached keys/values; returns x and each row's kept (L,2,H,n,D)."""
+        batch, longest, _ = x.shape
+        device, dtype = x.device, x.dtype
+        longest_hist = max(hist)
+        total = longest_hist + longest
+        heads = layers[0].self_attn.heads
+        head_dim = layers[0].self_attn.head_dim
+        # keys: [history padded to longest_hist | new padded to longest]
+        hist_t = torch.tensor(hist, device=device)
+        news_t = torch.tensor(news, device=device)
+        slot = torch.arange(total, device=device)
+        query = torch.arange(longest, device=device)
+        is_new = slot >= longest_hist
+        key_pos = torch.where(is_new.unsqueeze(0), hist_t.unsqueeze(1) + (slot - longest_hist).unsqueeze(0),
+                              slot.unsqueeze(0))  # (B, total) absolute key position
+        query_pos = hist_t.unsqueeze(1) + query.unsqueeze(0)  # (B, longest)
+        real_key = torch.where(is_new.unsqueeze(0), (slot - longest_hist).unsqueeze(0) < news_t.unsqueeze(1),
+                               slot.unsqueeze(0) < hist_t.unsqueeze(1))
+        finals = torch.tensor([row.final for row in rows], device=device)
+        same_or_earlier = (key_pos // chunk).unsqueeze(1) <= (query_pos // chunk).unsqueeze(2)  # (B, Nq, total)
+        visible = real_key.unsqueeze(1) & (same_or_earlier | finals.view(-1, 1, 1))
+        visible = visible.unsqueeze(1)  # (B, 1, Nq, total)
+        # relative distance i - j indexes a table built for `total` positions (distance total-1 .. -(total-1))
+        distance = query_pos.unsqueeze(2) - key_pos.unsqueeze(1)
+        column = ((total - 1) - distance).clamp(0, 2 * total - 2)  # (B, Nq, total)
+        pos_table = relative_position_table(total, x.size(-1), device, dtype)
+
+        history = torch.zeros(len(layers), 2, batch, heads, longest_hist, head_dim, dtype=dtype, device=device)
+        for b in range(batch):
+            at = 0
+            for part in (prefix_kv[b], own_kv[b]):
+                if part is not None:
+                    history[:, :, b, :, at : at + part.size(3)] = part
+                    at += part.size(3)
+            assert at == hist[b], (at, hist[b])
+        new_kv = []
+        for index, layer in enumerate(layers):
+            x, k, v = self._conformer_layer(layer, x, history[index, 0], history[index, 1], pos_table, column, visible)
+            new_kv.append(torch.stack([k, v]))  # (2, B, H, longest, D)
+        stacked = torch.stack(new_kv)  # (L, 2, B, H, longest, D)
+        return x, [stacked[:, :, b, :, : kept[b]] for b in range(batch)]
+
+    @staticmethod
+    def _conformer_layer(layer: ConformerLayer, x: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor,
+                         pos_table: torch.Tensor, column: torch.Tensor, visible: torch.Tensor):
+        attn = layer.self_attn
+        batch, length, width = x.shape
+        h = layer.norm_mha(x)
+        q = attn._split_heads(attn.linear_q(h))  # (B, N, H, D)
+        k_new = attn._split_heads(attn.linear_k(h)).transpose(1, 2)  # (B, H, N, D)
+        v_new = attn._split_heads(attn.linear_v(h)).transpose(1, 2)
+        k = torch.cat([k_hist, k_new], dim=2)
+        v = torch.cat([v_hist, v_new], dim=2)
+        p = attn._split_heads(attn.linear_pos(pos_table)).transpose(1, 2)  # (1, H, 2 total - 1, D)
+        content = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # (B, H, N, total)
+        by_row = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # (B, H, N, 2 total - 1)
+        position = by_row.gather(-1, column.unsqueeze(1).expand(-1, by_row.size(1), -1, -1))
+        scores = (content + position) / math.sqrt(attn.head_dim)
+        hidden = ~visible
+        weights = torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1).masked_fill(hidden, 0.0)
+        out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, width)
+        x = x + attn.linear_out(out)
+        x = x + layer.feed_forward(layer.norm_ff(x))
+        return x, k_new, v_new
+
+    # -- estimator ---------------------------------------------------------------------------------------
+    def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
+        cfm = self.flow.decoder
+        estimator = cfm.estimator
+        batch = len(rows)
+        device, dtype = mu.device, mu.dtype
+        news = [(row.stop - row.start) * self.stride for row in rows]
+        starts = [row.start * self.stride for row in rows]
+        longest = mu.size(2)
+        hist = [row.prefix.estimator.frames + row.own.estimator.frames for row in rows]
+        kept = [row.kept_tokens(self.grid) * self.stride for row in rows]
+        if any(h != s for h, s in zip(hist, starts)):
+            raise RuntimeError("encoder and estimator caches disagree")
+        if max(s + n for s, n in zip(starts, news)) > cfm.rand_noise.size(-1):
+            raise ValueError("flow call exceeds the fixed-noise buffer")
+        mask = (torch.arange(longest, device=device) < torch.tensor(news, device=device).unsqueeze(1))
+        mask = mask.unsqueeze(1).to(dtype)  # (B, 1, longest)
+        mu = mu * mask
+        cond = torch.zeros_like(mu)
+        x = torch.zeros_like(mu)
+        for b, row in enumerate(rows):
+            start, n = starts[b], news[b]
+            x[b, :, :n] = cfm.rand_noise[0, :, start : start + n].to(device, dtype)
+            prompt = row.prompt_mel[start : start + n]  # prompt frames inside this call (cond), if any
+            if prompt.size(0):
+                cond[b, :, : prompt.size(0)] = prompt.transpose(0, 1).to(dtype)
+        spks = torch.stack([row.spks for row in rows]).to(dtype)
+
+        mask_in = torch.cat([mask, mask])
+        mu_in = torch.cat([mu, torch.zeros_like(mu)])
+        spks_in = torch.cat([spks, torch.zeros_like(spks)])
+        cond_in = torch.cat([cond, torch.zeros_like(cond)])
+        bias = self._estimator_bias(rows, hist, news, longest, estimator.config.static_chunk_size, device, dtype)
+        rate = cfm.config.inference_cfg_rate
+        step_kv: list[torch.Tensor] = []
+        step_tails: list[list[torch.Tensor]] = []
+        for step, (t, dt) in enumerate(cfm.schedule):
+            history = self._gather_history(rows, step, hist)
+            tails = self._gather_tails(rows, step)
+            t_in = torch.full((2 * batch,), t, dtype=dtype, device=device)
+            velocity, kv, new_tails = self._estimate(estimator, torch.cat([x, x]), mask_in, mu_in, t_in, spks_in,
+                                                     cond_in, bias, history, tails, kept)
+            step_kv.append(kv)
+            step_tails.append(new_tails)
+            v_cond, v_uncond = velocity[:batch], velocity[batch:]
+            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+
+        mels, caches = [], []
+        for b, row in enumerate(rows):
+            skip = row.first_emitted() * self.stride - starts[b]
+            mels.append(x[b, :, skip : news[b]].float())
+            if kept[b]:
+                # per step (blocks, 2, 2 rows, heads, n, d); rows b and batch + b are this row's guidance rows
+                kv = [step[:, :, [b, batch + b], :, : kept[b]] for step in step_kv]
+                tails_b = [[t[[b, batch + b]] for t in step] for step in step_tails]
+                caches.append(EstimatorCache(kept[b], kv, tails_b))
+            else:
+                caches.append(EstimatorCache())
+        return mels, caches
+
+    @staticmethod
+    def _estimator_bias(rows, hist, news, longest, chunk, device, dtype) -> torch.Tensor:
+        """(2B, 1, longest, H + longest) additive bias: history keys, then new keys (chunk-causal unless final)."""
+        longest_hist = max(hist)
+        batch = len(rows)
+        slot = torch.arange(longest_hist + longest, device=device)
+        hist_t = torch.tensor(hist, device=device)
+        news_t = torch.tensor(news, device=device)
+        is_new = slot >= longest_hist
+        new_index = slot - longest_hist
+        real = torch.where(is_new.unsqueeze(0), new_index.unsqueeze(0) < news_t.unsqueeze(1),
+                           slot.unsqueeze(0) < hist_t.unsqueeze(1))  # (B, total)
+        query = torch.arange(longest, device=device)
+        # new frames start on the chunk grid (hist is a multiple of the chunk), so chunk ids compare locally
+        later_chunk = is_new.view(1, 1, -1) & ((new_index // chunk).view(1, 1, -1) > (query // chunk).view(1, -1, 1))
+        finals = torch.tensor([row.final for row in rows], device=device).view(-1, 1, 1)
+        visible = real.unsqueeze(1) & (~later_chunk | finals)  # (B, Nq, total)
+        bias = (1.0 - visible.to(dtype)) * _MASKED_BIAS
+        return torch.cat([bias, bias]).unsqueeze(1)
+
+    def _gather_history(self, rows: Sequence[CachedRow], step: int, hist: list[int]) -> Optional[torch.Tensor]:
+        """(blocks, 2, 2B, heads, H, d) keys/values of every row's history at one Euler step (padded)."""
+        longest_hist = max(hist)
+        if longest_hist == 0:
+            return None
+        parts = [[seg.estimator.kv[step] for seg in (row.prefix, row.own) if seg.estimator.frames] for row in rows]
+        like = parts[next(b for b, p in enumerate(parts) if p)][0]
+        blocks, _, _, heads, _, head_dim = like.shape
+        batch = len(rows)
+        out = like.new_zeros(blocks, 2, 2 * batch, heads, longest_hist, head_dim)
+        for b, pieces in enumerate(parts):
+            at = 0
+            for piece in pieces:
+                n = piece.size(4)
+                out[:, :, b, :, at : at + n] = piece[:, :, 0]
+                out[:, :, batch + b, :, at : at + n] = piece[:, :, 1]
+                at += n
+        return out
+
+    def _gather_tails(self, rows: Sequence[CachedRow], step: int) -> Optional[list[torch.Tensor]]:
+        """Per causal conv: (2B, C, 2) last input frames of each row's history (zeros for a fresh row)."""
+        sources = []
+        for row in rows:
+            seg = row.own if row.own.estimator.frames else row.prefix
+            sources.append(seg.estimator.tails[step] if seg.estimator.frames else None)
+        if all(s is None for s in sources):
+            return None
+        like = next(s for s in sources if s is not None)
+        batch = len(rows)
+        tails = []
+        for conv in range(len(like)):
+            t = like[conv].new_zeros(2 * batch, *like[conv].shape[1:])
+            for b, s in enumerate(sources):
+                if s is not None:
+                    t[b], t[batch + b] = s[conv][0], s[conv][1]
+            tails.append(t)
+        return tails
+
+    def _estimate(self, est, x, mask, mu, t, spks, cond, bias, history, tails, kept):
+        """One estimator evaluation over new frames; returns velocity, this step's new k/v, new conv tails."""
+        convs = _ConvTails(tails, kept)
+        blocks = _BlockKV(history)
+        temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
+
+        down = est.down_blocks[0]
+        skip = self._stage(down, h, mask, temb, bias, convs, blocks)
+        h = convs.conv(down[2], skip * mask)
+        for stage in est.mid_blocks:
+            h = self._stage(stage, h, mask, temb, bias, convs, blocks)
+        up = est.up_blocks[0]
+        h = self._stage(up, torch.cat([h, skip], dim=1), mask, temb, bias, convs, blocks)
+        h = convs.conv(up[2], h * mask)
+        h = self._block(est.final_block, h, mask, convs)
+        velocity = est.final_proj(h * mask) * mask
+        return velocity, blocks.collected(), convs.collected()
+
+    def _stage(self, stage, x, mask, temb, bias, convs, blocks):
+        resnet: CausalResnetBlock1D = stage[0]
+        h = self._block(resnet.block1, x, mask, convs) + resnet.mlp(temb).unsqueeze(-1)
+        h = self._block(resnet.block2, h, mask, convs)
+        h = (h + resnet.res_conv(x * mask)).transpose(1, 2)
+        for block in stage[1]:
+            h = blocks.run(block, h, bias)
+        return h.transpose(1, 2)
+
+    @staticmethod
+    def _block(block: CausalBlock1D, x, mask, convs) -> torch.Tensor:
+        conv, _, norm, _, mish = block.block
+        h = convs.conv(conv, x * mask)
+        h = mish(norm(h.transpose(1, 2)).transpose(1, 2))
+        return h * mask
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+    @staticmethod
+    def commit(own: CachedSegment, update: Optional[CachedSegment]) -> None:
+        """Append a call's new caches (from `run_pending`) to a stream's own segment."""
+        if update is None:
+            return
+        enc, est = update.encoder, update.estimator
+        e = own.encoder
+        e.kv = _cat(e.kv, enc.kv, dim=3)
+        e.up_kv = _cat(e.up_kv, enc.up_kv, dim=3)
+        e.up_tail = enc.up_tail
+        e.tokens += enc.tokens
+        s = own.estimator
+        s.kv = [_cat(old, new, dim=4) for old, new in zip(s.kv, est.kv)] if s.kv else list(est.kv)
+        s.tails = est.tails
+        s.frames += est.frames
+
+
+class _ConvTails:
+    """Causal convs with the previous call's last inputs as left context, in call order; collects new tails."""
+
+    def __init__(self, tails: Optional[list[torch.Tensor]], kept: list[int]) -> None:
+        self.tails, self.kept = tails, kept
+        self.index = 0
+        self.out: list[torch.Tensor] = []
+
+    def conv(self, conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+        """x (2B, C, N) masked input -> conv output (2B, C', N)."""
+        context = conv.kernel_size[0] - 1
+        left = x.new_zeros(x.size(0), x.size(1), context) if self.tails is None else self.tails[self.index]
+        seq = torch.cat([left, x], dim=2)
+        batch = len(self.kept)
+        # the last `context` inputs before each row's kept boundary (guidance rows b and batch + b share it)
+        ends = torch.tensor(self.kept * 2, device=x.device) + context
+        index = ends.view(-1, 1, 1) - context + torch.arange(context, device=x.device).view(1, 1, -1)
+        self.out.append(seq.gather(2, index.expand(-1, seq.size(1), -1)))
+        self.index += 1
+        assert batch * 2 == x.size(0)
+        return F.conv1d(seq, conv.weight, conv.bias)
+
+    def collected(self) -> list[torch.Tensor]:
+        return self.out
+
+
+class _BlockKV:
+    """Transformer blocks over new frames attending to history keys/values, in call order; collects new k/v."""
+
+    def __init__(self, history: Optional[torch.Tensor]) -> None:
+        self.history = history
+        self.index = 0
+        self.out: list[torch.Tensor] = []
+
+    def run(self, block: TransformerBlock, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        attn = block.attn1
+        batch, length, _ = x.shape
+        h = block.norm1(x)
+        q = attn._split_heads(attn.to_q(h))
+        k = attn._split_heads(attn.to_k(h))
+        v = attn._split_heads(attn.to_v(h))
+        self.out.append(torch.stack([k, v]))
+        if self.history is not None:
+            k = torch.cat([self.history[self.index, 0], k], dim=2)
+            v = torch.cat([self.history[self.index, 1], v], dim=2)
+        self.index += 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
+        return x + block.ff(block.norm3(x))
+
+    def collected(self) -> torch.Tensor:
+        return torch.stack(self.out)  # (blocks, 2, 2B, heads, N, d)
