@@ -4,7 +4,7 @@ Three layers, each with one job:
 
 * `ChunkSchedule` is pure arithmetic: which token range each flow call covers. No torch, unit-testable.
 * `Token2Wav` is stateless: tokens -> mel (flow) and mel -> audio (HiFT) for one prompt.
-* `Token2WavStream` owns *all* mutable state of one stream (token buffer, schedule position, HiFT
+* `Token2WavStream` owns *all* mutable state of one stream (token buffer, schedule position, flow caches, HiFT
   mel/source/speech caches, noise generator). Upstream keeps the hop length on the shared model object,
   so a second request starts with the grown hop; here nothing mutable is shared, so a server can keep one
   stream per request id and interleave them freely.
@@ -12,6 +12,9 @@ Three layers, each with one job:
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
@@ -21,7 +24,14 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
     import torch
 
     from cosyvoice2.config import EngineConfig
+    from cosyvoice2.flow.cached import CachedSegment
     from cosyvoice2.frontend.prompt import VoicePrompt
+
+#: How streaming chunks use the flow: "off" recomputes prompt + all tokens for every chunk (upstream's way);
+#: "exact" runs non-final chunks over per-stream caches (equal to recomputing) and recomputes the final chunk
+#: with full attention as upstream does; "chunked" also runs the final chunk over the caches, with chunk
+#: attention (cheapest; its final chunk differs slightly from upstream's full-attention one, docs/engine.md).
+FLOW_CACHE_MODES = ("off", "exact", "chunked")
 
 
 @dataclass(frozen=True)
@@ -107,10 +117,30 @@ class FlowPrompt:
     tokens: "torch.Tensor"  # (1, P) int64
     mel: "torch.Tensor"  # (1, 2P, 80) flow dtype, time-major
     xvector: "torch.Tensor"  # (1, 192) flow dtype
+    key: str | None = None  # content digest: streams of the same voice share its cached flow prefix
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[1])
+
+
+def prompt_digest(*arrays: np.ndarray) -> str:
+    """A key for a voice prompt's content (tokens, mel, x-vector): equal prompts share flow caches."""
+    digest = hashlib.blake2b(digest_size=16)
+    for array in arrays:
+        array = np.ascontiguousarray(array)
+        digest.update(str((array.dtype.str, array.shape)).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+@dataclass
+class StreamFlowCache:
+    """A stream's flow caches: the voice's shared prefix and what the stream's own chunks added."""
+
+    prefix: "CachedSegment"
+    own: "CachedSegment"
+    pending: "CachedSegment | None" = None  # what the running chunk adds, committed when its audio is emitted
 
 
 @dataclass(frozen=True)
@@ -121,6 +151,8 @@ class FlowCall:
     prompt: FlowPrompt
     start: int
     final: bool  # full attention, no lookahead; otherwise chunk attention and the last 3 tokens are context only
+    stop: int = -1  # one past the last token whose mel is wanted (cached calls; the rest is lookahead)
+    cache: StreamFlowCache | None = None  # run over the stream's caches instead of recomputing the prefix
 
 
 @dataclass(frozen=True)
@@ -144,9 +176,22 @@ class Token2Wav:
     the caller's `torch.Generator`, so a seeded request is reproducible whatever else runs.
     """
 
-    def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig") -> None:
+    def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
         import torch
 
+        from cosyvoice2.flow.cached import CachedFlowRunner
+
+        if flow_cache not in FLOW_CACHE_MODES:
+            raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
+        self.flow_cache = flow_cache
+        self.cached = CachedFlowRunner(flow)
+        # voice prefixes (LRU by prompt digest) and the bytes that live streams' own caches hold
+        self.prefix_capacity = prefix_capacity
+        self._prefixes: "OrderedDict[str, CachedSegment]" = OrderedDict()
+        self.cache_budget_bytes = cache_budget_bytes
+        self.cache_bytes = 0
+        self._cache_lock = threading.Lock()
         self.flow = flow
         self.hift = hift
         self.config = config
@@ -166,7 +211,40 @@ class Token2Wav:
             return torch.as_tensor(array).to(self.flow_device, dtype).unsqueeze(0)
 
         return FlowPrompt(tensor(prompt.speech_tokens, torch.long), tensor(prompt.prompt_mel, self.flow_dtype),
-                          tensor(prompt.xvector, self.flow_dtype))
+                          tensor(prompt.xvector, self.flow_dtype),
+                          prompt_digest(prompt.speech_tokens, prompt.prompt_mel, prompt.xvector))
+
+    # ---- flow caches ----------------------------------------------------------------------------------
+    def prefix(self, prompt: FlowPrompt) -> "CachedSegment":
+        """The voice's shared flow prefix (computed on first use, kept for the `prefix_capacity` latest voices)."""
+        key = prompt.key
+        if key is not None:
+            with self._cache_lock:
+                if key in self._prefixes:
+                    self._prefixes.move_to_end(key)
+                    return self._prefixes[key]
+        segment = self.cached.prefix(prompt.tokens[0], prompt.mel[0], self._speaker(prompt))
+        if key is not None and self.prefix_capacity > 0:
+            with self._cache_lock:
+                self._prefixes[key] = segment
+                while len(self._prefixes) > self.prefix_capacity:
+                    self._prefixes.popitem(last=False)
+        return segment
+
+    def _speaker(self, prompt: FlowPrompt) -> "torch.Tensor":
+        return self.cached.project_speaker(prompt.xvector)[0]
+
+    def reserve_cache(self, nbytes: int) -> bool:
+        """Account `nbytes` of new stream caches; False (nothing reserved) when that would pass the budget."""
+        with self._cache_lock:
+            if self.cache_budget_bytes is not None and self.cache_bytes + nbytes > self.cache_budget_bytes:
+                return False
+            self.cache_bytes += nbytes
+            return True
+
+    def release_cache(self, nbytes: int) -> None:
+        with self._cache_lock:
+            self.cache_bytes -= nbytes
 
     def new_generator(self, seed: int | None) -> "torch.Generator":
         import torch
@@ -187,8 +265,12 @@ class Token2Wav:
         import torch
 
         out: "list[torch.Tensor | None]" = [None] * len(calls)
+        cached = [i for i, call in enumerate(calls) if call.cache is not None]
+        if cached:
+            for i, mel in zip(cached, self._cached_mels([calls[i] for i in cached])):
+                out[i] = mel
         for final in (False, True):
-            rows = [i for i, call in enumerate(calls) if call.final == final]
+            rows = [i for i, call in enumerate(calls) if call.final == final and call.cache is None]
             if not rows:
                 continue
             mels = self.flow.inference_batch(
@@ -203,6 +285,28 @@ class Token2Wav:
                 start_frame = calls[i].start * self.config.flow.token_mel_ratio
                 out[i] = mel[None, :, start_frame:].to(self.hift_device, torch.float32)
         return out  # type: ignore[return-value]
+
+    def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
+        """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
+        import torch
+
+        from cosyvoice2.flow.cached import CachedRow
+
+        rows = []
+        for call in calls:
+            assert call.cache is not None
+            prompt = call.prompt
+            tokens = torch.cat([prompt.tokens[0], torch.as_tensor(call.tokens, dtype=torch.long,
+                                                                   device=self.flow_device).view(-1)])
+            offset = prompt.num_tokens
+            rows.append(CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
+                                  stop=offset + call.stop, final=call.final, keep=not call.final,
+                                  emit_from=offset + call.start))
+        mels, updates = self.cached.run_pending(rows)
+        for call, update in zip(calls, updates):
+            assert call.cache is not None
+            call.cache.pending = update
+        return [mel[None].to(self.hift_device, torch.float32) for mel in mels]
 
     def mel(self, tokens: "Sequence[int] | torch.Tensor", prompt: FlowPrompt, start: int, final: bool) -> "torch.Tensor":
         """`mels` of one call."""
@@ -245,6 +349,7 @@ class Token2Wav:
         except BaseException:
             for stream, state in zip(streams, generator_states):
                 stream.generator.set_state(state)
+                stream.discard_pending()
             raise
         results = dict(zip(rows, vocoded))
         with torch.inference_mode():
@@ -288,6 +393,9 @@ class Token2WavStream:
         self.chunks: list[Chunk] = []  # chunks run so far
         self._cache: HiFTCache | None = None
         self.finished = False
+        self.flow_cache: StreamFlowCache | None = None  # set on the first cached chunk
+        self._flow_cache_bytes = 0
+        self._cache_off = engine.flow_cache == "off"  # also set once the engine's cache budget refused this stream
 
     @property
     def _start(self) -> int:
@@ -332,7 +440,50 @@ class Token2WavStream:
             raise ValueError(f"{chunk} does not continue the stream (at token {self._start} of {len(self.tokens)})")
 
     def flow_call(self, chunk: Chunk) -> FlowCall:
-        return FlowCall(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final)
+        if self._cache_off or (chunk.final and self.engine.flow_cache == "exact"):
+            return FlowCall(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final)
+        if self.flow_cache is None:
+            from cosyvoice2.flow.cached import CachedSegment
+
+            self.flow_cache = StreamFlowCache(self.engine.prefix(self.prompt), CachedSegment())
+        return FlowCall(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final, stop=chunk.stop,
+                        cache=self.flow_cache)
+
+    def discard_pending(self) -> None:
+        if self.flow_cache is not None:
+            self.flow_cache.pending = None
+
+    def _commit_flow_cache(self, chunk: Chunk) -> None:
+        """Keep what this chunk added to the flow caches (within the engine's budget), or stop caching."""
+        cache = self.flow_cache
+        if cache is None:
+            return
+        update, cache.pending = cache.pending, None
+        if chunk.final:
+            self.release_flow_cache()
+            return
+        if update is None:
+            return
+        nbytes = update.nbytes()
+        if self.engine.reserve_cache(nbytes):
+            self.engine.cached.commit(cache.own, update)
+            self._flow_cache_bytes += nbytes
+        else:  # over budget: recompute from here on (exact as well, only slower)
+            self.release_flow_cache()
+            self._cache_off = True
+
+    def release_flow_cache(self) -> None:
+        """Free this stream's own flow caches (final chunk, budget, or the stream is dropped)."""
+        self.flow_cache = None
+        if self._flow_cache_bytes:
+            self.engine.release_cache(self._flow_cache_bytes)
+            self._flow_cache_bytes = 0
+
+    def __del__(self) -> None:  # a stream dropped mid-utterance (cancelled, expired) returns its budget
+        try:
+            self.release_flow_cache()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def hift_input(self, mel: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor | None]":
         """This chunk's HiFT input: the cached mel frames re-vocoded before the new ones, and the cached source."""
@@ -365,5 +516,6 @@ class Token2WavStream:
         return np.zeros(0, dtype=np.float32)
 
     def _advance(self, chunk: Chunk) -> None:
+        self._commit_flow_cache(chunk)
         self.chunks.append(chunk)
         self.finished = chunk.final

@@ -23,7 +23,7 @@ from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fb
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
-from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream
+from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import PromptTensors
@@ -88,8 +88,10 @@ class BatchedToken2Wav:
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
 
-    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule):
-        self.engine = Token2Wav(flow, hift, config)
+    def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
+                 flow_cache: str = "exact", flow_cache_gb: float | None = None):
+        budget = None if flow_cache_gb is None else int(flow_cache_gb * 2**30)
+        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
 
@@ -103,6 +105,7 @@ class BatchedToken2Wav:
             tensor(prompt.speech_tokens, torch.long),
             tensor(prompt.mel, engine.flow_dtype),
             tensor(prompt.embedding, engine.flow_dtype),
+            prompt_digest(prompt.speech_tokens, prompt.mel, prompt.embedding),
         )
         schedule = replace(self.schedule, prompt_tokens=flow_prompt.num_tokens)
         return StreamState(flow_prompt, Token2WavStream(engine, flow_prompt, schedule, engine.new_generator(seed)))

@@ -258,7 +258,8 @@ def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offlin
     the first chunks of N fresh streams, and N offline utterances, per call; graphs on CUDA."""
     device = bench.device
     print(f"Batched token2wav (flow {dtype}, HiFT fp32; prompts ~{PROMPT_TOKENS} tokens)", flush=True)
-    engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config)
+    engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
+                       flow_cache="off")
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = config.flow.vocab_size
 
@@ -299,6 +300,55 @@ def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offlin
     del engine
 
 
+def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes: list[str],
+                     config: EngineConfig = EngineConfig()) -> None:
+    """Streaming chunks with and without flow caches (`Token2Wav(flow_cache=...)`): N streams' first chunks
+    (the voice prefix already cached), and N streams' 4th chunk (100 new tokens after 185: the cost that grew
+    with the history). Each timed call starts from freshly advanced streams (the advancing is not timed)."""
+    device = bench.device
+    print(f"Streaming flow caches (flow {dtype}; prompt {PROMPT_TOKENS} tokens, one voice)", flush=True)
+    flow, hift = random_flow(config.flow, device, dtype), random_hift(config.hift, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    vocab = config.flow.vocab_size
+    voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
+                       torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype),
+                       torch.randn(1, 192, device=device, generator=gen).to(dtype), key="bench-voice")
+    tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    for mode in modes:
+        engine = Token2Wav(flow, hift, config, flow_cache=mode)
+        engine.prefix(voice) if mode != "off" else None
+
+        def advanced(n: int, chunks: int) -> list:
+            work = []
+            for i in range(n):
+                stream = engine.open_stream(voice, engine.new_generator(i))
+                stream.extend(tokens)
+                for _ in range(chunks):
+                    engine.run_chunks([(stream, stream.next_chunk(finished=False))])
+                work.append((stream, stream.next_chunk(finished=False)))
+            return work
+
+        for label, chunks in (("first chunk", 0), ("4th chunk (100 tok after 185)", 3)):
+            for n in streams:
+                samples = []
+                for repeat in range(bench.warmup + max(3, bench.repeats // 5)):
+                    work = advanced(n, chunks)
+                    bench.sync()
+                    start = time.perf_counter()
+                    engine.run_chunks(work)
+                    bench.sync()
+                    if repeat >= bench.warmup:
+                        samples.append((time.perf_counter() - start) * 1e3)
+                samples.sort()
+                row = {"section": "t2w-cache", "case": f"{label} x {n}", "variant": mode, "n": len(samples),
+                       "p50": statistics.median(samples), "p90": samples[int(0.9 * (len(samples) - 1))],
+                       "max": samples[-1]}
+                bench.rows.append(row)
+                print(f"  {label} x {n:<3} {mode:<8} p50 {row['p50']:8.3f}  p90 {row['p90']:8.3f}  "
+                      f"max {row['max']:8.3f} ms", flush=True)
+        del engine
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -307,9 +357,11 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--only", default="llm,flow,hift,t2w", help="comma list of llm, flow, hift, t2w")
+    parser.add_argument("--only", default="llm,flow,hift,t2w,t2w-cache",
+                        help="comma list of llm, flow, hift, t2w, t2w-cache")
     parser.add_argument("--t2w-streams", default="1,4,8,16,32", help="streams per batched first-chunk call")
     parser.add_argument("--t2w-offline", default="8,32", help="utterances per batched offline call")
+    parser.add_argument("--flow-cache-modes", default="off,exact", help="modes compared in the t2w-cache section")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -331,6 +383,9 @@ def main() -> int:
         if "t2w" in only:
             bench_token2wav(bench, dtype, [int(n) for n in args.t2w_streams.split(",")],
                             [int(n) for n in args.t2w_offline.split(",")])
+        if "t2w-cache" in only:
+            bench_flow_cache(bench, dtype, [int(n) for n in args.t2w_streams.split(",")],
+                             args.flow_cache_modes.split(","))
 
     print("\n| section | case | variant | p50 ms | p90 ms | max ms |\n|---|---|---|---|---|---|")
     for row in bench.rows:

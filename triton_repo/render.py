@@ -26,6 +26,7 @@ from string import Template
 from typing import Sequence
 
 from cosyvoice2.layout import MODEL_FILES
+from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from triton_repo import contract
 from triton_repo import internal_io as io
@@ -63,6 +64,10 @@ class RenderOptions:
     instances: dict[str, int] = field(default_factory=dict)
     first_hop: int = 25
     chunk_growth: int = 2
+    # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
+    # streams (voice prefixes not counted); a stream over the budget recomputes from then on.
+    flow_cache: str = "exact"
+    flow_cache_gb: float = 32.0
     # Benchmark mode for random-weight models (they stop at random): every request generates exactly
     # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
     benchmark_speech_ratio: float | None = None
@@ -120,6 +125,10 @@ def check_options(opts: RenderOptions) -> None:
     ):  # fmt: skip
         if value < low:
             errors.append(f"{name} must be >= {low}, got {value}")
+    if opts.flow_cache not in FLOW_CACHE_MODES:
+        errors.append(f"--flow-cache must be one of {', '.join(FLOW_CACHE_MODES)}, got {opts.flow_cache!r}")
+    if not opts.flow_cache_gb >= 0:
+        errors.append(f"--flow-cache-gb must be >= 0, got {opts.flow_cache_gb}")
     if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:
         errors.append(f"--benchmark-speech-ratio must be > 0, got {opts.benchmark_speech_ratio}")
     for model, count in opts.instances.items():
@@ -299,6 +308,8 @@ def _token2wav_parameters(opts: RenderOptions) -> dict[str, object]:
         "dtype": opts.dtype,
         "first_hop": opts.first_hop,
         "chunk_growth": opts.chunk_growth,
+        "flow_cache": opts.flow_cache,
+        "flow_cache_gb": opts.flow_cache_gb,
     }
 
 
@@ -509,6 +520,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--first-hop", type=int, default=defaults.first_hop, help="tokens in the first streaming chunk")
     parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
     parser.add_argument(
+        "--flow-cache", default=defaults.flow_cache, choices=FLOW_CACHE_MODES,
+        help="streaming flow: exact (cached chunks, recomputed final chunk), chunked (all cached), off (recompute)",
+    )  # fmt: skip
+    parser.add_argument("--flow-cache-gb", type=float, default=defaults.flow_cache_gb,
+                        help="memory for live streams' flow caches")
+    parser.add_argument(
         "--layout", default=None, choices=LAYOUTS,
         help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",
     )  # fmt: skip
@@ -535,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 instances=_instances(args.instances),
                 first_hop=args.first_hop,
                 chunk_growth=args.chunk_growth,
+                flow_cache=args.flow_cache,
+                flow_cache_gb=args.flow_cache_gb,
                 layout=args.layout,
                 voice_cache=args.voice_cache,
                 benchmark_speech_ratio=args.benchmark_speech_ratio,

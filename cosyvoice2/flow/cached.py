@@ -30,6 +30,7 @@ masked, as in `CausalFlow.inference_batch`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -56,7 +57,7 @@ class EncoderCache:
 class EstimatorCache:
     frames: int = 0
     kv: list[torch.Tensor] = field(default_factory=list)  # per step: (blocks, 2, 2 rows, heads, frames, head_dim)
-    tails: list[list[torch.Tensor]] = field(default_factory=list)  # per step, per conv: (2 rows, C, 2)
+    tails: list[torch.Tensor] = field(default_factory=list)  # per step: (2 rows, channels of all causal convs, 2)
 
 
 @dataclass
@@ -68,7 +69,7 @@ class CachedSegment:
 
     def nbytes(self) -> int:
         tensors = [self.encoder.kv, self.encoder.up_kv, self.encoder.up_tail, *self.estimator.kv]
-        tensors += [t for step in self.estimator.tails for t in step]
+        tensors += list(self.estimator.tails)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -109,12 +110,18 @@ def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=dim)
 
 
+def _consecutive(values: list[int]) -> bool:
+    return values == list(range(values[0], values[0] + len(values)))
+
+
 # ---- the cached forward ----------------------------------------------------------------------------------
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module) -> None:
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
         self.flow = flow
+        # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
+        self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         self.config = flow.config
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
@@ -292,15 +299,20 @@ class CachedFlowRunner:
         device, dtype = mu.device, mu.dtype
         news = [(row.stop - row.start) * self.stride for row in rows]
         starts = [row.start * self.stride for row in rows]
-        longest = mu.size(2)
         hist = [row.prefix.estimator.frames + row.own.estimator.frames for row in rows]
         kept = [row.kept_tokens(self.grid) * self.stride for row in rows]
         if any(h != s for h, s in zip(hist, starts)):
             raise RuntimeError("encoder and estimator caches disagree")
         if max(s + n for s, n in zip(starts, news)) > cfm.rand_noise.size(-1):
             raise ValueError("flow call exceeds the fixed-noise buffer")
-        mask = (torch.arange(longest, device=device) < torch.tensor(news, device=device).unsqueeze(1))
-        mask = mask.unsqueeze(1).to(dtype)  # (B, 1, longest)
+        # shapes: on CUDA padded to a captured bucket (rows, new frames, history frames), else as they come
+        use_graphs = self.graphs is not None and (mu.is_cuda or self.graphs.emulate)
+        shape = self.graphs.bucket(batch, mu.size(2), max(hist)) if use_graphs else None
+        rows_p, longest, hist_p = shape or (batch, mu.size(2), max(hist))
+        mu = F.pad(mu, (0, longest - mu.size(2), 0, 0, 0, rows_p - batch))
+        news_p = news + [0] * (rows_p - batch)
+        mask = (torch.arange(longest, device=device) < torch.tensor(news_p, device=device).unsqueeze(1))
+        mask = mask.unsqueeze(1).to(dtype)  # (Bp, 1, longest)
         mu = mu * mask
         cond = torch.zeros_like(mu)
         x = torch.zeros_like(mu)
@@ -311,100 +323,129 @@ class CachedFlowRunner:
             if prompt.size(0):
                 cond[b, :, : prompt.size(0)] = prompt.transpose(0, 1).to(dtype)
         spks = torch.stack([row.spks for row in rows]).to(dtype)
+        spks = F.pad(spks, (0, 0, 0, rows_p - batch))
 
         mask_in = torch.cat([mask, mask])
         mu_in = torch.cat([mu, torch.zeros_like(mu)])
         spks_in = torch.cat([spks, torch.zeros_like(spks)])
         cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        bias = self._estimator_bias(rows, hist, news, longest, estimator.config.static_chunk_size, device, dtype)
+        finals = [row.final for row in rows] + [True] * (rows_p - batch)
+        bias = self._estimator_bias(finals, hist + [0] * (rows_p - batch), news_p, hist_p, longest,
+                                    estimator.config.static_chunk_size, device, dtype)
+        kept_p = kept + [0] * (rows_p - batch)
+        tail_at = torch.tensor(kept_p * 2, device=device).view(-1, 1, 1) + torch.arange(CONV_CONTEXT, device=device)
         rate = cfm.config.inference_cfg_rate
-        step_kv: list[torch.Tensor] = []
-        step_tails: list[list[torch.Tensor]] = []
+        step_kv: list[list[torch.Tensor]] = []
+        step_tails: list[torch.Tensor] = []
         for step, (t, dt) in enumerate(cfm.schedule):
-            history = self._gather_history(rows, step, hist)
-            tails = self._gather_tails(rows, step)
-            t_in = torch.full((2 * batch,), t, dtype=dtype, device=device)
-            velocity, kv, new_tails = self._estimate(estimator, torch.cat([x, x]), mask_in, mu_in, t_in, spks_in,
-                                                     cond_in, bias, history, tails, kept)
-            step_kv.append(kv)
-            step_tails.append(new_tails)
-            v_cond, v_uncond = velocity[:batch], velocity[batch:]
+            t_in = torch.full((2 * rows_p,), t, dtype=dtype, device=device)
+            if shape is not None:
+                velocity, kv, new_tails = self.graphs.run(shape, rows, step, hist, torch.cat([x, x]), mask_in, mu_in,
+                                                          t_in, spks_in, cond_in, bias, tail_at)
+            else:
+                history = self._gather_history(rows, step, hist_p, rows_p)
+                tails = self._gather_tails(rows, step, rows_p)
+                velocity, kv, new_tails = self.estimate(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in,
+                                                        bias, history, tails, tail_at)
+            if any(kept):  # keep only what the rows cache: the graphs' outputs are overwritten by the next replay
+                step_kv.append([kv[:, :, [b, rows_p + b], :, : kept[b]] for b in range(batch) if kept[b]])
+                step_tails.append(new_tails.clone())
+            v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
 
         mels, caches = [], []
+        index = 0
         for b, row in enumerate(rows):
             skip = row.first_emitted() * self.stride - starts[b]
             mels.append(x[b, :, skip : news[b]].float())
             if kept[b]:
-                # per step (blocks, 2, 2 rows, heads, n, d); rows b and batch + b are this row's guidance rows
-                kv = [step[:, :, [b, batch + b], :, : kept[b]] for step in step_kv]
-                tails_b = [[t[[b, batch + b]] for t in step] for step in step_tails]
+                # per step (blocks, 2, 2 rows, heads, n, d); rows b and Bp + b are this row's guidance rows
+                kv = [step[index] for step in step_kv]
+                tails_b = [step[[b, rows_p + b]] for step in step_tails]
                 caches.append(EstimatorCache(kept[b], kv, tails_b))
+                index += 1
             else:
                 caches.append(EstimatorCache())
         return mels, caches
 
     @staticmethod
-    def _estimator_bias(rows, hist, news, longest, chunk, device, dtype) -> torch.Tensor:
-        """(2B, 1, longest, H + longest) additive bias: history keys, then new keys (chunk-causal unless final)."""
-        longest_hist = max(hist)
-        batch = len(rows)
-        slot = torch.arange(longest_hist + longest, device=device)
+    def _estimator_bias(finals, hist, news, hist_p, longest, chunk, device, dtype) -> torch.Tensor:
+        """(2B, 1, longest, hist_p + longest) additive bias: history keys (padded to hist_p), then new keys
+        (chunk-causal unless final)."""
+        slot = torch.arange(hist_p + longest, device=device)
         hist_t = torch.tensor(hist, device=device)
         news_t = torch.tensor(news, device=device)
-        is_new = slot >= longest_hist
-        new_index = slot - longest_hist
+        is_new = slot >= hist_p
+        new_index = slot - hist_p
         real = torch.where(is_new.unsqueeze(0), new_index.unsqueeze(0) < news_t.unsqueeze(1),
                            slot.unsqueeze(0) < hist_t.unsqueeze(1))  # (B, total)
         query = torch.arange(longest, device=device)
         # new frames start on the chunk grid (hist is a multiple of the chunk), so chunk ids compare locally
         later_chunk = is_new.view(1, 1, -1) & ((new_index // chunk).view(1, 1, -1) > (query // chunk).view(1, -1, 1))
-        finals = torch.tensor([row.final for row in rows], device=device).view(-1, 1, 1)
-        visible = real.unsqueeze(1) & (~later_chunk | finals)  # (B, Nq, total)
+        finals_t = torch.tensor(finals, device=device).view(-1, 1, 1)
+        visible = real.unsqueeze(1) & (~later_chunk | finals_t)  # (B, Nq, total)
         bias = (1.0 - visible.to(dtype)) * _MASKED_BIAS
         return torch.cat([bias, bias]).unsqueeze(1)
 
-    def _gather_history(self, rows: Sequence[CachedRow], step: int, hist: list[int]) -> Optional[torch.Tensor]:
-        """(blocks, 2, 2B, heads, H, d) keys/values of every row's history at one Euler step (padded)."""
-        longest_hist = max(hist)
-        if longest_hist == 0:
-            return None
-        parts = [[seg.estimator.kv[step] for seg in (row.prefix, row.own) if seg.estimator.frames] for row in rows]
-        like = parts[next(b for b, p in enumerate(parts) if p)][0]
-        blocks, _, _, heads, _, head_dim = like.shape
-        batch = len(rows)
-        out = like.new_zeros(blocks, 2, 2 * batch, heads, longest_hist, head_dim)
-        for b, pieces in enumerate(parts):
-            at = 0
-            for piece in pieces:
+    def _gather_history(self, rows: Sequence[CachedRow], step: int, hist_p: int, rows_p: int,
+                        out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """(blocks, 2, 2 Bp, heads, hist_p, d) keys/values of every row's history at one Euler step, written into
+        `out` when given (padding left as it is: masked). Rows sharing a voice prefix get it in one copy."""
+        if hist_p == 0:
+            return out
+        if out is None:
+            like = next(seg.estimator.kv[step] for row in rows for seg in (row.prefix, row.own) if seg.estimator.frames)
+            blocks, _, _, heads, _, head_dim = like.shape
+            out = like.new_zeros(blocks, 2, 2 * rows_p, heads, hist_p, head_dim)
+        by_prefix: dict[int, list[int]] = {}
+        for b, row in enumerate(rows):
+            if row.prefix.estimator.frames:
+                by_prefix.setdefault(id(row.prefix), []).append(b)
+        for members in by_prefix.values():
+            piece = rows[members[0]].prefix.estimator.kv[step]  # (blocks, 2, 2, heads, n, d)
+            n = piece.size(4)
+            for cfg in (0, 1):
+                target = [b + cfg * rows_p for b in members]
+                if _consecutive(target):  # one broadcast copy for all rows of this voice
+                    out[:, :, target[0] : target[-1] + 1, :, :n] = piece[:, :, cfg : cfg + 1]
+                else:
+                    for b in target:
+                        out[:, :, b, :, :n] = piece[:, :, cfg]
+        for b, row in enumerate(rows):
+            if row.own.estimator.frames:
+                at = row.prefix.estimator.frames
+                piece = row.own.estimator.kv[step]
                 n = piece.size(4)
                 out[:, :, b, :, at : at + n] = piece[:, :, 0]
-                out[:, :, batch + b, :, at : at + n] = piece[:, :, 1]
-                at += n
+                out[:, :, rows_p + b, :, at : at + n] = piece[:, :, 1]
         return out
 
-    def _gather_tails(self, rows: Sequence[CachedRow], step: int) -> Optional[list[torch.Tensor]]:
-        """Per causal conv: (2B, C, 2) last input frames of each row's history (zeros for a fresh row)."""
+    def _gather_tails(self, rows: Sequence[CachedRow], step: int, rows_p: int,
+                      out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """(2 Bp, channels of all causal convs, 2): the last inputs before each row's history end (zeros for a
+        row with no history)."""
         sources = []
         for row in rows:
             seg = row.own if row.own.estimator.frames else row.prefix
             sources.append(seg.estimator.tails[step] if seg.estimator.frames else None)
-        if all(s is None for s in sources):
-            return None
-        like = next(s for s in sources if s is not None)
-        batch = len(rows)
-        tails = []
-        for conv in range(len(like)):
-            t = like[conv].new_zeros(2 * batch, *like[conv].shape[1:])
-            for b, s in enumerate(sources):
-                if s is not None:
-                    t[b], t[batch + b] = s[conv][0], s[conv][1]
-            tails.append(t)
-        return tails
+        if out is None:
+            like = next((s for s in sources if s is not None), None)
+            if like is None:
+                return None
+            out = like.new_zeros(2 * rows_p, *like.shape[1:])
+        for b, source in enumerate(sources):
+            if source is None:
+                out[b].zero_()
+                out[rows_p + b].zero_()
+            else:
+                out[b], out[rows_p + b] = source[0], source[1]
+        return out
 
-    def _estimate(self, est, x, mask, mu, t, spks, cond, bias, history, tails, kept):
-        """One estimator evaluation over new frames; returns velocity, this step's new k/v, new conv tails."""
-        convs = _ConvTails(tails, kept)
+    def estimate(self, x, mask, mu, t, spks, cond, bias, history, tails, tail_at):
+        """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, heads, N, d),
+        new conv tails (2B, channels, 2) taken at `tail_at`). Static shapes, no host syncs: CUDA-graph safe."""
+        est = self.flow.decoder.estimator
+        convs = _ConvTails(tails, tail_at)
         blocks = _BlockKV(history)
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
@@ -456,29 +497,30 @@ class CachedFlowRunner:
 
 
 class _ConvTails:
-    """Causal convs with the previous call's last inputs as left context, in call order; collects new tails."""
+    """Causal convs with the previous call's last inputs as left context, in call order; collects the new tails.
 
-    def __init__(self, tails: Optional[list[torch.Tensor]], kept: list[int]) -> None:
-        self.tails, self.kept = tails, kept
-        self.index = 0
+    All convs' tails travel as one tensor (2B, sum of input channels, 2), each conv reading its channel slice."""
+
+    def __init__(self, tails: Optional[torch.Tensor], tail_at: torch.Tensor) -> None:
+        self.tails, self.tail_at = tails, tail_at  # tail_at (2B, 1, 2): positions in [context | new] to keep
+        self.offset = 0
         self.out: list[torch.Tensor] = []
 
     def conv(self, conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
         """x (2B, C, N) masked input -> conv output (2B, C', N)."""
-        context = conv.kernel_size[0] - 1
-        left = x.new_zeros(x.size(0), x.size(1), context) if self.tails is None else self.tails[self.index]
+        context, channels = conv.kernel_size[0] - 1, x.size(1)
+        assert context == CONV_CONTEXT
+        if self.tails is None:
+            left = x.new_zeros(x.size(0), channels, context)
+        else:
+            left = self.tails[:, self.offset : self.offset + channels]
+        self.offset += channels
         seq = torch.cat([left, x], dim=2)
-        batch = len(self.kept)
-        # the last `context` inputs before each row's kept boundary (guidance rows b and batch + b share it)
-        ends = torch.tensor(self.kept * 2, device=x.device) + context
-        index = ends.view(-1, 1, 1) - context + torch.arange(context, device=x.device).view(1, 1, -1)
-        self.out.append(seq.gather(2, index.expand(-1, seq.size(1), -1)))
-        self.index += 1
-        assert batch * 2 == x.size(0)
+        self.out.append(seq.gather(2, self.tail_at.expand(-1, channels, -1)))
         return F.conv1d(seq, conv.weight, conv.bias)
 
-    def collected(self) -> list[torch.Tensor]:
-        return self.out
+    def collected(self) -> torch.Tensor:
+        return torch.cat(self.out, dim=1)
 
 
 class _BlockKV:
@@ -507,3 +549,130 @@ class _BlockKV:
 
     def collected(self) -> torch.Tensor:
         return torch.stack(self.out)  # (blocks, 2, 2B, heads, N, d)
+
+
+@dataclass
+class _CapturedStep:
+    inputs: tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, bias, tail_at
+    graph: "torch.cuda.CUDAGraph"
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # velocity, k/v, conv tails
+
+
+class StepGraphs:
+    """CUDA graphs of one cached estimator evaluation, per (rows, new frames, history frames) bucket.
+
+    Uncached, the Euler loop is launch-bound (about a thousand small kernels per estimator call); cached, it
+    also attends to a history that differs per row. A call is padded to a bucket: rows to a power of two, new
+    frames and history frames up to a bucket size; padding is masked (zero mask, -1e10 attention bias), so the
+    real rows and frames are exact. The history of the call's rows is copied before each step into one static
+    buffer that every graph views (sized for the largest bucket, allocated on first use); a graph's outputs live
+    in the shared pool and are valid until the next replay: callers copy what they keep at once. One thread at a
+    time (a lock guards fill + replay).
+    """
+
+    def __init__(self, runner: CachedFlowRunner, rows: Sequence[int] = (1, 2, 4, 8, 16),
+                 new_frames: Sequence[int] = (128, 256), history_frames: Sequence[int] = (512, 1024, 1536, 2048)):
+        self.runner = runner
+        self.rows, self.new_frames, self.history_frames = tuple(rows), tuple(new_frames), tuple(history_frames)
+        self._captured: dict[tuple[int, int, int], _CapturedStep] = {}
+        self._pool: object | None = None
+        self._history: Optional[torch.Tensor] = None
+        self._tails: Optional[torch.Tensor] = None
+        self._lock = threading.Lock()
+        self.emulate = False  # tests: pad to buckets and use the static buffers on CPU, running eagerly
+
+    def bucket(self, rows: int, new: int, history: int) -> Optional[tuple[int, int, int]]:
+        """The padded (rows, new frames, history frames) of a call, or None (run eagerly) when it fits none."""
+        pick = [next((b for b in buckets if b >= value), None)
+                for buckets, value in ((self.rows, rows), (self.new_frames, new), (self.history_frames, history))]
+        return None if None in pick else tuple(pick)  # type: ignore[return-value]
+
+    def buckets(self) -> list[tuple[int, int, int]]:
+        return [(r, n, h) for r in self.rows for n in self.new_frames for h in self.history_frames]
+
+    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Capture every bucket now (a server does this before it reports ready); returns how many were new."""
+        before = len(self._captured)
+        for shape in self.buckets():
+            with self._lock:
+                self._get(shape, device, dtype)
+        return len(self._captured) - before
+
+    def run(self, shape: tuple[int, int, int], rows: Sequence[CachedRow], step: int, hist: list[int],
+            x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+            cond: torch.Tensor, bias: torch.Tensor, tail_at: torch.Tensor):
+        rows_p, _, hist_p = shape
+        with self._lock:
+            captured = self._get(shape, x.device, x.dtype)
+            history = self._history_view(rows_p, hist_p)
+            self.runner._gather_history(rows, step, hist_p, rows_p, out=history)
+            self.runner._gather_tails(rows, step, rows_p, out=self._tails[: 2 * rows_p])
+            for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
+                static.copy_(value)
+            if captured.graph is None:  # emulation on CPU
+                return self.runner.estimate(*captured.inputs[:7], history, self._tails[: 2 * rows_p],
+                                            captured.inputs[7])
+            captured.graph.replay()
+            return captured.outputs
+
+    # -- capture ---------------------------------------------------------------------------------------
+    def _history_view(self, rows_p: int, hist_p: int) -> torch.Tensor:
+        assert self._history is not None
+        return self._history[:, :, : 2 * rows_p, :, :hist_p]
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The static history and tail buffers, zeroed: padding must hold finite values (it is masked)."""
+        est = self.runner.flow.decoder.estimator
+        cfg = est.config
+        blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
+        rows, history = 2 * max(self.rows), max(self.history_frames)
+        self._history = torch.zeros(blocks, 2, rows, cfg.num_heads, history, cfg.attention_head_dim,
+                                    device=device, dtype=dtype)
+        self._tails = torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype)
+
+    def _tail_channels(self) -> int:
+        """Input channels of every causal conv of the estimator (their tails travel as one tensor)."""
+        est = self.runner.flow.decoder.estimator
+        total = est.final_block.block[0].in_channels
+        for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks):
+            total += stage[0].block1.block[0].in_channels + stage[0].block2.block[0].in_channels
+            total += stage[2].in_channels if len(stage) > 2 else 0
+        return total
+
+    def _get(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> _CapturedStep:
+        captured = self._captured.get(shape)
+        if captured is not None:
+            return captured
+        if self._history is None:
+            self._allocate(device, dtype)
+        if self._pool is None and device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        rows_p, new, hist_p = shape
+        est = self.runner.flow.decoder.estimator
+        mel = est.config.out_channels
+        inputs = (
+            torch.zeros(2 * rows_p, mel, new, device=device, dtype=dtype),  # x
+            torch.zeros(2 * rows_p, 1, new, device=device, dtype=dtype),  # mask
+            torch.zeros(2 * rows_p, mel, new, device=device, dtype=dtype),  # mu
+            torch.zeros(2 * rows_p, device=device, dtype=dtype),  # t
+            torch.zeros(2 * rows_p, mel, device=device, dtype=dtype),  # spks
+            torch.zeros(2 * rows_p, mel, new, device=device, dtype=dtype),  # cond
+            torch.zeros(2 * rows_p, 1, new, hist_p + new, device=device, dtype=dtype),  # bias
+            torch.zeros(2 * rows_p, 1, CONV_CONTEXT, device=device, dtype=torch.long),  # tail_at
+        )
+        history = self._history_view(rows_p, hist_p)
+        tails = self._tails[: 2 * rows_p]
+        if device.type != "cuda":
+            captured = self._captured[shape] = _CapturedStep(inputs, None, None)  # type: ignore[arg-type]
+            return captured
+        with torch.inference_mode():
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, cuBLAS workspaces)
+                self.runner.estimate(*inputs[:7], history, tails, inputs[7])
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                outputs = self.runner.estimate(*inputs[:7], history, tails, inputs[7])
+        captured = self._captured[shape] = _CapturedStep(inputs, graph, outputs)
+        return captured

@@ -33,7 +33,8 @@ class Token2WavHandler:
         flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
         hift = load_hift(model_dir / HIFT_FILE, config, device)
         schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
-        engine = BatchedToken2Wav(flow, hift, config, schedule)
+        budget = float(params.get("flow_cache_gb", 0)) or None
+        engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "exact"), budget)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(
             StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats

@@ -1,0 +1,238 @@
+"""Chunk-cached streaming flow (cosyvoice2/flow/cached.py) against the recomputing path.
+
+On the parity oracle's micro flow (upstream weights layout, its prompt and x-vector): over whole streams of at
+least three chunks, the cached path's mel equals recomputing prompt + history for every chunk (fp32, 5e-5), and its
+first chunk equals upstream's own streaming call. Then through `Token2Wav`: batched streams at different positions,
+voice prefixes shared, failed calls leaving caches untouched, and the memory budget.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice2.flow import CausalFlow, FlowConfig
+from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
+from cosyvoice2.streaming import ChunkSchedule, Token2Wav
+
+PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity"
+MEL_TOL = 5e-5
+
+
+def random_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).integers(0, 6561, n)).long()
+
+
+# ---- the flow alone, on the parity oracle ---------------------------------------------------------------
+parity = pytest.mark.skipif(not (PARITY_DIR / "micro" / "flow.pt").exists(), reason="parity data absent")
+
+
+@pytest.fixture(scope="module")
+def oracle() -> tuple[CausalFlow, dict[str, torch.Tensor]]:
+    harness = json.loads((PARITY_DIR / "micro" / "harness_config.json").read_text())
+    flow = CausalFlow(FlowConfig.from_harness(harness["flow"])).eval()
+    flow.load_state_dict(torch.load(PARITY_DIR / "micro" / "flow.pt", weights_only=True), strict=True)
+    with np.load(PARITY_DIR / "micro_dump_seed1234.npz") as arrays:
+        dump = {k: torch.from_numpy(arrays[k]) for k in arrays.files if k.startswith(("flow_", "in_"))}
+    return flow, dump
+
+
+def recompute(flow: CausalFlow, prompt_tokens, prompt_mel, xvector, tokens, start, final) -> torch.Tensor:
+    """The uncached path: the flow over prompt + tokens[:feed], the mel of tokens[start:]."""
+    mel = flow.inference(tokens[None], prompt_tokens[None], prompt_mel[None], xvector[None], streaming=not final,
+                         finalize=final)[0]
+    return mel[:, start * 2 :]
+
+
+def stream_both_ways(flow: CausalFlow, prompt_tokens, prompt_mel, xvector, tokens, schedule: ChunkSchedule,
+                     final_cached: bool):
+    """[(chunk, recomputed mel, cached mel)] over a whole stream."""
+    runner = CachedFlowRunner(flow)
+    spks = runner.project_speaker(xvector[None])[0]
+    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    own = CachedSegment()
+    offset = prompt_tokens.numel()
+    out = []
+    for chunk in schedule.chunks(tokens.numel()):
+        ref = recompute(flow, prompt_tokens, prompt_mel, xvector, tokens[: chunk.feed], chunk.start, chunk.final)
+        if chunk.final and not final_cached:
+            out.append((chunk, ref, ref))
+            continue
+        row = CachedRow(torch.cat([prompt_tokens, tokens[: chunk.feed]]), prompt_mel, spks, prefix, own,
+                        stop=offset + chunk.stop, final=chunk.final, keep=not chunk.final,
+                        emit_from=offset + chunk.start)
+        out.append((chunk, ref, runner.run([row])[0]))
+    return out, prefix, own
+
+
+@parity
+@pytest.mark.parametrize("first_hop", [25, 15])
+def test_cached_stream_equals_recompute_on_the_oracle(oracle, first_hop: int) -> None:
+    flow, dump = oracle
+    prompt_tokens = dump["in_prompt_speech_token"][0].long()
+    tokens = torch.cat([dump["in_flow_token"][0].long(), random_tokens(200, seed=3)])
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens.numel(), first_hop=first_hop)
+    result, prefix, own = stream_both_ways(flow, prompt_tokens, dump["in_prompt_feat"][0], dump["in_xvector"][0],
+                                           tokens, schedule, final_cached=False)
+    assert sum(not chunk.final for chunk, _, _ in result) >= 3
+    for chunk, ref, mel in result:
+        assert mel.shape == ref.shape == (80, 2 * (chunk.stop - chunk.start))
+        assert (mel - ref).abs().max().item() <= MEL_TOL, chunk
+    whole_ref = torch.cat([ref for _, ref, _ in result], dim=1)
+    whole = torch.cat([mel for _, _, mel in result], dim=1)
+    assert whole.shape == (80, 2 * tokens.numel())
+    assert (whole - whole_ref).abs().max().item() <= MEL_TOL
+    # the prompt's first whole grid chunk (40 prompt tokens, 3 of lookahead: 25) is the voice's shared prefix
+    assert prefix.encoder.tokens == 25 and prefix.estimator.frames == 50
+    # the caches cover exactly the grid chunks the non-final chunks completed
+    last = [chunk for chunk, _, _ in result if not chunk.final][-1]
+    assert own.encoder.tokens == (prompt_tokens.numel() + last.stop) // 25 * 25 - 25
+
+
+@parity
+def test_cached_first_chunk_equals_upstream_streaming_call(oracle) -> None:
+    flow, dump = oracle
+    prompt_tokens = dump["in_prompt_speech_token"][0].long()
+    tokens = dump["in_flow_stream_token"][0].long()  # 35 tokens + 3 lookahead, as upstream's first chunk
+    runner = CachedFlowRunner(flow)
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    prefix = runner.prefix(prompt_tokens, dump["in_prompt_feat"][0], spks)
+    row = CachedRow(torch.cat([prompt_tokens, tokens]), dump["in_prompt_feat"][0], spks, prefix, CachedSegment(),
+                    stop=40 + 35, final=False, keep=True)
+    mel = runner.run([row])[0]
+    assert (mel - dump["flow_mel_stream0"][0]).abs().max().item() <= MEL_TOL
+
+
+@parity
+def test_chunked_final_differs_only_in_the_final_chunk(oracle) -> None:
+    """The cheap final chunk (chunk attention over the caches) is not upstream's full-attention final chunk:
+    the earlier chunks stay exact, the final one differs by a small, bounded amount (documented figure)."""
+    flow, dump = oracle
+    prompt_tokens = dump["in_prompt_speech_token"][0].long()
+    tokens = torch.cat([dump["in_flow_token"][0].long(), random_tokens(200, seed=3)])
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens.numel())
+    result, _, _ = stream_both_ways(flow, prompt_tokens, dump["in_prompt_feat"][0], dump["in_xvector"][0], tokens,
+                                    schedule, final_cached=True)
+    *earlier, (final_chunk, final_ref, final_mel) = result
+    assert final_chunk.final and final_mel.shape == final_ref.shape
+    assert all((mel - ref).abs().max().item() <= MEL_TOL for _, ref, mel in earlier)
+    deviation = (final_mel - final_ref).abs().max().item()
+    scale = final_ref.abs().max().item()
+    assert MEL_TOL < deviation < 0.05 * scale  # different attention, same model: close, not equal
+
+
+@parity
+def test_rows_with_different_histories_batch_like_single_calls(oracle) -> None:
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow)
+    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    tokens = random_tokens(300, seed=9)
+
+    def advance(own: CachedSegment, stops: list[int]) -> None:
+        for stop in stops:
+            runner.run([CachedRow(torch.cat([prompt_tokens, tokens]), prompt_mel, spks, prefix, own, stop=40 + stop,
+                                  final=False, keep=True)])
+
+    # three streams at different points: fresh, after one chunk, after two chunks; plus one finishing
+    states = [CachedSegment() for _ in range(4)]
+    advance(states[1], [35])
+    advance(states[2], [35, 85])
+    advance(states[3], [35, 85, 185])
+    calls = [(35, False), (85, False), (185, False), (230, True)]
+
+    def rows(owns):
+        return [CachedRow(torch.cat([prompt_tokens, tokens]), prompt_mel, spks, prefix, own, stop=40 + stop,
+                          final=final, keep=not final) for own, (stop, final) in zip(owns, calls)]
+
+    alone = [runner.run_pending([row])[0][0] for row in rows(states)]
+    together, updates = runner.run_pending(rows(states))
+    for a, b in zip(alone, together):
+        assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
+    assert updates[3] is None and all(u is not None for u in updates[:3])
+
+
+# ---- through Token2Wav, on the tiny model directory ------------------------------------------------------
+def make_engine(tiny_engine, mode: str, budget: int | None = None) -> Token2Wav:
+    base = tiny_engine.token2wav_engine
+    return Token2Wav(base.flow, base.hift, base.config, flow_cache=mode, cache_budget_bytes=budget)
+
+
+def stream_audio(engine: Token2Wav, prompt, tokens: list[int], seed: int, step: int = 7) -> np.ndarray:
+    stream = engine.open_stream(engine.flow_prompt(prompt), engine.new_generator(seed))
+    pieces = []
+    for i in range(0, len(tokens), step):
+        pieces.extend(stream.push(tokens[i : i + step]))
+    pieces.append(stream.finish())
+    return np.concatenate(pieces)
+
+
+@pytest.fixture(scope="module")
+def long_tokens() -> list[int]:
+    return random_tokens(260, seed=4).tolist()
+
+
+def test_exact_mode_audio_equals_recompute(tiny_engine, tiny_prompt_unaligned, long_tokens) -> None:
+    off = stream_audio(make_engine(tiny_engine, "off"), tiny_prompt_unaligned, long_tokens, seed=1)
+    exact_engine = make_engine(tiny_engine, "exact")
+    exact = stream_audio(exact_engine, tiny_prompt_unaligned, long_tokens, seed=1)
+    assert off.shape == exact.shape == (960 * len(long_tokens),)
+    assert np.abs(off - exact).max() < 1e-3  # HiFT turns mel rounding (1e-6) into ~2e-4 here
+    assert exact_engine.cache_bytes == 0  # the final chunk released the stream's caches
+
+
+def test_streams_of_one_voice_share_one_prefix(tiny_engine, tiny_prompt, long_tokens) -> None:
+    engine = make_engine(tiny_engine, "chunked")
+    calls = []
+    original = engine.cached.prefix
+    engine.cached.prefix = lambda *args: calls.append(1) or original(*args)
+    a = stream_audio(engine, tiny_prompt, long_tokens, seed=2)
+    b = stream_audio(engine, tiny_prompt, long_tokens, seed=2)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(a, b)
+
+
+def test_failed_call_leaves_flow_caches_untouched(tiny_engine, tiny_prompt_unaligned, long_tokens) -> None:
+    engine = make_engine(tiny_engine, "exact")
+    reference = stream_audio(make_engine(tiny_engine, "exact"), tiny_prompt_unaligned, long_tokens, seed=3)
+
+    stream = engine.open_stream(engine.flow_prompt(tiny_prompt_unaligned), engine.new_generator(3))
+    pieces = stream.push(long_tokens[:100])  # two chunks
+    original = engine.vocode_batch
+
+    def failing(*args):
+        raise RuntimeError("injected HiFT failure")
+
+    engine.vocode_batch = failing
+    stream.extend(long_tokens[100:200])
+    chunk = stream.next_chunk(finished=False)
+    cached_tokens = stream.flow_cache.own.encoder.tokens
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.run_chunks([(stream, chunk)])
+    assert stream.flow_cache.own.encoder.tokens == cached_tokens and stream.flow_cache.pending is None
+    engine.vocode_batch = original
+    pieces.extend(engine.run_chunks([(stream, chunk)]))
+    pieces.extend(stream.push(long_tokens[200:]))
+    pieces.append(stream.finish())
+    np.testing.assert_allclose(np.concatenate(pieces), reference, atol=1e-6)
+
+
+def test_over_budget_stream_recomputes_and_returns_its_memory(tiny_engine, tiny_prompt_unaligned, long_tokens) -> None:
+    exact = stream_audio(make_engine(tiny_engine, "exact"), tiny_prompt_unaligned, long_tokens, seed=4)
+    probe = make_engine(tiny_engine, "exact")
+    stream = probe.open_stream(probe.flow_prompt(tiny_prompt_unaligned), probe.new_generator(4))
+    stream.push(long_tokens[:40])
+    one_chunk = probe.cache_bytes
+    assert one_chunk > 0
+    del stream  # a stream dropped mid-utterance (cancelled) gives its memory back
+    assert probe.cache_bytes == 0
+
+    engine = make_engine(tiny_engine, "exact", budget=one_chunk + 1)  # room for the first chunk only
+    limited = stream_audio(engine, tiny_prompt_unaligned, long_tokens, seed=4)
+    assert np.abs(limited - exact).max() < 1e-3
+    assert engine.cache_bytes == 0
