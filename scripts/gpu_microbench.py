@@ -316,7 +316,14 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
     tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     for mode in modes:
         engine = Token2Wav(flow, hift, config, flow_cache=mode)
-        engine.prefix(voice) if mode != "off" else None
+        if mode != "off":
+            start = time.perf_counter()
+            graphs = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
+            torch.cuda.synchronize(device)
+            print(f"  {mode}: captured {graphs} step graphs in {time.perf_counter() - start:.1f} s, graph pool "
+                  f"{torch.cuda.memory_stats(device).get('allocated_bytes.all.current', 0) / 2**30:.1f} GiB in use",
+                  flush=True)
+            engine.prefix(voice)
 
         def advanced(n: int, chunks: int) -> list:
             work = []
@@ -331,7 +338,9 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
         for label, chunks in (("first chunk", 0), ("4th chunk (100 tok after 185)", 3)):
             for n in streams:
                 samples = []
+                work: list = []
                 for repeat in range(bench.warmup + max(3, bench.repeats // 5)):
+                    del work[:]  # free the previous streams' caches before building new ones
                     work = advanced(n, chunks)
                     bench.sync()
                     start = time.perf_counter()

@@ -343,12 +343,15 @@ class CachedFlowRunner:
                 velocity, kv, new_tails = self.graphs.run(shape, rows, step, hist, torch.cat([x, x]), mask_in, mu_in,
                                                           t_in, spks_in, cond_in, bias, tail_at)
             else:
-                history = self._gather_history(rows, step, hist_p, rows_p)
+                keys = self._key_buffer(mu, rows_p, hist_p + longest)
+                self._gather_history(rows, step, hist_p, rows_p, out=keys[..., :hist_p, :])
                 tails = self._gather_tails(rows, step, rows_p)
                 velocity, kv, new_tails = self.estimate(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in,
-                                                        bias, history, tails, tail_at)
+                                                        bias, keys, hist_p, tails, tail_at)
             if any(kept):  # keep only what the rows cache: the graphs' outputs are overwritten by the next replay
-                step_kv.append([kv[:, :, [b, rows_p + b], :, : kept[b]] for b in range(batch) if kept[b]])
+                # (slices and stack: an index list would be a host-to-device copy, i.e. a sync, per row and step)
+                step_kv.append([torch.stack([kv[:, :, b, :, : kept[b]], kv[:, :, rows_p + b, :, : kept[b]]], dim=2)
+                                for b in range(batch) if kept[b]])
                 step_tails.append(new_tails.clone())
             v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
             x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
@@ -361,7 +364,7 @@ class CachedFlowRunner:
             if kept[b]:
                 # per step (blocks, 2, 2 rows, heads, n, d); rows b and Bp + b are this row's guidance rows
                 kv = [step[index] for step in step_kv]
-                tails_b = [step[[b, rows_p + b]] for step in step_tails]
+                tails_b = [torch.stack([step[b], step[rows_p + b]]) for step in step_tails]
                 caches.append(EstimatorCache(kept[b], kv, tails_b))
                 index += 1
             else:
@@ -441,12 +444,20 @@ class CachedFlowRunner:
                 out[b], out[rows_p + b] = source[0], source[1]
         return out
 
-    def estimate(self, x, mask, mu, t, spks, cond, bias, history, tails, tail_at):
+    def _key_buffer(self, like: torch.Tensor, rows_p: int, frames: int) -> torch.Tensor:
+        """A zeroed (blocks, 2, 2 Bp, heads, frames, d) key/value buffer (eager calls)."""
+        cfg = self.flow.decoder.estimator.config
+        blocks = len(self.flow.decoder.estimator.down_blocks[0][1]) * (2 + len(self.flow.decoder.estimator.mid_blocks))
+        return like.new_zeros(blocks, 2, 2 * rows_p, cfg.num_heads, frames, cfg.attention_head_dim)
+
+    def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
         """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, heads, N, d),
-        new conv tails (2B, channels, 2) taken at `tail_at`). Static shapes, no host syncs: CUDA-graph safe."""
+        new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, heads, hist_p + N, d) holds
+        the history in its first hist_p frames; the new keys/values are written after them, so attention reads
+        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe."""
         est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
-        blocks = _BlockKV(history)
+        blocks = _BlockKV(keys, hist_p)
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
 
@@ -524,31 +535,30 @@ class _ConvTails:
 
 
 class _BlockKV:
-    """Transformer blocks over new frames attending to history keys/values, in call order; collects new k/v."""
+    """Transformer blocks over new frames attending to history + new keys/values held in one buffer, in call order.
 
-    def __init__(self, history: Optional[torch.Tensor]) -> None:
-        self.history = history
+    The buffer (blocks, 2, 2B, heads, hist_p + N, d) has the history in its first hist_p frames; each block writes
+    its new keys/values after them and attends to the whole buffer (the bias masks padding)."""
+
+    def __init__(self, keys: torch.Tensor, hist_p: int) -> None:
+        self.keys, self.hist_p = keys, hist_p
         self.index = 0
-        self.out: list[torch.Tensor] = []
 
     def run(self, block: TransformerBlock, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         attn = block.attn1
         batch, length, _ = x.shape
         h = block.norm1(x)
         q = attn._split_heads(attn.to_q(h))
-        k = attn._split_heads(attn.to_k(h))
-        v = attn._split_heads(attn.to_v(h))
-        self.out.append(torch.stack([k, v]))
-        if self.history is not None:
-            k = torch.cat([self.history[self.index, 0], k], dim=2)
-            v = torch.cat([self.history[self.index, 1], v], dim=2)
+        k, v = self.keys[self.index, 0], self.keys[self.index, 1]
+        k[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_k(h)))
+        v[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_v(h)))
         self.index += 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
         x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
 
     def collected(self) -> torch.Tensor:
-        return torch.stack(self.out)  # (blocks, 2, 2B, heads, N, d)
+        return self.keys[..., self.hist_p :, :]  # (blocks, 2, 2B, heads, N, d): a view of the buffer
 
 
 @dataclass
@@ -571,7 +581,8 @@ class StepGraphs:
     """
 
     def __init__(self, runner: CachedFlowRunner, rows: Sequence[int] = (1, 2, 4, 8, 16),
-                 new_frames: Sequence[int] = (128, 256), history_frames: Sequence[int] = (512, 1024, 1536, 2048)):
+                 new_frames: Sequence[int] = (128, 256),
+                 history_frames: Sequence[int] = (256, 512, 768, 1024, 1280, 1536, 2048)):
         self.runner = runner
         self.rows, self.new_frames, self.history_frames = tuple(rows), tuple(new_frames), tuple(history_frames)
         self._captured: dict[tuple[int, int, int], _CapturedStep] = {}
@@ -588,7 +599,9 @@ class StepGraphs:
         return None if None in pick else tuple(pick)  # type: ignore[return-value]
 
     def buckets(self) -> list[tuple[int, int, int]]:
-        return [(r, n, h) for r in self.rows for n in self.new_frames for h in self.history_frames]
+        """Largest first: a smaller capture then reuses the pool blocks a larger one freed (no pool growth)."""
+        shapes = [(r, n, h) for r in self.rows for n in self.new_frames for h in self.history_frames]
+        return sorted(shapes, key=lambda shape: (shape[0] * shape[1] * (shape[1] + shape[2]), shape), reverse=True)
 
     def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
         """Capture every bucket now (a server does this before it reports ready); returns how many were new."""
@@ -604,28 +617,29 @@ class StepGraphs:
         rows_p, _, hist_p = shape
         with self._lock:
             captured = self._get(shape, x.device, x.dtype)
-            history = self._history_view(rows_p, hist_p)
-            self.runner._gather_history(rows, step, hist_p, rows_p, out=history)
+            keys = self._key_view(shape)
+            self.runner._gather_history(rows, step, hist_p, rows_p, out=keys[..., :hist_p, :])
             self.runner._gather_tails(rows, step, rows_p, out=self._tails[: 2 * rows_p])
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
             if captured.graph is None:  # emulation on CPU
-                return self.runner.estimate(*captured.inputs[:7], history, self._tails[: 2 * rows_p],
+                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, self._tails[: 2 * rows_p],
                                             captured.inputs[7])
             captured.graph.replay()
             return captured.outputs
 
     # -- capture ---------------------------------------------------------------------------------------
-    def _history_view(self, rows_p: int, hist_p: int) -> torch.Tensor:
+    def _key_view(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        rows_p, new, hist_p = shape
         assert self._history is not None
-        return self._history[:, :, : 2 * rows_p, :, :hist_p]
+        return self._history[:, :, : 2 * rows_p, :, : hist_p + new]
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The static history and tail buffers, zeroed: padding must hold finite values (it is masked)."""
         est = self.runner.flow.decoder.estimator
         cfg = est.config
         blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
-        rows, history = 2 * max(self.rows), max(self.history_frames)
+        rows, history = 2 * max(self.rows), max(self.history_frames) + max(self.new_frames)
         self._history = torch.zeros(blocks, 2, rows, cfg.num_heads, history, cfg.attention_head_dim,
                                     device=device, dtype=dtype)
         self._tails = torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype)
@@ -660,7 +674,7 @@ class StepGraphs:
             torch.zeros(2 * rows_p, 1, new, hist_p + new, device=device, dtype=dtype),  # bias
             torch.zeros(2 * rows_p, 1, CONV_CONTEXT, device=device, dtype=torch.long),  # tail_at
         )
-        history = self._history_view(rows_p, hist_p)
+        keys = self._key_view(shape)
         tails = self._tails[: 2 * rows_p]
         if device.type != "cuda":
             captured = self._captured[shape] = _CapturedStep(inputs, None, None)  # type: ignore[arg-type]
@@ -669,10 +683,10 @@ class StepGraphs:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, cuBLAS workspaces)
-                self.runner.estimate(*inputs[:7], history, tails, inputs[7])
+                self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7])
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = self.runner.estimate(*inputs[:7], history, tails, inputs[7])
+                outputs = self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7])
         captured = self._captured[shape] = _CapturedStep(inputs, graph, outputs)
         return captured
