@@ -272,8 +272,9 @@ def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, r
 
 def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, Any], gpu_busy: float | None,
               stages: dict[str, float | None]) -> dict[str, Any]:  # fmt: skip
-    """The measures of one level, from tts-bench's level document (seconds, shares 0..1)."""
-    first = level.get("first_chunk") or {}
+    """The measures of one level, from tts-bench's level document (seconds, shares 0..1). Offline levels
+    have no first chunk (their one piece is the whole response: see total_p50)."""
+    first = (level.get("first_chunk") or {}) if scenario.mode == "streaming" else {}
     stalls = level.get("stalls")
     return {
         "scenario": scenario.name,
@@ -329,6 +330,7 @@ SUMMARY_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("first chunk p50 (ms)", "first_chunk_p50", 1000.0, "{:.0f}"),
     ("first chunk p90 (ms)", "first_chunk_p90", 1000.0, "{:.0f}"),
     ("first chunk p99 (ms)", "first_chunk_p99", 1000.0, "{:.0f}"),
+    ("total p50 (ms)", "total_p50", 1000.0, "{:.0f}"),
     ("stalled streams (%)", "stalled_share", 100.0, "{:.0f}"),
     ("stall p90 (ms)", "stall_p90", 1000.0, "{:.0f}"),
     ("stall max (ms)", "stall_max", 1000.0, "{:.0f}"),

@@ -73,8 +73,8 @@ def test_level_row_takes_the_measures_from_the_tts_bench_level():
     assert (row["first_chunk_p50"], row["first_chunk_p90"], row["first_chunk_p99"]) == (0.2, 0.3, 0.4)
     assert (row["stalled_streams"], row["stall_p90"], row["stall_max"]) == (2, 0.2, 0.3)
     assert row["gpu_busy"] == 0.75 and row["audio_seconds_per_second"] == 12.5
-    offline = sb.level_row(sb.SCENARIOS[1], 32, 1, {**level, "first_chunk": None, "stalls": None}, None, {})
-    assert offline["first_chunk_p90"] is None and offline["stalled_streams"] is None and offline["gpu_busy"] is None
+    offline = sb.level_row(sb.SCENARIOS[1], 32, 1, {**level, "stalls": None}, None, {})  # one piece: the whole file
+    assert offline["total_p50"] == 1.0 and offline["first_chunk_p50"] is None and offline["first_chunk_p90"] is None and offline["stalled_streams"] is None and offline["gpu_busy"] is None
 
 
 def test_spread_cell_shows_every_run_and_the_range():
@@ -86,14 +86,14 @@ def test_spread_cell_shows_every_run_and_the_range():
 
 def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
     rows = [
-        _row(1, run=1, first_chunk_p50=0.2, first_chunk_p99=0.4, stalled_share=0.0, stall_p90=0.0, stall_max=0.0,
+        _row(1, run=1, total_p50=1.0, first_chunk_p50=0.2, first_chunk_p99=0.4, stalled_share=0.0, stall_p90=0.0, stall_max=0.0,
              audio_seconds_per_second=10.0, gpu_busy=0.5, stages={"llm_step_ms": 2.25}),
-        _row(1, run=2, stalled=2, first_chunk_p50=0.22, first_chunk_p99=0.41, stalled_share=0.25, stall_p90=0.01,
+        _row(1, run=2, stalled=2, total_p50=1.1, first_chunk_p50=0.22, first_chunk_p99=0.41, stalled_share=0.25, stall_p90=0.01,
              stall_max=0.02, audio_seconds_per_second=11.0, gpu_busy=None, stages={"llm_step_ms": 2.5}),
     ]
     text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows))
     line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
-    assert "200 / 220 (200–220)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
+    assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
     assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
     assert "Real-time streams per GPU" in text and "**0**" in text  # run 2 had a stalled stream
 
