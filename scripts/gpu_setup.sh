@@ -2,13 +2,15 @@
 # One-command set-up of the whole stack (engine, tritonserver, gateway, benchmarks) on a CUDA machine that
 # already has torch: an NGC PyTorch container, or a venv with a CUDA build of torch. Idempotent.
 #
-#   scripts/gpu_setup.sh [--python PY] [--stub-env DIR] [--separate-stub-env] [--offline-wheels DIR] [--dry-run]
+#   scripts/gpu_setup.sh [--python PY] [--stub-env DIR] [--separate-stub-env] [--offline-wheels DIR]
+#                        [--break-system-packages] [--dry-run]
 #
 #   --python PY            the interpreter that has torch (default: $PYTHON, else python3)
 #   --stub-env DIR         where the Triton stubs' environment goes when one is needed (default REPO/.venv-stub)
 #   --separate-stub-env    make that environment even when PY's numpy is < 2
 #   --offline-wheels DIR   install from the wheels in DIR only (no package index); DIR needs the wheels of every
 #                          requirement that is not installed yet, and setuptools >= 68 must be installed
+#   --break-system-packages  allow installing into a distribution-managed Python outside a venv (containers)
 #   --dry-run              print the commands instead of running them (the checks of PY still run)
 #
 # What it installs, and why (docs/PERFORMANCE.md, "Reproduce"):
@@ -30,8 +32,9 @@ STUB_ENV=$REPO/.venv-stub
 FORCE_STUB_ENV=0
 WHEELS=""
 DRY_RUN=0
+BREAK_SYSTEM=0
 
-usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,15p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_setup: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -40,11 +43,13 @@ while [ $# -gt 0 ]; do
     --stub-env) [ $# -ge 2 ] || die "--stub-env needs a value"; STUB_ENV=$2; shift 2 ;;
     --separate-stub-env) FORCE_STUB_ENV=1; shift ;;
     --offline-wheels) [ $# -ge 2 ] || die "--offline-wheels needs a value"; WHEELS=$2; shift 2 ;;
+    --break-system-packages) BREAK_SYSTEM=1; shift ;;
     --dry-run) DRY_RUN=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; echo "gpu_setup: unknown option $1" >&2; exit 2 ;;
   esac
 done
+STUB_ENV=$(realpath -m "$STUB_ENV")  # the printed commands run from the repository root
 
 # Every change goes through run: printed (copy-pasteable), and executed unless --dry-run.
 quote() {
@@ -64,8 +69,11 @@ pyq() { "$PY" -c "$1" 2>/dev/null; }
 # The checks below only read PY's environment (one interpreter start: importing torch takes seconds), so they
 # run in a dry run too.
 mapfile -t FACTS < <("$PY" - <<'PYEOF'
-import sys
+import os, sys, sysconfig
 print(f"{sys.version_info[0]}.{sys.version_info[1]}")
+print(sysconfig.get_config_var("Py_ENABLE_SHARED") or 0)
+# pip refuses a distribution-managed Python outside a venv (PEP 668)
+print(int(sys.prefix == sys.base_prefix and os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))))
 try:
     import numpy
     print(numpy.__version__)
@@ -80,8 +88,8 @@ except ImportError:
     print("")
 PYEOF
 )
-[ "${#FACTS[@]}" = 4 ] || die "$PY did not start"
-PYVER=${FACTS[0]} NUMPY=${FACTS[1]} TORCH=${FACTS[2]} CUDA=${FACTS[3]}
+[ "${#FACTS[@]}" = 6 ] || die "$PY did not start"
+PYVER=${FACTS[0]} SHARED=${FACTS[1]} MANAGED=${FACTS[2]} NUMPY=${FACTS[3]} TORCH=${FACTS[4]} CUDA=${FACTS[5]}
 if [ -z "$TORCH" ]; then
   [ "$DRY_RUN" = 1 ] || die "$PY cannot import torch: install a CUDA build of torch first (or use an NGC PyTorch image)"
   echo "gpu_setup: warning: $PY cannot import torch (a real run stops here)" >&2
@@ -89,8 +97,17 @@ else
   echo "torch $TORCH, CUDA available: $CUDA"
 fi
 echo "python $PYVER ($PY), numpy ${NUMPY:-not installed}"
+[ "$SHARED" = 1 ] || echo "gpu_setup: warning: $PY is not a shared-library build; the Triton python stub links libpython$PYVER.so" >&2
+GLIBC=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}') || GLIBC=""
+if [ -n "$GLIBC" ] && [ "$(printf '%s\n2.35\n' "$GLIBC" | sort -V | head -1)" != 2.35 ]; then
+  echo "gpu_setup: warning: glibc $GLIBC; the nvidia-pytriton wheel (tritonserver) needs glibc >= 2.35" >&2
+fi
 
 PIP=("$PY" -m pip install --disable-pip-version-check)
+if [ "$MANAGED" = 1 ]; then
+  [ "$BREAK_SYSTEM" = 1 ] || [ "$DRY_RUN" = 1 ] || die "$PY is managed by the distribution: use a venv (python3 -m venv --system-site-packages) or pass --break-system-packages (fine in a container)"
+  [ "$BREAK_SYSTEM" = 0 ] || PIP+=(--break-system-packages)
+fi
 if [ -n "$WHEELS" ]; then
   [ -d "$WHEELS" ] || [ "$DRY_RUN" = 1 ] || die "--offline-wheels: $WHEELS is not a directory"
   WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")

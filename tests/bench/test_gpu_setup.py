@@ -4,6 +4,7 @@ imports at run time, the Triton stubs get a numpy < 2 environment, offline mode 
 from __future__ import annotations
 
 import ast
+import re
 import importlib.metadata
 import shlex
 import shutil
@@ -199,3 +200,12 @@ def test_unknown_options_are_refused():
 def test_shellcheck_is_clean():
     done = subprocess.run(["shellcheck", str(SCRIPT)], capture_output=True, text=True, timeout=60)  # noqa: S603
     assert done.returncode == 0, done.stdout
+
+
+def test_help_lists_exactly_the_accepted_options():
+    done = subprocess.run(["bash", str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)  # noqa: S603
+    assert done.returncode == 0
+    documented = set(re.findall(r"^  (--[a-z-]+)", done.stdout, re.M))
+    accepted = set(re.findall(r"^    (--[a-z-]+)(?:\|-h)?\)", SCRIPT.read_text(), re.M))
+    assert documented == accepted - {"--help"}
+    assert "--offline-wheels" in accepted and "--dry-run" in accepted

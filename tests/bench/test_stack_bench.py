@@ -165,3 +165,21 @@ def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
     args = log.read_text().split()
     assert "--query-gpu=utilization.gpu" in args and "-lms=200" in args and "--id=0,1" in args
     assert os.path.exists(fake)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only", "triton-stream,nope"], "unknown scenario(s) nope"),
+    (["--stub-env", "/nonexistent/env"], "is not a Python environment"),
+])
+def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        sb.main(["--work", str(tmp_path / "work"), *argv])
+    assert not (tmp_path / "work").exists()
+
+
+def test_levels_and_repeat_are_checked_by_the_parser(capsys):
+    parser = sb.build_parser()
+    assert parser.parse_args(["--stream-levels", "1,8"]).stream_levels == [1, 8]
+    for argv in (["--stream-levels", "0,4"], ["--offline-levels", "x"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
