@@ -56,7 +56,10 @@ async def measure(target: Target, request: BenchRequest, timeout: float, clock: 
         message = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
         return start, RequestRecord(request.id, tuple(offsets), total, 0.0, error=message)
     total = clock() - start
-    seconds = target.chunk_seconds(pieces)
+    try:
+        seconds = target.chunk_seconds(pieces)
+    except Exception as exc:  # noqa: BLE001 - audio that does not decode is a failed request, not a failed run
+        return start, RequestRecord(request.id, tuple(offsets), total, 0.0, error=f"undecodable audio: {exc}")
     return start, RequestRecord(request.id, tuple(offsets), total, math.fsum(seconds), chunk_seconds=tuple(seconds))
 
 

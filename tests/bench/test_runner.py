@@ -78,6 +78,15 @@ async def test_measure_turns_failures_into_error_records():
     assert record.chunk_offsets == pytest.approx((0.1,)) and record.audio_seconds == 0.0
 
 
+async def test_measure_counts_undecodable_audio_as_an_error():
+    clock = FakeClock()
+    target = ScriptedTarget(clock)
+    target.chunk_seconds = lambda pieces: (_ for _ in ()).throw(ValueError("not an mp3"))
+    _, record = await measure(target, _requests(1)[0], timeout=5, clock=clock)
+    assert record.error == "undecodable audio: not an mp3" and record.audio_seconds == 0.0
+    assert record.chunk_offsets == pytest.approx((0.1, 0.3))
+
+
 async def test_measure_timeout():
     target = ScriptedTarget(hang_on="r0")
     _, record = await measure(target, _requests(1)[0], timeout=0.05)
