@@ -1,28 +1,61 @@
-"""Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` scenarios.
+"""Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
-    python scripts/stack_bench.py --work var/stackbench --device cuda --dtype bf16 \
-        --benchmark-speech-ratio 7 --out var/stackbench/results [--model-dir DIR] [--render-arg --first-hop=15]
+    python scripts/stack_bench.py --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+
+(`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
 Without `--model-dir` it writes released-size random weights once (`cosyvoice2.testing`), which is why
 `--benchmark-speech-ratio` exists: random weights stop at random, so the stack is rendered to generate a fixed,
-realistic number of speech tokens per text token. Each scenario is one `tts-bench` run (its table is printed and
-its JSON written under `--out`); around each one the Triton metrics are read, and their deltas give the
-per-stage breakdown (LLM prefill and step, token2wav call) of that scenario.
+realistic number of speech tokens per text token. Each level (scenario x concurrency x run) is one `tts-bench`
+run; around it the Triton metrics are read (their deltas give the per-stage breakdown: LLM prefill and step,
+token2wav call) and the GPU's utilization is sampled every 200 ms (NVML through `pynvml` when importable,
+else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99, playback stalls, audio
+seconds per wall second and the GPU busy share; at the end the real-time streams per GPU: the highest
+`triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error, in
+every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out):
+summary.md (the tables), results.json (every level's measures), stages.json, levels/*.json (the raw
+`tts-bench` documents) and the tails of the tritonserver and gateway logs.
+
+Options:
+  --work DIR                    models, rendered repository and logs (default var/stackbench)
+  --out DIR                     parent of the fresh results directories (default WORK/results)
+  --model-dir DIR               real or random weights (default: released-size random weights under WORK)
+  --device {cpu,cuda}           where the engine runs (default cuda)
+  --dtype NAME                  LLM and flow dtype (default bf16)
+  --max-batch N                 LLM batch slots (default 32)
+  --max-seq-len N               LLM sequence limit (default 2048)
+  --benchmark-speech-ratio R    speech tokens per text token (0 = off, for real weights)
+  --timeout S                   deadline of one request (default 120)
+  --render-arg FIELD=VALUE      extra RenderOptions field, repeatable (first_hop=15, layout=single)
+  --requests N                  measured requests per level (at least 2 per worker)
+  --only NAMES                  comma-separated scenarios (default: all)
+  --stream-levels LIST          triton-stream concurrencies (default 1,4,16,32,64)
+  --offline-levels LIST         triton-offline concurrencies (default 32,64)
+  --gateway-levels LIST         concurrencies of the gateway scenarios (default 1)
+  --repeat N                    runs of every level (default 1; 3 for published numbers)
+  --server-warmup N             unmeasured requests before the first level (default 48)
+  --warmup N                    unmeasured requests per worker before each level (default 2)
+  --stub-env DIR                Python environment of the Triton python stubs (numpy < 2; default: this one)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
@@ -32,6 +65,12 @@ from triton_repo.server import TritonServer, free_port  # noqa: E402
 
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
+#: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
+REALTIME_FIRST_CHUNK_P90_S = 0.5
+#: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
+REALTIME_SCENARIO = "triton-stream"
+GPU_SAMPLE_INTERVAL_S = 0.2
+LOG_TAIL_LINES = 400
 
 
 def realistic_ratio(model_dir: Path) -> float:
@@ -50,23 +89,24 @@ class Scenario:
     name: str
     target: str  # "triton" | "gateway"
     mode: str  # "streaming" | "offline"
-    concurrency: str
+    #: Which option gives this scenario's concurrency levels.
+    levels_option: str
     extra: tuple[str, ...] = ()
 
 
-DEFAULT_SCENARIOS = (
-    Scenario("triton-stream", "triton", "streaming", "1,4,16"),
-    Scenario("triton-offline", "triton", "offline", "1,8,32"),
-    Scenario("gateway-stream-pcm", "gateway", "streaming", "1"),
-    Scenario("gateway-offline-pcm", "gateway", "offline", "1"),
-    Scenario("gateway-stream-mp3", "gateway", "streaming", "1", ("--response-format", "mp3")),
+SCENARIOS = (
+    Scenario("triton-stream", "triton", "streaming", "stream_levels"),
+    Scenario("triton-offline", "triton", "offline", "offline_levels"),
+    Scenario("gateway-stream-pcm", "gateway", "streaming", "gateway_levels"),
+    Scenario("gateway-offline-pcm", "gateway", "offline", "gateway_levels"),
+    Scenario("gateway-stream-mp3", "gateway", "streaming", "gateway_levels", ("--response-format", "mp3")),
 )
 
+WARMUP = (Scenario("warmup-stream", "triton", "streaming", ""), Scenario("warmup-offline", "triton", "offline", ""))
+WARMUP_CONCURRENCY = 8
 
-WARMUP_SCENARIOS = (
-    Scenario("warmup-stream", "triton", "streaming", "8"),
-    Scenario("warmup-offline", "triton", "offline", "8"),
-)
+
+# Triton metrics -> stage breakdown ----------------------------------------------------------------
 
 
 def triton_metrics(server: TritonServer) -> dict[str, float]:
@@ -79,7 +119,7 @@ def triton_metrics(server: TritonServer) -> dict[str, float]:
 
 
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Per-stage means over one scenario, from the counters' deltas."""
+    """Per-stage means over one level, from the counters' deltas."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
 
     def ratio(num: str, den: str, scale: float = 1000.0) -> float | None:
@@ -93,6 +133,110 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "token2wav_chunks_per_call": ratio("token2wav_chunks_total", "token2wav_engine_calls_total", 1.0),
         "token2wav_calls": d.get("token2wav_engine_calls_total"),
     }
+
+
+# GPU busy share ------------------------------------------------------------------------------------
+
+
+def visible_gpu_indices(environ: dict[str, str]) -> list[int] | None:
+    """The physical GPU indices CUDA_VISIBLE_DEVICES names, or None for all GPUs (unset, or given as UUIDs)."""
+    value = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not value or not all(part.strip().isdigit() for part in value.split(",")):
+        return None
+    return [int(part) for part in value.split(",")]
+
+
+class GpuSampler:
+    """Utilization (percent of the time a kernel ran) of the visible GPUs every 200 ms, in a background thread.
+
+    NVML through `pynvml` when it imports and initializes, else a long-running `nvidia-smi -lms`; with
+    neither, ``source`` is None and every busy share is n/a. Samples are (wall-clock time, percent), one
+    per GPU per tick.
+    """
+
+    def __init__(self, interval: float = GPU_SAMPLE_INTERVAL_S, environ: dict[str, str] | None = None) -> None:
+        self.interval = interval
+        self.indices = visible_gpu_indices(dict(os.environ) if environ is None else environ)
+        self.samples: list[tuple[float, float]] = []
+        self.source: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> GpuSampler:
+        poll = self._nvml_poller()
+        if poll is not None:
+            self.source = "nvml"
+            self._thread = threading.Thread(target=self._run_nvml, args=(poll,), daemon=True)
+        elif (smi := shutil.which("nvidia-smi")) is not None:
+            command = [smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                       f"-lms={round(self.interval * 1000)}"]  # fmt: skip
+            if self.indices is not None:
+                command.append(f"--id={','.join(map(str, self.indices))}")
+            try:
+                self._proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # noqa: S603
+            except OSError:
+                return self
+            self.source = "nvidia-smi"
+            self._thread = threading.Thread(target=self._run_smi, daemon=True)
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def _nvml_poller(self) -> Callable[[], list[float]] | None:
+        try:
+            import pynvml  # noqa: PLC0415 - optional
+
+            pynvml.nvmlInit()
+            indices = self.indices if self.indices is not None else range(pynvml.nvmlDeviceGetCount())
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
+            return None
+        return lambda: [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
+
+    def _run_nvml(self, poll: Callable[[], list[float]]) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                values = poll()
+            except Exception:  # noqa: BLE001 - a failed read is a missing sample, not a failed benchmark
+                continue
+            now = time.time()
+            self.samples.extend((now, v) for v in values)
+
+    def _run_smi(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                value = float(line.strip())
+            except ValueError:  # "[N/A]" or a message: no sample
+                continue
+            self.samples.append((time.time(), value))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def busy_share(self, window: Sequence[float] | None) -> float | None:
+        return busy_share(self.samples, window)
+
+
+def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] | None) -> float | None:
+    """Mean GPU utilization (0..1) over the samples inside ``window`` (start, end); None when there are none."""
+    if window is None:
+        return None
+    start, end = window
+    inside = [value for t, value in samples if start <= t <= end]
+    return math.fsum(inside) / len(inside) / 100.0 if inside else None
+
+
+# One level -------------------------------------------------------------------------------------------
 
 
 def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -111,9 +255,9 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
 
 
 def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
-              timeout: float, warmup: int) -> None:  # fmt: skip
+              timeout: float, warmup: int) -> dict[str, Any]:  # fmt: skip
     """One concurrency level of a scenario: one `tts-bench` run (so the metrics deltas around it are this
-    level's alone). At least two requests per worker are measured."""
+    level's alone), at least two measured requests per worker. Returns tts-bench's level document."""
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
                "--concurrency", str(concurrency), "--json", str(json_path), "--timeout", str(timeout),
                "--warmup", str(warmup), *scenario.extra]  # fmt: skip
@@ -122,12 +266,180 @@ def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, r
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
     print(f"\n## {scenario.name} c={concurrency}: {' '.join(command[1:])}", flush=True)
     subprocess.run(command, check=True, env=env)  # noqa: S603 - our own module
+    (level,) = json.loads(json_path.read_text())["levels"]
+    return level
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, Any], gpu_busy: float | None,
+              stages: dict[str, float | None]) -> dict[str, Any]:  # fmt: skip
+    """The measures of one level, from tts-bench's level document (seconds, shares 0..1). Offline levels
+    have no first chunk (their one piece is the whole response: see total_p50)."""
+    first = (level.get("first_chunk") or {}) if scenario.mode == "streaming" else {}
+    stalls = level.get("stalls")
+    return {
+        "scenario": scenario.name,
+        "mode": scenario.mode,
+        "concurrency": concurrency,
+        "run": run,
+        "requests": level["requests"],
+        "errors": level["errors"],
+        "first_chunk_p50": first.get("p50"),
+        "first_chunk_p90": first.get("p90"),
+        "first_chunk_p99": first.get("p99"),
+        "total_p50": (level.get("total") or {}).get("p50"),
+        "streams": stalls["streams"] if stalls else None,
+        "stalled_streams": stalls["stalled"] if stalls else None,
+        "stalled_share": stalls["stalled_share"] if stalls else None,
+        "stall_total": stalls["total"] if stalls else None,
+        "stall_p50": stalls["p50"] if stalls else None,
+        "stall_p90": stalls["p90"] if stalls else None,
+        "stall_max": stalls["max"] if stalls else None,
+        "audio_seconds_per_second": level["audio_seconds_per_second"],
+        "aggregate_rtf": level.get("aggregate_rtf"),
+        "gpu_busy": gpu_busy,
+        "stages": stages,
+    }
+
+
+def is_realtime(row: dict[str, Any]) -> bool:
+    """A level every listener hears in real time: first chunk p90 within the bound, no stall, no error."""
+    p90 = row["first_chunk_p90"]
+    return (
+        row["errors"] == 0
+        and p90 is not None
+        and p90 <= REALTIME_FIRST_CHUNK_P90_S
+        and row["stalled_streams"] == 0
+    )
+
+
+def realtime_streams(rows: Sequence[dict[str, Any]], scenario: str = REALTIME_SCENARIO) -> int | None:
+    """The highest concurrency of ``scenario`` that is real time in every run (0: none is); None without levels."""
+    runs: dict[int, list[bool]] = {}
+    for row in rows:
+        if row["scenario"] == scenario:
+            runs.setdefault(row["concurrency"], []).append(is_realtime(row))
+    if not runs:
+        return None
+    return max((c for c, ok in runs.items() if all(ok)), default=0)
+
+
+# Summary --------------------------------------------------------------------------------------------
+
+#: (column title, row key, scale, format) of the summary table.
+SUMMARY_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
+    ("first chunk p50 (ms)", "first_chunk_p50", 1000.0, "{:.0f}"),
+    ("first chunk p90 (ms)", "first_chunk_p90", 1000.0, "{:.0f}"),
+    ("first chunk p99 (ms)", "first_chunk_p99", 1000.0, "{:.0f}"),
+    ("total p50 (ms)", "total_p50", 1000.0, "{:.0f}"),
+    ("stalled streams (%)", "stalled_share", 100.0, "{:.0f}"),
+    ("stall p90 (ms)", "stall_p90", 1000.0, "{:.0f}"),
+    ("stall max (ms)", "stall_max", 1000.0, "{:.0f}"),
+    ("audio s/s", "audio_seconds_per_second", 1.0, "{:.1f}"),
+    ("GPU busy (%)", "gpu_busy", 100.0, "{:.0f}"),
+)
+#: (column title, stage_breakdown key, format) of the per-stage table.
+STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("LLM prefill (ms)", "llm_prefill_ms_per_request", "{:.1f}"),
+    ("LLM step (ms)", "llm_step_ms", "{:.2f}"),
+    ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
+    ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
+)
+NA = "n/a"
+
+
+def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
+    """Each run's value, then the spread (min–max) when there are several runs; n/a for a missing value."""
+    cells = [NA if v is None else fmt.format(v * scale) for v in values]
+    present = [v for v in values if v is not None]
+    text = " / ".join(cells)
+    if len(values) > 1 and present:
+        text += f" ({fmt.format(min(present) * scale)}–{fmt.format(max(present) * scale)})"
+    return text
+
+
+def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None) -> str:
+    """The summary: one table row per scenario and concurrency, each cell all runs' values and their spread."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
+    header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
+    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (scenario, concurrency), runs in groups.items():
+        runs = sorted(runs, key=lambda r: r["run"])
+        counts = f"{sum(r['requests'] for r in runs)} ({sum(r['errors'] for r in runs)})"
+        cells = [scenario, str(concurrency), counts]
+        cells += [spread_cell([r[key] for r in runs], scale, fmt) for _, key, scale, fmt in SUMMARY_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    header = ["scenario", "c", *(title for title, *_ in STAGE_COLUMNS)]
+    lines += ["", "Per stage (means over each level, from the Triton counters):", "",
+              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    for (scenario, concurrency), runs in groups.items():
+        runs = sorted(runs, key=lambda r: r["run"])
+        cells = [scenario, str(concurrency)]
+        cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt) for _, key, fmt in STAGE_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    shown = NA if realtime is None else str(realtime)
+    lines += ["", f"Real-time streams per GPU ({REALTIME_SCENARIO}: first chunk p90 <= "
+              f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run): **{shown}**", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+# Results directory ---------------------------------------------------------------------------------
+
+
+def settings_slug(args: argparse.Namespace) -> str:
+    """A short, file-name-safe description of the settings that change the numbers."""
+    parts = [args.device, args.dtype, f"b{args.max_batch}"]
+    parts += [item.replace("=", "") for item in args.render_arg]
+    if args.only:
+        parts.append(args.only.replace(",", "+"))
+    parts.append(f"r{args.repeat}")
+    return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
+
+
+def fresh_results_dir(parent: Path, slug: str, now: datetime | None = None) -> Path:
+    """A new directory <parent>/<UTC time>-<slug>[-N]: never one that exists, so results are never overwritten."""
+    stamp = (now or datetime.now(timezone.utc)).astimezone(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1000):
+        path = parent / (f"{stamp}-{slug}" + (f"-{n}" if n else ""))
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise RuntimeError(f"no free results directory name under {parent}")
+
+
+def copy_tail(log: Path, dest: Path, lines: int = LOG_TAIL_LINES) -> None:
+    if log.exists():  # the last lines travel with the results (a failed request's story is there)
+        dest.write_text("\n".join(log.read_text(errors="replace").splitlines()[-lines:]) + "\n")
+
+
+# Command line ----------------------------------------------------------------------------------------
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from exc
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
+    return levels
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "var" / "stackbench")
-    parser.add_argument("--out", type=Path, help="results directory (default: WORK/results)")
+    parser.add_argument("--out", type=Path, help="parent of the fresh results directories (default: WORK/results)")
     parser.add_argument("--model-dir", type=Path, help="default: released-size random weights under WORK")
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bf16")
@@ -141,16 +453,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--render-arg", action="append", default=[], metavar="FIELD=VALUE",
                         help="extra RenderOptions field, e.g. first_hop=15 or layout=single")
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
-    parser.add_argument("--only", help="comma-separated scenario names (default: all)")
+    parser.add_argument("--only", help="comma-separated scenario names (default: all): "
+                        + ", ".join(s.name for s in SCENARIOS))
+    parser.add_argument("--stream-levels", type=_levels, default=[1, 4, 16, 32, 64],
+                        help="concurrency levels of triton-stream (default 1,4,16,32,64)")
+    parser.add_argument("--offline-levels", type=_levels, default=[32, 64],
+                        help="concurrency levels of triton-offline (default 32,64)")
+    parser.add_argument("--gateway-levels", type=_levels, default=[1],
+                        help="concurrency levels of the gateway scenarios (default 1)")
+    parser.add_argument("--repeat", type=_positive, default=1,
+                        help="runs of every level, interleaved (run 1 of all levels, then run 2, ...)")
     parser.add_argument("--server-warmup", type=int, default=48,
-                        help="unmeasured streaming and offline requests (8 at a time) before the first level")
+                        help=f"unmeasured streaming and offline requests ({WARMUP_CONCURRENCY} at a time) before "
+                             "the first level")
     parser.add_argument("--warmup", type=int, default=2,
                         help="unmeasured requests per worker before each level (the token2wav CUDA graphs of a "
                              "shape are captured on its second call)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--stub-env", type=Path,
+                        help="Python environment (venv directory) the Triton python stubs run in; it needs numpy < 2 "
+                             "(scripts/gpu_setup.sh makes one when this environment has numpy 2); default: this one")
+    return parser
 
-    out_dir = args.out or args.work / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    unknown = set((args.only or "").split(",")) - {"", *(s.name for s in SCENARIOS)}
+    if unknown:
+        raise SystemExit(f"stack_bench: unknown scenario(s) {', '.join(sorted(unknown))}")
+    if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
+        raise SystemExit(f"stack_bench: {args.stub_env} is not a Python environment (no bin/python3)")
+    scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+
+    out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
+    levels_dir = out_dir / "levels"
+    levels_dir.mkdir()
+    print(f"results: {out_dir}", flush=True)
     model_dir = args.model_dir
     if model_dir is None:
         model_dir = args.work / "model"
@@ -164,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ratio is None:
         ratio = realistic_ratio(model_dir)
         print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
-    extra = {}
+    extra: dict[str, Any] = {}
     for item in args.render_arg:
         key, _, value = item.partition("=")
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
@@ -173,52 +510,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, **extra,
     )  # fmt: skip
     repo = write_repository(options)
-    scenarios = [s for s in DEFAULT_SCENARIOS if not args.only or s.name in args.only.split(",")]
 
-    started = time.perf_counter()
-    server = TritonServer(model_repository=repo, log_path=args.work / "tritonserver.log")
+    server_log, gateway_log = args.work / "tritonserver.log", args.work / "gateway.log"
+    for log in (server_log, gateway_log):  # this invocation's lines only
+        log.unlink(missing_ok=True)
+    server = TritonServer(model_repository=repo, log_path=server_log, env_prefix=args.stub_env or Path(sys.prefix))
     gateway: subprocess.Popen | None = None
-    results: dict[str, object] = {"render": {k: str(v) for k, v in vars(options).items()}}
+    sampler = GpuSampler()
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    document: dict[str, Any] = {
+        "settings": settings,
+        "render": {k: str(v) for k, v in vars(options).items()},
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "levels": [],
+    }
+    rows: list[dict[str, Any]] = document["levels"]
+    stages: dict[str, Any] = {"render": document["render"]}
+    started = time.perf_counter()
     try:
         server.start(ready_timeout=900)
-        results["server_ready_s"] = round(time.perf_counter() - started, 1)
-        print(f"tritonserver ready in {results['server_ready_s']} s", flush=True)
+        document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
+        print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
+        port = 0
         if any(s.target == "gateway" for s in scenarios):
             port = free_port()
             env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
-            gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT)  # noqa: S603
+            with open(gateway_log, "ab") as log:
+                gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
+                                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
             wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
             # a server that has been up a while has them all, so the levels below measure that state.
             print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
-            for warm in WARMUP_SCENARIOS:
-                run_level(warm, int(warm.concurrency), server.grpc_url, out_dir / f"{warm.name}.json",
-                          args.server_warmup, args.timeout, 0)
-        for scenario in scenarios:
-            url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
-            for concurrency in (int(c) for c in scenario.concurrency.split(",")):
-                name = f"{scenario.name}-c{concurrency}"
-                before = triton_metrics(server)
-                run_level(scenario, concurrency, url, out_dir / f"{name}.json", args.requests, args.timeout,
-                          args.warmup)
-                (level,) = json.loads((out_dir / f"{name}.json").read_text())["levels"]
-                if level["errors"] == level["requests"]:
-                    raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
-                results[name] = stage_breakdown(before, triton_metrics(server))
-                print(json.dumps(results[name]), flush=True)
+            for warm in WARMUP:
+                run_level(warm, WARMUP_CONCURRENCY, server.grpc_url, levels_dir / f"{warm.name}.json",
+                          args.server_warmup, args.timeout, 0)  # fmt: skip
+        sampler.start()
+        document["gpu_sampler"] = sampler.source
+        if sampler.source is None:
+            print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
+        for run in range(1, args.repeat + 1):
+            for scenario in scenarios:
+                url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
+                for concurrency in getattr(args, scenario.levels_option):
+                    name = f"{scenario.name}-c{concurrency}-r{run}"
+                    before = triton_metrics(server)
+                    level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
+                                      args.timeout, args.warmup)  # fmt: skip
+                    stages[name] = stage_breakdown(before, triton_metrics(server))
+                    row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
+                                    stages[name])  # fmt: skip
+                    rows.append(row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
+                    (out_dir / "results.json").write_text(json.dumps(document, indent=1))
+                    if level["errors"] == level["requests"]:
+                        raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
     except BaseException:
         print(server.log_tail(80), flush=True)
         raise
     finally:
+        sampler.stop()
         if gateway is not None:
             gateway.terminate()
-            gateway.wait(10)
+            try:
+                gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                gateway.kill()
         server.cleanup()
-        log = args.work / "tritonserver.log"
-        if log.exists():  # the last lines travel with the results (a failed request's story is there)
-            (out_dir / "tritonserver_tail.log").write_text("\n".join(log.read_text(errors="replace").splitlines()[-400:]))
-    (out_dir / "stages.json").write_text(json.dumps(results, indent=1))
+        copy_tail(server_log, out_dir / "tritonserver_tail.log")
+        copy_tail(gateway_log, out_dir / "gateway_tail.log")
+        realtime = realtime_streams(rows)
+        document["realtime_streams_per_gpu"] = realtime
+        document["realtime_rule"] = {"scenario": REALTIME_SCENARIO, "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,
+                                     "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
+        (out_dir / "results.json").write_text(json.dumps(document, indent=1))
+        (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
+        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime)
+        (out_dir / "summary.md").write_text(summary)
+        print("\n" + summary, flush=True)
+        print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)
+        print(f"results: {out_dir}", flush=True)
     return 0
 
 

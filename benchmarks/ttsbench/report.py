@@ -7,9 +7,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ttsbench.playback import StallSummary, stream_stalls, summarize_stalls
 from ttsbench.stats import Summary, summarize
 
-JSON_SCHEMA_VERSION = 1
+#: 2: per-piece audio durations in the records, playback stalls and the measured window per level.
+JSON_SCHEMA_VERSION = 2
+
+
+def is_streaming(mode: str) -> bool:
+    """Whether a target mode (``triton/streaming``, ``gateway/streaming-sse``, ...) streams its audio."""
+    return mode.rpartition("/")[2].startswith("streaming")
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,8 @@ class RequestRecord:
     total: float
     audio_seconds: float
     error: str | None = None
+    #: Audio duration carried by each piece (parallel to ``chunk_offsets``; empty when unknown).
+    chunk_seconds: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -47,6 +56,7 @@ class RequestRecord:
             "chunk_offsets": list(self.chunk_offsets),
             "total": self.total,
             "audio_seconds": self.audio_seconds,
+            "chunk_seconds": list(self.chunk_seconds),
             "error": self.error,
         }
 
@@ -60,6 +70,9 @@ class LevelResult:
     #: From the first measured send to the last measured completion.
     wall_seconds: float
     records: tuple[RequestRecord, ...]
+    #: Wall-clock (epoch seconds) start and end of the measured part, warm-up excluded: lets a caller
+    #: match samples taken outside the benchmark (GPU utilization) to this level.
+    window: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,9 @@ class LevelSummary:
     #: Wall time of the level / audio seconds produced by it (the upstream client's "RTF").
     aggregate_rtf: float | None
     audio_seconds_per_second: float
+    #: Playback stalls over the successful streams (streaming modes only).
+    stalls: StallSummary | None = None
+    window: tuple[float, float] | None = None
     records: tuple[RequestRecord, ...] = field(default=(), repr=False)
 
     def to_dict(self, with_records: bool = True) -> dict[str, Any]:
@@ -89,6 +105,8 @@ class LevelSummary:
             "audio_seconds": self.audio_seconds,
             "aggregate_rtf": self.aggregate_rtf,
             "audio_seconds_per_second": self.audio_seconds_per_second,
+            "stalls": self.stalls.to_dict() if self.stalls else None,
+            "window": list(self.window) if self.window else None,
         }
         for name in ("first_chunk", "second_chunk", "total", "rtf"):
             summary: Summary | None = getattr(self, name)
@@ -106,6 +124,11 @@ def summarize_level(result: LevelResult) -> LevelSummary:
     def present(values: Iterable[float | None]) -> list[float]:
         return [v for v in values if v is not None]
 
+    stalls = None
+    if is_streaming(result.mode):  # a record whose piece durations are unknown cannot be replayed
+        known = [r for r in ok if r.chunk_offsets and len(r.chunk_seconds) == len(r.chunk_offsets)]
+        stalls = summarize_stalls([stream_stalls(r.chunk_offsets, r.chunk_seconds) for r in known])
+
     return LevelSummary(
         mode=result.mode,
         concurrency=result.concurrency,
@@ -119,6 +142,8 @@ def summarize_level(result: LevelResult) -> LevelSummary:
         rtf=summarize(present(r.rtf for r in ok)),
         aggregate_rtf=result.wall_seconds / audio if audio > 0 else None,
         audio_seconds_per_second=audio / result.wall_seconds if result.wall_seconds > 0 else 0.0,
+        stalls=stalls,
+        window=result.window,
         records=result.records,
     )
 
@@ -174,6 +199,19 @@ def _summary_cells(summary: Summary | None, scale: float, fmt: str) -> list[str]
     return [fmt.format(getattr(summary, s) * scale) for s in _STATS]
 
 
+#: Stall columns: streams that stalled / streams, then total stall time summed over streams and its
+#: p50/p90/max over streams.
+_STALL_COLUMNS = ("stalled", "sum", "p50", "p90", "max")
+
+
+def stall_cells(stalls: StallSummary | None) -> list[str]:
+    """The stall columns of one level (``-`` where the level does not stream)."""
+    if stalls is None:
+        return [_MISSING] * len(_STALL_COLUMNS)
+    times = (stalls.total, stalls.p50, stalls.p90, stalls.max)
+    return [f"{stalls.stalled}/{stalls.streams}", *(f"{1000.0 * t:.1f}" for t in times)]
+
+
 def level_table(summaries: Sequence[LevelSummary]) -> str:
     """One table for one mode: a row per concurrency level."""
     header = ["conc", "ok", "err"]
@@ -181,6 +219,8 @@ def level_table(summaries: Sequence[LevelSummary]) -> str:
     for title, *_ in _GROUPS:
         header += list(_STATS)
         groups.append((title, len(_STATS)))
+    header += list(_STALL_COLUMNS)
+    groups.append(("playback stalls (ms)", len(_STALL_COLUMNS)))
     header += ["agg RTF", "audio s/s"]
     groups.append(("throughput", 2))
     rows = []
@@ -188,6 +228,7 @@ def level_table(summaries: Sequence[LevelSummary]) -> str:
         row = [str(s.concurrency), str(s.requests - s.errors), str(s.errors)]
         for _, attr, scale, fmt in _GROUPS:
             row += _summary_cells(getattr(s, attr), scale, fmt)
+        row += stall_cells(s.stalls)
         row += [_MISSING if s.aggregate_rtf is None else f"{s.aggregate_rtf:.4f}", f"{s.audio_seconds_per_second:.2f}"]
         rows.append(row)
     return format_table(header, rows, groups)

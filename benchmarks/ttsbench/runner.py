@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
@@ -26,8 +27,8 @@ class Target(Protocol):
         """Send one request and yield its audio pieces as they arrive; raise on failure."""
         ...
 
-    def audio_seconds(self, pieces: Sequence[AudioPiece]) -> float:
-        """Duration of the audio in a finished response (called after its timing ended)."""
+    def chunk_seconds(self, pieces: Sequence[AudioPiece]) -> list[float]:
+        """Audio duration each piece of a finished response carries (called after its timing ended)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -55,7 +56,11 @@ async def measure(target: Target, request: BenchRequest, timeout: float, clock: 
         message = "timeout" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
         return start, RequestRecord(request.id, tuple(offsets), total, 0.0, error=message)
     total = clock() - start
-    return start, RequestRecord(request.id, tuple(offsets), total, target.audio_seconds(pieces))
+    try:
+        seconds = target.chunk_seconds(pieces)
+    except Exception as exc:  # noqa: BLE001 - audio that does not decode is a failed request, not a failed run
+        return start, RequestRecord(request.id, tuple(offsets), total, 0.0, error=f"undecodable audio: {exc}")
+    return start, RequestRecord(request.id, tuple(offsets), total, math.fsum(seconds), chunk_seconds=tuple(seconds))
 
 
 async def _drive(
@@ -114,6 +119,7 @@ async def run_level(
     else:
         deadline = clock() + duration  # type: ignore[operator]
         keep_going = lambda _i: clock() < deadline  # noqa: E731
+    window_start = time.time()  # wall clock, for matching outside samples (GPU use) to this level
     starts, ends, records = await _drive(target, requests, concurrency, keep_going, timeout, clock)
     wall = max(ends) - min(starts) if records else 0.0
-    return LevelResult(target.mode, concurrency, wall, tuple(records))
+    return LevelResult(target.mode, concurrency, wall, tuple(records), window=(window_start, time.time()))

@@ -6,6 +6,7 @@ A target sends one request and yields audio pieces as they arrive; it never read
 from __future__ import annotations
 
 import base64
+import bisect
 import io
 import itertools
 import json
@@ -89,8 +90,8 @@ class TritonTarget:
         if error is not None:
             raise error
 
-    def audio_seconds(self, pieces: Sequence[np.ndarray]) -> float:
-        return sum(p.size for p in pieces) / contract.OUTPUT_SAMPLE_RATE
+    def chunk_seconds(self, pieces: Sequence[np.ndarray]) -> list[float]:
+        return [p.size / contract.OUTPUT_SAMPLE_RATE for p in pieces]
 
     async def aclose(self) -> None:
         await self._client.close()
@@ -100,16 +101,50 @@ class GatewayError(RuntimeError):
     """A non-2xx answer or an error event from the gateway."""
 
 
+def encoded_chunk_seconds(pieces: Sequence[bytes], response_format: str) -> list[float]:
+    """Audio duration each received piece of a response body in ``response_format`` made playable.
+
+    pcm: the samples in each piece. Containers: the whole body is decoded once (PyAV) and each packet's
+    decoded duration is credited to the piece that completes it; a packet is complete once the bytes up to
+    the next packet's position have arrived (for Ogg, whose packets report their page's position, that is
+    the end of the page). Frames the decoder releases only at the end go to the last piece. If the demuxer
+    reports no positions, durations are spread over the pieces in proportion to their bytes.
+    """
+    if not pieces:
+        return []
+    if response_format == "pcm":
+        return [len(p) / PCM_BYTES_PER_SAMPLE / contract.OUTPUT_SAMPLE_RATE for p in pieces]
+    data = b"".join(pieces)
+    packets: list[tuple[int, float]] = []  # (position, seconds) of every data packet
+    trailing, positions_known = 0.0, True
+    with av.open(io.BytesIO(data)) as container:
+        for packet in container.demux(audio=0):
+            seconds = sum(frame.samples / frame.sample_rate for frame in packet.decode())
+            if not packet.size:  # the flush at the end of the stream
+                trailing += seconds
+            elif packet.pos is None or packet.pos < 0:
+                positions_known = False
+                packets.append((0, seconds))
+            else:
+                packets.append((packet.pos, seconds))
+    out = [0.0] * len(pieces)
+    ends = list(itertools.accumulate(len(p) for p in pieces))  # byte count after each piece
+    if positions_known:
+        starts = sorted({pos for pos, _ in packets})
+        for pos, seconds in packets:
+            following = bisect.bisect_right(starts, pos)
+            complete_at = starts[following] if following < len(starts) else len(data)
+            out[min(bisect.bisect_left(ends, complete_at), len(out) - 1)] += seconds
+    else:
+        total = sum(seconds for _, seconds in packets)
+        out = [total * len(p) / len(data) for p in pieces]
+    out[-1] += trailing
+    return out
+
+
 def encoded_seconds(data: bytes, response_format: str) -> float:
     """Duration of a complete response body in ``response_format``."""
-    if response_format == "pcm":
-        return len(data) / PCM_BYTES_PER_SAMPLE / contract.OUTPUT_SAMPLE_RATE
-    samples, rate = 0, contract.OUTPUT_SAMPLE_RATE
-    with av.open(io.BytesIO(data)) as container:
-        for frame in container.decode(audio=0):
-            samples += frame.samples
-            rate = frame.sample_rate
-    return samples / rate
+    return sum(encoded_chunk_seconds([data], response_format))
 
 
 class GatewayTarget:
@@ -175,8 +210,8 @@ class GatewayTarget:
                 async for piece in response.aiter_bytes():
                     yield piece
 
-    def audio_seconds(self, pieces: Sequence[bytes]) -> float:
-        return encoded_seconds(b"".join(pieces), self.response_format)
+    def chunk_seconds(self, pieces: Sequence[bytes]) -> list[float]:
+        return encoded_chunk_seconds(pieces, self.response_format)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -127,9 +127,15 @@ def _check_levels(doc: dict, stack: Stack, modes: list[str], requests: int, text
             assert record["audio_seconds"] == pytest.approx(samples / OUTPUT_SAMPLE_RATE, abs=1e-9)
             assert record["chunk_offsets"] and record["chunk_offsets"][0] <= record["total"]
             assert record["chunk_offsets"] == sorted(record["chunk_offsets"])
+            assert len(record["chunk_seconds"]) == len(record["chunk_offsets"])
+            assert sum(record["chunk_seconds"]) == pytest.approx(record["audio_seconds"])
             expected_audio += samples / OUTPUT_SAMPLE_RATE
         assert level["audio_seconds"] == pytest.approx(expected_audio)
         assert level["total"]["count"] == requests and level["first_chunk"]["count"] == requests
+        if "streaming" in level["mode"]:  # every successful stream is replayed for stalls
+            assert level["stalls"]["streams"] == requests
+        else:
+            assert level["stalls"] is None
 
 
 def test_triton_offline_and_streaming(stack, tmp_path, capsys):

@@ -67,12 +67,12 @@ def test_level_table_has_a_row_per_level_with_all_columns():
     lines = level_table(summaries).splitlines()
     header = lines[1].split()
     assert header[:3] == ["conc", "ok", "err"]
-    assert header.count("p99") == 4 and header[-3:] == ["RTF", "audio", "s/s"]
+    assert header.count("p99") == 4 and header[-3:] == ["RTF", "audio", "s/s"] and "stalled" in header
     rows = [line.split() for line in lines[3:]]
     assert [row[0] for row in rows] == ["1", "4"]
     assert rows[0][1:3] == ["2", "1"]
     assert rows[0][3] == "150.0"  # first chunk avg, ms
-    assert all(len(row) == len(rows[0]) == 3 + 4 * 5 + 2 for row in rows)
+    assert all(len(row) == len(rows[0]) == 3 + 4 * 5 + 5 + 2 for row in rows)
 
 
 def test_render_report_one_table_per_mode():
@@ -83,7 +83,7 @@ def test_render_report_one_table_per_mode():
 def test_json_document_shape():
     summary = summarize_level(_level())
     doc = json.loads(json.dumps(report_document([summary], {"target": "triton"})))
-    assert doc["schema_version"] == 1 and doc["run"] == {"target": "triton"}
+    assert doc["schema_version"] == 2 and doc["run"] == {"target": "triton"}
     (level,) = doc["levels"]
     assert level["mode"] == "triton/streaming" and level["concurrency"] == 2
     assert level["requests"] == 3 and level["errors"] == 1
@@ -91,3 +91,26 @@ def test_json_document_shape():
     assert level["records"][2]["error"] == "HTTP 500: boom"
     assert level["records"][0]["chunk_offsets"] == [0.1, 0.3, 0.5]
     assert "records" not in report_document([summary], {}, with_records=False)["levels"][0]
+
+
+def test_streaming_levels_report_playback_stalls_offline_levels_do_not():
+    records = (
+        # 0.2 s of audio at 0.1, the next at 0.5: a 0.2 s stall
+        RequestRecord("late", (0.1, 0.5), total=0.6, audio_seconds=0.4, chunk_seconds=(0.2, 0.2)),
+        RequestRecord("smooth", (0.1, 0.2), total=0.3, audio_seconds=2.0, chunk_seconds=(1.0, 1.0)),
+        RequestRecord("failed", (0.1, 2.0), total=2.0, audio_seconds=0.0, error="timeout", chunk_seconds=(0.1, 0.1)),
+        RequestRecord("unknown", (0.1, 9.0), total=9.0, audio_seconds=1.0),  # no piece durations: not replayed
+    )
+    streaming = summarize_level(LevelResult("gateway/streaming-sse", 4, 9.0, records, window=(10.0, 19.5)))
+    assert (streaming.stalls.streams, streaming.stalls.stalled, streaming.stalls.events) == (2, 1, 1)
+    assert streaming.stalls.total == pytest.approx(0.2) and streaming.stalls.max == pytest.approx(0.2)
+    assert streaming.window == (10.0, 19.5)
+    row = level_table([streaming]).splitlines()[-1].split()
+    assert row[3 + 4 * 5 : 3 + 4 * 5 + 5] == ["1/2", "200.0", "100.0", "180.0", "200.0"]
+    offline = summarize_level(LevelResult("triton/offline", 4, 9.0, records))
+    assert offline.stalls is None
+    assert level_table([offline]).splitlines()[-1].split()[3 + 4 * 5 : 3 + 4 * 5 + 5] == ["-"] * 5
+    doc = report_document([streaming, offline], {})
+    assert doc["levels"][0]["stalls"]["stalled_share"] == 0.5 and doc["levels"][1]["stalls"] is None
+    assert doc["levels"][0]["window"] == [10.0, 19.5]
+    assert doc["levels"][0]["records"][0]["chunk_seconds"] == [0.2, 0.2]

@@ -46,8 +46,8 @@ class ScriptedTarget:
         finally:
             self.in_flight -= 1
 
-    def audio_seconds(self, pieces):
-        return sum(p.size for p in pieces) / 24_000
+    def chunk_seconds(self, pieces):
+        return [p.size / 24_000 for p in pieces]
 
     async def aclose(self):
         pass
@@ -66,6 +66,7 @@ async def test_measure_times_each_non_empty_piece():
     assert record.chunk_offsets == pytest.approx((0.1, 0.3))  # the empty piece is not a chunk
     assert record.total == pytest.approx(0.3)
     assert record.audio_seconds == pytest.approx(0.3)
+    assert record.chunk_seconds == pytest.approx((0.2, 0.1))  # one duration per timed piece
     assert record.error is None
 
 
@@ -75,6 +76,15 @@ async def test_measure_turns_failures_into_error_records():
     _, record = await measure(target, _requests(1)[0], timeout=5, clock=clock)
     assert record.error == "RuntimeError: server said no"
     assert record.chunk_offsets == pytest.approx((0.1,)) and record.audio_seconds == 0.0
+
+
+async def test_measure_counts_undecodable_audio_as_an_error():
+    clock = FakeClock()
+    target = ScriptedTarget(clock)
+    target.chunk_seconds = lambda pieces: (_ for _ in ()).throw(ValueError("not an mp3"))
+    _, record = await measure(target, _requests(1)[0], timeout=5, clock=clock)
+    assert record.error == "undecodable audio: not an mp3" and record.audio_seconds == 0.0
+    assert record.chunk_offsets == pytest.approx((0.1, 0.3))
 
 
 async def test_measure_timeout():
@@ -94,6 +104,8 @@ async def test_run_level_counts_warmup_separately_and_cycles_inputs():
     assert result.mode == "fake/streaming" and result.concurrency == 2
     assert result.wall_seconds > 0
     assert all(r.first_chunk <= r.total for r in result.records)
+    start, end = result.window  # the measured part only, in wall-clock time
+    assert end - start >= result.wall_seconds * 0.5 and end >= start
 
 
 async def test_run_level_records_errors_and_keeps_going():

@@ -1,0 +1,185 @@
+"""scripts/stack_bench.py: its documented options, the per-level measures, the real-time rule, the GPU
+sampler and the results directories (pure parts; the whole run is in test_stack_bench_run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import stat
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from triton_repo.server import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("stack_bench", REPO_ROOT / "scripts" / "stack_bench.py")
+sb = importlib.util.module_from_spec(_spec)
+sys.modules["stack_bench"] = sb  # dataclasses resolve their module by name
+_spec.loader.exec_module(sb)
+
+
+def test_docstring_lists_exactly_the_parser_options():
+    section = sb.__doc__.split("\nOptions:\n", 1)[1]
+    documented = re.findall(r"^  (--[a-z][a-z-]*)", section, re.M)
+    assert len(documented) == len(set(documented)), "an option is documented twice"
+    parser_options = {o for a in sb.build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert set(documented) == parser_options - {"--help"}
+
+
+def test_documented_defaults_match_the_parser():
+    section = sb.__doc__.split("\nOptions:\n", 1)[1]
+    defaults = vars(sb.build_parser().parse_args([]))
+    for option, default in re.findall(r"^  (--[a-z-]+) .*\(default ([^);]+)\)", section, re.M):
+        value = defaults[option[2:].replace("-", "_")]
+        if value is None:  # a derived default (WORK/results): described, not a value
+            continue
+        shown = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+        if isinstance(value, float):
+            shown = f"{value:g}"
+        if isinstance(value, Path):
+            shown = str(value.relative_to(REPO_ROOT))
+        assert shown == default, option
+
+
+def _row(c, run=1, p90=0.3, stalled=0, errors=0, scenario="triton-stream", **extra):
+    return {"scenario": scenario, "concurrency": c, "run": run, "first_chunk_p90": p90, "stalled_streams": stalled,
+            "errors": errors, "requests": 8, **extra}
+
+
+def test_realtime_streams_is_the_highest_level_that_meets_the_rule_in_every_run():
+    rows = [_row(1), _row(4), _row(16, p90=0.45), _row(32, p90=0.7), _row(64, p90=0.9)]
+    assert sb.realtime_streams(rows) == 16
+    assert sb.realtime_streams(rows + [_row(16, run=2, stalled=1)]) == 4  # one stalled stream in run 2
+    assert sb.realtime_streams(rows + [_row(4, run=2, errors=1), _row(16, run=2, p90=0.501)]) == 1
+    assert sb.realtime_streams([_row(1, p90=0.5)]) == 1  # the bound itself is real time
+    assert sb.realtime_streams([_row(1, p90=0.6)]) == 0
+    assert sb.realtime_streams([_row(1, p90=None)]) == 0  # no first chunk measured
+    assert sb.realtime_streams([_row(1, scenario="triton-offline")]) is None
+
+
+def test_level_row_takes_the_measures_from_the_tts_bench_level():
+    level = {"requests": 8, "errors": 1, "first_chunk": {"p50": 0.2, "p90": 0.3, "p99": 0.4}, "total": {"p50": 1.0},
+             "stalls": {"streams": 7, "stalled": 2, "stalled_share": 2 / 7, "total": 0.5, "p50": 0.0, "p90": 0.2,
+                        "max": 0.3, "events": 3},
+             "audio_seconds_per_second": 12.5, "aggregate_rtf": 0.08}
+    scenario = sb.SCENARIOS[0]
+    row = sb.level_row(scenario, 16, 2, level, 0.75, {"llm_step_ms": 2.0})
+    assert (row["scenario"], row["concurrency"], row["run"]) == ("triton-stream", 16, 2)
+    assert (row["first_chunk_p50"], row["first_chunk_p90"], row["first_chunk_p99"]) == (0.2, 0.3, 0.4)
+    assert (row["stalled_streams"], row["stall_p90"], row["stall_max"]) == (2, 0.2, 0.3)
+    assert row["gpu_busy"] == 0.75 and row["audio_seconds_per_second"] == 12.5
+    offline = sb.level_row(sb.SCENARIOS[1], 32, 1, {**level, "stalls": None}, None, {})  # one piece: the whole file
+    assert offline["total_p50"] == 1.0 and offline["first_chunk_p50"] is None and offline["first_chunk_p90"] is None and offline["stalled_streams"] is None and offline["gpu_busy"] is None
+
+
+def test_spread_cell_shows_every_run_and_the_range():
+    assert sb.spread_cell([0.2], 1000.0, "{:.0f}") == "200"
+    assert sb.spread_cell([0.21, 0.19, 0.2], 1000.0, "{:.0f}") == "210 / 190 / 200 (190–210)"
+    assert sb.spread_cell([None, 0.5], 100.0, "{:.0f}") == "n/a / 50 (50–50)"
+    assert sb.spread_cell([None], 100.0, "{:.0f}") == "n/a"
+
+
+def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
+    rows = [
+        _row(1, run=1, total_p50=1.0, first_chunk_p50=0.2, first_chunk_p99=0.4, stalled_share=0.0, stall_p90=0.0, stall_max=0.0,
+             audio_seconds_per_second=10.0, gpu_busy=0.5, stages={"llm_step_ms": 2.25}),
+        _row(1, run=2, stalled=2, total_p50=1.1, first_chunk_p50=0.22, first_chunk_p99=0.41, stalled_share=0.25, stall_p90=0.01,
+             stall_max=0.02, audio_seconds_per_second=11.0, gpu_busy=None, stages={"llm_step_ms": 2.5}),
+    ]
+    text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows))
+    line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
+    assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
+    assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
+    assert "Real-time streams per GPU" in text and "**0**" in text  # run 2 had a stalled stream
+
+
+def test_results_directories_are_fresh_for_every_invocation(tmp_path):
+    now = datetime(2026, 11, 23, 22, 5, 1, tzinfo=timezone.utc)
+    first = sb.fresh_results_dir(tmp_path / "results", "cuda-bf16-r3", now)
+    (first / "summary.md").write_text("run 1")
+    second = sb.fresh_results_dir(tmp_path / "results", "cuda-bf16-r3", now)  # same second, same settings
+    assert first.name == "20261123T220501Z-cuda-bf16-r3" and second != first and second.is_dir()
+    assert (first / "summary.md").read_text() == "run 1"
+    assert sb.fresh_results_dir(tmp_path / "results", "cuda-bf16-r3").name.endswith("Z-cuda-bf16-r3")
+
+
+def test_settings_slug_is_short_and_file_name_safe():
+    args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, render_arg=["first_hop=15", "layout=a/b"],
+                              only="triton-stream,triton-offline", repeat=3)
+    slug = sb.settings_slug(args)
+    assert slug == "cuda-bf16-b32-first_hop15-layoutab-triton-stream+triton-offline-r3"
+    assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
+
+
+def test_busy_share_averages_the_samples_inside_the_window():
+    samples = [(9.9, 100.0), (10.0, 40.0), (10.2, 60.0), (10.4, 80.0), (10.6, 100.0)]
+    assert sb.busy_share(samples, (10.0, 10.4)) == pytest.approx(0.6)
+    assert sb.busy_share(samples, (20.0, 21.0)) is None
+    assert sb.busy_share(samples, None) is None
+
+
+def test_visible_gpus():
+    assert sb.visible_gpu_indices({}) is None
+    assert sb.visible_gpu_indices({"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3]
+    assert sb.visible_gpu_indices({"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"}) is None
+
+
+def _only_path(monkeypatch, directory: Path) -> None:
+    """A PATH without any real nvidia-smi, and no pynvml."""
+    monkeypatch.setenv("PATH", str(directory))
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+
+
+def test_gpu_sampler_without_a_gpu_reports_nothing_and_does_not_fail(monkeypatch, tmp_path):
+    _only_path(monkeypatch, tmp_path)
+    sampler = sb.GpuSampler().start()
+    time.sleep(0.05)
+    sampler.stop()
+    assert sampler.source is None and sampler.samples == []
+    assert sampler.busy_share((0.0, time.time())) is None
+
+
+def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    log = tmp_path / "args"
+    # Two GPUs at 30 % and 70 %, one line each per tick, and a line that is not a number.
+    fake.write_text(f'#!/bin/sh\nPATH=/usr/bin:/bin\necho "$@" > {log}\necho "[N/A]"\n'
+                    'while true; do echo 30; echo 70; sleep 0.05; done\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    _only_path(monkeypatch, tmp_path)
+    sampler = sb.GpuSampler(environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    started = time.time()
+    sampler.start()
+    deadline = time.monotonic() + 10
+    while len(sampler.samples) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sampler.stop()
+    assert sampler.source == "nvidia-smi"
+    assert len(sampler.samples) >= 6
+    assert sampler.busy_share((started, time.time())) == pytest.approx(0.5, abs=0.2 / len(sampler.samples) + 1e-9)
+    args = log.read_text().split()
+    assert "--query-gpu=utilization.gpu" in args and "-lms=200" in args and "--id=0,1" in args
+    assert os.path.exists(fake)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--only", "triton-stream,nope"], "unknown scenario(s) nope"),
+    (["--stub-env", "/nonexistent/env"], "is not a Python environment"),
+])
+def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        sb.main(["--work", str(tmp_path / "work"), *argv])
+    assert not (tmp_path / "work").exists()
+
+
+def test_levels_and_repeat_are_checked_by_the_parser(capsys):
+    parser = sb.build_parser()
+    assert parser.parse_args(["--stream-levels", "1,8"]).stream_levels == [1, 8]
+    for argv in (["--stream-levels", "0,4"], ["--offline-levels", "x"], ["--repeat", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)

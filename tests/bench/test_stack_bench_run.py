@@ -1,0 +1,63 @@
+"""scripts/stack_bench.py end to end on the CPU: the tiny random model in a real tritonserver and a real
+gateway, two runs of one streaming level per target. Checks what it wrote, never how fast anything was."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triton_repo.server import REPO_ROOT
+
+pytestmark = pytest.mark.triton
+
+
+def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
+    from cosyvoice2.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    work = tmp_path / "work"
+    (work / "results").mkdir(parents=True)
+    (work / "results" / "earlier").mkdir()  # an earlier invocation's results stay as they are
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "stack_bench.py"), "--work", str(work),
+               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
+               "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1", "--gateway-levels", "1",
+               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "2",
+               "--render-arg", "first_hop=5", "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=280, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    printed = re.findall(r"^results: (.+)$", done.stdout, re.M)
+    assert printed and len(set(printed)) == 1
+    out = Path(printed[-1])
+    assert out.parent == work / "results" and out.name.endswith("-cpu-fp32-b4-first_hop5-triton-stream+gateway-stream-pcm-r2")
+    assert sorted(p.name for p in (work / "results").iterdir()) == sorted(["earlier", out.name])
+    names = {f"{s}-c1-r{r}" for s in ("triton-stream", "gateway-stream-pcm") for r in (1, 2)}
+    assert {p.stem for p in (out / "levels").glob("*.json")} == names
+    assert "Started GRPCInferenceService" in (out / "tritonserver_tail.log").read_text()
+    assert "Uvicorn running" in (out / "gateway_tail.log").read_text()
+
+    results = json.loads((out / "results.json").read_text())
+    rows = results["levels"]
+    assert sorted((r["scenario"], r["run"]) for r in rows) == sorted(
+        (s, r) for s in ("triton-stream", "gateway-stream-pcm") for r in (1, 2)
+    )
+    for row in rows:
+        raw = json.loads((out / "levels" / f"{row['scenario']}-c1-r{row['run']}.json").read_text())["levels"][0]
+        assert row["requests"] == raw["requests"] == 2
+        assert row["first_chunk_p90"] == raw["first_chunk"]["p90"]
+        assert row["streams"] == 2 - row["errors"] and row["stalled_streams"] == raw["stalls"]["stalled"]
+    triton_rows = [r for r in rows if r["scenario"] == "triton-stream"]
+    realtime = all(r["errors"] == 0 and r["first_chunk_p90"] <= 0.5 and r["stalled_streams"] == 0 for r in triton_rows)
+    assert results["realtime_streams_per_gpu"] == (1 if realtime else 0)
+    assert set(json.loads((out / "stages.json").read_text())) >= names
+
+    summary = (out / "summary.md").read_text()
+    assert summary in done.stdout
+    assert re.search(r"^\| triton-stream \| 1 \| 4 \(\d\) \| [\d.]+ / [\d.]+ \(", summary, re.M)
+    assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
+    assert f"**{results['realtime_streams_per_gpu']}**" in summary

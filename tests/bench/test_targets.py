@@ -1,0 +1,49 @@
+"""Per-piece audio durations of gateway responses, on streams made by the gateway's own encoders."""
+
+import numpy as np
+import pytest
+
+from gateway.services.audio_encoding import create_encoder
+from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from ttsbench.targets import encoded_chunk_seconds, encoded_seconds
+
+CHUNK_S = 0.2
+CHUNKS = 10
+
+
+def _streamed(response_format: str) -> list[bytes]:
+    """The body pieces of one streamed response: what the encoder handed out after each pipeline chunk."""
+    encoder = create_encoder(response_format, streaming=True)
+    n = int(CHUNK_S * OUTPUT_SAMPLE_RATE)
+    t = np.arange(CHUNKS * n) / OUTPUT_SAMPLE_RATE
+    audio = (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    pieces = [encoder.encode(audio[i * n : (i + 1) * n]) for i in range(CHUNKS)]
+    pieces[-1] += encoder.finish()
+    return pieces
+
+
+def test_pcm_pieces_are_their_samples():
+    pieces = [b"\0\0" * 2400, b"\0" * 3, b"\0\0" * 4800 + b"\0"]  # network reads may split a sample
+    assert encoded_chunk_seconds(pieces, "pcm") == pytest.approx([0.1, 1.5 / 24_000, 0.2 + 0.5 / 24_000])
+    assert encoded_chunk_seconds([], "pcm") == []
+
+
+@pytest.mark.parametrize("response_format", ["mp3", "opus", "aac", "flac", "wav"])
+def test_container_pieces_are_credited_as_they_become_playable(response_format):
+    pieces = _streamed(response_format)
+    seconds = encoded_chunk_seconds(pieces, response_format)
+    assert len(seconds) == len(pieces)
+    assert sum(seconds) == pytest.approx(encoded_seconds(b"".join(pieces), response_format))
+    assert sum(seconds) == pytest.approx(CHUNKS * CHUNK_S, abs=0.1)  # codec padding at most
+    # After each piece, the playable audio trails what was sent by at most the encoder's buffering.
+    credited = np.cumsum(seconds)
+    sent = CHUNK_S * np.arange(1, CHUNKS + 1)
+    assert np.all(credited <= sent + 0.07), (credited, sent)
+    assert np.all(credited[:-1] >= sent[:-1] - 0.15), (credited, sent)
+
+
+def test_a_piece_that_completes_no_packet_carries_no_audio():
+    pieces = _streamed("flac")
+    whole = b"".join(pieces)
+    split = [whole[:10], whole[10:]]  # 10 bytes: inside the stream header
+    assert encoded_chunk_seconds(split, "flac") == pytest.approx([0.0, encoded_seconds(whole, "flac")])
