@@ -41,6 +41,7 @@ LLM_STATS = (
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
+    "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
 )
 
 
