@@ -9,7 +9,8 @@ step instead of waiting for the batch to drain, and a cancelled request frees it
 The worker's per-step host work is kept small, because it adds to every decode step (the GPU idles
 meanwhile): a request may say at which token counts it needs its tokens (`deliver_at`, e.g. the
 streaming schedule's chunk boundaries) and is woken only then; the hand-overs of one step reach each
-event loop in a single `call_soon_threadsafe`; the lock is taken per step only when sequences end.
+event loop in a single `call_soon_threadsafe`; the lock is taken per step only when sequences end, and
+the step counters are published every `STEP_STATS_PERIOD_S`, not per step.
 
 Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
 """
@@ -28,6 +29,10 @@ from cosyvoice2_serving.errors import Overloaded
 from cosyvoice2_serving.stats import Stats
 
 R = TypeVar("R")
+
+#: Step counters reach `stats` (and its listeners: the metrics exporter) at most this often, and whenever a
+#: sequence ends or the worker goes idle; per step they are only added up locally.
+STEP_STATS_PERIOD_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +216,9 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._cancels = 0  # cancellations not yet applied by the worker (it skips the scan while 0)
         self._closed = False
         self._outbox = _Outbox()  # worker thread only
+        self._unpublished_steps = 0  # worker thread only: steps and their seconds not yet added to `stats`
+        self._unpublished_seconds = 0.0
+        self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
         self._thread.start()
 
@@ -276,6 +284,8 @@ class ContinuousBatchingScheduler(Generic[R]):
         """Admit, then step once. False when the scheduler is closed."""
         admit: list[_Job[R]] = []
         with self._lock:
+            if not self._closed and not self._active and not self._waiting:
+                self._publish_step_stats()
             while not self._closed and not self._active and not self._waiting:
                 self._lock.wait()
             if self._closed:
@@ -330,9 +340,9 @@ class ContinuousBatchingScheduler(Generic[R]):
                 for job in list(self._active.values()):
                     self._release(job, "llm_failed_total", exc)
             return
-        elapsed = time.perf_counter() - started
-        self.stats.add("llm_steps_total")
-        self.stats.add("llm_step_seconds_total", elapsed)
+        ended = time.perf_counter()
+        self._unpublished_steps += 1
+        self._unpublished_seconds += ended - started
         active, outbox = self._active, self._outbox
         finished: list[_Job[R]] = []
         # Only the worker thread changes `_active` and a job's token buffer, so the tokens are sorted out
@@ -353,9 +363,20 @@ class ContinuousBatchingScheduler(Generic[R]):
             elif out.finished:
                 finished.append(job)
         if finished:
+            self._publish_step_stats()
             with self._lock:
                 for job in finished:
                     self._release(job, "llm_finished_total")
+        elif ended >= self._publish_at:
+            self._publish_step_stats()
+            self._publish_at = ended + STEP_STATS_PERIOD_S
+
+    def _publish_step_stats(self) -> None:
+        if self._unpublished_steps:
+            steps, seconds = self._unpublished_steps, self._unpublished_seconds
+            self._unpublished_steps, self._unpublished_seconds = 0, 0.0
+            self.stats.add("llm_steps_total", steps)
+            self.stats.add("llm_step_seconds_total", seconds)
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._active.values() if j.cancelled]:

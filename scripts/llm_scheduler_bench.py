@@ -5,7 +5,10 @@
 The decoder is a stub whose `step()` returns a prepared result after sleeping `--step-us` (a sleep
 releases the GIL, as a GPU step does while it waits for its tokens). The time from the end of one `step()`
 to the start of the next is pure host overhead: the scheduler thread's bookkeeping and hand-over of the
-tokens, plus any wait for the GIL while the asyncio consumers (the adapter's role) run. The interpreter's
+tokens, its stats updates (with a listener like the Triton metrics exporter's), plus any wait for the GIL
+while the asyncio consumers (the adapter's role) run. The step's own overrun (its wall time beyond the
+sleep, minus what a lone sleep overshoots) is the wait for the GIL when the "device" is done: what inflates a
+real decode step while other threads of the process run Python. The interpreter's
 switch interval is 1 ms, as in the Triton stubs (`triton_repo/adapters/common.py`). Every sequence of a run
 joins before the first measured step and runs `--steps` steps.
 
@@ -22,6 +25,7 @@ import asyncio
 import inspect
 import statistics
 import sys
+import threading
 import threading
 import time
 from typing import Sequence
@@ -82,10 +86,13 @@ async def _consume(stream) -> int:
     return received
 
 
-async def run_once(batch: int, steps: int, mode: str, step_s: float) -> list[float]:
-    """Host overhead per step (microseconds: end of a step to the start of the next) of `batch` sequences."""
+async def run_once(batch: int, steps: int, mode: str, step_s: float) -> tuple[list[float], list[float]]:
+    """Per step of `batch` sequences, microseconds: (end of a step to the start of the next, the step's wall
+    time beyond its sleep)."""
     decoder = StubDecoder(batch, steps, step_s)
     scheduler = ContinuousBatchingScheduler(decoder, max_waiting=batch)
+    changed = threading.Event()
+    scheduler.stats.add_listener(lambda name, value: changed.set())  # what the Triton metrics exporter does
     deliver_at = tuple(ChunkSchedule().boundaries(steps)) if mode == "chunk" else None
     try:
         streams = [_submit(scheduler, f"r{i}", deliver_at) for i in range(batch)]
@@ -95,7 +102,26 @@ async def run_once(batch: int, steps: int, mode: str, step_s: float) -> list[flo
     if min(received) < steps:
         raise RuntimeError(f"a consumer got {min(received)} of at least {steps} tokens")
     stamps = decoder.stamps
-    return [(entered - exited) / 1000 for (_, exited), (entered, _) in zip(stamps, stamps[1:])]
+    between = [(entered - exited) / 1000 for (_, exited), (entered, _) in zip(stamps, stamps[1:])]
+    overrun = [(exited - entered) / 1000 - step_s * 1e6 for entered, exited in stamps]
+    return between, overrun
+
+
+def sleep_overshoot_us(step_s: float, samples: int = 200) -> float:
+    """Median time a lone `time.sleep(step_s)` takes beyond `step_s` (timer slack, wake-up), microseconds."""
+    if step_s <= 0:
+        return 0.0
+    late = []
+    for _ in range(samples):
+        started = time.perf_counter_ns()
+        time.sleep(step_s)
+        late.append((time.perf_counter_ns() - started) / 1000 - step_s * 1e6)
+    return statistics.median(late)
+
+
+def _summary(values: list[float]) -> str:
+    deciles = statistics.quantiles(values, n=10)
+    return f"{deciles[4]:.1f} | {deciles[8]:.1f} | {statistics.fmean(values):.1f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -107,20 +133,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["token", "chunk"], choices=["token", "chunk"])
     args = parser.parse_args(argv)
     sys.setswitchinterval(0.001)
-    print(f"host overhead per decoder step (stub step of {args.step_us:.0f} us excluded), microseconds")
-    print("| delivery | batch | p50 | p90 | mean |")
-    print("|---|---|---|---|---|")
+    step_s = args.step_us / 1e6
+    overshoot = sleep_overshoot_us(step_s)
+    print(f"microseconds per decoder step; stub step = sleep {args.step_us:.0f} us (a lone sleep overshoots by "
+          f"{overshoot:.0f} us, subtracted from the overrun)")
+    print("| delivery | batch | between steps p50 | p90 | mean | step overrun (GIL wait) p50 | p90 | mean |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
         for batch in args.batches:
-            intervals: list[float] = []
+            between: list[float] = []
+            overrun: list[float] = []
             try:
                 for _ in range(args.repeats):
-                    intervals += asyncio.run(run_once(batch, args.steps, mode, args.step_us / 1e6))
+                    b, o = asyncio.run(run_once(batch, args.steps, mode, step_s))
+                    between += b
+                    overrun += [value - overshoot for value in o]
             except SystemExit as exc:
-                print(f"| {mode} | {batch} | {exc} | | |")
+                print(f"| {mode} | {batch} | {exc} | | | | | |")
                 continue
-            deciles = statistics.quantiles(intervals, n=10)
-            print(f"| {mode} | {batch} | {deciles[4]:.1f} | {deciles[8]:.1f} | {statistics.fmean(intervals):.1f} |")
+            print(f"| {mode} | {batch} | {_summary(between)} | {_summary(overrun)} |")
     return 0
 
 
