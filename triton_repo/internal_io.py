@@ -138,7 +138,7 @@ def llm_request_tensors(
     }
     if logits_bias is not None:
         tensors[EMBEDDING_BIAS.name] = logits_bias.astype(np.float32).reshape(1, -1)
-    if deliver_at and request.deliver_at is not None:
+    if deliver_at and request.streaming and request.deliver_at is not None:  # offline answers once anyway
         tensors[DELIVER_AT.name] = np.array(request.deliver_at, dtype=np.int32).reshape(1, -1)
     return tensors
 

@@ -6,11 +6,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.orchestrator import LLMRequest
 from triton_repo import contract
 from triton_repo import internal_io as io
 from triton_repo.render import (
@@ -220,3 +223,16 @@ def test_engine_requests_are_told_apart_by_their_inputs():
     for names in ([], ["seed"], [*llm, "stream_id"], ["input_ids", "input_lengths"], [*token2wav, "stop"]):
         with pytest.raises(InvalidInput, match=r"^\[invalid_input\] engine: inputs"):
             io.engine_request_kind(names)
+
+
+def test_a_delivery_schedule_round_trips_through_the_llm_tensors_and_bad_ones_are_refused():
+    vocab = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
+    request = LLMRequest(np.arange(5, dtype=np.int32), 2, 90, 7, 25, 0.8, 1.0, True, deliver_at=(8, 18, 38, 68))
+    arrays = io.llm_request_tensors(request, vocab, None, deliver_at=True)
+    assert io.parse_llm_request(arrays)[0].deliver_at == (8, 18, 38, 68)
+    assert io.DELIVER_AT.name not in io.llm_request_tensors(request, vocab, None)  # TensorRT-LLM: never sent
+    assert io.parse_llm_request(io.llm_request_tensors(request, vocab, None))[0].deliver_at is None
+    for bad in ([8, 8], [18, 8], [0, 8]):
+        arrays[io.DELIVER_AT.name] = np.array([bad], np.int32)
+        with pytest.raises(InvalidInput, match=r"deliver_at must be ascending positive"):
+            io.parse_llm_request(arrays)
