@@ -76,6 +76,8 @@ async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
         assert decoder.slots == {} and scheduler.active_request_ids() == set()
         stats = scheduler.stats.snapshot()
         assert stats["llm_finished_total"] == 4 and stats["llm_active_sequences"] == 0
+        # step counters are published in bulk, but completely by the time the last sequence has ended
+        assert stats["llm_steps_total"] == len(decoder.batches) and stats["llm_step_seconds_total"] > 0
     finally:
         scheduler.close()
 
