@@ -94,6 +94,16 @@ class ChunkSchedule:
             return Chunk(start=start, stop=available, feed=available, final=True)
         return None
 
+    def boundaries(self, max_tokens: int) -> list[int]:
+        """The token counts at which the next non-final chunk becomes runnable (hop + lookahead past its
+        start), ascending, up to `max_tokens`: a stream's tokens are needed there and at the end, never between."""
+        out: list[int] = []
+        start, index = 0, 0
+        while (due := start + self.hop(index) + self.lookahead) <= max_tokens:
+            out.append(due)
+            start, index = start + self.hop(index), index + 1
+        return out
+
     def chunks(self, n_tokens: int) -> list[Chunk]:
         """All chunks of a stream of `n_tokens` tokens (the same whether tokens arrive at once or one by one)."""
         out: list[Chunk] = []

@@ -6,6 +6,12 @@ waiting requests into free slots (prefill), then runs one step for all occupied 
 new token to its request's asyncio consumer. New requests therefore join a running batch at the next
 step instead of waiting for the batch to drain, and a cancelled request frees its slot at once.
 
+The worker's per-step host work is kept small, because it adds to every decode step (the GPU idles
+meanwhile): a request may say at which token counts it needs its tokens (`deliver_at`, e.g. the
+streaming schedule's chunk boundaries) and is woken only then; the hand-overs of one step reach each
+event loop in a single `call_soon_threadsafe`; the lock is taken per step only when sequences end, and
+the step counters are published every `STEP_STATS_PERIOD_S`, not per step.
+
 Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
 """
 
@@ -16,13 +22,17 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
 from cosyvoice2_serving.errors import Overloaded
 from cosyvoice2_serving.stats import Stats
 
 R = TypeVar("R")
+
+#: Step counters reach `stats` (and its listeners: the metrics exporter) at most this often, and whenever a
+#: sequence ends or the worker goes idle; per step they are only added up locally.
+STEP_STATS_PERIOD_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +46,7 @@ LLM_STATS = (
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
+    "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
 )
 
 
@@ -66,25 +77,89 @@ class SlotDecoder(Protocol[R]):
         """Free `slot` (finished or cancelled)."""
 
 
-@dataclass
-class _End:
+@dataclass(frozen=True)
+class Delivery:
+    """What one hand-over to a consumer carries: the tokens decoded since the last one, and whether the
+    sequence ended with it (with `error` set when it failed)."""
+
+    tokens: list[int]
+    last: bool = False
     error: BaseException | None = None
 
 
-@dataclass
-class _Job(Generic[R]):
-    request_id: str
-    request: R
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    slot: int | None = None
-    cancelled: bool = False
+_NEVER = 1 << 62  # a `due` no sequence reaches
 
-    def deliver(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is gone; nobody is listening any more
-            pass
+
+class _Job(Generic[R]):
+    """One request: its consumer's loop and queue, and the tokens decoded but not handed over yet.
+
+    `deliver_at` (ascending cumulative token counts) says when the consumer needs its tokens: they are
+    buffered here until the count reaches the next boundary (and at the end); None hands over every token.
+    """
+
+    __slots__ = ("request_id", "request", "loop", "queue", "slot", "cancelled", "pending", "emitted", "due",
+                 "_boundaries", "scheduled")
+
+    def __init__(
+        self, request_id: str, request: R, loop: asyncio.AbstractEventLoop, deliver_at: Sequence[int] | None
+    ) -> None:
+        self.request_id = request_id
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.slot: int | None = None
+        self.cancelled = False
+        self.pending: list[int] = []
+        self.emitted = 0  # tokens decoded so far
+        self.scheduled = deliver_at is not None
+        # boundaries still ahead, the next one last; `due` is the next one (0: every token, _NEVER: only the end)
+        self._boundaries = sorted(set(deliver_at or ()), reverse=True)
+        self.due = 0
+        if self.scheduled:
+            self.advance()
+
+    def advance(self) -> None:
+        """The buffered tokens were handed over at `due`: move on to the next boundary past `emitted`."""
+        if not self.scheduled:
+            return
+        boundaries = self._boundaries
+        while boundaries and boundaries[-1] <= self.emitted:
+            boundaries.pop()
+        self.due = boundaries.pop() if boundaries else _NEVER
+
+    def take(self, last: bool = False, error: BaseException | None = None) -> Delivery:
+        tokens, self.pending = self.pending, []
+        return Delivery(tokens, last, error)
+
+
+class _Outbox:
+    """The deliveries of one scheduler iteration, grouped by event loop: each loop is woken once
+    (`call_soon_threadsafe` writes to the loop's wake-up pipe, a system call) however many tokens and
+    requests it receives."""
+
+    __slots__ = ("_by_loop",)
+
+    def __init__(self) -> None:
+        self._by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Delivery]]] = {}
+
+    def put(self, job: _Job, delivery: Delivery) -> None:
+        batch = self._by_loop.get(job.loop)
+        if batch is None:
+            batch = self._by_loop[job.loop] = []
+        batch.append((job.queue, delivery))
+
+    def send(self) -> None:
+        for loop, batch in self._by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the consumers' loop is gone; nobody is listening any more
+                pass
+        self._by_loop = {}
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Delivery]]) -> None:
+    for queue, delivery in batch:
+        queue.put_nowait(delivery)
 
 
 class TokenStream:
@@ -94,28 +169,36 @@ class TokenStream:
         self._job = job
         self._scheduler = scheduler
         self.request_id = job.request_id
+        self._scheduled = job.scheduled
 
     def __aiter__(self) -> AsyncIterator[list[int]]:
         return self._tokens()
 
     async def _tokens(self) -> AsyncIterator[list[int]]:
+        async for delivery in self.deliveries():
+            if delivery.tokens:
+                yield delivery.tokens
+
+    async def deliveries(self) -> AsyncIterator[Delivery]:
+        """Every hand-over; the last one has `last` set (and raises its error after its tokens, if any).
+
+        With a delivery schedule each hand-over is one delivery, exactly as scheduled; without one, the
+        hand-overs already waiting are merged, so a slow consumer gets fewer, larger batches.
+        """
         queue = self._job.queue
         while True:
-            item = await queue.get()
-            batch: list[int] = []
-            # Coalesce everything already decoded: a slow consumer gets fewer, larger batches.
-            while True:
-                if isinstance(item, _End):
-                    if batch:
-                        yield batch
-                    if item.error is not None:
-                        raise item.error
-                    return
-                batch.append(item)
-                if queue.empty():
-                    break
-                item = queue.get_nowait()
-            yield batch
+            delivery = await queue.get()
+            if not self._scheduled:
+                while not delivery.last and not queue.empty():
+                    more = queue.get_nowait()
+                    delivery = Delivery(delivery.tokens + more.tokens, more.last, more.error)
+            if delivery.error is not None:
+                if delivery.tokens:
+                    yield Delivery(delivery.tokens)
+                raise delivery.error
+            yield delivery
+            if delivery.last:
+                return
 
     def cancel(self) -> None:
         self._scheduler.cancel(self.request_id)
@@ -130,13 +213,24 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._waiting: deque[_Job[R]] = deque()
         self._jobs: dict[str, _Job[R]] = {}  # waiting and active, by request id
         self._active: dict[int, _Job[R]] = {}  # by slot
+        self._cancels = 0  # cancellations not yet applied by the worker (it skips the scan while 0)
         self._closed = False
+        self._outbox = _Outbox()  # worker thread only
+        self._unpublished_steps = 0  # worker thread only: steps and their seconds not yet added to `stats`
+        self._unpublished_seconds = 0.0
+        self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
         self._thread.start()
 
     # -- called from the event loop ------------------------------------------------------------
-    def submit(self, request_id: str, request: R) -> TokenStream:
-        job = _Job(request_id, request, asyncio.get_running_loop())
+    def submit(self, request_id: str, request: R, deliver_at: Sequence[int] | None = None) -> TokenStream:
+        """Queue `request`; its tokens arrive on the returned stream.
+
+        `deliver_at`: cumulative token counts at which the consumer needs the tokens decoded so far (e.g. the
+        chunk boundaries of a streaming schedule); tokens are handed over only there and at the end, so the
+        consumer wakes up once per boundary instead of once per token. Empty: only at the end. None: every step.
+        """
+        job = _Job(request_id, request, asyncio.get_running_loop(), deliver_at)
         with self._lock:
             if self._closed:
                 raise RuntimeError("scheduler is closed")
@@ -159,6 +253,7 @@ class ContinuousBatchingScheduler(Generic[R]):
             if job is None or job.cancelled:
                 return False
             job.cancelled = True
+            self._cancels += 1
             self._lock.notify()
             return True
 
@@ -182,20 +277,26 @@ class ContinuousBatchingScheduler(Generic[R]):
                 logger.exception("LLM scheduler iteration failed")
                 with self._lock:
                     self._fail_all(exc)
+            finally:
+                self._outbox.send()
 
     def _iterate(self) -> bool:
         """Admit, then step once. False when the scheduler is closed."""
+        admit: list[_Job[R]] = []
         with self._lock:
+            if not self._closed and not self._active and not self._waiting:
+                self._publish_step_stats()
             while not self._closed and not self._active and not self._waiting:
                 self._lock.wait()
             if self._closed:
                 self._fail_all(RuntimeError("LLM scheduler shut down"))
                 return False
-            self._drop_cancelled()
-            admit = []
-            while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
-                admit.append(self._waiting.popleft())
-            self.stats.set("llm_waiting_requests", len(self._waiting))
+            if self._cancels:
+                self._drop_cancelled()
+            if self._waiting and len(self._active) < self.decoder.num_slots:
+                while self._waiting and len(self._active) + len(admit) < self.decoder.num_slots:
+                    admit.append(self._waiting.popleft())
+                self.stats.set("llm_waiting_requests", len(self._waiting))
         if admit:  # prefill outside the lock: submit/cancel stay responsive
             self._admit(admit)
         if self._active:
@@ -239,24 +340,54 @@ class ContinuousBatchingScheduler(Generic[R]):
                 for job in list(self._active.values()):
                     self._release(job, "llm_failed_total", exc)
             return
-        self.stats.add("llm_steps_total")
-        self.stats.add("llm_step_seconds_total", time.perf_counter() - started)
-        with self._lock:
-            for slot, out in outputs.items():
-                job = self._active.get(slot)
-                if job is None:
-                    continue
-                if out.token is not None and not job.cancelled:
-                    job.deliver(out.token)
+        ended = time.perf_counter()
+        self._unpublished_steps += 1
+        self._unpublished_seconds += ended - started
+        active, outbox = self._active, self._outbox
+        finished: list[_Job[R]] = []
+        # Only the worker thread changes `_active` and a job's token buffer, so the tokens are sorted out
+        # without the lock; it is taken only when sequences end. This loop runs for every token: inlined.
+        for slot, out in outputs.items():
+            job = active.get(slot)
+            if job is None:
+                continue
+            token = out.token
+            if token is not None and not job.cancelled:
+                job.pending.append(token)
+                job.emitted += 1
                 if out.finished:
+                    finished.append(job)  # its tokens go out with its end
+                elif job.emitted >= job.due:
+                    outbox.put(job, job.take())
+                    job.advance()
+            elif out.finished:
+                finished.append(job)
+        if finished:
+            self._publish_step_stats()
+            with self._lock:
+                for job in finished:
                     self._release(job, "llm_finished_total")
+        elif ended >= self._publish_at:
+            self._publish_step_stats()
+            self._publish_at = ended + STEP_STATS_PERIOD_S
+
+    def _publish_step_stats(self) -> None:
+        if self._unpublished_steps:
+            steps, seconds = self._unpublished_steps, self._unpublished_seconds
+            self._unpublished_steps, self._unpublished_seconds = 0, 0.0
+            self.stats.add("llm_steps_total", steps)
+            self.stats.add("llm_step_seconds_total", seconds)
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._active.values() if j.cancelled]:
             self._release(job, "llm_cancelled_total")
-        for job in [j for j in self._waiting if j.cancelled]:
+        waiting = [j for j in self._waiting if j.cancelled]
+        for job in waiting:
             self._waiting.remove(job)
             self._finish(job, "llm_cancelled_total")
+        if waiting:
+            self.stats.set("llm_waiting_requests", len(self._waiting))
+        self._cancels = 0
 
     def _release(self, job: _Job[R], counter: str, error: BaseException | None = None) -> None:
         """Free the slot of an active job and end its stream. Caller holds the lock."""
@@ -269,9 +400,12 @@ class ContinuousBatchingScheduler(Generic[R]):
             self._finish(job, counter, error)
 
     def _finish(self, job: _Job[R], counter: str, error: BaseException | None = None) -> None:
+        """End the job's stream: what it buffered goes out with the end (a cancelled job's is dropped)."""
         self._jobs.pop(job.request_id, None)
         self.stats.add(counter)
-        job.deliver(_End(error))
+        if job.cancelled:
+            job.pending = []
+        self._outbox.put(job, job.take(last=True, error=error))
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._active.values()):

@@ -71,6 +71,9 @@ class LLMRequest:
     top_p: float
     temperature: float
     streaming: bool
+    # Cumulative token counts at which the orchestrator needs the tokens decoded so far (the streaming
+    # schedule's chunk boundaries; empty: only at the end). An LLM that can buffer answers only there.
+    deliver_at: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -247,8 +250,13 @@ class Orchestrator:
             top_p=sampling.top_p,
             temperature=sampling.temperature,
             streaming=streaming,
+            deliver_at=tuple(self.schedule(prompt).boundaries(max_tokens)) if streaming else (),
         )
         return llm_request, len(prompt_ids) + len(target_ids)
+
+    def schedule(self, prompt: PromptTensors) -> ChunkSchedule:
+        """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""
+        return replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
 
     async def synthesize(self, request: SynthesisRequest, streaming: bool) -> AsyncIterator[AudioChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
@@ -259,7 +267,7 @@ class Orchestrator:
         try:
             prompt = await self.clients.voice_prompt(request)
             llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
-            schedule = replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
+            schedule = self.schedule(prompt)
             tokens: list[int] = []
             sent = 0  # tokens already handed to token2wav
             start, index = 0, 0  # the streaming schedule's position

@@ -56,6 +56,11 @@ LLM_INPUTS = (
     INPUT_IDS, INPUT_LENGTHS, REQUEST_OUTPUT_LEN, END_ID, PAD_ID, STOP_WORDS_LIST, EMBEDDING_BIAS,
     RUNTIME_TOP_K, RUNTIME_TOP_P, TEMPERATURE, MIN_LENGTH, RANDOM_SEED, STREAMING, STOP,
 )  # fmt: skip
+#: PyTorch LLM only (TensorRT-LLM has no such input): the ascending cumulative token counts at which the
+#: caller needs the tokens decoded so far (the streaming schedule's chunk boundaries); the model answers only
+#: there and at the end instead of once per token. Absent: one response per decoded token (as TensorRT-LLM).
+DELIVER_AT = TensorSpec("deliver_at", "INT32", (-1,), optional=True)
+PYTORCH_LLM_INPUTS = (*LLM_INPUTS, DELIVER_AT)
 OUTPUT_IDS = TensorSpec("output_ids", "INT32", (-1, -1))  # [beam, tokens]
 SEQUENCE_LENGTH = TensorSpec("sequence_length", "INT32", (-1,))  # [beam]
 LLM_OUTPUTS = (OUTPUT_IDS, SEQUENCE_LENGTH)
@@ -81,13 +86,13 @@ def _explicit_batch(spec: TensorSpec) -> TensorSpec:
 
 
 #: Every input is optional: a request carries the LLM set or the token2wav set (`engine_request_kind`).
-ENGINE_INPUTS = tuple(replace(_explicit_batch(s), optional=True) for s in LLM_INPUTS) + tuple(
+ENGINE_INPUTS = tuple(replace(_explicit_batch(s), optional=True) for s in PYTORCH_LLM_INPUTS) + tuple(
     replace(s, optional=True) for s in TOKEN2WAV_INPUTS
 )
 ENGINE_OUTPUTS = (*(_explicit_batch(s) for s in LLM_OUTPUTS), WAVEFORM)
 LLM_KIND = "llm"
 TOKEN2WAV_KIND = "token2wav"
-_KINDS = ((LLM_KIND, LLM_INPUTS), (TOKEN2WAV_KIND, TOKEN2WAV_INPUTS))
+_KINDS = ((LLM_KIND, PYTORCH_LLM_INPUTS), (TOKEN2WAV_KIND, TOKEN2WAV_INPUTS))
 
 
 def engine_request_kind(input_names: Iterable[str]) -> str:
@@ -110,8 +115,11 @@ def _col(value: object, dtype: type) -> np.ndarray:
 
 
 # -- LLM: orchestrator side ------------------------------------------------------------------------
-def llm_request_tensors(request: LLMRequest, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None) -> dict[str, np.ndarray]:
-    """The LLM inputs (batch of one). `logits_bias` masks text ids for TensorRT-LLM (docs/triton.md)."""
+def llm_request_tensors(
+    request: LLMRequest, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None, deliver_at: bool = False
+) -> dict[str, np.ndarray]:
+    """The LLM inputs (batch of one). `logits_bias` masks text ids for TensorRT-LLM (docs/triton.md);
+    `deliver_at` sends the request's delivery schedule (only the PyTorch LLM declares that input)."""
     eos, eos2, fill = vocab.end_ids
     tensors = {
         INPUT_IDS.name: request.input_ids.astype(np.int32).reshape(1, -1),
@@ -130,6 +138,8 @@ def llm_request_tensors(request: LLMRequest, vocab: SpeechVocabLayout, logits_bi
     }
     if logits_bias is not None:
         tensors[EMBEDDING_BIAS.name] = logits_bias.astype(np.float32).reshape(1, -1)
+    if deliver_at and request.streaming and request.deliver_at is not None:  # offline answers once anyway
+        tensors[DELIVER_AT.name] = np.array(request.deliver_at, dtype=np.int32).reshape(1, -1)
     return tensors
 
 
@@ -174,8 +184,18 @@ def parse_llm_request(arrays: Arrays) -> tuple[LLMRequest, bool]:
         top_p=float(_scalar(arrays, RUNTIME_TOP_P, 0.8)),
         temperature=float(_scalar(arrays, TEMPERATURE, 1.0)),
         streaming=bool(_scalar(arrays, STREAMING, False)),
+        deliver_at=_deliver_at(arrays.get(DELIVER_AT.name)),
     )
     return request, False
+
+
+def _deliver_at(value: np.ndarray | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    counts = tuple(int(v) for v in np.asarray(value).reshape(-1))
+    if any(b <= a for a, b in zip(counts, counts[1:])) or (counts and counts[0] < 1):
+        raise InvalidInput(f"{DELIVER_AT.name} must be ascending positive token counts, got {list(counts)}")
+    return counts
 
 
 _EMPTY_REQUEST = LLMRequest(np.zeros(0, np.int32), 0, 0, 0, 0, 0.0, 1.0, False)

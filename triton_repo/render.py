@@ -3,7 +3,7 @@
     python -m triton_repo.render --model-dir models/CosyVoice2-0.5B --out models/triton_repo \\
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
-        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated]
+        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token]
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. Every option is checked before
@@ -40,6 +40,10 @@ DTYPES = ("fp32", "fp16", "bf16")
 #: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, the rest on GPU 1.
 LAYOUTS = ("colocated", "single", "disaggregated")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
+#: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
+#: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
+LLM_DELIVERIES = ("chunk", "token")
+DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
 ENGINE_MODEL = "engine"
 #: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
@@ -72,6 +76,7 @@ class RenderOptions:
     # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
     benchmark_speech_ratio: float | None = None
     layout: str | None = None  # None: DEFAULT_LAYOUT of the LLM backend
+    llm_delivery: str | None = None  # None: DEFAULT_LLM_DELIVERY of the LLM backend
     voice_cache: int = 64  # voices kept in the voice-prompt cache
     max_target_text_tokens: int = 300
     audio_max_batch: int = 8
@@ -80,6 +85,8 @@ class RenderOptions:
     def __post_init__(self) -> None:
         if self.layout is None:
             object.__setattr__(self, "layout", DEFAULT_LAYOUT.get(self.llm_backend, "single"))
+        if self.llm_delivery is None:
+            object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
 
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)
@@ -115,6 +122,10 @@ def check_options(opts: RenderOptions) -> None:
             "--layout colocated needs --llm-backend pytorch: TensorRT-LLM runs inside tritonserver itself, so it "
             "cannot share the token2wav process (use --layout single or disaggregated)"
         )
+    if opts.llm_delivery not in LLM_DELIVERIES:
+        errors.append(f"--llm-delivery must be one of {', '.join(LLM_DELIVERIES)}, got {opts.llm_delivery!r}")
+    elif opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
+        errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
     if opts.layout == "disaggregated" and opts.device != "cuda":
         errors.append("--layout disaggregated needs --device cuda (it puts the LLM and token2wav on two GPUs)")
     for name, value, low in (
@@ -278,6 +289,7 @@ def internal_models(opts: RenderOptions) -> dict[str, str]:
         "llm_model": ENGINE_MODEL if colocated else "llm",
         "token2wav_model": ENGINE_MODEL if colocated else "token2wav",
         "token2wav_decoupled": str(colocated).lower(),
+        "llm_deliver_at": str(opts.llm_delivery == "chunk").lower(),
     }
 
 
@@ -315,8 +327,9 @@ def _token2wav_parameters(opts: RenderOptions) -> dict[str, object]:
 
 def _llm_files(opts: RenderOptions) -> dict[str, str]:
     """The separate `llm` model (single/disaggregated layouts) of either backend."""
+    inputs = io.PYTORCH_LLM_INPUTS if opts.llm_backend == "pytorch" else io.LLM_INPUTS
     llm_io = {
-        "inputs": contract.pbtxt_io_block("input", io.LLM_INPUTS),
+        "inputs": contract.pbtxt_io_block("input", inputs),
         "outputs": contract.pbtxt_io_block("output", io.LLM_OUTPUTS),
     }
     if opts.llm_backend == "pytorch":
@@ -530,6 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",
     )  # fmt: skip
     parser.add_argument(
+        "--llm-delivery", default=None, choices=LLM_DELIVERIES,
+        help="tokens to the streaming orchestrator per chunk boundary (default for pytorch) or per token (tensorrt_llm)",
+    )  # fmt: skip
+    parser.add_argument(
         "--benchmark-speech-ratio", type=float, default=None, metavar="R",
         help="benchmarks on random weights only: every request generates round(R x text tokens) speech tokens",
     )  # fmt: skip
@@ -555,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flow_cache=args.flow_cache,
                 flow_cache_gb=args.flow_cache_gb,
                 layout=args.layout,
+                llm_delivery=args.llm_delivery,
                 voice_cache=args.voice_cache,
                 benchmark_speech_ratio=args.benchmark_speech_ratio,
             )

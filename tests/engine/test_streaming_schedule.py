@@ -75,3 +75,18 @@ def test_waiting_until_enough_tokens_then_final_when_finished() -> None:
 def test_rejects_first_hop_below_the_hift_cache() -> None:
     with pytest.raises(ValueError, match="first_hop"):
         ChunkSchedule(first_hop=3)
+
+
+@pytest.mark.parametrize(("prompt_tokens", "first_hop", "growth"), [(40, 25, 2), (75, 15, 2), (1, 5, 3), (0, 25, 1)])
+def test_boundaries_are_exactly_the_counts_at_which_a_chunk_becomes_runnable(prompt_tokens, first_hop, growth) -> None:
+    """Tokens arriving one at a time: a chunk runs exactly when the count reaches the next boundary."""
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens, first_hop=first_hop, growth=growth)
+    runnable_at = []
+    start = index = 0
+    for available in range(1, 701):
+        while chunk := schedule.next_chunk(start, index, available, finished=False):
+            runnable_at.append(available)
+            start, index = chunk.stop, index + 1
+    assert schedule.boundaries(700) == runnable_at
+    assert schedule.boundaries(runnable_at[2]) == runnable_at[:3]  # inclusive limit
+    assert schedule.boundaries(runnable_at[0] - 1) == []

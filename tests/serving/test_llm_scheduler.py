@@ -76,6 +76,8 @@ async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
         assert decoder.slots == {} and scheduler.active_request_ids() == set()
         stats = scheduler.stats.snapshot()
         assert stats["llm_finished_total"] == 4 and stats["llm_active_sequences"] == 0
+        # step counters are published in bulk, but completely by the time the last sequence has ended
+        assert stats["llm_steps_total"] == len(decoder.batches) and stats["llm_step_seconds_total"] > 0
     finally:
         scheduler.close()
 
@@ -128,7 +130,7 @@ async def test_an_unexpected_worker_error_fails_the_running_requests_but_not_the
     broken = {"once": True}
 
     def listener(name, value):
-        if name == "llm_steps_total" and value == 1 and broken.pop("once", False):
+        if name == "llm_steps_total" and value >= 1 and broken.pop("once", False):
             raise RuntimeError("metrics exporter broke")
 
     scheduler.stats.add_listener(listener)
@@ -168,4 +170,94 @@ async def test_waiting_requests_are_prefilled_together_and_a_bad_one_still_fails
         assert scheduler.active_request_ids() == set()
     finally:
         decoder.gate.set()
+        scheduler.close()
+
+
+async def deliveries(stream) -> list[tuple[list[int], bool]]:
+    return [(d.tokens, d.last) async for d in stream.deliveries()]
+
+
+async def test_one_wake_up_per_event_loop_and_step_however_many_requests_got_tokens():
+    decoder = ScriptedDecoder(num_slots=8)
+    decoder.gate.clear()  # all eight join before the first step
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
+    loop = asyncio.get_running_loop()
+    wake_ups = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(*args, **kwargs):
+        nonlocal wake_ups
+        if threading.current_thread().name == "llm-scheduler":
+            wake_ups += 1
+        return original(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counting
+    try:
+        streams = [scheduler.submit(f"r{i}", Script(base=100 * i, count=10 + i)) for i in range(8)]
+        while len(decoder.slots) < 8:
+            await asyncio.sleep(0.01)
+        decoder.gate.set()
+        results = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        loop.call_soon_threadsafe = original
+        decoder.gate.set()
+        scheduler.close()
+    assert results == [list(range(100 * i, 100 * i + 10 + i)) for i in range(8)]  # every token, in order
+    # 8 x ~14 tokens + 8 ends were handed over in at most one wake-up per step
+    assert 0 < wake_ups <= len(decoder.batches)
+
+
+@pytest.mark.parametrize(
+    ("count", "deliver_at", "expected"),
+    [
+        (20, (3, 7, 7, 15), [(range(0, 3), False), (range(3, 7), False), (range(7, 15), False), (range(15, 20), True)]),
+        (15, (15, 3), [(range(0, 3), False), (range(3, 15), True)]),  # a boundary at the end: one delivery
+        (6, (), [(range(0, 6), True)]),  # no boundary: only the end
+        (4, (9, 30), [(range(0, 4), True)]),  # boundaries past the end are never reached
+    ],
+)
+async def test_a_delivery_schedule_hands_over_tokens_only_at_its_boundaries_and_the_end(count, deliver_at, expected):
+    decoder = ScriptedDecoder(num_slots=2)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
+    try:
+        busy = scheduler.submit("busy", Script(base=1000, count=25))  # shares the steps, delivered per token
+        scheduled = scheduler.submit("scheduled", Script(base=0, count=count), deliver_at=deliver_at)
+        got, other = await asyncio.gather(deliveries(scheduled), collect(busy))
+    finally:
+        scheduler.close()
+    assert got == [(list(tokens), last) for tokens, last in expected]
+    assert other == list(range(1000, 1025))
+
+
+async def test_a_scheduled_stream_ends_cleanly_on_cancel_and_raises_after_its_tokens_on_failure():
+    decoder = ScriptedDecoder(num_slots=2)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
+    try:
+        stream = scheduler.submit("endless", Script(base=0, count=None), deliver_at=(2, 5))
+        it = stream.deliveries().__aiter__()
+        first = await it.__anext__()
+        assert (first.tokens, first.last) == ([0, 1], False)
+        assert scheduler.cancel("endless")
+        rest = [(d.tokens, d.last) async for d in it]
+        assert rest[-1] == ([], True) and all(tokens == [2, 3, 4] for tokens, _ in rest[:-1])
+        assert scheduler.active_request_ids() == set() and decoder.slots == {}
+
+        original_step = decoder.step
+
+        def failing_step():
+            out = original_step()
+            if len(decoder.batches) == 4:
+                raise RuntimeError("device lost")
+            return out
+
+        decoder.step = failing_step
+        decoder.batches.clear()
+        failing = scheduler.submit("failing", Script(base=50, count=None), deliver_at=())
+        received = []
+        with pytest.raises(RuntimeError, match="device lost"):
+            async for tokens in failing:
+                received += tokens
+        assert received == [50, 51, 52]  # buffered until the end, then handed over before the error
+        assert scheduler.stats.get("llm_failed_total") == 1
+    finally:
         scheduler.close()

@@ -230,3 +230,35 @@ def test_parse_request_rejects_bad_input_with_the_invalid_input_tag(overrides, m
     with pytest.raises(InvalidInput, match=message) as info:
         parse_request(_arrays(**overrides), OrchestratorConfig(vocab=VOCAB))
     assert str(info.value).startswith(contract.ERROR_INVALID_INPUT)
+
+
+class BoundaryClients(FakeClients):
+    """An LLM that honours the request's `deliver_at`: tokens only at its boundaries and at the end."""
+
+    async def llm(self, request_id, request):
+        self.llm_requests.append(request)
+        ids = [t + VOCAB.speech_offset for t in self.tokens]
+        cuts = [b for b in request.deliver_at if b < len(ids)] + [len(ids)]
+        start = 0
+        for cut in cuts:
+            self.emitted = cut
+            yield ids[start:cut]
+            start = cut
+            await asyncio.sleep(0)
+
+
+async def test_streaming_asks_for_tokens_at_the_chunk_boundaries_and_gets_the_same_chunks_as_per_token():
+    tokens = list(range(61))
+    per_token, buffered = FakeClients(tokens, batch=1), BoundaryClients(tokens)
+    orch_a, orch_b = orchestrator(per_token), orchestrator(buffered)
+    chunks_a = await collect(orch_a, request(), streaming=True)
+    chunks_b = await collect(orch_b, request(), streaming=True)
+    [llm] = buffered.llm_requests
+    schedule = ChunkSchedule(prompt_tokens=PROMPT.speech_tokens.size, first_hop=5, grid=5, max_hop=20, lookahead=3)
+    assert llm.deliver_at == tuple(schedule.boundaries(llm.max_tokens)) and len(llm.deliver_at) > 2
+    assert [call[1:4] for call in buffered.calls] == [call[1:4] for call in per_token.calls]  # tokens, prompt, chunk
+    # every non-final chunk ran as soon as its boundary was delivered, as early as with per-token delivery
+    assert [call[4] for call in buffered.calls[:-1]] == [call[4] for call in per_token.calls[:-1]]
+    assert [(c.output_tokens, c.final) for c in chunks_b] == [(c.output_tokens, c.final) for c in chunks_a]
+    await collect(orch_b, request(), streaming=False)
+    assert buffered.llm_requests[-1].deliver_at == ()  # offline: the tokens are needed only at the end

@@ -6,11 +6,14 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.orchestrator import LLMRequest
 from triton_repo import contract
 from triton_repo import internal_io as io
 from triton_repo.render import (
@@ -79,6 +82,8 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"llm_backend": "tensorrt_llm", "device": "cuda", "layout": "colocated"}, "colocated needs --llm-backend pytorch"),
         ({"layout": "shared"}, "--layout must be one of colocated, single, disaggregated"),
         ({"instances": {"engine": 2}}, "per-request state"),
+        ({"llm_delivery": "bytes"}, "--llm-delivery must be one of chunk, token"),
+        ({"llm_backend": "tensorrt_llm", "device": "cuda", "llm_delivery": "chunk"}, "chunk needs --llm-backend pytorch"),
     ],
 )
 def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):
@@ -158,7 +163,7 @@ def test_the_default_layout_hosts_llm_and_token2wav_in_one_engine_model(tiny_mod
     assert engine.backend == "python" and engine.model_transaction_policy.decoupled
     assert engine.max_batch_size == 0 and [g.count for g in engine.instance_group] == [1]
     inputs = {t.name: t for t in engine.input}
-    expected = [s.name for s in io.LLM_INPUTS] + [s.name for s in io.TOKEN2WAV_INPUTS]
+    expected = [s.name for s in io.PYTORCH_LLM_INPUTS] + [s.name for s in io.TOKEN2WAV_INPUTS]
     assert list(inputs) == expected and all(t.optional for t in inputs.values())
     assert list(inputs["input_ids"].dims) == [-1, -1]  # the LLM's batch dimension is explicit
     assert {t.name for t in engine.output} == {"output_ids", "sequence_length", "waveform"}
@@ -187,8 +192,26 @@ def test_tensorrt_llm_defaults_to_the_single_layout(tiny_model_dir, tmp_path):
     repo = render_repository(
         tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine
     )
-    assert {"llm", "token2wav"} <= parsed_configs(repo).keys()
+    configs = parsed_configs(repo)
+    assert {"llm", "token2wav"} <= configs.keys()
     assert json.loads((repo / MARKER).read_text())["layout"] == "single"
+    # TensorRT-LLM streams per token: no delivery schedule declared, none sent
+    assert "deliver_at" not in {t.name for t in configs["llm"].input}
+    assert parameters(configs[contract.STREAMING_MODEL])["llm_deliver_at"] == "false"
+
+
+@pytest.mark.parametrize(("layout", "llm_model"), [("colocated", "engine"), ("single", "llm")])
+@pytest.mark.parametrize(("delivery", "sent"), [(None, "true"), ("chunk", "true"), ("token", "false")])
+def test_the_pytorch_llm_takes_a_delivery_schedule_and_the_orchestrator_sends_it_unless_told_not_to(
+    tiny_model_dir, tmp_path, layout, llm_model, delivery, sent
+):
+    repo = write_repository(
+        RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout=layout, llm_delivery=delivery)
+    )
+    configs = parsed_configs(repo)
+    assert "deliver_at" in {t.name for t in configs[llm_model].input}  # declared either way: old callers still fit
+    for pipeline_model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
+        assert parameters(configs[pipeline_model])["llm_deliver_at"] == sent
 
 
 def test_engine_requests_are_told_apart_by_their_inputs():
@@ -200,3 +223,16 @@ def test_engine_requests_are_told_apart_by_their_inputs():
     for names in ([], ["seed"], [*llm, "stream_id"], ["input_ids", "input_lengths"], [*token2wav, "stop"]):
         with pytest.raises(InvalidInput, match=r"^\[invalid_input\] engine: inputs"):
             io.engine_request_kind(names)
+
+
+def test_a_delivery_schedule_round_trips_through_the_llm_tensors_and_bad_ones_are_refused():
+    vocab = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
+    request = LLMRequest(np.arange(5, dtype=np.int32), 2, 90, 7, 25, 0.8, 1.0, True, deliver_at=(8, 18, 38, 68))
+    arrays = io.llm_request_tensors(request, vocab, None, deliver_at=True)
+    assert io.parse_llm_request(arrays)[0].deliver_at == (8, 18, 38, 68)
+    assert io.DELIVER_AT.name not in io.llm_request_tensors(request, vocab, None)  # TensorRT-LLM: never sent
+    assert io.parse_llm_request(io.llm_request_tensors(request, vocab, None))[0].deliver_at is None
+    for bad in ([8, 8], [18, 8], [0, 8]):
+        arrays[io.DELIVER_AT.name] = np.array([bad], np.int32)
+        with pytest.raises(InvalidInput, match=r"deliver_at must be ascending positive"):
+            io.parse_llm_request(arrays)

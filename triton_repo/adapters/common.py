@@ -269,8 +269,14 @@ class MetricsExporter:
         self._published: dict[str, float] = {}
         self._changed = threading.Event()
         for component in stats:
-            component.add_listener(lambda name, value: self._changed.set())
+            component.add_listener(self._on_change)
         threading.Thread(target=self._publish_forever, name=f"metrics-{model_name}", daemon=True).start()
+
+    def _on_change(self, name: str, value: float) -> None:
+        # Called on every stats update, e.g. from the LLM worker between decoder steps: once the event is
+        # set, a plain read instead of `Event.set`'s lock and notify.
+        if not self._changed.is_set():
+            self._changed.set()
 
     def _snapshot(self) -> dict[str, float]:
         merged: dict[str, float] = {}

@@ -1,8 +1,11 @@
 """`llm` with the PyTorch backend: continuous batching over a static KV cache, streaming token ids.
 
 Same tensors as the TensorRT-LLM backend's model (`internal_io.LLM_INPUTS/OUTPUTS`), including its
-cancellation by a second request with `stop` set and the same request id. `LLMHandler` is the whole
-model; the colocated `engine` model hosts it next to token2wav.
+cancellation by a second request with `stop` set and the same request id, plus one of its own:
+`deliver_at`, the token counts at which the caller needs its tokens. Every response is an IPC message to
+the caller's process (and wakes it), so with `deliver_at` a streaming request gets one response per
+boundary (the last one flagged final) instead of one per token; without it, one per decoded token.
+`LLMHandler` is the whole model; the colocated `engine` model hosts it next to token2wav.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ class LLMHandler:
 
     async def handle(self, request: Any, sender: Any) -> None:
         request_id = request.request_id()
-        llm_request, stop = io.parse_llm_request(read_inputs(request, io.LLM_INPUTS))
+        llm_request, stop = io.parse_llm_request(read_inputs(request, io.PYTORCH_LLM_INPUTS))
         if stop:
             self.scheduler.cancel(request_id)
             sender.send(response(io.llm_response_tensors([])), flags=FINAL)
@@ -57,16 +60,20 @@ class LLMHandler:
             llm_request.input_ids, self.vocab, llm_request.min_tokens, llm_request.max_tokens,
             llm_request.seed, llm_request.top_k, llm_request.top_p,
         )  # fmt: skip
-        stream = self.scheduler.submit(request_id, decode_request)
+        # not streaming: the caller reads one response, so the scheduler hands over nothing before the end
+        deliver_at = llm_request.deliver_at if llm_request.streaming else ()
+        stream = self.scheduler.submit(request_id, decode_request, deliver_at)
         offset = self.vocab.speech_offset  # the decoder counts speech tokens; the LLM vocabulary offsets them
         try:
-            if llm_request.streaming:
-                async for tokens in stream:
-                    sender.send(response(io.llm_response_tensors([t + offset for t in tokens])))
-                sender.send(flags=FINAL)
-            else:
-                ids = [token + offset async for batch in stream for token in batch]
-                sender.send(response(io.llm_response_tensors(ids)), flags=FINAL)
+            async for delivery in stream.deliveries():
+                flags = FINAL if delivery.last else 0
+                if delivery.tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
+                    sender.send(response(io.llm_response_tensors([t + offset for t in delivery.tokens])), flags=flags)
+                elif delivery.last:  # the end came without a token (a stop id): nothing but the flag
+                    sender.send(flags=FINAL)
+                else:
+                    continue
+                self.stats.add("llm_responses_total")
         finally:
             stream.cancel()  # no-op once finished; frees the slot when the client went away
 

@@ -46,15 +46,20 @@ LOGITS_BIAS_KEY = "logits_bias"
 
 @dataclass(frozen=True)
 class InternalModels:
-    """Which models answer the LLM and token2wav calls (rendered per layout: `engine` when colocated)."""
+    """Which models answer the LLM and token2wav calls (rendered per layout: `engine` when colocated), and
+    whether the LLM takes a delivery schedule (`deliver_at`: the PyTorch LLM; TensorRT-LLM streams per token)."""
 
     llm: str
     token2wav: str
     token2wav_decoupled: bool
+    llm_deliver_at: bool = False
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> InternalModels:
-        return cls(params["llm_model"], params["token2wav_model"], params["token2wav_decoupled"] == "true")
+        return cls(
+            params["llm_model"], params["token2wav_model"], params["token2wav_decoupled"] == "true",
+            params.get("llm_deliver_at") == "true",
+        )  # fmt: skip
 
 
 class TritonClients:
@@ -80,7 +85,7 @@ class TritonClients:
         return prompt
 
     async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
-        inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias)
+        inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias, self.models.llm_deliver_at)
         async for out in bls_stream(self.models.llm, inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
             ids = io.llm_response_ids(out)
             if ids:
