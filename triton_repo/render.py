@@ -42,9 +42,9 @@ DTYPES = ("fp32", "fp16", "bf16")
 LAYOUTS = ("colocated", "single", "disaggregated")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
 ENGINE_MODEL = "engine"
-#: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 #: The engine's logits type the per-request embedding bias (float32) needs: trtllm-build --logits_dtype float32.
 LOGITS_DTYPE = "float32"
+#: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
 
 
