@@ -20,6 +20,7 @@ import numpy as np
 
 LAYOUT_FILE = "cosyvoice2_llm.json"
 LOGITS_BIAS_FILE = "logits_bias.safetensors"
+LOGITS_BIAS_KEY = "logits_bias"  # the one tensor in LOGITS_BIAS_FILE
 VOCAB_PAD_MULTIPLE = 128
 END_TOKENS = ("<|eos1|>", "<|eos2|>", "<|eos3|>")
 

@@ -23,6 +23,7 @@ from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
 from triton_repo import contract
 
@@ -35,6 +36,7 @@ ORCHESTRATOR_STATS = (
     "orchestrator_requests_total",
     "orchestrator_cancelled_total",
     "orchestrator_failed_total",
+    "orchestrator_loops_cut_total",
 )
 
 
@@ -113,6 +115,7 @@ class OrchestratorConfig:
     max_target_text_tokens: int = 300
     min_reference_samples: int = contract.REFERENCE_SAMPLE_RATE // 10  # 0.1 s
     max_reference_samples: int = 30 * contract.REFERENCE_SAMPLE_RATE  # tokenizer / CAM++ limit
+    loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
 
 
 # -- the clients the orchestrator drives ----------------------------------------------------------
@@ -272,8 +275,12 @@ class Orchestrator:
             sent = 0  # tokens already handed to token2wav
             start, index = 0, 0  # the streaming schedule's position
             run.llm_running = True
+            guard = self.config.loop_guard.start() if self.config.loop_guard else None
             async for ids in self.clients.llm(request_id, llm_request):
                 speech, ended = self._speech_tokens(ids)
+                if guard is not None and (cut := guard.feed(speech)) is not None:
+                    speech, ended = speech[:cut], True  # a token loop: end the utterance where it closed
+                    self.stats.add("orchestrator_loops_cut_total")
                 tokens.extend(speech)
                 while streaming and (chunk := schedule.next_chunk(start, index, len(tokens), finished=False)):
                     audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)

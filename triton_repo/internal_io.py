@@ -21,6 +21,7 @@ from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.orchestrator import LLMRequest, PromptTensors
 from triton_repo.contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
+from triton_repo.trtllm_backend_facts import PINNED
 
 Arrays = Mapping[str, "np.ndarray | None"]
 
@@ -48,13 +49,17 @@ EMBEDDING_BIAS = TensorSpec("embedding_bias", "FP32", (-1,), optional=True)
 RUNTIME_TOP_K = TensorSpec("runtime_top_k", "INT32", (1,), optional=True, reshape=_SCALAR)
 RUNTIME_TOP_P = TensorSpec("runtime_top_p", "FP32", (1,), optional=True, reshape=_SCALAR)
 TEMPERATURE = TensorSpec("temperature", "FP32", (1,), optional=True, reshape=_SCALAR)
-MIN_LENGTH = TensorSpec("min_length", "INT32", (1,), optional=True, reshape=_SCALAR)
-RANDOM_SEED = TensorSpec("random_seed", "UINT64", (1,), optional=True, reshape=_SCALAR)
+# Named as the pinned TensorRT-LLM backend reads them (later backends renamed both: trtllm_backend_facts).
+MIN_LENGTH = TensorSpec(PINNED.roles["min_tokens"], "INT32", (1,), optional=True, reshape=_SCALAR)
+RANDOM_SEED = TensorSpec(PINNED.roles["seed"], "UINT64", (1,), optional=True, reshape=_SCALAR)
+#: TensorRT-LLM only (the PyTorch LLM runs RAS instead and ignores it): divides the logits of ids already in the
+#: sequence, the backend's nearest equivalent of RAS (docs/deploy.md).
+REPETITION_PENALTY = TensorSpec("repetition_penalty", "FP32", (1,), optional=True, reshape=_SCALAR)
 STREAMING = TensorSpec("streaming", "BOOL", (1,), optional=True)
 STOP = TensorSpec("stop", "BOOL", (1,), optional=True)  # cancels the sequence with this request id
 LLM_INPUTS = (
     INPUT_IDS, INPUT_LENGTHS, REQUEST_OUTPUT_LEN, END_ID, PAD_ID, STOP_WORDS_LIST, EMBEDDING_BIAS,
-    RUNTIME_TOP_K, RUNTIME_TOP_P, TEMPERATURE, MIN_LENGTH, RANDOM_SEED, STREAMING, STOP,
+    RUNTIME_TOP_K, RUNTIME_TOP_P, TEMPERATURE, MIN_LENGTH, RANDOM_SEED, REPETITION_PENALTY, STREAMING, STOP,
 )  # fmt: skip
 #: PyTorch LLM only (TensorRT-LLM has no such input): the ascending cumulative token counts at which the
 #: caller needs the tokens decoded so far (the streaming schedule's chunk boundaries); the model answers only
@@ -116,10 +121,15 @@ def _col(value: object, dtype: type) -> np.ndarray:
 
 # -- LLM: orchestrator side ------------------------------------------------------------------------
 def llm_request_tensors(
-    request: LLMRequest, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None, deliver_at: bool = False
+    request: LLMRequest,
+    vocab: SpeechVocabLayout,
+    logits_bias: np.ndarray | None,
+    repetition_penalty: float | None = None,
+    deliver_at: bool = False,
 ) -> dict[str, np.ndarray]:
-    """The LLM inputs (batch of one). `logits_bias` masks text ids for TensorRT-LLM (docs/triton.md);
-    `deliver_at` sends the request's delivery schedule (only the PyTorch LLM declares that input)."""
+    """The LLM inputs (batch of one). TensorRT-LLM only: `logits_bias` masks text ids (docs/triton.md),
+    `repetition_penalty` stands in for RAS (docs/deploy.md). PyTorch LLM only: `deliver_at` sends the request's
+    delivery schedule."""
     eos, eos2, fill = vocab.end_ids
     tensors = {
         INPUT_IDS.name: request.input_ids.astype(np.int32).reshape(1, -1),
@@ -138,6 +148,8 @@ def llm_request_tensors(
     }
     if logits_bias is not None:
         tensors[EMBEDDING_BIAS.name] = logits_bias.astype(np.float32).reshape(1, -1)
+    if repetition_penalty is not None:
+        tensors[REPETITION_PENALTY.name] = _col(repetition_penalty, np.float32)
     if deliver_at and request.streaming and request.deliver_at is not None:  # offline answers once anyway
         tensors[DELIVER_AT.name] = np.array(request.deliver_at, dtype=np.int32).reshape(1, -1)
     return tensors

@@ -27,9 +27,11 @@ from typing import Sequence
 
 from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.streaming import FLOW_CACHE_MODES
-from cosyvoice2.vocab import LOGITS_BIAS_FILE
+from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
+from cosyvoice2_serving.repetition import LoopGuardConfig
 from triton_repo import contract
 from triton_repo import internal_io as io
+from triton_repo import trtllm_backend_facts as facts
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
@@ -45,6 +47,8 @@ DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
 LLM_DELIVERIES = ("chunk", "token")
 DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
 ENGINE_MODEL = "engine"
+#: The engine's logits type the per-request embedding bias (float32) needs: trtllm-build --logits_dtype float32.
+LOGITS_DTYPE = "float32"
 #: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
 
@@ -81,6 +85,10 @@ class RenderOptions:
     max_target_text_tokens: int = 300
     audio_max_batch: int = 8
     max_queue_delay_us: int = 1000
+    # TensorRT-LLM only (the PyTorch LLM samples with RAS): the backend's repetition penalty (upstream's 1.1) and
+    # the orchestrator's loop guard, together the nearest the C++ backend gets to RAS (docs/deploy.md)
+    repetition_penalty: float = 1.1
+    loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
 
     def __post_init__(self) -> None:
         if self.layout is None:
@@ -140,6 +148,8 @@ def check_options(opts: RenderOptions) -> None:
         errors.append(f"--flow-cache must be one of {', '.join(FLOW_CACHE_MODES)}, got {opts.flow_cache!r}")
     if not opts.flow_cache_gb >= 0:
         errors.append(f"--flow-cache-gb must be >= 0, got {opts.flow_cache_gb}")
+    if not opts.repetition_penalty > 0:
+        errors.append(f"--repetition-penalty must be > 0 (1 = off), got {opts.repetition_penalty}")
     if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:
         errors.append(f"--benchmark-speech-ratio must be > 0, got {opts.benchmark_speech_ratio}")
     for model, count in opts.instances.items():
@@ -165,17 +175,94 @@ def _check_trtllm(opts: RenderOptions) -> list[str]:
     elif not (opts.engine_dir / "config.json").is_file() or not any(opts.engine_dir.glob("*.engine")):
         errors.append(f"--engine-dir {opts.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)")
     else:
-        build = json.loads((opts.engine_dir / "config.json").read_text()).get("build_config", {})
+        engine = read_engine_config(opts.engine_dir)
+        build = engine.get("build_config", {})
         for key, ours in (("max_batch_size", opts.max_batch), ("max_seq_len", opts.max_seq_len)):
             if key in build and ours > int(build[key]):
                 errors.append(
                     f"--{key.replace('_size', '').replace('_', '-')} {ours} exceeds the engine's {key} {build[key]}"
                 )
+        errors += _check_engine_facts(opts, engine)
     if opts.llm_dir is None:
         errors.append(f"--llm-backend tensorrt_llm needs --llm-dir (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
     elif not (opts.llm_dir / LOGITS_BIAS_FILE).is_file():
         errors.append(f"--llm-dir {opts.llm_dir} lacks {LOGITS_BIAS_FILE} (written by the build's convert stage)")
+    elif opts.engine_dir is not None and (opts.engine_dir / "config.json").is_file():
+        errors += _check_logits_bias(opts.llm_dir / LOGITS_BIAS_FILE, read_engine_config(opts.engine_dir))
     return errors
+
+
+def read_engine_config(engine_dir: Path) -> dict:
+    """The `config.json` trtllm-build writes beside the engine: `version` (TensorRT-LLM), `pretrained_config`
+    (vocab_size, logits_dtype, mapping), `build_config` (max_batch_size, max_seq_len, ...)."""
+    try:
+        return json.loads((engine_dir / "config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise RenderError(f"--engine-dir {engine_dir}: config.json is not valid JSON ({exc})") from exc
+
+
+def engine_tp_size(engine: dict) -> int:
+    mapping = engine.get("pretrained_config", {}).get("mapping", {})
+    return int(mapping.get("tp_size", 1)) * int(mapping.get("pp_size", 1))
+
+
+def _check_engine_facts(opts: RenderOptions, engine: dict) -> list[str]:
+    """What the engine was built with against what this repository sends it (docs/deploy.md)."""
+    errors = []
+    version = engine.get("version")
+    if not version:
+        errors.append(f"--engine-dir {opts.engine_dir}: config.json names no TensorRT-LLM version; rebuild the engine")
+    else:
+        try:
+            facts.facts_for(str(version))
+        except facts.UnsupportedBackendVersion as exc:
+            errors.append(str(exc))
+    pretrained = engine.get("pretrained_config", {})
+    logits_dtype = pretrained.get("logits_dtype")
+    if logits_dtype != LOGITS_DTYPE:
+        errors.append(
+            f"the engine's logits are {logits_dtype or 'of unknown type'}, not {LOGITS_DTYPE}: every request would fail "
+            '("Embedding bias data type must be same as model logits type"); rebuild it with trtllm-build '
+            f"--logits_dtype {LOGITS_DTYPE} (cosyvoice-build --from engine --to engine --force)"
+        )
+    tp = engine_tp_size(engine)
+    if tp > 1 and opts.layout == "disaggregated":
+        errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns cuda:0 only)")
+    return errors
+
+
+def _check_logits_bias(path: Path, engine: dict) -> list[str]:
+    """The per-request embedding bias must have one value per row of the engine's logits."""
+    vocab = engine.get("pretrained_config", {}).get("vocab_size")
+    try:
+        length = safetensors_length(path, LOGITS_BIAS_KEY)
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"{path} is not a safetensors file with a 1-D {LOGITS_BIAS_KEY!r} tensor ({exc})"]
+    if vocab is None:
+        return ["the engine's config.json has no pretrained_config.vocab_size to check the logits bias against"]
+    errors = []
+    if length != int(vocab):
+        errors.append(
+            f"{path} holds {length} values but the engine's vocab_size is {vocab}: the bias must match the engine's "
+            "logits row for row (convert and build from the same checkpoint)"
+        )
+    tp = engine_tp_size(engine)
+    if int(vocab) % tp:
+        errors.append(f"vocab_size {vocab} is not a multiple of the tensor-parallel size {tp}: the logits would be padded")
+    return errors
+
+
+def safetensors_length(path: Path, key: str) -> int:
+    """Length of the 1-D tensor `key` from the file's header alone (8-byte size + JSON; no tensor is read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100_000_000:
+            raise ValueError("bad header size")
+        header = json.loads(f.read(size))
+    shape = header[key]["shape"]
+    if len(shape) != 1:
+        raise ValueError(f"shape {shape} is not 1-D")
+    return int(shape[0])
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -198,7 +285,8 @@ def _python_model(module: str, cls: str = "TritonPythonModel") -> str:
 
 
 def render_files(opts: RenderOptions) -> dict[str, str]:
-    """Relative path -> file content of the whole repository (no I/O besides reading templates)."""
+    """Relative path -> file content of the whole repository (no I/O besides reading templates and the engine's
+    config.json)."""
     files: dict[str, str] = {}
     common = {"model_dir": opts.model_dir.resolve()}
     schedule = {"first_hop": opts.first_hop, "chunk_growth": opts.chunk_growth}
@@ -216,6 +304,8 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
     if opts.llm_backend == "tensorrt_llm":
         assert opts.llm_dir is not None
         orchestrator_params["llm_logits_bias"] = (opts.llm_dir / LOGITS_BIAS_FILE).resolve()
+        orchestrator_params["llm_repetition_penalty"] = opts.repetition_penalty
+        orchestrator_params.update({f"loop_{key}": value for key, value in asdict(opts.loop_guard).items()})
     for name, decoupled, description in (
         (contract.OFFLINE_MODEL, "false", "Offline pipeline: one response with the whole waveform of one segment."),
         (contract.STREAMING_MODEL, "true", "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
@@ -363,9 +453,14 @@ def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
         "normalize_log_probs": "false",
         "cancellation_check_period_ms": 50,
         "decoding_mode": "top_k_top_p",
-        "gpu_device_ids": "0",
+        # a tensor-parallel engine spans GPUs 0..tp-1 (compose also sets TRTLLM_ORCHESTRATOR=1 for it)
+        "gpu_device_ids": ",".join(str(i) for i in range(engine_tp_size(read_engine_config(opts.engine_dir)))),
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
+        # read without a default on every load (trtllm_backend_facts): empty keeps guided decoding off
+        "tokenizer_dir": "",
+        "xgrammar_tokenizer_info_path": "",
+        "guided_decoding_backend": "",
     }
 
 
@@ -410,15 +505,19 @@ def validate_repository(repo: Path, expected: set[str]) -> None:
         raise RenderError("invalid Triton repository:\n  - " + "\n  - ".join(errors))
 
 
-def check_trtllm_config(config) -> list[str]:  # noqa: ANN001 - a model_config_pb2.ModelConfig
-    """The tensorrt_llm model's parameters and tensors are present and consistent with each other."""
-    errors = []
+def check_trtllm_config(config, backend: facts.BackendFacts = facts.PINNED) -> list[str]:  # noqa: ANN001 - a ModelConfig
+    """The tensorrt_llm model's parameters and tensors: what `backend` requires (trtllm_backend_facts), and what
+    this repository relies on, consistent with each other."""
     params = {key: value.string_value for key, value in config.parameters.items()}
-    required = (
+    declared = {tensor.name: model_config_dtype(tensor.data_type) for tensor in config.input}
+    errors = [f"tensorrt_llm: {e}" for e in facts.check_parameters(params, backend)]
+    errors += [f"tensorrt_llm: {e}" for e in facts.check_declared_inputs(declared, backend)]
+    # ours: the values the backend would otherwise default to something this pipeline cannot use
+    ours = (
         "gpt_model_type", "gpt_model_path", "max_beam_width", "batch_scheduler_policy", "max_tokens_in_paged_kv_cache",
         "max_attention_window_size", "kv_cache_free_gpu_mem_fraction", "exclude_input_in_output", "decoding_mode",
     )  # fmt: skip
-    errors += [f"tensorrt_llm: parameter {key} missing" for key in required if not params.get(key)]
+    errors += [f"tensorrt_llm: parameter {key} missing" for key in ours if not params.get(key)]
     if errors:
         return errors
     if params["gpt_model_type"] != "inflight_fused_batching":
@@ -442,6 +541,14 @@ def check_trtllm_config(config) -> list[str]:  # noqa: ANN001 - a model_config_p
     outputs = {tensor.name for tensor in config.output}
     errors += [f"tensorrt_llm: output {spec.name} missing" for spec in io.LLM_OUTPUTS if spec.name not in outputs]
     return errors
+
+
+def model_config_dtype(data_type: int) -> str:
+    """ModelConfig's DataType enum value -> the Triton dtype name ("INT32", "BYTES", ...)."""
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - only needed where configs are parsed
+
+    name = model_config_pb2.DataType.Name(data_type).removeprefix("TYPE_")
+    return "BYTES" if name == "STRING" else name
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -551,6 +658,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="benchmarks on random weights only: every request generates round(R x text tokens) speech tokens",
     )  # fmt: skip
     parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=defaults.repetition_penalty,
+        help="tensorrt_llm only: the backend's repetition penalty (1 = off; the PyTorch LLM uses RAS instead)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         backend = LLM_BACKENDS[args.llm_backend]
@@ -575,6 +686,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 llm_delivery=args.llm_delivery,
                 voice_cache=args.voice_cache,
                 benchmark_speech_ratio=args.benchmark_speech_ratio,
+                repetition_penalty=args.repetition_penalty,
             )
         )
     except RenderError as exc:

@@ -5,14 +5,15 @@ The id layout itself is `cosyvoice2.vocab.SpeechVocabLayout`, shared with the se
 
 from __future__ import annotations
 
-from cosyvoice2.vocab import END_TOKENS, LAYOUT_FILE, LOGITS_BIAS_FILE, VOCAB_PAD_MULTIPLE, SpeechVocabLayout
+from cosyvoice2.vocab import (
+    END_TOKENS, LAYOUT_FILE, LOGITS_BIAS_FILE, LOGITS_BIAS_KEY, VOCAB_PAD_MULTIPLE, SpeechVocabLayout,
+)  # fmt: skip
 
 __all__ = [
     "CHAT_TEMPLATE", "END_TOKENS", "LAYOUT_FILE", "LOGITS_BIAS_FILE", "LOGITS_BIAS_KEY", "MASKED_LOGIT_BIAS",
     "SOS_TOKEN", "TASK_ID_TOKEN", "VOCAB_PAD_MULTIPLE", "SpeechVocabLayout", "speech_token_name",
 ]
 
-LOGITS_BIAS_KEY = "logits_bias"
 MASKED_LOGIT_BIAS = -1.0e9
 SOS_TOKEN = "<|sos|>"
 TASK_ID_TOKEN = "<|task_id|>"

@@ -197,3 +197,31 @@ def test_check_engine_command_refuses_a_foreign_engine(engine_dir: Path, tmp_pat
     monkeypatch.setattr(RuntimeInfo, "detect", classmethod(lambda cls: replace(H200, gpu_name="NVIDIA A10G", compute_capability="8.6")))
     assert check_engine.main(["--work-dir", str(settings.work_dir)]) == 1
     assert "GPU model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("tp_size", "preset", "expected"), [(1, None, None), (2, None, "1"), (2, "0", "0")])
+def test_check_engine_starts_the_server_in_orchestrator_mode_for_a_tensor_parallel_engine(
+    tmp_path: Path, monkeypatch, tp_size: int, preset: str | None, expected: str | None
+) -> None:
+    """Plain tritonserver drives a multi-GPU engine only with TRTLLM_ORCHESTRATOR=1 (an operator's value wins)."""
+    from cosyvoice_build import check_engine
+
+    settings = BuildSettings(work_dir=tmp_path / "work", trtllm=TrtllmOptions(tp_size=tp_size))
+    settings.engine_dir.mkdir(parents=True)
+    meta = BuildMeta(
+        built_with=H200, options=asdict(settings.trtllm), source_fingerprint="f" * 64, vocab_layout={},
+        commands=[], created_at="2026-11-21T00:00:00+00:00",
+    )  # fmt: skip
+    write_build_meta(settings.engine_dir, meta)
+    monkeypatch.setattr(RuntimeInfo, "detect", classmethod(lambda cls: H200))
+    if preset is None:
+        monkeypatch.delenv(check_engine.ORCHESTRATOR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(check_engine.ORCHESTRATOR_ENV, preset)
+    started: list[tuple[str, list[str], dict[str, str]]] = []
+    monkeypatch.setattr(check_engine.os, "execvpe", lambda file, args, env: started.append((file, args, env)))
+    argv = ["--work-dir", str(settings.work_dir), "--trt-tp-size", str(tp_size), "--", "tritonserver", "--model-repository=/r"]
+    assert check_engine.main(argv) == 0
+    [(file, args, env)] = started
+    assert file == "tritonserver" and args == ["tritonserver", "--model-repository=/r"]
+    assert env.get(check_engine.ORCHESTRATOR_ENV) == expected

@@ -25,21 +25,13 @@ from triton_repo.render import (
     render_repository,
     write_repository,
 )
+from tests.triton.trtllm_fakes import fake_trtllm_inputs
 
 
 def tree(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def fake_trtllm_inputs(tmp_path: Path, max_batch_size: int = 32, max_seq_len: int = 4096) -> tuple[Path, Path]:
-    engine = tmp_path / "engine"
-    engine.mkdir()
-    (engine / "config.json").write_text(json.dumps({"build_config": {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len}}))
-    (engine / "rank0.engine").write_bytes(b"\0")
-    llm_dir = tmp_path / "hf"
-    llm_dir.mkdir()
-    (llm_dir / "logits_bias.safetensors").write_bytes(b"\0")
-    return engine, llm_dir
 
 
 def test_render_is_idempotent_and_rerender_replaces_the_old_repository(tiny_model_dir, tmp_path):

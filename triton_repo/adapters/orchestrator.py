@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-from cosyvoice2.vocab import LOGITS_BIAS_FILE, SpeechVocabLayout
+from cosyvoice2.vocab import LOGITS_BIAS_KEY, SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     LLMRequest,
@@ -24,6 +24,7 @@ from cosyvoice2_serving.orchestrator import (
     parse_request,
     stream_schedule,
 )
+from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
 from triton_repo import contract
 from triton_repo import internal_io as io
@@ -40,8 +41,6 @@ from triton_repo.adapters.common import (
     response,
     serve,
 )
-
-LOGITS_BIAS_KEY = "logits_bias"
 
 
 @dataclass(frozen=True)
@@ -65,10 +64,17 @@ class InternalModels:
 class TritonClients:
     """`PipelineClients` over BLS calls to the repository's internal models."""
 
-    def __init__(self, vocab: SpeechVocabLayout, logits_bias: np.ndarray | None, models: InternalModels) -> None:
+    def __init__(
+        self,
+        vocab: SpeechVocabLayout,
+        logits_bias: np.ndarray | None,
+        models: InternalModels,
+        repetition_penalty: float | None = None,
+    ) -> None:
         self.vocab = vocab
-        self.logits_bias = logits_bias
+        self.logits_bias = logits_bias  # TensorRT-LLM: the text-id mask + llm_decoder.bias, per request
         self.models = models
+        self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
 
     async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
         out = await bls(
@@ -85,7 +91,8 @@ class TritonClients:
         return prompt
 
     async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
-        inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias, self.models.llm_deliver_at)
+        inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias, self.repetition_penalty,
+                                        self.models.llm_deliver_at)
         async for out in bls_stream(self.models.llm, inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
             ids = io.llm_response_ids(out)
             if ids:
@@ -111,6 +118,17 @@ class TritonClients:
         return out[io.WAVEFORM.name]
 
 
+def trtllm_loop_guard(params: Mapping[str, str]) -> LoopGuardConfig | None:
+    """The loop guard the render step configured (TensorRT-LLM only: the PyTorch LLM runs RAS)."""
+    if not params.get("loop_max_run"):
+        return None
+    return LoopGuardConfig(
+        max_run=int(params["loop_max_run"]),
+        max_period=int(params["loop_max_period"]),
+        max_cycle_tokens=int(params["loop_max_cycle_tokens"]),
+    )
+
+
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = model_params(args)
@@ -120,12 +138,14 @@ class TritonPythonModel:
         vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
         schedule = stream_schedule(engine.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
         benchmark_ratio = float(params["benchmark_speech_ratio"]) if params.get("benchmark_speech_ratio") else None
+        loop_guard = trtllm_loop_guard(params) if benchmark_ratio is None else None
         config = OrchestratorConfig(
             vocab=vocab,
             schedule=schedule,
             sampling=SamplingConfig(fixed_token_text_ratio=benchmark_ratio),
             max_sequence_len=int(params["max_sequence_len"]),
             max_target_text_tokens=int(params["max_target_text_tokens"]),
+            loop_guard=loop_guard,
         )
         logits_bias = None
         if params.get("llm_logits_bias"):
@@ -135,7 +155,8 @@ class TritonPythonModel:
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
-        clients = TritonClients(vocab, logits_bias, InternalModels.from_params(params))
+        penalty = float(params["llm_repetition_penalty"]) if params.get("llm_repetition_penalty") else None
+        clients = TritonClients(vocab, logits_bias, InternalModels.from_params(params), penalty)
         self.orchestrator = Orchestrator(config, tokenizer, clients, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
