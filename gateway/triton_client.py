@@ -51,9 +51,10 @@ class SegmentRequest:
     request_id: str
     voice_id: str
     reference_wav: np.ndarray  # float32, 16 kHz mono
-    reference_text: str
+    reference_text: str  # "" = the voice has no transcript (cross-lingual mode)
     target_text: str
     seed: int | None = None
+    instruction: str | None = None  # OpenAI's `instructions`: CosyVoice2's instruct mode
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ def build_inputs(request: SegmentRequest) -> list[InferInput]:
     ]
     if request.seed is not None:
         inputs.append(_input(contract.SEED, np.array([request.seed], dtype=np.uint64)))
+    if request.instruction:
+        inputs.append(_input(contract.INSTRUCTION_TEXT, text(request.instruction)))
     return inputs
 
 

@@ -74,6 +74,7 @@ class SpeechPlan:
     response_format: ResponseFormat
     speed: float
     seed: int | None
+    instructions: str | None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
     stream: bool  # relay chunks as they come (streaming model) instead of one complete file
     sse: bool
     characters: int
@@ -176,6 +177,7 @@ class SpeechService:
             response_format=request.response_format,
             speed=request.speed,
             seed=request.seed,
+            instructions=(request.instructions or "").strip() or None,
             stream=stream,
             sse=sse,
             characters=len(request.input),
@@ -262,6 +264,7 @@ class SpeechService:
                 reference_text=plan.voice.transcript,
                 target_text=text,
                 seed=plan.seed,
+                instruction=plan.instructions,
             )
             last: SynthesisChunk | None = None
             if plan.stream:

@@ -1,5 +1,8 @@
-"""Reference voices for zero-shot cloning, converted once to 16 kHz mono, and the registry that
-finds them by name, id or alias (shipped voices from ``TTS_VOICES_DIR`` plus uploaded ones)."""
+"""Reference voices for voice cloning, converted once to 16 kHz mono, and the registry that
+finds them by name, id or alias (shipped voices from ``TTS_VOICES_DIR`` plus uploaded ones).
+
+A voice with a transcript is cloned in CosyVoice2's zero-shot mode, one without (empty transcript)
+in its cross-lingual mode (docs/gateway.md#voice-modes); the pipeline decides from the transcript."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ class Voice:
 
     id: str  # content hash of audio + transcript: the pipeline's prompt-cache key
     name: str
-    transcript: str
+    transcript: str  # "" = none: cross-lingual mode
     samples: np.ndarray  # float32, 16 kHz mono
     created_at: int = 0  # Unix seconds
     uploaded: bool = False  # uploaded through the API (deletable), else shipped with the deployment
@@ -71,9 +74,9 @@ def voice_id(samples: np.ndarray, transcript: str) -> str:
 
 
 def load_voice(audio_path: Path) -> Voice:
-    transcript = audio_path.with_suffix(".txt").read_text(encoding="utf-8").strip()
-    if not transcript:
-        raise ValueError(f"{audio_path.with_suffix('.txt')}: empty transcript")
+    """``<name>.<audio>`` with its transcript from ``<name>.txt`` when that exists (else none)."""
+    transcript_path = audio_path.with_suffix(".txt")
+    transcript = transcript_path.read_text(encoding="utf-8").strip() if transcript_path.exists() else ""
     samples = decode_to_reference(audio_path)
     return Voice(
         id=voice_id(samples, transcript),
@@ -111,14 +114,11 @@ class VoiceRegistry:
     def from_directory(
         cls, directory: Path, aliases: dict[str, str] | None = None, extra_voices: list[Voice] | None = None
     ) -> VoiceRegistry:
-        """Every ``<name>.<audio>`` with a ``<name>.txt`` transcript next to it (bad files are
-        skipped), then ``extra_voices`` (the uploaded ones)."""
+        """Every ``<name>.<audio>``, with the ``<name>.txt`` transcript next to it if there is one (bad
+        files are skipped), then ``extra_voices`` (the uploaded ones)."""
         voices: list[Voice] = []
         for path in sorted(directory.glob("*")) if directory.is_dir() else []:
             if path.suffix.lower() not in AUDIO_SUFFIXES:
-                continue
-            if not path.with_suffix(".txt").exists():
-                logger.warning("voice %s skipped: no transcript %s", path.name, path.with_suffix(".txt").name)
                 continue
             try:
                 voices.append(load_voice(path))

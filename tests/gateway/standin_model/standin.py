@@ -112,6 +112,7 @@ class TritonPythonModel:
         wav = pb_utils.get_input_tensor_by_name(request, "reference_wav").as_numpy().reshape(-1)
         wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
         seed = pb_utils.get_input_tensor_by_name(request, "seed")
+        instruction = pb_utils.get_input_tensor_by_name(request, "instruction_text")
         target = text("target_text")
         words = _words(target)
         cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
@@ -129,6 +130,7 @@ class TritonPythonModel:
             "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
             "voice_cached": voice_cached,
             "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
+            "instruction_text": None if instruction is None else instruction.as_numpy().reshape(-1)[0].decode("utf-8"),
         }
 
     @staticmethod
