@@ -84,3 +84,14 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AudioModel(BaseModel):
+    id: str
+    name: str
+
+
+class AudioModelList(BaseModel):
+    """``GET /v1/audio/models``: the speech models in the shape Open WebUI fills its model menu from."""
+
+    models: list[AudioModel]
