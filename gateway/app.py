@@ -15,7 +15,7 @@ from cosyvoice2.text.segment import approximate_token_count, segment_text
 from gateway.dependencies import ApiKeyDep
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
-from gateway.routes import audio_models, captions, health, models, speech, voices
+from gateway.routes import audio_models, captions, health, models, playground, speech, voices
 from gateway.services.speech import SpeechService
 from gateway.services.voice_library import VoiceLibrary
 from gateway.services.voice_store import VoiceStore
@@ -96,6 +96,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(health.router)
+    app.include_router(playground.router)
     for router in (speech.router, voices.router, models.router, audio_models.router, captions.router):
         app.include_router(router, dependencies=[ApiKeyDep])
     app.add_middleware(SpeechRequestCounter, metrics=metrics)
