@@ -40,6 +40,9 @@ _CHANNEL_ARGS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # With a dns:/// target naming several Triton instances (a Kubernetes headless Service), spread the
+    # requests over all of them; with one address this changes nothing.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 _UNAVAILABLE_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.NOT_FOUND"}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -99,9 +100,17 @@ class VoiceRegistry:
     deletions), so lookups need no lock.
     """
 
-    def __init__(self, voices: list[Voice], aliases: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        voices: list[Voice],
+        aliases: dict[str, str] | None = None,
+        loader: Callable[[str], Voice | None] | None = None,
+    ) -> None:
         self._by_key: dict[str, Voice] = {}
         self._voices: list[Voice] = []
+        #: Looks up a voice this registry does not know (by id or name) in the uploaded-voices store: several
+        #: gateway replicas share that directory, and another one may have stored the voice after this started.
+        self._loader = loader
         for voice in voices:
             self.add(voice)
         for alias, target in (aliases or {}).items():
@@ -112,7 +121,11 @@ class VoiceRegistry:
 
     @classmethod
     def from_directory(
-        cls, directory: Path, aliases: dict[str, str] | None = None, extra_voices: list[Voice] | None = None
+        cls,
+        directory: Path,
+        aliases: dict[str, str] | None = None,
+        extra_voices: list[Voice] | None = None,
+        loader: Callable[[str], Voice | None] | None = None,
     ) -> VoiceRegistry:
         """Every ``<name>.<audio>``, with the ``<name>.txt`` transcript next to it if there is one (bad
         files are skipped), then ``extra_voices`` (the uploaded ones)."""
@@ -125,15 +138,20 @@ class VoiceRegistry:
             except (OSError, ValueError) as exc:
                 logger.warning("voice %s skipped: %s", path.name, exc)
         logger.info("loaded %d voices from %s", len(voices), directory)
-        return cls(voices + list(extra_voices or []), aliases)
+        return cls(voices + list(extra_voices or []), aliases, loader)
 
     @property
     def voices(self) -> list[Voice]:
         return sorted(self._voices, key=lambda v: (v.uploaded, v.name.casefold()))
 
     def find(self, key: str) -> Voice | None:
-        """The voice a name, id or alias refers to."""
-        return self._by_key.get(_key(key))
+        """The voice a name, id or alias refers to (asking the loader, and keeping its answer, on a miss)."""
+        voice = self._by_key.get(_key(key))
+        if voice is None and self._loader is not None and (voice := self._loader(key)) is not None:
+            if self._by_key.get(_key(voice.id)) is not None:
+                return self._by_key[_key(voice.id)]
+            self.add(voice)
+        return voice
 
     def resolve(self, key: str) -> Voice:
         voice = self.find(key)
