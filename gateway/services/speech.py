@@ -174,6 +174,13 @@ class SpeechService:
                 param="sample_rate",
                 code="unsupported_value",
             )
+        if request.captions and request.stream_format != "sse":
+            raise InvalidRequest(
+                "captions are sent as SSE events: use stream_format 'sse', or POST /v1/audio/speech/captioned "
+                "for the complete file with its captions.",
+                param="captions",
+                code="unsupported_value",
+            )
         voice = self._voices.resolve(request.voice_key)
         segments = self._segmenter(request.input)
         if not segments:
@@ -216,7 +223,8 @@ class SpeechService:
 
     async def create_captioned(self, request: SpeechRequest, request_id: str) -> CaptionedSpeech:
         """The complete file (offline model, exact headers) with one caption per segment."""
-        plan = replace(self.plan(request, request_id), stream=False, sse=False, captions=True)
+        plain = request.model_copy(update={"captions": False, "stream_format": "audio"})  # the route's own mode
+        plan = replace(self.plan(plain, request_id), stream=False, sse=False, captions=True)
         progress = _Progress()
         body = self._run(plan, self._limiter.acquire(), progress)
         try:

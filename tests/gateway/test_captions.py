@@ -90,4 +90,16 @@ def test_captioned_route_returns_the_file_and_captions_that_add_up_to_it(gateway
 def test_captioned_route_errors_are_openai_shaped(gateway):
     with gateway.http() as http:
         response = http.post("/v1/audio/speech/captioned", json={"model": "tts-1", "voice": "nobody", "input": "Hi."})
-    assert response.status_code == 404 and response.json()["error"]["code"] == "voice_not_found"
+        assert response.status_code == 404 and response.json()["error"]["code"] == "voice_not_found"
+        # the route ignores the streaming options (it always answers one JSON document)
+        ok = http.post("/v1/audio/speech/captioned",
+                       json={"model": "tts-1", "voice": "amy", "input": "Hi.", "stream_format": "sse", "captions": True})
+        assert ok.status_code == 200 and len(ok.json()["captions"]) == 1
+
+
+def test_captions_without_sse_are_refused_not_ignored(gateway):
+    with gateway.http() as http:
+        response = http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "amy", "input": "Hi.", "captions": True})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("captions", "unsupported_value") and "captioned" in error["message"]

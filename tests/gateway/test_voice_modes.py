@@ -43,6 +43,8 @@ def test_instructions_reach_every_segment_request(modes_gateway, standin_backend
     assert len(records) == 2  # one per segment, each with the same instruction
     assert [r["instruction_text"] for r in records] == ["Speak like a cheerful pirate."] * 2
     assert {r["reference_text"] for r in records} == {"The words of the told voice."}  # the voice's timbre
+    # usage counts what the LLM read in instruct mode: the instruction instead of the transcript
+    assert [r["input_tokens"] for r in records] == [len(r["target_text"].split()) + 5 for r in records]
 
 
 @pytest.mark.parametrize("instructions", [None, "", "   "])

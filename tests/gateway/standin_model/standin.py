@@ -64,6 +64,7 @@ def waveform_for(text: str) -> np.ndarray:
 
 
 def input_tokens_for(reference_text: str, target_text: str) -> int:
+    """Words of what the LLM would read: the transcript (or, in instruct mode, the instruction) + the target."""
     return len(reference_text.split()) + len(target_text.split())
 
 
@@ -134,6 +135,11 @@ class TritonPythonModel:
         }
 
     @staticmethod
+    def _prompt_text(info: dict[str, Any]) -> str:
+        """An instruction replaces the transcript in what the LLM reads (CosyVoice2's instruct mode)."""
+        return info["instruction_text"] or info["reference_text"]
+
+    @staticmethod
     def _error_message(words: set[str]) -> str | None:
         if "invalidinput" in words:
             return "[invalid_input] the stand-in was asked to reject this text"
@@ -168,7 +174,7 @@ class TritonPythonModel:
         await asyncio.sleep(self.chunk_delay_s)
         wave = waveform_for(info["target_text"])
         self._log(info, "done", wave.size)
-        return self._response(wave, info["reference_text"], info["target_text"], wave.size)
+        return self._response(wave, self._prompt_text(info), info["target_text"], wave.size)
 
     async def _stream(self, request: Any) -> None:
         sender = request.get_response_sender()
@@ -197,7 +203,7 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     raise asyncio.CancelledError
                 sent += chunk.size
-                response = self._response(chunk, info["reference_text"], info["target_text"], sent)
+                response = self._response(chunk, self._prompt_text(info), info["target_text"], sent)
                 if index == len(chunks) - 1:
                     self._log(info, "done", sent)  # before the client can see the end
                     sender.send(response, flags=final)
@@ -233,7 +239,7 @@ class TritonPythonModel:
         record.update(
             outcome=outcome,
             samples=samples,
-            input_tokens=input_tokens_for(info["reference_text"], info["target_text"]) if info["target_text"] else 0,
+            input_tokens=input_tokens_for(self._prompt_text(info), info["target_text"]) if info["target_text"] else 0,
             output_tokens=output_tokens_for(samples),
             pid=os.getpid(),
         )
