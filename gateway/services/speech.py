@@ -74,11 +74,11 @@ class SpeechPlan:
     response_format: ResponseFormat
     speed: float
     seed: int | None
-    instructions: str | None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
     stream: bool  # relay chunks as they come (streaming model) instead of one complete file
     sse: bool
     characters: int
     captions: bool = False  # speech.caption SSE events (docs/gateway.md#captions)
+    instructions: str | None = None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
 
 
 @dataclass
