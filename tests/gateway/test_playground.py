@@ -20,6 +20,8 @@ from tests.gateway.voice_clips import make_clip
 pytestmark = pytest.mark.triton
 
 RATE = 24_000
+#: Untagged (the screenshot shows it); unique among the stand-in's requests, which is how the test finds it.
+SPOKEN = "Hello from a real browser, streaming while it is produced."
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_playground_uploads_a_voice_speaks_live_and_shows_the_first_chunk_time(g
     # speak with a shipped voice, live pcm, faster, with instructions
     text = browser.find_element("id", "text")
     text.clear()
-    text.send_keys("zqplayground Hello from a real browser. It streams while it is produced.")
+    text.send_keys(SPOKEN)
     voice_menu.select_by_visible_text("clara")
     Select(browser.find_element("id", "format")).select_by_value("pcm")
     browser.execute_script(
@@ -99,7 +101,7 @@ def test_playground_uploads_a_voice_speaks_live_and_shows_the_first_chunk_time(g
     if os.environ.get("PLAYGROUND_SCREENSHOT"):
         shutil.copyfile(screenshot, Path(os.environ["PLAYGROUND_SCREENSHOT"]))
 
-    [record] = standin_backend.requests_tagged("zqplayground")
+    [record] = [r for r in standin_backend.requests() if r["target_text"].strip() == SPOKEN]
     clara = next(v for v in browser.execute_script(
         "return [...document.getElementById('voice').options].map(o => ({id: o.value, name: o.text}))"
     ) if v["name"] == "clara")
