@@ -15,12 +15,12 @@ import numpy as np
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.flow import CausalFlow
+from cosyvoice2.frontend.llm_prompt import llm_prompt
 from cosyvoice2.frontend.onnx_models import PromptModels
 from cosyvoice2.frontend.prompt import VoicePrompt, build_voice_prompt
 from cosyvoice2.hift import HiFTGenerator
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams, generate_tokens
 from cosyvoice2.streaming import Token2Wav, Token2WavStream
-from cosyvoice2.text.normalize import normalize
 from cosyvoice2.text.segment import segment_text
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
@@ -64,14 +64,18 @@ class CosyVoice2:
         self.fixed_token_count = count
 
     # ---- LLM -------------------------------------------------------------------------------------------------
-    def decode_request(self, segment: str, prompt: VoicePrompt, seed: int | None = None) -> DecodeRequest:
-        """The LLM request for one (already normalized) segment."""
+    def decode_request(self, segment: str, prompt: VoicePrompt, seed: int | None = None,
+                       instruction: str = "") -> DecodeRequest:
+        """The LLM request for one (already normalized) segment: zero-shot with the prompt's transcript,
+        cross-lingual without one, instruct mode with an `instruction` (`cosyvoice2.frontend.llm_prompt`)."""
         text = self.tokenizer.encode(segment)
+        mode_prompt = llm_prompt(prompt.transcript, instruction)
         sampling = replace(self.sampling, seed=seed)
         if self.fixed_token_count is not None:
             sampling = replace(sampling, max_tokens=self.fixed_token_count, ignore_eos=True)
-        return DecodeRequest(text=text, prompt_text=self.tokenizer.encode(normalize(prompt.transcript)),
-                             prompt_speech_tokens=prompt.speech_tokens.tolist(), sampling=sampling)
+        return DecodeRequest(text=text, prompt_text=self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else [],
+                             prompt_speech_tokens=prompt.speech_tokens.tolist() if mode_prompt.speech_tokens else [],
+                             sampling=sampling)
 
     def speech_tokens(self, segment: str, prompt: VoicePrompt, seed: int | None = None) -> Iterator[int]:
         """Speech tokens for one segment, yielded as the LLM decodes them."""

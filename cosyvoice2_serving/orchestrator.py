@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
+from cosyvoice2.frontend.llm_prompt import VoiceMode, llm_prompt
 from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
@@ -46,10 +47,15 @@ class SynthesisRequest:
     """One validated pipeline request (one text segment)."""
 
     reference_wav: np.ndarray  # float32, 16 kHz, exactly the valid samples
-    reference_text: str
+    reference_text: str  # "" = no transcript: cross-lingual mode
     target_text: str
     voice_id: str
     seed: int | None
+    instruction: str = ""  # "" = none; else instruct mode (the transcript is then unused)
+
+    @property
+    def mode(self) -> VoiceMode:
+        return llm_prompt(self.reference_text, self.instruction).mode
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class PromptTensors:
 class LLMRequest:
     """Inputs of one LLM sequence, in the form both LLM backends take (TensorRT-LLM names in the adapter)."""
 
-    input_ids: np.ndarray  # int32 [SOS, text ids, TASK_ID, prompt speech ids + offset]
+    input_ids: np.ndarray  # int32 [SOS, prompt text ids, target ids, TASK_ID, prompt speech ids + offset]
     min_tokens: int  # EOS is masked before this many tokens (2 x target text tokens)
     max_tokens: int  # 20 x target text tokens, clamped to the KV capacity
     seed: int
@@ -184,12 +190,16 @@ def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorC
         raise InvalidInput("voice_id is empty")
     seed_array = arrays.get(contract.SEED.name)
     seed = None if seed_array is None or seed_array.size == 0 else int(seed_array.reshape(-1)[0])
+    instruction = ""
+    if arrays.get(contract.INSTRUCTION_TEXT.name) is not None:
+        instruction = _scalar_text(arrays, contract.INSTRUCTION_TEXT.name)
     return SynthesisRequest(
         reference_wav=wav,
         reference_text=_scalar_text(arrays, contract.REFERENCE_TEXT.name),
         target_text=target_text,
         voice_id=voice_id,
         seed=seed,
+        instruction=instruction,
     )
 
 
@@ -220,19 +230,24 @@ class Orchestrator:
     def build_llm_request(
         self, request: SynthesisRequest, prompt: PromptTensors, streaming: bool
     ) -> tuple[LLMRequest, int]:
-        """The LLM sequence for `request` and the number of text tokens it reads."""
+        """The LLM sequence for `request` and the number of text tokens it reads.
+
+        The prefix depends on the voice mode (zero-shot, cross-lingual, instruct; `llm_prompt`).
+        """
         vocab, sampling = self.config.vocab, self.config.sampling
-        prompt_ids = self.tokenizer.encode(request.reference_text) if request.reference_text else []
+        mode_prompt = llm_prompt(request.reference_text, request.instruction)
+        prompt_ids = self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else []
         target_ids = self.tokenizer.encode(request.target_text)
         if len(target_ids) > self.config.max_target_text_tokens:
             raise InvalidInput(
                 f"target_text has {len(target_ids)} tokens; at most {self.config.max_target_text_tokens} "
                 "per segment (split longer text)"
             )
+        speech_ids = vocab.to_vocab_ids(prompt.speech_tokens) if mode_prompt.speech_tokens else []
         input_ids = np.concatenate(
             [
                 np.array([vocab.sos_id, *prompt_ids, *target_ids, vocab.task_id_id], dtype=np.int32),
-                vocab.to_vocab_ids(prompt.speech_tokens),
+                np.asarray(speech_ids, dtype=np.int32),
             ]
         )
         min_tokens, max_tokens = sampling.token_limits(len(target_ids))

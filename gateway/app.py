@@ -15,7 +15,7 @@ from cosyvoice2.text.segment import approximate_token_count, segment_text
 from gateway.dependencies import ApiKeyDep
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
-from gateway.routes import health, models, speech, voices
+from gateway.routes import audio_models, captions, health, models, playground, speech, voices
 from gateway.services.speech import SpeechService
 from gateway.services.voice_library import VoiceLibrary
 from gateway.services.voice_store import VoiceStore
@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = VoiceStore(settings.uploaded_voices_dir)
-        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load())
+        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load(), store.find)
         triton = TritonClient(
             settings.triton_url,
             settings.offline_model,
@@ -96,7 +96,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.started_at = int(time.time())
     install_error_handlers(app)
     app.include_router(health.router)
-    for router in (speech.router, voices.router, models.router):
+    app.include_router(playground.router)
+    for router in (speech.router, voices.router, models.router, audio_models.router, captions.router):
         app.include_router(router, dependencies=[ApiKeyDep])
     app.add_middleware(SpeechRequestCounter, metrics=metrics)
     return app

@@ -38,6 +38,9 @@ class SpeechRequest(BaseModel):
     stream: bool | None = Field(
         None, description="Relay audio as it is produced (default from settings); false = one complete file."
     )
+    captions: bool = Field(
+        False, description="With stream_format=sse: a speech.caption event (text, start, end) per segment."
+    )
 
     @property
     def voice_key(self) -> str:
@@ -84,3 +87,35 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AudioModel(BaseModel):
+    id: str
+    name: str
+
+
+class AudioModelList(BaseModel):
+    """``GET /v1/audio/models``: the speech models in the shape Open WebUI fills its model menu from."""
+
+    models: list[AudioModel]
+
+
+class Caption(BaseModel):
+    """One spoken segment and where it sits in the returned audio (seconds, after ``speed``)."""
+
+    index: int
+    text: str  # the segment as spoken: CosyVoice2's normalized text (e.g. numbers spelled out)
+    start: float
+    end: float
+
+
+class CaptionedSpeech(BaseModel):
+    """``POST /v1/audio/speech/captioned``: the complete audio file and its captions in one JSON body."""
+
+    object: Literal["audio.speech.captioned"] = "audio.speech.captioned"
+    audio: str  # base64 of the file in `response_format`
+    response_format: ResponseFormat
+    sample_rate: int
+    duration: float  # seconds of audio; equals the last caption's end
+    captions: list[Caption]
+    usage: Usage

@@ -40,6 +40,9 @@ _CHANNEL_ARGS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # With a dns:/// target naming several Triton instances (a Kubernetes headless Service), spread the
+    # requests over all of them; with one address this changes nothing.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 _UNAVAILABLE_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.NOT_FOUND"}
 
@@ -51,9 +54,10 @@ class SegmentRequest:
     request_id: str
     voice_id: str
     reference_wav: np.ndarray  # float32, 16 kHz mono
-    reference_text: str
+    reference_text: str  # "" = the voice has no transcript (cross-lingual mode)
     target_text: str
     seed: int | None = None
+    instruction: str | None = None  # OpenAI's `instructions`: CosyVoice2's instruct mode
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ def build_inputs(request: SegmentRequest) -> list[InferInput]:
     ]
     if request.seed is not None:
         inputs.append(_input(contract.SEED, np.array([request.seed], dtype=np.uint64)))
+    if request.instruction:
+        inputs.append(_input(contract.INSTRUCTION_TEXT, text(request.instruction)))
     return inputs
 
 

@@ -65,14 +65,20 @@ _NUMPY_DTYPES: dict[str, type] = {
 # Inputs ---------------------------------------------------------------------------------------
 REFERENCE_WAV = TensorSpec("reference_wav", "FP32", (-1,))  # 16 kHz mono float in [-1, 1]
 REFERENCE_WAV_LEN = TensorSpec("reference_wav_len", "INT32", (1,))  # valid samples in reference_wav
-REFERENCE_TEXT = TensorSpec("reference_text", "BYTES", (1,))  # UTF-8 transcript of the reference
+#: UTF-8 transcript of the reference; empty = none (the pipeline then uses CosyVoice2's cross-lingual mode).
+REFERENCE_TEXT = TensorSpec("reference_text", "BYTES", (1,))
 TARGET_TEXT = TensorSpec("target_text", "BYTES", (1,))  # UTF-8 text of ONE segment to speak
 #: Keys the server-side voice-prompt cache: a content hash of (audio, transcript), computed by the
 #: gateway once per voice. Never a bare name: two voices with one transcript must not collide.
 VOICE_ID = TensorSpec("voice_id", "BYTES", (1,))
 SEED = TensorSpec("seed", "UINT64", (1,), optional=True)  # sampling seed; absent = random per request
+#: UTF-8 style instruction ("Speak slowly and sadly"); absent or empty = none. Given, the pipeline uses
+#: CosyVoice2's instruct mode with the voice's timbre (the transcript is then unused).
+INSTRUCTION_TEXT = TensorSpec("instruction_text", "BYTES", (1,), optional=True)
 
-INPUTS: tuple[TensorSpec, ...] = (REFERENCE_WAV, REFERENCE_WAV_LEN, REFERENCE_TEXT, TARGET_TEXT, VOICE_ID, SEED)
+INPUTS: tuple[TensorSpec, ...] = (
+    REFERENCE_WAV, REFERENCE_WAV_LEN, REFERENCE_TEXT, TARGET_TEXT, VOICE_ID, SEED, INSTRUCTION_TEXT,
+)  # fmt: skip
 
 # Outputs --------------------------------------------------------------------------------------
 WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # 24 kHz mono float32 samples (may be empty)

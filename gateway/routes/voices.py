@@ -22,11 +22,14 @@ _UPLOAD_FORM = {
             "multipart/form-data": {
                 "schema": {
                     "type": "object",
-                    "required": ["name", "audio_sample", "transcript"],
+                    "required": ["name", "audio_sample"],
                     "properties": {
                         "name": {"type": "string", "maxLength": 64},
                         "audio_sample": {"type": "string", "format": "binary"},
-                        "transcript": {"type": "string", "description": "Exact words spoken (alias: ref_text)."},
+                        "transcript": {
+                            "type": "string",
+                            "description": "Exact words spoken (alias: ref_text); optional, closer cloning.",
+                        },
                         "consent": {"type": "string", "description": "OpenAI consent id; stored, not verified."},
                     },
                 }

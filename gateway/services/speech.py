@@ -9,11 +9,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.errors import ApiError, InvalidRequest, ModelNotFound, TooManyRequests
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ResponseFormat, SpeechRequest, Usage
+from gateway.schemas import Caption, CaptionedSpeech, ResponseFormat, SpeechRequest, Usage
 from gateway.services.audio_encoding import MEDIA_TYPES, create_encoder
 from gateway.services.voices import Voice, VoiceRegistry
 from gateway.settings import Settings
@@ -77,6 +77,8 @@ class SpeechPlan:
     stream: bool  # relay chunks as they come (streaming model) instead of one complete file
     sse: bool
     characters: int
+    captions: bool = False  # speech.caption SSE events (docs/gateway.md#captions)
+    instructions: str | None = None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
 
 
 @dataclass
@@ -86,6 +88,7 @@ class _Progress:
     started: float = field(default_factory=time.monotonic)
     first_chunk_at: float | None = None
     samples: int = 0
+    segment_ends: list[int] = field(default_factory=list)  # samples (24 kHz) at the end of each finished segment
     input_tokens: int = 0
     output_tokens: int = 0
     outcome: str = "ok"
@@ -93,6 +96,15 @@ class _Progress:
     @property
     def audio_seconds(self) -> float:
         return self.samples / OUTPUT_SAMPLE_RATE
+
+    def captions(self, segments: list[str], speed: float) -> list[Caption]:
+        """The finished segments with exact times: sample counts at 24 kHz, scaled by 1/speed (atempo)."""
+        rate = OUTPUT_SAMPLE_RATE * speed
+        starts = [0, *self.segment_ends[:-1]]
+        return [
+            Caption(index=i, text=segments[i].strip(), start=start / rate, end=end / rate)
+            for i, (start, end) in enumerate(zip(starts, self.segment_ends))
+        ]
 
     def usage(self) -> Usage:
         return Usage(
@@ -162,6 +174,13 @@ class SpeechService:
                 param="sample_rate",
                 code="unsupported_value",
             )
+        if request.captions and request.stream_format != "sse":
+            raise InvalidRequest(
+                "captions are sent as SSE events: use stream_format 'sse', or POST /v1/audio/speech/captioned "
+                "for the complete file with its captions.",
+                param="captions",
+                code="unsupported_value",
+            )
         voice = self._voices.resolve(request.voice_key)
         segments = self._segmenter(request.input)
         if not segments:
@@ -176,9 +195,11 @@ class SpeechService:
             response_format=request.response_format,
             speed=request.speed,
             seed=request.seed,
+            instructions=(request.instructions or "").strip() or None,
             stream=stream,
             sse=sse,
             characters=len(request.input),
+            captions=request.captions,
         )
 
     # Running -------------------------------------------------------------------------------------
@@ -200,9 +221,30 @@ class SpeechService:
             raise
         return CompleteSpeech(media_type, first + b"".join(rest))
 
-    async def _run(self, plan: SpeechPlan, slot: InFlightSlot) -> AsyncIterator[bytes]:
-        """The encoded body; owns the in-flight slot, records metrics and the log line at the end."""
+    async def create_captioned(self, request: SpeechRequest, request_id: str) -> CaptionedSpeech:
+        """The complete file (offline model, exact headers) with one caption per segment."""
+        plain = request.model_copy(update={"captions": False, "stream_format": "audio"})  # the route's own mode
+        plan = replace(self.plan(plain, request_id), stream=False, sse=False, captions=True)
         progress = _Progress()
+        body = self._run(plan, self._limiter.acquire(), progress)
+        try:
+            audio = b"".join([part async for part in body])
+        finally:
+            await body.aclose()
+        return CaptionedSpeech(
+            audio=base64.b64encode(audio).decode(),
+            response_format=plan.response_format,
+            sample_rate=OUTPUT_SAMPLE_RATE,
+            duration=progress.samples / (OUTPUT_SAMPLE_RATE * plan.speed),
+            captions=progress.captions(plan.segments, plan.speed),
+            usage=progress.usage(),
+        )
+
+    async def _run(
+        self, plan: SpeechPlan, slot: InFlightSlot, progress: _Progress | None = None
+    ) -> AsyncIterator[bytes]:
+        """The encoded body; owns the in-flight slot, records metrics and the log line at the end."""
+        progress = progress or _Progress()
         sent_any = False
         try:
             body = self._sse_body(plan, progress) if plan.sse else self._audio_body(plan, progress)
@@ -238,11 +280,22 @@ class SpeechService:
         def delta(data: bytes) -> bytes:
             return _sse_event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if data else b""
 
+        sent_captions = 0
+
+        def new_captions() -> bytes:
+            """speech.caption events for the segments finished since the last call (opt-in)."""
+            nonlocal sent_captions
+            if not plan.captions:
+                return b""
+            fresh = progress.captions(plan.segments, plan.speed)[sent_captions:]
+            sent_captions += len(fresh)
+            return b"".join(_sse_event({"type": "speech.caption", **c.model_dump()}) for c in fresh)
+
         try:
             async with aclosing(self._chunks(plan, progress)) as chunks:
                 async for chunk in chunks:
-                    yield delta(encoder.encode(chunk.waveform))
-            yield delta(encoder.finish())
+                    yield new_captions() + delta(encoder.encode(chunk.waveform))
+            yield delta(encoder.finish()) + new_captions()
         except ApiError as exc:
             if progress.first_chunk_at is None:
                 raise  # nothing sent yet: still a proper HTTP error
@@ -262,6 +315,7 @@ class SpeechService:
                 reference_text=plan.voice.transcript,
                 target_text=text,
                 seed=plan.seed,
+                instruction=plan.instructions,
             )
             last: SynthesisChunk | None = None
             if plan.stream:
@@ -275,6 +329,7 @@ class SpeechService:
             if last is not None:  # usage outputs are cumulative per segment request
                 progress.input_tokens += last.input_tokens
                 progress.output_tokens += last.output_tokens
+            progress.segment_ends.append(progress.samples)
 
     @staticmethod
     def _account(progress: _Progress, chunk: SynthesisChunk) -> SynthesisChunk:

@@ -81,14 +81,9 @@ def validate_name(raw: str | None) -> str:
 
 
 def validate_transcript(raw: str | None) -> str:
+    """The transcript, or "" for none (OpenAI's upload has no transcript): the voice is then spoken in
+    CosyVoice2's cross-lingual mode, which needs no words; an exact transcript clones more closely."""
     transcript = (raw or "").strip()
-    if not transcript:
-        raise _invalid(
-            "A voice needs the exact 'transcript' of its audio sample: zero-shot cloning follows the words "
-            "it is given, and this server does not transcribe audio.",
-            "transcript",
-            "transcript_required",
-        )
     if len(transcript) > MAX_TRANSCRIPT_CHARS:
         raise _invalid(
             f"The transcript is longer than {MAX_TRANSCRIPT_CHARS} characters.", "transcript", "string_above_max_length"

@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from triton_repo.contract import REFERENCE_SAMPLE_RATE
 logger = logging.getLogger(__name__)
 
 _TEMP_PREFIX = ".tmp-"
+_VOICE_ID = re.compile(r"voice_[0-9a-f]{24}")
 
 
 def wav_bytes(samples: np.ndarray) -> bytes:
@@ -119,6 +121,27 @@ class VoiceStore:
                 logger.warning("uploaded voice %s skipped: %s", metadata_path.name, exc)
         logger.info("loaded %d uploaded voices from %s", len(voices), self.directory)
         return voices
+
+    def find(self, key: str) -> Voice | None:
+        """A committed voice by id or case-insensitive name, read from disk now (None if there is none).
+
+        For gateway replicas sharing this directory: a voice another replica stored after this one loaded.
+        Ids name their file directly; names need a look at each metadata file.
+        """
+        if not self.directory.is_dir():
+            return None
+        if _VOICE_ID.fullmatch(key):
+            candidates = [self.directory / f"{key}.json"]
+        else:
+            candidates = sorted(self.directory.glob("*.json"))
+        for metadata_path in candidates:
+            try:
+                metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
+                if metadata.get("id") == key or str(metadata.get("name", "")).casefold() == key.casefold():
+                    return self._read(metadata_path)
+            except (OSError, ValueError, KeyError):
+                continue  # absent, half-written or damaged: not a voice (yet)
+        return None
 
     def _read(self, metadata_path: Path) -> Voice:
         metadata = json.loads(metadata_path.read_text(encoding="utf-8"))

@@ -1,10 +1,14 @@
-"""Reference voices for zero-shot cloning, converted once to 16 kHz mono, and the registry that
-finds them by name, id or alias (shipped voices from ``TTS_VOICES_DIR`` plus uploaded ones)."""
+"""Reference voices for voice cloning, converted once to 16 kHz mono, and the registry that
+finds them by name, id or alias (shipped voices from ``TTS_VOICES_DIR`` plus uploaded ones).
+
+A voice with a transcript is cloned in CosyVoice2's zero-shot mode, one without (empty transcript)
+in its cross-lingual mode (docs/gateway.md#voice-modes); the pipeline decides from the transcript."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -26,7 +30,7 @@ class Voice:
 
     id: str  # content hash of audio + transcript: the pipeline's prompt-cache key
     name: str
-    transcript: str
+    transcript: str  # "" = none: cross-lingual mode
     samples: np.ndarray  # float32, 16 kHz mono
     created_at: int = 0  # Unix seconds
     uploaded: bool = False  # uploaded through the API (deletable), else shipped with the deployment
@@ -71,9 +75,9 @@ def voice_id(samples: np.ndarray, transcript: str) -> str:
 
 
 def load_voice(audio_path: Path) -> Voice:
-    transcript = audio_path.with_suffix(".txt").read_text(encoding="utf-8").strip()
-    if not transcript:
-        raise ValueError(f"{audio_path.with_suffix('.txt')}: empty transcript")
+    """``<name>.<audio>`` with its transcript from ``<name>.txt`` when that exists (else none)."""
+    transcript_path = audio_path.with_suffix(".txt")
+    transcript = transcript_path.read_text(encoding="utf-8").strip() if transcript_path.exists() else ""
     samples = decode_to_reference(audio_path)
     return Voice(
         id=voice_id(samples, transcript),
@@ -96,9 +100,17 @@ class VoiceRegistry:
     deletions), so lookups need no lock.
     """
 
-    def __init__(self, voices: list[Voice], aliases: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        voices: list[Voice],
+        aliases: dict[str, str] | None = None,
+        loader: Callable[[str], Voice | None] | None = None,
+    ) -> None:
         self._by_key: dict[str, Voice] = {}
         self._voices: list[Voice] = []
+        #: Looks up a voice this registry does not know (by id or name) in the uploaded-voices store: several
+        #: gateway replicas share that directory, and another one may have stored the voice after this started.
+        self._loader = loader
         for voice in voices:
             self.add(voice)
         for alias, target in (aliases or {}).items():
@@ -109,31 +121,37 @@ class VoiceRegistry:
 
     @classmethod
     def from_directory(
-        cls, directory: Path, aliases: dict[str, str] | None = None, extra_voices: list[Voice] | None = None
+        cls,
+        directory: Path,
+        aliases: dict[str, str] | None = None,
+        extra_voices: list[Voice] | None = None,
+        loader: Callable[[str], Voice | None] | None = None,
     ) -> VoiceRegistry:
-        """Every ``<name>.<audio>`` with a ``<name>.txt`` transcript next to it (bad files are
-        skipped), then ``extra_voices`` (the uploaded ones)."""
+        """Every ``<name>.<audio>``, with the ``<name>.txt`` transcript next to it if there is one (bad
+        files are skipped), then ``extra_voices`` (the uploaded ones)."""
         voices: list[Voice] = []
         for path in sorted(directory.glob("*")) if directory.is_dir() else []:
             if path.suffix.lower() not in AUDIO_SUFFIXES:
-                continue
-            if not path.with_suffix(".txt").exists():
-                logger.warning("voice %s skipped: no transcript %s", path.name, path.with_suffix(".txt").name)
                 continue
             try:
                 voices.append(load_voice(path))
             except (OSError, ValueError) as exc:
                 logger.warning("voice %s skipped: %s", path.name, exc)
         logger.info("loaded %d voices from %s", len(voices), directory)
-        return cls(voices + list(extra_voices or []), aliases)
+        return cls(voices + list(extra_voices or []), aliases, loader)
 
     @property
     def voices(self) -> list[Voice]:
         return sorted(self._voices, key=lambda v: (v.uploaded, v.name.casefold()))
 
     def find(self, key: str) -> Voice | None:
-        """The voice a name, id or alias refers to."""
-        return self._by_key.get(_key(key))
+        """The voice a name, id or alias refers to (asking the loader, and keeping its answer, on a miss)."""
+        voice = self._by_key.get(_key(key))
+        if voice is None and self._loader is not None and (voice := self._loader(key)) is not None:
+            if self._by_key.get(_key(voice.id)) is not None:
+                return self._by_key[_key(voice.id)]
+            self.add(voice)
+        return voice
 
     def resolve(self, key: str) -> Voice:
         voice = self.find(key)

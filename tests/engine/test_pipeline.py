@@ -88,3 +88,20 @@ def test_prepare_voice_gives_aligned_prompt(tiny_engine, tiny_prompt) -> None:
     assert len(tiny_prompt.speech_tokens) == 75  # 3 s at 25 Hz
     assert tiny_prompt.prompt_mel.shape == (150, 80)
     assert tiny_prompt.transcript == "Hello world."
+
+
+def test_decode_request_follows_the_voice_mode(tiny_engine, tiny_prompt) -> None:
+    """Zero-shot reads transcript + prompt speech; instruct reads the instruction and no prompt speech;
+    cross-lingual (no transcript) reads neither (cosyvoice2.frontend.llm_prompt)."""
+    from cosyvoice2.frontend.prompt import VoicePrompt
+
+    tokenizer = tiny_engine.tokenizer
+    zero_shot = tiny_engine.decode_request("Hi there.", tiny_prompt)
+    assert list(zero_shot.prompt_speech_tokens) == tiny_prompt.speech_tokens.tolist()
+    assert list(zero_shot.prompt_text) == tokenizer.encode(tiny_prompt.transcript) != []
+    instruct = tiny_engine.decode_request("Hi there.", tiny_prompt, instruction="Speak softly.")
+    assert list(instruct.prompt_text) == tokenizer.encode("Speak softly.<|endofprompt|>")
+    assert list(instruct.prompt_speech_tokens) == [] and list(instruct.text) == list(zero_shot.text)
+    silent = VoicePrompt(tiny_prompt.speech_tokens, tiny_prompt.prompt_mel, tiny_prompt.xvector, "")
+    cross = tiny_engine.decode_request("Hi there.", silent)
+    assert list(cross.prompt_text) == [] and list(cross.prompt_speech_tokens) == []

@@ -27,10 +27,12 @@ def test_any_format_is_converted_once_to_16k_mono(tmp_path):
     tone = (np.sin(2 * np.pi * 440 * t) * 16000).astype(np.int16)
     write_audio(tmp_path / "stereo.flac", np.stack([tone, tone]), rate, "flac", "stereo")
     (tmp_path / "stereo.txt").write_text("A stereo voice.\n")
-    (tmp_path / "orphan.wav").write_bytes(b"")  # no transcript: skipped
+    (tmp_path / "broken.wav").write_bytes(b"")  # not audio: skipped
+    write_audio(tmp_path / "untold.wav", tone[None, :], rate, "pcm_s16le", "mono")  # no .txt: no transcript
     registry = VoiceRegistry.from_directory(tmp_path)
-    [voice] = registry.voices
+    voice, untold = registry.voices
     assert voice.name == "stereo" and voice.transcript == "A stereo voice."
+    assert (untold.name, untold.transcript) == ("untold", "")
     assert voice.samples.dtype == np.float32 and voice.samples.ndim == 1
     assert voice.samples.size == pytest.approx(16_000 * seconds, abs=64)
     spectrum = np.abs(np.fft.rfft(voice.samples))

@@ -62,8 +62,6 @@ CASES = {
     "name dot-dot": ({"name": ".."}, "name", "invalid_voice_name"),
     "name like an id": ({"name": "voice_mine"}, "name", "invalid_voice_name"),
     # transcript and consent
-    "transcript missing": ({"transcript": None}, "transcript", "transcript_required"),
-    "transcript blank": ({"transcript": " \n "}, "transcript", "transcript_required"),
     "transcript too long": ({"transcript": "word " * 201}, "transcript", "string_above_max_length"),
     "transcript and ref_text differ": ({"ref_text": "Other words."}, "ref_text", "invalid_value"),
     "consent too long": ({"consent": "c" * 257}, "consent", "string_above_max_length"),

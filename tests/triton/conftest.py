@@ -37,17 +37,26 @@ class Pipeline:
         return out
 
 
-def synthesis_inputs(text: str, voice: str = "voice-a", seed: int | None = 1, seconds: float = 1.0) -> list:
+def synthesis_inputs(
+    text: str,
+    voice: str = "voice-a",
+    seed: int | None = 1,
+    seconds: float = 1.0,
+    reference_text: str = "a reference",
+    instruction: str | None = None,
+) -> list:
     wav = (np.random.default_rng(len(voice)).standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32)
     values = {
         contract.REFERENCE_WAV.name: wav,
         contract.REFERENCE_WAV_LEN.name: np.array([wav.size], np.int32),
-        contract.REFERENCE_TEXT.name: np.array([b"a reference"], object),
+        contract.REFERENCE_TEXT.name: np.array([reference_text.encode()], object),
         contract.TARGET_TEXT.name: np.array([text.encode()], object),
         contract.VOICE_ID.name: np.array([voice.encode()], object),
     }
     if seed is not None:
         values[contract.SEED.name] = np.array([seed], np.uint64)
+    if instruction is not None:
+        values[contract.INSTRUCTION_TEXT.name] = np.array([instruction.encode()], object)
     inputs = []
     for spec in contract.INPUTS:
         if spec.name in values:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -58,3 +59,23 @@ def test_streamed_speech_arrives_in_several_pieces(real_gateway):
 def test_empty_input_is_a_400(real_gateway):
     with pytest.raises(openai.BadRequestError):
         real_gateway.client().audio.speech.create(model="tts-1", voice="alloy", input="   ")
+
+
+def test_captions_and_instructions_through_the_real_pipeline(real_gateway):
+    """Instruct mode runs end to end, and every caption ends on a whole speech token of the real audio."""
+    filler = " ".join(["and the words keep coming"] * 12)
+    text = f"The first sentence {filler}. The second sentence {filler}."  # two segments (about 65 tokens each)
+    with httpx.Client(base_url=real_gateway.base_url, timeout=600) as http:
+        response = http.post("/v1/audio/speech/captioned", json={
+            "model": "gpt-4o-mini-tts", "voice": "alloy", "input": text, "response_format": "wav",
+            "instructions": "Speak slowly.", "seed": 7,
+        })
+    assert response.status_code == 200, response.text
+    body = response.json()
+    samples, rate = decode(base64.b64decode(body["audio"]), "wav")
+    captions = body["captions"]
+    assert rate == 24_000 and len(captions) >= 2
+    assert captions[-1]["end"] * rate == pytest.approx(samples.size, abs=1e-6)
+    for caption in captions:
+        assert round(caption["end"] * rate) % SAMPLES_PER_TOKEN == 0
+    assert body["usage"]["output_tokens"] * SAMPLES_PER_TOKEN == samples.size

@@ -161,3 +161,23 @@ async def test_a_malformed_engine_request_is_invalid_input(pipeline, inputs):
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         errors = [str(error) async for _, error in client.stream_infer(requests()) if error is not None]
     assert len(errors) == 1 and "[invalid_input] engine: inputs" in errors[0]
+
+
+async def test_instruct_and_cross_lingual_modes_run_and_count_the_text_they_read(pipeline, tiny_model_dir):
+    """input_tokens counts what the LLM read: instruction + target (instruct), the target only (no transcript)."""
+    tokenizer = CosyVoice2Tokenizer.from_model_dir(tiny_model_dir)
+    target = len(tokenizer.encode(TEXT))
+    cases = {
+        "instruct": (synthesis_inputs(TEXT, seed=3, instruction="Speak slowly."),
+                     len(tokenizer.encode("Speak slowly.<|endofprompt|>")) + target),
+        "cross_lingual": (synthesis_inputs(TEXT, seed=3, reference_text=""), target),
+        "zero_shot": (synthesis_inputs(TEXT, seed=3), len(tokenizer.encode("a reference")) + target),
+    }
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        for name, (inputs, expected_input_tokens) in cases.items():
+            result = await client.infer(contract.OFFLINE_MODEL, inputs)
+            output_tokens = int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0])
+            assert int(result.as_numpy(contract.INPUT_TOKENS.name)[0]) == expected_input_tokens, name
+            assert output_tokens > 0 and result.as_numpy(contract.WAVEFORM.name).size == output_tokens * SAMPLES_PER_TOKEN
+        chunks = await stream(client, synthesis_inputs(TEXT, seed=4, instruction="Whisper."))
+    assert chunks[-1][3] and sum(w.size for w, *_ in chunks) == chunks[-1][2] * SAMPLES_PER_TOKEN

@@ -64,6 +64,7 @@ def waveform_for(text: str) -> np.ndarray:
 
 
 def input_tokens_for(reference_text: str, target_text: str) -> int:
+    """Words of what the LLM would read: the transcript (or, in instruct mode, the instruction) + the target."""
     return len(reference_text.split()) + len(target_text.split())
 
 
@@ -112,6 +113,7 @@ class TritonPythonModel:
         wav = pb_utils.get_input_tensor_by_name(request, "reference_wav").as_numpy().reshape(-1)
         wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
         seed = pb_utils.get_input_tensor_by_name(request, "seed")
+        instruction = pb_utils.get_input_tensor_by_name(request, "instruction_text")
         target = text("target_text")
         words = _words(target)
         cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
@@ -129,7 +131,13 @@ class TritonPythonModel:
             "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
             "voice_cached": voice_cached,
             "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
+            "instruction_text": None if instruction is None else instruction.as_numpy().reshape(-1)[0].decode("utf-8"),
         }
+
+    @staticmethod
+    def _prompt_text(info: dict[str, Any]) -> str:
+        """An instruction replaces the transcript in what the LLM reads (CosyVoice2's instruct mode)."""
+        return info["instruction_text"] or info["reference_text"]
 
     @staticmethod
     def _error_message(words: set[str]) -> str | None:
@@ -166,7 +174,7 @@ class TritonPythonModel:
         await asyncio.sleep(self.chunk_delay_s)
         wave = waveform_for(info["target_text"])
         self._log(info, "done", wave.size)
-        return self._response(wave, info["reference_text"], info["target_text"], wave.size)
+        return self._response(wave, self._prompt_text(info), info["target_text"], wave.size)
 
     async def _stream(self, request: Any) -> None:
         sender = request.get_response_sender()
@@ -195,7 +203,7 @@ class TritonPythonModel:
                 if request.is_cancelled():
                     raise asyncio.CancelledError
                 sent += chunk.size
-                response = self._response(chunk, info["reference_text"], info["target_text"], sent)
+                response = self._response(chunk, self._prompt_text(info), info["target_text"], sent)
                 if index == len(chunks) - 1:
                     self._log(info, "done", sent)  # before the client can see the end
                     sender.send(response, flags=final)
@@ -231,7 +239,7 @@ class TritonPythonModel:
         record.update(
             outcome=outcome,
             samples=samples,
-            input_tokens=input_tokens_for(info["reference_text"], info["target_text"]) if info["target_text"] else 0,
+            input_tokens=input_tokens_for(self._prompt_text(info), info["target_text"]) if info["target_text"] else 0,
             output_tokens=output_tokens_for(samples),
             pid=os.getpid(),
         )
