@@ -112,6 +112,46 @@ class DiTFlowConfig:
                    estimator=DiTEstimatorConfig(**data.get("estimator", {})),
                    solver=DiTSolverConfig(**data.get("solver", {})), **top)
 
+    def to_flow_yaml(self) -> str:
+        """A flow.yaml in the released layout (classes and argument names) for this config."""
+        e, d = self.encoder, self.estimator
+        return f"""# DiT token2wav flow (released Step-Audio-2-mini token2wav/flow.yaml layout)
+flow: !new:cosyvoice2.flow.flow.{_FLOW_CLASS}
+    input_size: {self.input_size}
+    output_size: {self.output_size}
+    spk_embed_dim: {self.spk_embed_dim}
+    output_type: 'mel'
+    vocab_size: {self.vocab_size}
+    encoder: !new:cosyvoice2.transformer.upsample_encoder_v2.{_ENCODER_CLASS}
+        input_size: {e.width}
+        output_size: {e.width}
+        input_layer: 'linear'
+        pre_lookahead_len: {e.pre_lookahead_len}
+        num_blocks: {e.num_blocks}
+        num_up_blocks: {e.num_up_blocks}
+        up_stride: {e.upsample_stride}
+        up_scale_factor: {e.upsample_stride}
+        attention_heads: {e.attention_heads}
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        key_bias: True
+        linear_units: {e.linear_units}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+    decoder: !new:cosyvoice2.flow.flow_matching.{_CFM_CLASS}
+        inference_cfg_rate: {self.solver.inference_cfg_rate}
+        estimator: !new:cosyvoice2.flow.decoder_dit.{_ESTIMATOR_CLASS}
+            in_channels: {d.in_channels}
+            out_channels: {d.out_channels}
+            mlp_ratio: {d.mlp_ratio}
+            depth: {d.depth}
+            num_heads: {d.num_heads}
+            head_dim: {d.head_dim}
+            hidden_size: {d.hidden_size}
+"""
+
     @classmethod
     def from_flow_yaml(cls, source: str | Path, solver: DiTSolverConfig | None = None) -> "DiTFlowConfig":
         """Parse a released-layout `flow.yaml` (a path or its text)."""
@@ -165,7 +205,7 @@ def _check_class(section: Mapping[str, Any], name: str, where: str) -> None:
         raise DiTConfigError(f"{where} is {tag}, expected a {name}")
 
 
-def _load_tagged_yaml(text: str) -> dict[str, Any]:
+def _load_tagged_yaml(text: str, top: str = "flow") -> dict[str, Any]:
     """yaml.safe_load that turns `!new:pkg.Class` mappings into dicts with a `__class__` entry."""
     import yaml
 
@@ -179,6 +219,6 @@ def _load_tagged_yaml(text: str) -> dict[str, Any]:
 
     Loader.add_multi_constructor("!new:", construct_new)
     data = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass with one data-only constructor
-    if not isinstance(data, dict) or "flow" not in data:
-        raise DiTConfigError("flow.yaml has no top-level 'flow' entry")
+    if not isinstance(data, dict) or top not in data:
+        raise DiTConfigError(f"the YAML file has no top-level {top!r} entry")
     return data
