@@ -67,20 +67,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor],
                 cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, C); key_mask (B, 1, 1 or T, L) bool or None; cache (B, H, T_c, 2 D) keys || values.
+        """x (B, T, C); key_mask (B, 1, 1 or T, T + T_c) bool or None; cache (B, H, T_c, 2 D) keys || values.
 
         Keys are [this chunk || cache] (newest first, the reference's order; attention itself does not depend on
-        the order). Returns the output and this call's keys || values (B, H, T + T_c, 2 D).
+        the order). Returns the output and this chunk's own keys || values (B, H, T, 2 D).
         """
         batch, length, _ = x.shape
         q = self.q_norm(self._heads(self.to_q(x)))
         k = self.k_norm(self._heads(self.to_k(x)))
         v = self._heads(self.to_v(x))
+        own = torch.cat([k, v], dim=-1)
         if cache is not None and cache.shape[2] > 0:
             cached_k, cached_v = cache.split(self.head_dim, dim=-1)
             k, v = torch.cat([k, cached_k], dim=2), torch.cat([v, cached_v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, -1)), torch.cat([k, v], dim=-1)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, -1)), own
 
 
 class CausalConv1d(nn.Conv1d):
@@ -90,12 +91,21 @@ class CausalConv1d(nn.Conv1d):
     def context(self) -> int:
         return self.kernel_size[0] - 1
 
-    def step(self, x: torch.Tensor, cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cache (B, C, k - 1) = the previous input frames (zeros at the start) -> output, new cache."""
+    def step(self, x: torch.Tensor, cache: Optional[torch.Tensor],
+             lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache (B, C, k - 1) = the previous input frames (zeros at the start) -> output, new cache.
+
+        lengths (B,): real frames per right-padded row (None: all); the new cache ends at each row's last real frame.
+        """
         if cache is None:
             cache = x.new_zeros(x.shape[0], x.shape[1], self.context)
         x = torch.cat([cache, x], dim=2)
-        return super().forward(x), x[:, :, x.shape[2] - self.context:]
+        if lengths is None:
+            new_cache = x[:, :, x.shape[2] - self.context:]
+        else:
+            index = lengths[:, None] + torch.arange(self.context, device=x.device)[None, :]  # (B, context)
+            new_cache = x.gather(2, index[:, None, :].expand(-1, x.shape[1], -1))
+        return super().forward(x), new_cache
 
 
 class CausalConvBlock(nn.Module):
@@ -112,12 +122,13 @@ class CausalConvBlock(nn.Module):
                                     "6": CausalConv1d(channels, channels, kernel)})
         self.channels = channels
 
-    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cache: Optional[torch.Tensor] = None,
+                lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C); cache (B, 2 C, k - 1) = [conv1 inputs || conv2 inputs] -> (B, T, C), new cache."""
         first_cache, second_cache = (None, None) if cache is None else cache.split(self.channels, dim=1)
-        h, first_new = self.block["1"].step(x.transpose(1, 2), first_cache)
+        h, first_new = self.block["1"].step(x.transpose(1, 2), first_cache, lengths)
         h = F.mish(self.block["3"](h.transpose(1, 2)))
-        h, second_new = self.block["6"].step(h.transpose(1, 2), second_cache)
+        h, second_new = self.block["6"].step(h.transpose(1, 2), second_cache, lengths)
         return h.transpose(1, 2), torch.cat([first_new, second_new], dim=1)
 
 
@@ -145,14 +156,14 @@ class DiTBlock(nn.Module):
         return F.layer_norm(x, (self.hidden,), eps=_ADALN_EPS)  # norm1/2/3: affine-free
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, key_mask: Optional[torch.Tensor],
-                conv_cache: Optional[torch.Tensor] = None,
-                kv_cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, C), c (B, 1, C) -> x, new conv cache, new keys/values."""
+                conv_cache: Optional[torch.Tensor] = None, kv_cache: Optional[torch.Tensor] = None,
+                lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C), c (B, 1, C) -> x, new conv cache, this chunk's keys/values."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
         attended, kv = self.attn(modulate(self._norm(x), shift_msa, scale_msa), key_mask, kv_cache)
         x = x + gate_msa * attended
-        convolved, conv = self.conv(modulate(self._norm(x), shift_conv, scale_conv), conv_cache)
+        convolved, conv = self.conv(modulate(self._norm(x), shift_conv, scale_conv), conv_cache, lengths)
         x = x + gate_conv * convolved
         x = x + gate_mlp * self.mlp(modulate(self._norm(x), shift_mlp, scale_mlp))
         return x, conv, kv
@@ -195,15 +206,19 @@ class DiT(nn.Module):
 
     def forward_chunk(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                       cond: torch.Tensor, conv_cache: Optional[torch.Tensor], kv_cache: Optional[torch.Tensor],
-                      key_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      key_mask: Optional[torch.Tensor] = None,
+                      lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk continuing cached state: conv_cache (depth, B, 2 C, k - 1), kv_cache (depth, B, H, T_c, 2 D)
-        (None: start of a stream) -> velocity (B, 80, T), new conv cache, new keys/values (depth, B, H, T + T_c,
-        2 D) with this chunk's in front."""
+        (None: start of a stream) -> velocity (B, 80, T), new conv cache, this chunk's keys/values
+        (depth, B, H, T, 2 D).
+
+        Rows of several streams: x, mu, cond right-padded to T with `lengths` (B,) real frames; caches padded to T_c;
+        key_mask (B, 1, 1, T + T_c) marks each row's real chunk frames and real cached frames."""
         h, c = self._inputs(x, mu, t, spks, cond)
         convs, kvs = [], []
         for i, block in enumerate(self.blocks):
             h, conv, kv = block(h, c, key_mask, None if conv_cache is None else conv_cache[i],
-                                None if kv_cache is None else kv_cache[i])
+                                None if kv_cache is None else kv_cache[i], lengths)
             convs.append(conv)
             kvs.append(kv)
         return self.final_layer(h, c).transpose(1, 2), torch.stack(convs), torch.stack(kvs)

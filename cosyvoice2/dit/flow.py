@@ -125,7 +125,8 @@ class ConditionalCFM(nn.Module):
 
     def solve_chunk(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
                     cache: Optional[EstimatorCache]) -> tuple[torch.Tensor, EstimatorCache]:
-        """One chunk of one stream (B = 1): each ODE step continues its own cached conv context and K/V."""
+        """One chunk of one stream: noise, mu, cond (1, 80, C), spks (1, 80); each ODE step continues its own
+        cached conv context and K/V (None: nothing cached yet, zero conv context)."""
         rows = noise.shape[0]
         mu2 = torch.cat([mu, torch.zeros_like(mu)])
         spks2 = torch.cat([spks, torch.zeros_like(spks)])
@@ -134,15 +135,77 @@ class ConditionalCFM(nn.Module):
         kvs: list[torch.Tensor] = []
 
         def velocity(step: int, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            v, conv, kv = self.estimator.forward_chunk(
+            old = None if cache is None else cache.kv[step]
+            v, conv, own = self.estimator.forward_chunk(
                 torch.cat([x, x]), mu2, t.expand(2 * rows), spks2, cond2,
-                None if cache is None else cache.conv[step], None if cache is None else cache.kv[step])
+                None if cache is None else cache.conv[step], old)
             convs.append(conv)
-            kvs.append(kv)
+            kvs.append(own if old is None else torch.cat([own, old], dim=3))
             return self._guided(v, rows)
 
         x = self._euler(noise, velocity)
         return x, EstimatorCache(torch.stack(convs), torch.stack(kvs))
+
+    def solve_chunks(self, noises: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], spks: torch.Tensor,
+                     caches: Sequence[EstimatorCache]) -> list[tuple[torch.Tensor, EstimatorCache]]:
+        """One chunk of each of several streams in one estimator batch per ODE step.
+
+        noises[i], mus[i]: (1, 80, C_i); spks (B, 80); caches[i] the stream's cache (C_i and cache lengths may
+        differ). Rows are right-padded and masked: a padded chunk frame is never a key, a padded cache frame
+        never attended, and each row's conv context ends at its own last frame, so every stream gets what
+        `solve_chunk` gives it alone (up to float rounding). Conditional rows first, then unconditional.
+        """
+        if len(noises) == 1:
+            return [self.solve_chunk(noises[0], mus[0], spks, torch.zeros_like(mus[0]), caches[0])]
+        batch = len(noises)
+        frames = [n.shape[2] for n in noises]
+        cached = [c.frames for c in caches]
+        longest, longest_cache = max(frames), max(cached)
+        device = noises[0].device
+
+        def padded(items: Sequence[torch.Tensor]) -> torch.Tensor:
+            return torch.cat([F.pad(item, (0, longest - item.shape[2])) for item in items])
+
+        x = padded(noises)
+        mu = padded(mus)
+        mu2 = torch.cat([mu, torch.zeros_like(mu)])
+        spks2 = torch.cat([spks, torch.zeros_like(spks)])
+        cond2 = torch.zeros_like(mu2)
+        lengths = torch.tensor(frames + frames, device=device)
+        cache_lengths = torch.tensor(cached + cached, device=device)
+        chunk_real = torch.arange(longest, device=device)[None, :] < lengths[:, None]
+        cache_real = torch.arange(longest_cache, device=device)[None, :] < cache_lengths[:, None]
+        key_mask = torch.cat([chunk_real, cache_real], dim=1)[:, None, None, :]
+
+        def rows_of(tensor_per_stream: Sequence[torch.Tensor], row_axis: int) -> torch.Tensor:
+            """(.., 2, ..) per stream -> (.., 2B, ..): every stream's conditional row, then the unconditional."""
+            conditional = [t.narrow(row_axis, 0, 1) for t in tensor_per_stream]
+            unconditional = [t.narrow(row_axis, 1, 1) for t in tensor_per_stream]
+            return torch.cat(conditional + unconditional, dim=row_axis)
+
+        steps = self.solver.n_timesteps
+        conv_in = [rows_of([c.conv[step] for c in caches], 1) for step in range(steps)]
+        kv_in = [rows_of([F.pad(c.kv[step], (0, 0, 0, longest_cache - c.frames)) for c in caches], 1)
+                 for step in range(steps)]
+        convs: list[torch.Tensor] = []
+        owns: list[torch.Tensor] = []
+
+        def velocity(step: int, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            v, conv, own = self.estimator.forward_chunk(torch.cat([x, x]), mu2, t.expand(2 * batch), spks2, cond2,
+                                                        conv_in[step], kv_in[step], key_mask, lengths)
+            convs.append(conv)
+            owns.append(own)
+            return self._guided(v, batch)
+
+        x = self._euler(x, velocity)
+        out = []
+        for i, cache in enumerate(caches):
+            rows = [i, batch + i]
+            conv = torch.stack([c[:, rows] for c in convs])
+            kv = torch.stack([torch.cat([own[:, rows, :, : frames[i]], cache.kv[step]], dim=3)
+                              for step, own in enumerate(owns)])
+            out.append((x[i : i + 1, :, : frames[i]], EstimatorCache(conv, kv)))
+        return out
 
 
 class DiTFlow(nn.Module):
@@ -227,11 +290,23 @@ class DiTFlow(nn.Module):
         C = 2 (n - lookahead), or 2 n for the last chunk. The noise is the fixed buffer at the offset equal to
         the cached K/V length (the reference's rule; it stops advancing once the window is full).
         """
-        h, encoder_cache = self.encoder.forward_chunk(self._embed(tokens), state.encoder, last)
-        mu = self.encoder_proj(h)
-        offset = state.estimator.frames
-        noise = self.noise(offset, mu.shape[1]).to(mu)
-        mel, estimator_cache = self.decoder.solve_chunk(noise, mu.transpose(1, 2), state.prompt.spks,
-                                                        torch.zeros_like(noise), state.estimator)
-        window = estimator_cache.trimmed(state.prompt.prompt_frames, self.config.solver.window_extra_frames)
-        return mu, mel, FlowState(state.prompt, encoder_cache, window)
+        return self.chunks([tokens], [state], [last])[0]
+
+    @torch.inference_mode()
+    def chunks(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState],
+               lasts: Sequence[bool]) -> list[tuple[torch.Tensor, torch.Tensor, FlowState]]:
+        """`chunk` for several streams: the encoder runs per stream (it is small and its rows are ragged in
+        both chunk and cache length), the ODE for all of them in one estimator batch per step."""
+        encoded = []
+        for chunk_tokens, state, last in zip(tokens, states, lasts):
+            h, encoder_cache = self.encoder.forward_chunk(self._embed(chunk_tokens), state.encoder, last)
+            encoded.append((self.encoder_proj(h), encoder_cache))
+        noises = [self.noise(state.estimator.frames, mu.shape[1]).to(mu) for state, (mu, _) in zip(states, encoded)]
+        solved = self.decoder.solve_chunks(noises, [mu.transpose(1, 2) for mu, _ in encoded],
+                                           torch.cat([state.prompt.spks for state in states]),
+                                           [state.estimator for state in states])
+        out = []
+        for state, (mu, encoder_cache), (mel, estimator_cache) in zip(states, encoded, solved):
+            window = estimator_cache.trimmed(state.prompt.prompt_frames, self.config.solver.window_extra_frames)
+            out.append((mu, mel, FlowState(state.prompt, encoder_cache, window)))
+        return out

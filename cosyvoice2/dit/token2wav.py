@@ -196,7 +196,7 @@ class DiTToken2Wav:
             stream.check_next(chunk)
         generator_states = [stream.generator.get_state() for stream in streams]
         try:
-            flows = [stream.run_flow(chunk) for stream, chunk in work]
+            flows = self._run_flows(work)
             inputs = [stream.hift_input(mel) for stream, (mel, _) in zip(streams, flows)]
             rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]
             noises = [self.hift.draw_noise(1, inputs[i][0].shape[2], streams[i].generator) for i in rows]
@@ -215,6 +215,26 @@ class DiTToken2Wav:
             else:
                 out.append(stream.emit_nothing(chunk, flow_state))
         return out
+
+
+    def _run_flows(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list[tuple[torch.Tensor, FlowState]]:
+        """Each chunk's mel (1, 80, C) fp32 on the HiFT device and its stream's next flow state (not yet
+        adopted); the chunks with tokens share one batched flow call."""
+        out: list[Optional[tuple[torch.Tensor, FlowState]]] = [None] * len(work)
+        rows = []
+        for i, (stream, chunk) in enumerate(work):
+            if chunk.feed == chunk.start:  # a final chunk without new tokens: only HiFT's cached frames remain
+                out[i] = (torch.zeros(1, self.flow.config.output_size, 0, device=self.hift_device), stream.flow_state)
+            else:
+                rows.append(i)
+        if rows:
+            results = self.flow.chunks(
+                [torch.tensor(work[i][0].tokens[work[i][1].start:work[i][1].feed], dtype=torch.long,
+                              device=self.flow_device)[None] for i in rows],
+                [work[i][0].flow_state for i in rows], [work[i][1].final for i in rows])
+            for i, (_, mel, state) in zip(rows, results):
+                out[i] = (mel.to(self.hift_device, torch.float32), state)
+        return out  # type: ignore[return-value]
 
 
 class DiTStream:
@@ -284,15 +304,6 @@ class DiTStream:
             raise ValueError(f"{chunk} does not continue the stream (at token {self._start} of {len(self.tokens)})")
         if not chunk.final and chunk.feed - chunk.stop != self.engine.lookahead:
             raise ValueError(f"a non-final chunk carries exactly {self.engine.lookahead} lookahead tokens")
-
-    def run_flow(self, chunk: Chunk) -> tuple[torch.Tensor, FlowState]:
-        """This chunk's mel (1, 80, C) fp32 on the HiFT device and the flow state after it (not yet adopted)."""
-        engine = self.engine
-        if chunk.feed == chunk.start:  # a final chunk without new tokens
-            return torch.zeros(1, engine.flow.config.output_size, 0, device=engine.hift_device), self._flow
-        tokens = torch.tensor(self.tokens[chunk.start:chunk.feed], dtype=torch.long, device=engine.flow_device)
-        _, mel, state = engine.flow.chunk(tokens[None], self._flow, chunk.final)
-        return mel.to(engine.hift_device, torch.float32), state
 
     def hift_input(self, mel: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         if self._hift is None:

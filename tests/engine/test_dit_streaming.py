@@ -160,3 +160,25 @@ def test_voice_caches_compute_once_and_evict() -> None:
     for key in ("a", "b", "a", "c", "b", "a"):
         assert caches.get(key, lambda key=key: compute(key)) == key
     assert calls == ["a", "b", "c", "b", "a"] and len(caches) == 2
+
+
+def test_flow_batch_of_ragged_streams_equals_each_alone(engine: DiTToken2Wav) -> None:
+    """Different prompt lengths (cached K/V 40 vs 24 frames) and chunk lengths (18 vs 9 tokens, one final)."""
+    rng = np.random.default_rng(11)
+    short = engine.prompt_cache(rng.integers(0, 6561, 12), rng.standard_normal((24, 80)).astype(np.float32) - 5,
+                                rng.standard_normal(192).astype(np.float32))
+    long = engine.prompt_cache(*voice(2))
+    from cosyvoice2.dit.flow import FlowState
+
+    states = [FlowState.start(long), FlowState.start(short)]
+    chunk_tokens = [torch.tensor([tokens(18, seed=12)]), torch.tensor([tokens(9, seed=13)])]
+    lasts = [False, True]
+    batched = engine.flow.chunks(chunk_tokens, states, lasts)
+    for i in range(2):
+        mu, mel, state = engine.flow.chunk(chunk_tokens[i], states[i], lasts[i])
+        b_mu, b_mel, b_state = batched[i]
+        assert b_mel.shape == mel.shape == (1, 80, (30, 18)[i])
+        assert (b_mel - mel).abs().max() < 1e-4
+        assert b_state.estimator.kv.shape == state.estimator.kv.shape
+        assert (b_state.estimator.kv - state.estimator.kv).abs().max() < 1e-4
+        assert (b_state.estimator.conv - state.estimator.conv).abs().max() < 1e-4
