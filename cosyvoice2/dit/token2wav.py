@@ -55,6 +55,41 @@ class DiTStreamingConfig:
 
 
 @dataclass(frozen=True)
+class DiTChunkSchedule:
+    """Which token range each chunk of a stream covers (pure arithmetic; the same calls as the UNet flow's
+    `ChunkSchedule`, so a server's chunking loop can drive either)."""
+
+    config: DiTStreamingConfig = DiTStreamingConfig()
+    lookahead: int = 3
+
+    def hop(self, index: int) -> int:
+        return self.config.hop(index)
+
+    def next_chunk(self, start: int, index: int, available: int, finished: bool) -> Optional["Chunk"]:
+        """The chunk to run now for a stream at token `start` after `index` chunks, with `available` tokens, or
+        None to wait. A non-final chunk runs once its hop plus the lookahead is there; once the LLM is done
+        (`finished`) and that is no longer possible, the rest is the final chunk."""
+        hop = self.hop(index)
+        if available - start >= hop + self.lookahead:
+            return Chunk(start, start + hop, start + hop + self.lookahead, final=False)
+        if finished:
+            return Chunk(start, available, available, final=True)
+        return None
+
+    def chunks(self, n_tokens: int) -> list["Chunk"]:
+        """All chunks of a stream of `n_tokens` tokens (the same however the tokens arrive)."""
+        out: list[Chunk] = []
+        start = 0
+        while True:
+            chunk = self.next_chunk(start, len(out), n_tokens, finished=True)
+            assert chunk is not None
+            out.append(chunk)
+            if chunk.final:
+                return out
+            start = chunk.stop
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One flow + HiFT call of a stream, in generated-token indices."""
 
@@ -182,8 +217,21 @@ class DiTToken2Wav:
         return audio[0].cpu().numpy()
 
     # ---- streaming ----------------------------------------------------------------------------------
+    @property
+    def schedule(self) -> DiTChunkSchedule:
+        return DiTChunkSchedule(self.streaming, self.lookahead)
+
     def open_stream(self, prompt: PromptCache, generator: torch.Generator) -> "DiTStream":
         return DiTStream(self, prompt, generator)
+
+    def offline_job(self, tokens: Sequence[int], prompt: PromptCache,
+                    generator: torch.Generator) -> tuple["DiTStream", Chunk]:
+        """A whole utterance as a one-chunk stream from the voice's prompt cache (one final chunk over all
+        tokens), to batch with streaming chunks in `run_chunks`. Unlike `offline`, the prompt frames are not
+        re-generated jointly with the utterance: its frames attend to the cached prompt K/V, as every chunk does."""
+        stream = self.open_stream(prompt, generator)
+        stream.extend(tokens)
+        return stream, Chunk(0, len(stream.tokens), len(stream.tokens), final=True)
 
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list[np.ndarray]:
@@ -271,13 +319,7 @@ class DiTStream:
         """The next chunk over the tokens added so far (`finished`: no more tokens will come), or None."""
         if self.finished:
             return None
-        start, hop = self._start, self.engine.streaming.hop(len(self.chunks))
-        lookahead = self.engine.lookahead
-        if len(self.tokens) - start >= hop + lookahead:
-            return Chunk(start, start + hop, start + hop + lookahead, final=False)
-        if finished:
-            return Chunk(start, len(self.tokens), len(self.tokens), final=True)
-        return None
+        return self.engine.schedule.next_chunk(self._start, len(self.chunks), len(self.tokens), finished)
 
     def push(self, tokens: Iterable[int]) -> list[np.ndarray]:
         self.extend(tokens)

@@ -182,3 +182,26 @@ def test_flow_batch_of_ragged_streams_equals_each_alone(engine: DiTToken2Wav) ->
         assert b_state.estimator.kv.shape == state.estimator.kv.shape
         assert (b_state.estimator.kv - state.estimator.kv).abs().max() < 1e-4
         assert (b_state.estimator.conv - state.estimator.conv).abs().max() < 1e-4
+
+
+def test_schedule_chunks_cover_every_token() -> None:
+    from cosyvoice2.dit.token2wav import DiTChunkSchedule
+
+    schedule = DiTChunkSchedule()
+    assert schedule.chunks(104) == [Chunk(0, 15, 18, False), Chunk(15, 40, 43, False), Chunk(40, 90, 93, False),
+                                    Chunk(90, 104, 104, True)]  # the reference runtime's chunks for 104 tokens
+    assert schedule.chunks(17) == [Chunk(0, 17, 17, True)]
+    assert schedule.next_chunk(0, 0, 17, finished=False) is None
+
+
+def test_offline_job_is_one_final_chunk(engine: DiTToken2Wav, prompt) -> None:
+    generated = tokens(30, seed=9)
+    stream, chunk = engine.offline_job(generated, prompt, engine.new_generator(1))
+    assert chunk == Chunk(0, 30, 30, final=True)
+    (audio,) = engine.run_chunks([(stream, chunk)])
+    assert audio.shape == (960 * 30,) and stream.finished
+    # a stream whose first hop exceeds the utterance also runs it as one final chunk
+    long_hops = DiTToken2Wav(engine.flow, engine.hift, DiTStreamingConfig(first_hops=(40,), max_hop=40))
+    alone = long_hops.open_stream(prompt, engine.new_generator(1))
+    alone.extend(generated)
+    assert np.array_equal(alone.finish(), audio)
