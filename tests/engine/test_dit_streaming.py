@@ -205,3 +205,21 @@ def test_offline_job_is_one_final_chunk(engine: DiTToken2Wav, prompt) -> None:
     alone = long_hops.open_stream(prompt, engine.new_generator(1))
     alone.extend(generated)
     assert np.array_equal(alone.finish(), audio)
+
+
+def test_prompt_cache_from_a_voice_prompt(engine: DiTToken2Wav, tiny_prompt) -> None:
+    """The CosyVoice2 frontend's VoicePrompt (tokens, 24 kHz mel, x-vector) is the DiT's prompt as well."""
+    caches = VoiceCaches()
+    cache = caches.get(tiny_prompt.content_hash, lambda: engine.prompt_cache(
+        tiny_prompt.speech_tokens, tiny_prompt.prompt_mel, tiny_prompt.xvector))
+    assert cache.prompt_frames == 2 * len(tiny_prompt.speech_tokens)
+    assert caches.get(tiny_prompt.content_hash, lambda: pytest.fail("computed twice")) is cache
+    stream = engine.open_stream(cache, engine.new_generator(0))
+    audio = np.concatenate(stream.push(tokens(20, seed=14)) + [stream.finish()])
+    assert audio.shape == (960 * 20,) and np.isfinite(audio).all()
+
+
+def test_prompt_tokens_and_mel_are_aligned_to_the_shorter(engine: DiTToken2Wav) -> None:
+    prompt_tokens, mel, xvector = voice(4)
+    cache = engine.prompt_cache(prompt_tokens, mel[:31], xvector)  # 31 frames: 15 tokens' worth
+    assert cache.prompt_frames == 30 and cache.encoder.tokens == 15
