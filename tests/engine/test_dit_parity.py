@@ -156,3 +156,18 @@ def test_streaming_hift_given_reference_mel(engine: DiTToken2Wav, dump: dict[str
             tail = dump[f"stream{k - 1}_hift_speech"][0, -3840:].double().numpy()
             head = speech[0, :3840].double().numpy() * window[:3840] + tail * window[3840:]
             assert np.abs(head.astype(np.float32) - dump[f"stream{k}_audio"][0, :3840].numpy()).max() < AUDIO
+
+
+@pytest.mark.parametrize(("dtype", "max_tol", "mean_tol"), [("fp16", 0.5, 0.08), ("bf16", 2.0, 0.3)])
+def test_half_precision_offline_mel_stays_near_fp32(dump: dict[str, torch.Tensor], dtype: str, max_tol: float,
+                                                    mean_tol: float) -> None:
+    """The flow in fp16/bf16 (HiFT stays fp32): rounding only, no dtype mix-up (mel spans about +-7, std 1.7)."""
+    from cosyvoice2.dit.loading import load_dit_flow
+
+    flow = load_dit_flow(MICRO_DIR, dtype=dtype)
+    tokens = torch.cat([dump["in_prompt_speech_token"], dump["in_speech_token"]], dim=1).long()
+    mel = flow.inference(tokens, torch.tensor([tokens.shape[1]]), [dump["in_prompt_feat"][0]], dump["in_xvector"],
+                         dump["offline_noise"])
+    assert mel.dtype == flow.input_embedding.weight.dtype
+    difference = (mel.float() - dump["offline_mel"]).abs()
+    assert difference.max() < max_tol and difference.mean() < mean_tol
