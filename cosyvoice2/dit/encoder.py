@@ -32,16 +32,20 @@ _LEAKY_SLOPE = 0.01
 _LOOKAHEAD_CONV2_CONTEXT = 2  # kernel 3, left-padded by 2
 
 
-def relative_positions(length: int, width: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """ESPnet relative-position encodings for distances length-1 ... -(length-1): (1, 2 length - 1, width).
+def relative_positions(keys: int, queries: int, width: int, device: torch.device,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """ESPnet relative-position encodings for the distances that `queries` queries at the end of `keys` keys
+    see: keys - 1 ... -(queries - 1), shape (1, keys + queries - 1, width) (offline, keys = queries: 2T - 1 rows;
+    a chunk needs only its own queries' rows, not the 2 L - 1 rows of the whole table).
 
-    Even channels sin, odd channels cos of distance x 10000^(-2i/width), evaluated in float32.
+    Even channels sin, odd channels cos of distance x 10000^(-2i/width), evaluated in float32 (the values of
+    the reference's table rows, whatever range is taken).
     """
     inv_freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32, device=device)
                          * -(math.log(10000.0) / width))
-    distance = torch.arange(length - 1, -length, -1, dtype=torch.float32, device=device)
+    distance = torch.arange(keys - 1, -queries, -1, dtype=torch.float32, device=device)
     angle = distance[:, None] * inv_freq[None, :]
-    table = torch.empty(2 * length - 1, width, dtype=torch.float32, device=device)
+    table = torch.empty(keys + queries - 1, width, dtype=torch.float32, device=device)
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
     return table.unsqueeze(0).to(dtype)
@@ -78,8 +82,8 @@ class RelPositionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, key_mask: Optional[torch.Tensor],
                 cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, W) queries at absolute positions cached .. cached + T - 1; positions (1, 2L - 1, W) for
-        L = cached + T keys; key_mask (B, 1, 1, L) bool or None; cache (B, H, cached, 2D) keys || values.
+        """x (B, T, W) queries at absolute positions cached .. cached + T - 1; positions (1, L + T - 1, W) for
+        L = cached + T keys (`relative_positions(L, T)`); key_mask (B, 1, 1, L) bool or None; cache (B, H, cached, 2D) keys || values.
 
         Returns the output (B, T, W) and the new cache (B, H, L, 2D) = [cache || this chunk's keys/values].
         """
@@ -94,8 +98,8 @@ class RelPositionAttention(nn.Module):
         keys = k.shape[2]
         p = self._heads(self.linear_pos(positions))  # (1, H, 2L - 1, D)
         content = torch.matmul(q + self.pos_bias_u[:, None], k.transpose(-2, -1))
-        by_row = torch.matmul(q + self.pos_bias_v[:, None], p.transpose(-2, -1))  # (B, H, T, 2L - 1)
-        # query i sits at absolute position keys - length + i; table column c holds distance (keys - 1) - c
+        by_row = torch.matmul(q + self.pos_bias_v[:, None], p.transpose(-2, -1))  # (B, H, T, L + T - 1)
+        # query i sits at absolute position keys - length + i; table row c holds distance (keys - 1) - c
         query = torch.arange(length, device=x.device)[:, None]
         key = torch.arange(keys, device=x.device)[None, :]
         column = (length - 1) - query + key
@@ -198,11 +202,11 @@ class UpsampleConformerEncoderV2(nn.Module):
                                          for _ in range(config.num_up_blocks))
         self.after_norm = nn.LayerNorm(w, eps=_EMBED_LN_EPS)
 
-    def _positions(self, length: int, like: torch.Tensor) -> torch.Tensor:
-        if length > self.config.max_positions:
-            raise ValueError(f"encoder context of {length} positions exceeds the relative-position table "
-                             f"({self.config.max_positions})")
-        return relative_positions(length, self.config.width, like.device, like.dtype)
+    def _positions(self, keys: int, queries: int, like: torch.Tensor) -> torch.Tensor:
+        if keys > self.config.max_positions:
+            raise ValueError(f"encoder context of {keys} positions exceeds the relative-position table "
+                             f"({self.config.max_positions}): the stream is too long")
+        return relative_positions(keys, queries, self.config.width, like.device, like.dtype)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Offline: x (B, T, W) token embeddings, right-padded, `lengths` (B,) -> (B, stride T, W)."""
@@ -215,7 +219,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         h = F.leaky_relu(lookahead.conv1(F.pad(h, (0, lookahead.lookahead))), _LEAKY_SLOPE)
         h = lookahead.conv2(F.pad(h, (_LOOKAHEAD_CONV2_CONTEXT, 0)))
         x = h.transpose(1, 2) + x
-        positions = self._positions(frames, x)
+        positions = self._positions(frames, frames, x)
         mask = real[:, None, None, :]
         for layer in self.encoders:
             x, _ = layer(x, positions, mask, None)
@@ -223,7 +227,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         h = x.transpose(1, 2).repeat_interleave(up.stride, dim=2)
         x = up.conv(F.pad(h, (up.context, 0))).transpose(1, 2)
         x = self.up_embed(x)
-        positions = self._positions(x.shape[1], x)
+        positions = self._positions(x.shape[1], x.shape[1], x)
         mask = real.repeat_interleave(up.stride, dim=1)[:, None, None, :]
         for layer in self.up_encoders:
             x, _ = layer(x, positions, mask, None)
@@ -257,7 +261,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         h = lookahead.conv2(torch.cat([cache.lookahead, h], dim=2))
         x = h.transpose(1, 2) + x[:, : h.shape[2]]
 
-        positions = self._positions(cache.lower.shape[3] + x.shape[1], x)
+        positions = self._positions(cache.lower.shape[3] + x.shape[1], x.shape[1], x)
         lower = []
         for layer, layer_cache in zip(self.encoders, cache.lower):
             x, new = layer(x, positions, None, layer_cache)
@@ -267,7 +271,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         h = torch.cat([cache.upsample, x.transpose(1, 2).repeat_interleave(up.stride, dim=2)], dim=2)
         new_upsample = h[:, :, -up.context:]
         x = self.up_embed(up.conv(h).transpose(1, 2))
-        positions = self._positions(cache.upper.shape[3] + x.shape[1], x)
+        positions = self._positions(cache.upper.shape[3] + x.shape[1], x.shape[1], x)
         upper = []
         for layer, layer_cache in zip(self.up_encoders, cache.upper):
             x, new = layer(x, positions, None, layer_cache)
