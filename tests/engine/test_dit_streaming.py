@@ -230,7 +230,7 @@ def test_a_stream_beyond_the_position_table_gets_a_clear_error() -> None:
     from cosyvoice2.dit.encoder import UpsampleConformerEncoderV2
 
     encoder = UpsampleConformerEncoderV2(DiTEncoderConfig(width=16, attention_heads=2, linear_units=32, num_blocks=1,
-                                                          num_up_blocks=1, max_positions=40))
+                                                          num_up_blocks=1, max_positions=39))
     torch.nn.init.zeros_(encoder.encoders[0].self_attn.pos_bias_u)
     torch.nn.init.zeros_(encoder.encoders[0].self_attn.pos_bias_v)
     torch.nn.init.zeros_(encoder.up_encoders[0].self_attn.pos_bias_u)
@@ -238,4 +238,4 @@ def test_a_stream_beyond_the_position_table_gets_a_clear_error() -> None:
     with torch.inference_mode():
         _, cache = encoder.forward_chunk(torch.randn(1, 18, 16), None, last=False)  # 15 tokens, 30 frames
         with pytest.raises(ValueError, match="too long"):
-            encoder.forward_chunk(torch.randn(1, 8, 16), cache, last=False)  # 20 tokens -> 40 + 10 frames
+            encoder.forward_chunk(torch.randn(1, 8, 16), cache, last=False)  # upper layers: 30 + 10 = 40 frames > 39
