@@ -110,6 +110,19 @@ class HiFTCache:
     speech: torch.Tensor  # (overlap,) withheld audio, cross-faded with the next chunk's first samples
 
 
+def prompt_key(tokens: Sequence[int] | np.ndarray, mel: np.ndarray, xvector: np.ndarray) -> str:
+    """sha256 over a prompt's tokens, mel and x-vector (values and shapes): the `VoiceCaches` key of a voice whose
+    features come without a name (equal features, equal key)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for array in (np.asarray(tokens, dtype=np.int64), np.asarray(mel, dtype=np.float32),
+                  np.asarray(xvector, dtype=np.float32)):
+        digest.update(str(array.shape).encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
+
+
 class VoiceCaches:
     """Prompt caches per voice key (e.g. a hash of the reference audio), least recently used dropped first."""
 

@@ -239,3 +239,15 @@ def test_a_stream_beyond_the_position_table_gets_a_clear_error() -> None:
         _, cache = encoder.forward_chunk(torch.randn(1, 18, 16), None, last=False)  # 15 tokens, 30 frames
         with pytest.raises(ValueError, match="too long"):
             encoder.forward_chunk(torch.randn(1, 8, 16), cache, last=False)  # upper layers: 30 + 10 = 40 frames > 39
+
+
+def test_prompt_key_follows_the_features() -> None:
+    from cosyvoice2.dit.token2wav import prompt_key
+
+    prompt_tokens, mel, xvector = voice(5)
+    key = prompt_key(prompt_tokens, mel, xvector)
+    assert key == prompt_key(prompt_tokens.tolist(), mel.copy(), xvector.copy())
+    changed = mel.copy()
+    changed[3, 7] += 1e-3
+    assert len({key, prompt_key(prompt_tokens, changed, xvector), prompt_key(prompt_tokens[:-1], mel[:-2], xvector),
+                prompt_key(prompt_tokens, mel, -xvector)}) == 4
