@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import get_args
 
 from cosyvoice_build.pipeline import run_stages
-from cosyvoice_build.settings import BuildSettings, LLMBackend, ModelSource, TritonLayout, TrtllmOptions
+from cosyvoice_build.settings import (BuildSettings, DitSource, LLMBackend, ModelSource, Token2WavKind, TritonLayout,
+                                     TrtllmOptions)
 from cosyvoice_build.stages import STAGES
 
 ENV_PREFIX = "COSYVOICE_"
@@ -52,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("trt-weight-only", _TRT_DEFAULTS.weight_only, choices=["none", "int8", "int4"])
     for name in ("tp_size", "max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len"):
         opt("trt-" + name.replace("_", "-"), getattr(_TRT_DEFAULTS, name), type=int)
+    opt("token2wav", _DEFAULTS.token2wav, choices=get_args(Token2WavKind),
+        help="unet: CosyVoice2's flow; dit: Step-Audio-2-mini's DiT flow (its token2wav/ files are fetched too)")
+    opt("dit-source", _DEFAULTS.dit_source, choices=get_args(DitSource))
+    opt("dit-model-id", _DEFAULTS.dit_model_id, help="hub repository holding token2wav/")
+    opt("dit-revision", None)
+    opt("dit-dir", None, type=Path, help="existing token2wav/ directory (DiT source 'local')")
     opt("smoke-text", _DEFAULTS.smoke_text)
     opt("smoke-url", None, help="gRPC host:port of a running Triton for the smoke test (default: start one)")
     p.add_argument("-v", "--verbose", action="store_true", help="also echo tool output (trtllm-build) to the console")
@@ -78,6 +85,11 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         trtllm=trt,
         smoke_text=args.smoke_text,
         smoke_url=args.smoke_url,
+        token2wav=args.token2wav,
+        dit_source=args.dit_source,
+        dit_model_id=args.dit_model_id,
+        dit_revision=args.dit_revision,
+        dit_local_dir=Path(args.dit_dir) if args.dit_dir else None,
     )
 
 

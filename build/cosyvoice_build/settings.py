@@ -17,6 +17,11 @@ TritonLayout = Literal["single", "colocated", "disaggregated"]
 
 DEFAULT_MODEL_IDS: dict[str, str] = {"hf": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"}
 WEIGHTS_DIRNAME = "CosyVoice2-0.5B"
+#: unet = CosyVoice2's own flow (in the weights above); dit = Step-Audio-2-mini's DiT flow (downloaded besides)
+Token2WavKind = Literal["unet", "dit"]
+DitSource = Literal["hf", "local"]
+DIT_MODEL_ID = "stepfun-ai/Step-Audio-2-mini"
+DIT_DIRNAME = "Step-Audio-2-mini"
 
 
 @dataclass(frozen=True)
@@ -67,10 +72,25 @@ class BuildSettings:
     trtllm: TrtllmOptions = field(default_factory=TrtllmOptions)
     smoke_text: str = "Hello, this is a smoke test of the speech pipeline."
     smoke_url: str | None = None  # an already running Triton (gRPC host:port); None: start one
+    token2wav: Token2WavKind = "unet"
+    dit_source: DitSource = "hf"
+    dit_model_id: str = DIT_MODEL_ID
+    dit_revision: str | None = None
+    dit_local_dir: Path | None = None  # an existing token2wav/ directory (dit source 'local')
 
     def __post_init__(self) -> None:
         if self.model_source == "local" and self.model_dir is None:
             raise ValueError("model source 'local' needs a model directory (--model-dir / COSYVOICE_MODEL_DIR)")
+        if self.dit_source == "local" and self.dit_local_dir is None:
+            raise ValueError("DiT source 'local' needs a token2wav directory (--dit-dir / COSYVOICE_DIT_DIR)")
+
+    @property
+    def dit_dir(self) -> Path:
+        """The DiT token2wav files (flow.yaml, flow.pt, hift.pt, campplus.onnx, speech_tokenizer_v2_25hz.onnx)."""
+        if self.dit_source == "local":
+            assert self.dit_local_dir is not None
+            return self.dit_local_dir
+        return self.work_dir / DIT_DIRNAME / "token2wav"
 
     @property
     def resolved_model_id(self) -> str:

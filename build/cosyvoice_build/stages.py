@@ -12,7 +12,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from cosyvoice_build import smoke, trtllm, triton_render, vocab_layout, weights
+from cosyvoice_build import dit_weights, smoke, trtllm, triton_render, vocab_layout, weights
 from cosyvoice_build.engine_meta import BUILD_META_FILE
 from cosyvoice_build.fingerprint import DigestCache, fingerprint
 from cosyvoice_build.pipeline import Stage, StageError, StageInputs
@@ -29,19 +29,31 @@ def _uses_trtllm(settings: BuildSettings) -> bool:
 
 
 # download ------------------------------------------------------------------------------------------------
+def _uses_dit(settings: BuildSettings) -> bool:
+    return settings.token2wav == "dit"
+
+
 def _download_inputs(settings: BuildSettings) -> StageInputs:
-    return StageInputs(
-        values={
-            "source": settings.model_source,
-            "model": str(settings.model_dir) if settings.model_source == "local" else settings.resolved_model_id,
-            "revision": settings.model_revision,
-            "patterns": list(weights.DOWNLOAD_PATTERNS),
-        }
-    )
+    values: dict[str, object] = {
+        "source": settings.model_source,
+        "model": str(settings.model_dir) if settings.model_source == "local" else settings.resolved_model_id,
+        "revision": settings.model_revision,
+        "patterns": list(weights.DOWNLOAD_PATTERNS),
+    }
+    if _uses_dit(settings):
+        values["dit"] = {"source": settings.dit_source, "dir": str(settings.dit_dir), "model": settings.dit_model_id,
+                         "revision": settings.dit_revision, "patterns": list(dit_weights.DIT_DOWNLOAD_PATTERNS)}
+    return StageInputs(values=values)
+
+
+def _download_outputs(settings: BuildSettings) -> list[Path]:
+    return [settings.weights_dir, settings.dit_dir] if _uses_dit(settings) else [settings.weights_dir]
 
 
 def _download(settings: BuildSettings) -> None:
     weights.fetch_weights(settings)
+    if _uses_dit(settings):
+        dit_weights.fetch_dit_token2wav(settings)
 
 
 # convert -------------------------------------------------------------------------------------------------
@@ -128,7 +140,7 @@ def _smoke(settings: BuildSettings) -> None:
 
 
 STAGES: list[Stage] = [
-    Stage("download", "fetch and verify the CosyVoice2-0.5B weights", _download_inputs, lambda s: [s.weights_dir], _download),
+    Stage("download", "fetch and verify the CosyVoice2-0.5B weights (and the DiT token2wav's)", _download_inputs, _download_outputs, _download),
     Stage("convert", "llm.pt + CosyVoice-BlankEN -> HF Qwen2ForCausalLM with the speech vocabulary", _convert_inputs, _convert_outputs, _convert),
     Stage("engine", "HF checkpoint -> TensorRT-LLM checkpoint -> engine + build_meta.json", _engine_inputs, _engine_outputs, _engine),
     Stage("render", "render the Triton model repository", _render_inputs, lambda s: [s.triton_repo_dir], _render),
