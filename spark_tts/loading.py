@@ -195,3 +195,17 @@ def read_llm_state(model_dir: Path, config: LLMFileConfig) -> dict[str, torch.Te
 
 def read_audio_params(model_dir: Path) -> AudioParams:
     return AudioParams.from_yaml(model_dir / layout.AUDIO_CONFIG_FILE)
+
+
+def load_llm(model_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+             sampling: "SparkSampling | None" = None) -> "SparkLM":
+    from spark_tts.llm import SparkLM, SparkLMConfig, SparkSampling
+    from spark_tts.prompt import SparkTokenizer
+
+    config = read_llm_config(model_dir)
+    state = read_llm_state(model_dir, config)
+    eos_id = SparkTokenizer.from_model_dir(model_dir).vocab.eos_id
+    with _meta_without_init():
+        model = SparkLM(SparkLMConfig(qwen=config.qwen, eos_id=eos_id, sampling=sampling or SparkSampling()))
+    model.load_released(state, config.tied)
+    return model.to(device=device, dtype=dtype).eval()
