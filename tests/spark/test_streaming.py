@@ -1,0 +1,88 @@
+"""Streaming: chunks vocoded with receptive-field context concatenate to the offline waveform (one continuous
+waveform, no client-side cross-fade); the radius is large enough; the chunk schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spark_tts.streaming import ChunkSchedule, StreamVocoder, receptive_radius
+from tests.spark.conftest import max_abs, needs_parity_data
+
+pytestmark = [needs_parity_data]
+
+
+def _stream(engine, global_tokens, semantic, schedule, right_context=None, step=1):
+    vocoder = StreamVocoder(lambda t: engine.vocode(global_tokens, t), engine.hop, engine.radius, schedule,
+                            right_context=right_context)
+    pieces = []
+    for i in range(0, len(semantic), step):
+        pieces += list(vocoder.push(semantic[i : i + step]))
+    pieces += list(vocoder.finish())
+    return pieces
+
+
+@pytest.fixture(scope="module")
+def tokens(dump):
+    return dump["voc_global_tokens"][0].tolist(), dump["voc_semantic_tokens"][0].tolist()
+
+
+def test_radius_matches_the_configuration(engine) -> None:
+    assert engine.radius == receptive_radius(engine.bicodec.config) == 39  # micro: 2-layer prenet
+    from spark_tts.config import BiCodecConfig
+
+    assert receptive_radius(BiCodecConfig()) == 69  # released: 12-layer prenet
+
+
+@pytest.mark.parametrize("schedule", [ChunkSchedule(), ChunkSchedule(first_chunk_tokens=10, scale=1.5),
+                                      ChunkSchedule(first_chunk_tokens=7, scale=1.0, max_chunk_tokens=7)])
+def test_streamed_audio_equals_offline(engine, tokens, schedule) -> None:
+    global_, semantic = tokens
+    offline = engine.vocode(global_, semantic)
+    pieces = _stream(engine, global_, semantic, schedule)
+    assert sum(p.size for p in pieces) == offline.size == 320 * len(semantic)
+    assert max_abs(np.concatenate(pieces), offline) < 1e-4
+
+
+def test_first_piece_size_and_wait(engine, tokens) -> None:
+    global_, semantic = tokens
+    vocoder = StreamVocoder(lambda t: engine.vocode(global_, t), engine.hop, engine.radius, ChunkSchedule(20, 2.0))
+    assert list(vocoder.push(semantic[: 20 + engine.radius - 1])) == []  # waits for its right context
+    [first] = list(vocoder.push(semantic[20 + engine.radius - 1 : 20 + engine.radius]))
+    assert first.size == 20 * 320
+
+
+def test_short_context_breaks_equality(engine, tokens) -> None:
+    """Control: with little right context the pieces differ from offline near the cuts (why the radius matters)."""
+    global_, semantic = tokens
+    offline = engine.vocode(global_, semantic)
+    pieces = _stream(engine, global_, semantic, ChunkSchedule(first_chunk_tokens=20, scale=1.5), right_context=2)
+    assert max_abs(np.concatenate(pieces), offline) > 1e-2
+
+
+def test_tokens_beyond_the_radius_have_no_influence(engine, tokens) -> None:
+    global_, semantic = tokens
+    changed = list(semantic)
+    position = 50
+    changed[position] = (changed[position] + 4096) % 8192
+    a, b = engine.vocode(global_, semantic), engine.vocode(global_, changed)
+    per_token = np.abs(a - b).reshape(-1, 320).max(axis=1)
+    far = np.r_[0 : position - engine.radius, position + engine.radius + 1 : len(semantic)]
+    assert per_token[far].max() < 1e-5
+    assert per_token[position] > 1e-3
+
+
+def test_stream_of_exactly_one_chunk_and_empty_stream(engine, tokens) -> None:
+    global_, semantic = tokens
+    pieces = _stream(engine, global_, semantic[:50], ChunkSchedule())
+    assert [p.size for p in pieces] == [50 * 320]
+    vocoder = StreamVocoder(lambda t: engine.vocode(global_, t), engine.hop, engine.radius)
+    assert list(vocoder.finish()) == []
+    with pytest.raises(RuntimeError):
+        list(vocoder.push([1]))
+
+
+def test_schedule_validation() -> None:
+    with pytest.raises(ValueError):
+        ChunkSchedule(first_chunk_tokens=0)
+    assert [ChunkSchedule().next_size(s) for s in (50, 400, 1500)] == [400, 1500, 1500]
