@@ -70,9 +70,11 @@ class SparkTTS:
         semantic = voice.semantic_tokens if voice.transcript is not None else ()
         return self.tokenizer.prompt_ids(text, voice.global_tokens, voice.transcript, semantic)
 
-    def generate(self, voice: SparkVoice, text: str, seed: int | None = None) -> Iterator[int]:
-        """Semantic codes as the LLM samples them (non-semantic ids dropped)."""
-        request = spark_request(self.prompt_ids(voice, text), self.lm.config.sampling, seed)
+    def generate(self, voice: SparkVoice, text: str, seed: int | None = None,
+                 sampling: SparkSampling | None = None) -> Iterator[int]:
+        """Semantic codes as the LLM samples them (non-semantic ids dropped). ``sampling`` overrides the top-k/p
+        and length of this request; the temperature and top-k of the distribution are the model's."""
+        request = spark_request(self.prompt_ids(voice, text), sampling or self.lm.config.sampling, seed)
         for token in generate_tokens(self.lm, request):  # type: ignore[arg-type]  (duck-typed model)
             yield from self.tokenizer.semantic_codes([token])
 
@@ -85,8 +87,9 @@ class SparkTTS:
         global_ = torch.tensor([list(global_tokens)], dtype=torch.long, device=device)
         return self.bicodec.detokenize(semantic, global_)[0].float().cpu().numpy()
 
-    def synthesize(self, voice: SparkVoice, text: str, seed: int | None = None) -> np.ndarray:
-        return self.vocode(voice.global_tokens, list(self.generate(voice, text, seed)))
+    def synthesize(self, voice: SparkVoice, text: str, seed: int | None = None,
+                   sampling: SparkSampling | None = None) -> np.ndarray:
+        return self.vocode(voice.global_tokens, list(self.generate(voice, text, seed, sampling)))
 
     def stream_vocoder(self, voice: SparkVoice, schedule: ChunkSchedule = ChunkSchedule(),
                        right_context: int | None = None) -> StreamVocoder:
@@ -94,8 +97,9 @@ class SparkTTS:
                              schedule, right_context=right_context)
 
     def stream(self, voice: SparkVoice, text: str, seed: int | None = None,
-               schedule: ChunkSchedule = ChunkSchedule()) -> Iterator[np.ndarray]:
+               schedule: ChunkSchedule = ChunkSchedule(), sampling: SparkSampling | None = None
+               ) -> Iterator[np.ndarray]:
         vocoder = self.stream_vocoder(voice, schedule)
-        for code in self.generate(voice, text, seed):
+        for code in self.generate(voice, text, seed, sampling):
             yield from vocoder.push([code])
         yield from vocoder.finish()
