@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import get_args
 
 from cosyvoice_build.pipeline import run_stages
-from cosyvoice_build.settings import BuildSettings, LLMBackend, ModelSource, TritonLayout, TrtllmOptions
+from cosyvoice_build.settings import (
+    SPARK_MODEL_ID,
+    BuildSettings,
+    LLMBackend,
+    ModelSource,
+    SparkSource,
+    TritonLayout,
+    TrtllmOptions,
+)
 from cosyvoice_build.stages import STAGES
 
 ENV_PREFIX = "COSYVOICE_"
@@ -54,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
         opt("trt-" + name.replace("_", "-"), getattr(_TRT_DEFAULTS, name), type=int)
     opt("smoke-text", _DEFAULTS.smoke_text)
     opt("smoke-url", None, help="gRPC host:port of a running Triton for the smoke test (default: start one)")
+    opt("spark-source", "off", choices=get_args(SparkSource),
+        help="Spark-TTS weights (CC-BY-NC-SA-4.0): off (default, never fetched), hf, or local")
+    opt("spark-model-id", SPARK_MODEL_ID)
+    opt("spark-revision", None)
+    opt("spark-model-dir", None, type=Path, help="existing Spark weights directory (spark source 'local')")
+    p.add_argument("--accept-spark-license", action="store_true",
+                   default=str(_env("accept-spark-license", "")).lower() in ("1", "true", "yes"),
+                   help="agree to the Spark-TTS weights' non-commercial licence (needed to download them)")
     p.add_argument("-v", "--verbose", action="store_true", help="also echo tool output (trtllm-build) to the console")
     return p
 
@@ -78,6 +94,11 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         trtllm=trt,
         smoke_text=args.smoke_text,
         smoke_url=args.smoke_url,
+        spark_source=args.spark_source,
+        spark_model_id=args.spark_model_id,
+        spark_revision=args.spark_revision,
+        spark_model_dir=Path(args.spark_model_dir) if args.spark_model_dir else None,
+        accept_spark_license=bool(args.accept_spark_license),
     )
 
 

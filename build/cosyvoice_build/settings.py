@@ -17,6 +17,10 @@ TritonLayout = Literal["single", "colocated", "disaggregated"]
 
 DEFAULT_MODEL_IDS: dict[str, str] = {"hf": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"}
 WEIGHTS_DIRNAME = "CosyVoice2-0.5B"
+#: Spark-TTS weights (CC-BY-NC-SA-4.0): "off" (default) never fetches them.
+SparkSource = Literal["off", "hf", "local"]
+SPARK_MODEL_ID = "SparkAudio/Spark-TTS-0.5B"
+SPARK_WEIGHTS_DIRNAME = "Spark-TTS-0.5B"
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,17 @@ class BuildSettings:
     trtllm: TrtllmOptions = field(default_factory=TrtllmOptions)
     smoke_text: str = "Hello, this is a smoke test of the speech pipeline."
     smoke_url: str | None = None  # an already running Triton (gRPC host:port); None: start one
+    spark_source: SparkSource = "off"
+    spark_model_id: str = SPARK_MODEL_ID
+    spark_revision: str | None = None
+    spark_model_dir: Path | None = None  # the weights, for spark_source "local"
+    accept_spark_license: bool = False  # required for a hub download (the weights are non-commercial)
 
     def __post_init__(self) -> None:
         if self.model_source == "local" and self.model_dir is None:
             raise ValueError("model source 'local' needs a model directory (--model-dir / COSYVOICE_MODEL_DIR)")
+        if self.spark_source == "local" and self.spark_model_dir is None:
+            raise ValueError("spark source 'local' needs --spark-model-dir / COSYVOICE_SPARK_MODEL_DIR")
 
     @property
     def resolved_model_id(self) -> str:
@@ -82,6 +93,13 @@ class BuildSettings:
             assert self.model_dir is not None
             return self.model_dir
         return self.work_dir / WEIGHTS_DIRNAME
+
+    @property
+    def spark_weights_dir(self) -> Path:
+        if self.spark_source == "local":
+            assert self.spark_model_dir is not None
+            return self.spark_model_dir
+        return self.work_dir / SPARK_WEIGHTS_DIRNAME
 
     @property
     def hf_llm_dir(self) -> Path:
