@@ -64,6 +64,10 @@ class AudioTokenizer:
         normalised = []
         for wav in wavs:
             wav = torch.as_tensor(wav, dtype=torch.float32).reshape(-1)
+            if wav.numel() == 0:
+                raise SparkInputError("reference audio is empty")
+            if not torch.isfinite(wav).all():
+                raise SparkInputError("reference audio holds NaN or infinite samples")
             if wav.numel() < self.min_samples:
                 raise SparkInputError(
                     f"reference audio has {wav.numel()} samples; at least {self.min_samples} are needed")
