@@ -87,6 +87,26 @@ class SparkTTS:
         global_ = torch.tensor([list(global_tokens)], dtype=torch.long, device=device)
         return self.bicodec.detokenize(semantic, global_)[0].float().cpu().numpy()
 
+    @torch.inference_mode()
+    def vocode_batch(self, items: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[np.ndarray]:
+        """Several (global tokens, semantic tokens) of any lengths in one masked forward; each result equals
+        ``vocode`` of that item alone (up to float rounding)."""
+        items = [(g, s) for g, s in items]
+        out: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(items)
+        rows = [i for i, (_, s) in enumerate(items) if len(s)]
+        if not rows:
+            return out
+        device = self.bicodec.quantizer.codebook.weight.device
+        lengths = torch.tensor([len(items[i][1]) for i in rows], device=device)
+        semantic = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=device)
+        for row, i in enumerate(rows):
+            semantic[row, : len(items[i][1])] = torch.tensor(list(items[i][1]), dtype=torch.long)
+        global_ = torch.tensor([list(items[i][0]) for i in rows], dtype=torch.long, device=device)
+        waves = self.bicodec.detokenize(semantic, global_, lengths).float().cpu().numpy()
+        for row, i in enumerate(rows):
+            out[i] = waves[row, : len(items[i][1]) * self.hop]
+        return out
+
     def synthesize(self, voice: SparkVoice, text: str, seed: int | None = None,
                    sampling: SparkSampling | None = None) -> np.ndarray:
         return self.vocode(voice.global_tokens, list(self.generate(voice, text, seed, sampling)))

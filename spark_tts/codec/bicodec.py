@@ -53,11 +53,22 @@ class BiCodec(nn.Module):
     def d_vector(self, global_tokens: torch.Tensor) -> torch.Tensor:
         return self.speaker_encoder.detokenize(global_tokens)
 
-    def decoder_input(self, semantic_tokens: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
+    def decoder_input(self, semantic_tokens: torch.Tensor, global_tokens: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, C, T]``: prenet(codes conditioned on the d-vector) plus the d-vector on every frame."""
         d_vector = self.d_vector(global_tokens)
-        return self.prenet(self.quantizer.detokenize(semantic_tokens), d_vector) + d_vector.unsqueeze(-1)
+        return self.prenet(self.quantizer.detokenize(semantic_tokens), d_vector, mask) + d_vector.unsqueeze(-1)
 
-    def detokenize(self, semantic_tokens: torch.Tensor, global_tokens: torch.Tensor) -> torch.Tensor:
-        """semantic ``[B, T]`` + global ``[B, token_num]`` -> waveform ``[B, T * hop]`` at 16 kHz, in [-1, 1]."""
-        return self.decoder(self.decoder_input(semantic_tokens, global_tokens)).squeeze(1)
+    def detokenize(self, semantic_tokens: torch.Tensor, global_tokens: torch.Tensor,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """semantic ``[B, T]`` + global ``[B, token_num]`` -> waveform ``[B, T * hop]`` at 16 kHz, in [-1, 1].
+
+        lengths ``[B]``: rows of different lengths right-padded to T; row b's first ``lengths[b] * hop`` samples
+        then equal its solo output (masked convolutions), the rest is junk.
+        """
+        mask = None
+        if lengths is not None:
+            positions = torch.arange(semantic_tokens.shape[1], device=semantic_tokens.device)
+            mask = (positions.unsqueeze(0) < lengths.to(positions.device).unsqueeze(1)).unsqueeze(1)
+            mask = mask.to(self.decoder.model[0].weight.dtype)
+        return self.decoder(self.decoder_input(semantic_tokens, global_tokens, mask), mask).squeeze(1)

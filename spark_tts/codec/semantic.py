@@ -58,11 +58,12 @@ class FeatureDecoder(nn.Module):
         self.linear = nn.Linear(p.vocos_dim, p.out_channels)
         self.use_tanh_at_final = p.use_tanh_at_final
 
-    def forward(self, x: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, condition: torch.Tensor | None = None, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         x = self.linear_pre(x.transpose(1, 2))
         for stage in self.downsample:
-            x = stage.run(x, None)
-        x = self.linear(self.vocos_backbone(x.transpose(1, 2), condition=condition)).transpose(1, 2)
+            x = stage.run(x, mask)
+        x = self.linear(self.vocos_backbone(x.transpose(1, 2), condition=condition, mask=mask)).transpose(1, 2)
         return torch.tanh(x) if self.use_tanh_at_final else x
 
 

@@ -13,6 +13,10 @@ from spark_tts.codec.layers import Snake1d
 from spark_tts.config import WaveParams
 
 
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return x if mask is None else x * mask
+
+
 class _ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int) -> None:
         super().__init__()
@@ -23,8 +27,10 @@ class _ResidualUnit(nn.Module):
             nn.Conv1d(dim, dim, kernel_size=1),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.block(x)  # same length: the padding keeps it
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        snake1, conv1, snake2, conv2 = self.block
+        y = conv1(_masked(snake1(x), mask))
+        return x + conv2(snake2(y))  # same length: the padding keeps it
 
 
 class _UpsampleBlock(nn.Module):
@@ -38,8 +44,14 @@ class _UpsampleBlock(nn.Module):
             _ResidualUnit(cout, 9),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, up_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """mask: ``[B, 1, T]`` at the input rate; up_mask: the same at the output rate (both or neither)."""
+        snake, upsample, *units = self.block
+        x = upsample(_masked(snake(x), mask))
+        for unit in units:
+            x = unit(x, up_mask)
+        return x
 
 
 class WaveGenerator(nn.Module):
@@ -55,9 +67,19 @@ class WaveGenerator(nn.Module):
         layers += [Snake1d(width), nn.Conv1d(width, 1, kernel_size=7, padding=3), nn.Tanh()]
         self.model = nn.Sequential(*layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[B, input_channel, T]`` -> ``[B, 1, T * prod(rates)]``."""
-        return self.model(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, input_channel, T]`` -> ``[B, 1, T * prod(rates)]``.
+
+        mask ``[B, 1, T]`` (1 = real frame): zeroes the padding of shorter rows before every convolution, at
+        every rate, so each row's real samples equal its solo output (the padded tail's samples are junk).
+        """
+        first, *blocks, snake, last, tanh = self.model
+        x = first(_masked(x, mask))
+        for block in blocks:
+            up_mask = None if mask is None else mask.repeat_interleave(block.block[1].stride[0], dim=-1)
+            x = block(x, mask, up_mask)
+            mask = up_mask
+        return tanh(last(_masked(snake(x), mask)))
 
     def weight_normed(self) -> list[str]:
         """Names (relative to this module) of the layers stored weight-normed in the checkpoint."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from spark_tts.streaming import ChunkSchedule, StreamVocoder, receptive_radius
 from tests.spark.conftest import max_abs, needs_parity_data
@@ -86,3 +87,21 @@ def test_schedule_validation() -> None:
     with pytest.raises(ValueError):
         ChunkSchedule(first_chunk_tokens=0)
     assert [ChunkSchedule().next_size(s) for s in (50, 400, 1500)] == [400, 1500, 1500]
+
+
+def test_vocoder_batches_windows_of_any_length(engine, tokens) -> None:
+    """Concurrent streams' windows have different lengths: one masked forward gives each its solo waveform."""
+    global_, semantic = tokens
+    other_global = [(g * 7 + 3) % 4096 for g in global_]
+    items = [(global_, semantic[:100]), (other_global, semantic[10:47]), (global_, []), (global_, semantic[60:61])]
+    batched = engine.vocode_batch(items)
+    for (g, s), wave in zip(items, batched):
+        solo = engine.vocode(g, s)
+        assert wave.shape == solo.shape == (320 * len(s),)
+        if len(s):
+            assert max_abs(wave, solo) < 1e-4
+    # control: the same padded batch without lengths changes the short rows
+    padded = torch.zeros(2, 100, dtype=torch.long)
+    padded[0], padded[1, :37] = torch.tensor(semantic[:100]), torch.tensor(semantic[10:47])
+    unmasked = engine.bicodec.detokenize(padded, torch.tensor([global_, other_global]))
+    assert max_abs(unmasked[1, : 37 * 320], batched[1]) > 1e-3
