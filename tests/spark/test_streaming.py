@@ -105,3 +105,30 @@ def test_vocoder_batches_windows_of_any_length(engine, tokens) -> None:
     padded[0], padded[1, :37] = torch.tensor(semantic[:100]), torch.tensor(semantic[10:47])
     unmasked = engine.bicodec.detokenize(padded, torch.tensor([global_, other_global]))
     assert max_abs(unmasked[1, : 37 * 320], batched[1]) > 1e-3
+
+
+@pytest.mark.parametrize("prenet_layers", [1, 4])
+def test_radius_bounds_the_influence_for_other_depths(prenet_layers: int) -> None:
+    """The radius formula follows the prenet depth: a random BiCodec with another depth, perturbed at one token,
+    changes nothing beyond the radius."""
+    from dataclasses import replace
+
+    from spark_tts.codec.bicodec import BiCodec
+    from spark_tts.testing import TINY_WIDTHS, tiny_bicodec_config
+
+    config = tiny_bicodec_config()
+    config = replace(config, prenet=replace(config.prenet, vocos_num_layers=prenet_layers))
+    radius = receptive_radius(config)
+    assert radius == 3 * (3 * 2 + prenet_layers + 1) + 12
+    torch.manual_seed(0)
+    model = BiCodec(config, TINY_WIDTHS).eval()
+    length, position = 2 * radius + 30, radius + 15
+    semantic = torch.randint(0, 8192, (1, length))
+    changed = semantic.clone()
+    changed[0, position] = (changed[0, position] + 4096) % 8192
+    global_ = torch.randint(0, 4096, (1, 32))
+    with torch.no_grad():
+        diff = (model.detokenize(semantic, global_) - model.detokenize(changed, global_)).abs()
+    per_token = diff.reshape(length, 320).max(dim=1).values
+    outside = torch.cat([per_token[: position - radius], per_token[position + radius + 1 :]])
+    assert outside.max() < 1e-6 and per_token[position] > 1e-4
