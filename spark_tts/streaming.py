@@ -74,6 +74,59 @@ def upstream_chunk_ranges(num_tokens: int, schedule: ChunkSchedule = ChunkSchedu
     return ranges
 
 
+@dataclass(frozen=True)
+class Window:
+    """One piece of a stream: vocode tokens ``[lo, hi)``, send the samples of tokens ``[start, end)``."""
+
+    lo: int
+    hi: int
+    start: int
+    end: int
+
+    def crop(self, wave: np.ndarray, hop: int) -> np.ndarray:
+        """The samples to send, from the waveform of tokens ``[lo, hi)``."""
+        if wave.size != (self.hi - self.lo) * hop:
+            raise RuntimeError(f"vocoder returned {wave.size} samples for {self.hi - self.lo} tokens (hop {hop})")
+        return wave[(self.start - self.lo) * hop:(self.end - self.lo) * hop]
+
+
+class StreamPlan:
+    """Which windows of a token stream to vocode, and when (no vocoding here: a server can batch the windows of
+    many streams into one ``vocode_batch`` call)."""
+
+    def __init__(self, radius: int, schedule: ChunkSchedule = ChunkSchedule(), left_context: int | None = None,
+                 right_context: int | None = None) -> None:
+        self.schedule = schedule
+        self.left_context = radius if left_context is None else left_context
+        self.right_context = radius if right_context is None else right_context
+        if self.left_context < 0 or self.right_context < 0:
+            raise ValueError("contexts must be >= 0")
+        self.emitted = 0  # tokens whose audio is planned
+        self._size = schedule.first_chunk_tokens
+        self.finished = False
+
+    def _window(self, end: int, available: int) -> Window:
+        window = Window(max(0, self.emitted - self.left_context), min(available, end + self.right_context),
+                        self.emitted, end)
+        self.emitted = end
+        return window
+
+    def advance(self, available: int) -> list[Window]:
+        """``available`` tokens exist so far: the windows that are now complete (right context included)."""
+        if self.finished:
+            raise RuntimeError("stream already finished")
+        windows = []
+        while available >= self.emitted + self._size + self.right_context:
+            windows.append(self._window(self.emitted + self._size, available))
+            self._size = self.schedule.next_size(self._size)
+        return windows
+
+    def finish(self, total: int) -> list[Window]:
+        """The utterance ended with ``total`` tokens: the window of the rest, if any."""
+        self.finished = True
+        return [self._window(total, total)] if total > self.emitted else []
+
+
 Vocode = Callable[[Sequence[int]], np.ndarray]
 
 
@@ -85,38 +138,23 @@ class StreamVocoder:
 
     def __init__(self, vocode: Vocode, hop: int, radius: int, schedule: ChunkSchedule = ChunkSchedule(),
                  left_context: int | None = None, right_context: int | None = None) -> None:
-        self._vocode, self.hop, self.schedule = vocode, hop, schedule
-        self.left_context = radius if left_context is None else left_context
-        self.right_context = radius if right_context is None else right_context
-        if self.left_context < 0 or self.right_context < 0:
-            raise ValueError("contexts must be >= 0")
+        self._vocode, self.hop = vocode, hop
+        self.plan = StreamPlan(radius, schedule, left_context, right_context)
         self.tokens: list[int] = []
-        self.emitted = 0  # tokens whose audio was sent
-        self._size = schedule.first_chunk_tokens
-        self.finished = False
 
-    def _piece(self, start: int, end: int, available: int) -> np.ndarray:
-        lo = max(0, start - self.left_context)
-        hi = min(available, end + self.right_context)
-        wave = np.asarray(self._vocode(self.tokens[lo:hi]), dtype=np.float32).reshape(-1)
-        if wave.size != (hi - lo) * self.hop:
-            raise RuntimeError(f"vocoder returned {wave.size} samples for {hi - lo} tokens (hop {self.hop})")
-        return wave[(start - lo) * self.hop:(end - lo) * self.hop]
+    def _piece(self, window: Window) -> np.ndarray:
+        wave = np.asarray(self._vocode(self.tokens[window.lo:window.hi]), dtype=np.float32).reshape(-1)
+        return window.crop(wave, self.hop)
 
     def push(self, tokens: Sequence[int]) -> Iterator[np.ndarray]:
         """Add tokens; yield every chunk that is now complete (its right context included)."""
-        if self.finished:
+        if self.plan.finished:
             raise RuntimeError("stream already finished")
         self.tokens.extend(int(t) for t in tokens)
-        while len(self.tokens) >= self.emitted + self._size + self.right_context:
-            end = self.emitted + self._size
-            yield self._piece(self.emitted, end, len(self.tokens))
-            self.emitted = end
-            self._size = self.schedule.next_size(self._size)
+        for window in self.plan.advance(len(self.tokens)):
+            yield self._piece(window)
 
     def finish(self) -> Iterator[np.ndarray]:
         """The utterance ended: yield the rest (possibly several pieces' worth in one)."""
-        self.finished = True
-        if len(self.tokens) > self.emitted:
-            yield self._piece(self.emitted, len(self.tokens), len(self.tokens))
-            self.emitted = len(self.tokens)
+        for window in self.plan.finish(len(self.tokens)):
+            yield self._piece(window)

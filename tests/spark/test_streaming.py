@@ -132,3 +132,26 @@ def test_radius_bounds_the_influence_for_other_depths(prenet_layers: int) -> Non
     per_token = diff.reshape(length, 320).max(dim=1).values
     outside = torch.cat([per_token[: position - radius], per_token[position + radius + 1 :]])
     assert outside.max() < 1e-6 and per_token[position] > 1e-4
+
+
+def test_plans_of_many_streams_vocoded_in_one_batch(engine, tokens) -> None:
+    """The server-side pattern: several streams' ready windows vocoded together still give offline audio."""
+    from spark_tts.streaming import StreamPlan
+
+    global_, semantic = tokens
+    streams = [(global_, semantic), ([(g + 1) % 4096 for g in global_], semantic[::-1][:83])]
+    plans = [StreamPlan(engine.radius, ChunkSchedule(first_chunk_tokens=15, scale=2.0)) for _ in streams]
+    sent: list[list[np.ndarray]] = [[], []]
+    longest = max(len(s) for _, s in streams)
+    for available in range(1, longest + 2):
+        jobs = []
+        for index, ((g, s), plan) in enumerate(zip(streams, plans)):
+            if plan.finished:
+                continue
+            windows = plan.finish(len(s)) if available > len(s) else plan.advance(available)
+            jobs += [(index, w) for w in windows]
+        waves = engine.vocode_batch([(streams[i][0], streams[i][1][w.lo : w.hi]) for i, w in jobs])
+        for (index, window), wave in zip(jobs, waves):
+            sent[index].append(window.crop(wave, engine.hop))
+    for (g, s), pieces in zip(streams, sent):
+        assert max_abs(np.concatenate(pieces), engine.vocode(g, s)) < 1e-4
