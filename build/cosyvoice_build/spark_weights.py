@@ -98,3 +98,30 @@ def fetch_spark_weights(settings: BuildSettings, hubs: dict[str, HubDownload] | 
         say(LICENSE_NOTICE)
     verify_spark_dir(target)
     return target
+
+
+# TensorRT-LLM configuration of the Spark LLM -----------------------------------------------------------------
+#: ``LLM/`` is already a Hugging Face Qwen2 checkpoint (no conversion of ours needed): the same converter and
+#: ``trtllm-build`` flags as CosyVoice2's engine, with Spark's shapes. Prompt = 38 fixed tokens + text + 50 per
+#: reference second (a 10 s reference with ~500 text tokens stays under 1536); output <= 512 new tokens.
+SPARK_MAX_NEW_TOKENS = 512
+
+
+def spark_trtllm_options(max_batch_size: int = 16, max_input_len: int = 1536) -> "TrtllmOptions":
+    from cosyvoice_build.settings import TrtllmOptions
+
+    return TrtllmOptions(dtype="bfloat16", max_batch_size=max_batch_size, max_input_len=max_input_len,
+                         max_seq_len=max_input_len + SPARK_MAX_NEW_TOKENS,
+                         max_num_tokens=max(8192, max_input_len))
+
+
+def spark_trtllm_commands(weights_dir: Path, work_dir: Path, options: "TrtllmOptions | None" = None
+                          ) -> list[list[str]]:
+    """The convert and build commands for the Spark LLM engine (run where TensorRT-LLM is installed)."""
+    from cosyvoice_build.trtllm import build_command, convert_command
+
+    options = options or spark_trtllm_options()
+    checkpoint = work_dir / "trtllm" / f"spark_checkpoint_{options.tag}"
+    engine = work_dir / "trtllm" / f"spark_engine_{options.tag}"
+    return [convert_command(options, weights_dir / layout.LLM_DIR, checkpoint),
+            build_command(options, checkpoint, engine)]

@@ -116,3 +116,12 @@ def test_the_stage_runs_only_when_asked(tmp_path: Path, fake_hub: Path, monkeypa
     [result] = run_stages(stage, settings_from_args(args), None, None, False)
     assert result.outcome == "done", result.detail
     assert len(calls) == 1 and (tmp_path / "b" / "Spark-TTS-0.5B" / layout.LLM_WEIGHTS_FILE).is_file()
+
+
+def test_spark_trtllm_commands_build_the_hf_llm_with_spark_shapes(tmp_path: Path) -> None:
+    convert, build = spark_weights.spark_trtllm_commands(tmp_path / "Spark-TTS-0.5B", tmp_path / "work")
+    assert convert[convert.index("--model_dir") + 1] == str(tmp_path / "Spark-TTS-0.5B" / "LLM")
+    assert convert[convert.index("--dtype") + 1] == "bfloat16"
+    assert build[build.index("--checkpoint_dir") + 1] == convert[convert.index("--output_dir") + 1]
+    shapes = {flag: int(build[build.index(flag) + 1]) for flag in ("--max_input_len", "--max_seq_len", "--max_batch_size")}
+    assert shapes == {"--max_input_len": 1536, "--max_seq_len": 1536 + 512, "--max_batch_size": 16}
