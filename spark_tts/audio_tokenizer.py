@@ -46,7 +46,7 @@ def reference_clip(wav: np.ndarray | torch.Tensor, length: int) -> torch.Tensor:
 class AudioTokenizer:
     def __init__(self, bicodec: BiCodec, wav2vec2: Wav2Vec2Features, audio: AudioParams) -> None:
         self.bicodec, self.wav2vec2, self.audio = bicodec, wav2vec2, audio
-        self.min_samples = next(n for n in range(1, 100_000) if wav2vec2.params.frames(n) > 0)
+        self.min_samples = wav2vec2.params.min_samples
 
     @property
     def device(self) -> torch.device:

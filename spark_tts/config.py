@@ -203,6 +203,15 @@ class Wav2Vec2Params:
             raise SparkModelError(f"{path}: only gelu activations are supported")
         return params
 
+    @property
+    def min_samples(self) -> int:
+        """Fewest samples that give one frame: the conv front end's receptive field (400 released)."""
+        field, hop = 1, 1
+        for kernel, stride in zip(self.conv_kernel, self.conv_stride):
+            field += (kernel - 1) * hop
+            hop *= stride
+        return field
+
     def frames(self, samples: int) -> int:
         """Feature frames the conv front end yields for ``samples`` input samples (0 if too short)."""
         length = samples

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config
+from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from cosyvoice2.loading import CheckpointMismatchError, _meta_without_init, check_state_dict
 from spark_tts import layout
 from spark_tts.codec.bicodec import BiCodec
@@ -31,10 +31,12 @@ from spark_tts.codec.speaker import EcapaWidths
 from spark_tts.codec.wav2vec2 import Wav2Vec2Features
 from spark_tts.config import AudioParams, BiCodecConfig, Wav2Vec2Params
 from spark_tts.errors import SparkModelError
+from spark_tts.llm import SparkLM, SparkLMConfig, SparkSampling
+from spark_tts.prompt import SparkTokenizer
 
 Shapes = dict[str, tuple[int, ...]]
 
-#: wav2vec2 pretraining-head tensors of the released file (Wav2Vec2ForPreTraining), unused by Spark.
+#: Prefix of the wav2vec2 body's keys in the released file (Wav2Vec2ForPreTraining); its heads have none.
 _W2V_PREFIX = "wav2vec2."
 
 
@@ -111,12 +113,10 @@ def released_wav2vec2_shapes(p: Wav2Vec2Params) -> Shapes:
     """``pytorch_model.bin`` of wav2vec2-large-xlsr-53 (Wav2Vec2ForPreTraining): every layer, the final encoder
     LayerNorm, ``masked_spec_embed``, the positional conv as ``weight_g`` (per kernel tap) / ``weight_v``, and the
     pretraining heads."""
-    full = Wav2Vec2Params(**{**p.__dict__, "num_hidden_layers": p.num_hidden_layers})
     with _meta_without_init():
-        model = Wav2Vec2Features(full)
-        model.encoder.layers = nn.ModuleList(
-            type(model.encoder.layers[0])(full) for _ in range(full.num_hidden_layers)
-        )
+        model = Wav2Vec2Features(p)
+        # the file holds every layer, not only those the feature mix reads
+        model.encoder.layers = nn.ModuleList(type(model.encoder.layers[0])(p) for _ in range(p.num_hidden_layers))
     body = _shapes(model)
     conv = body.pop("encoder.pos_conv_embed.conv.weight")
     body["encoder.pos_conv_embed.conv.weight_g"] = (1, 1, conv[2])
@@ -175,8 +175,6 @@ def read_llm_config(model_dir: Path) -> LLMFileConfig:
 
 
 def released_llm_shapes(config: LLMFileConfig) -> Shapes:
-    from cosyvoice2.llm.qwen2 import Qwen2ForCausalLM
-
     with _meta_without_init():
         model = Qwen2ForCausalLM(config.qwen)
     shapes = _shapes(model)
@@ -198,10 +196,7 @@ def read_audio_params(model_dir: Path) -> AudioParams:
 
 
 def load_llm(model_dir: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-             sampling: "SparkSampling | None" = None) -> "SparkLM":
-    from spark_tts.llm import SparkLM, SparkLMConfig, SparkSampling
-    from spark_tts.prompt import SparkTokenizer
-
+             sampling: SparkSampling | None = None) -> SparkLM:
     config = read_llm_config(model_dir)
     state = read_llm_state(model_dir, config)
     eos_id = SparkTokenizer.from_model_dir(model_dir).vocab.eos_id
