@@ -12,7 +12,7 @@ a server drives ``cosyvoice2.llm.decode.BatchedDecoder`` with ``spark_request`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -25,7 +25,7 @@ from spark_tts.codec.bicodec import BiCodec
 from spark_tts.errors import SparkInputError
 from spark_tts.llm import SparkLM, SparkSampling, spark_request
 from spark_tts.loading import check_model_dir, load_bicodec, load_llm, load_wav2vec2, read_audio_params
-from spark_tts.prompt import SparkTokenizer
+from spark_tts.prompt import NUM_SEMANTIC_CODES, SparkTokenizer
 from spark_tts.streaming import ChunkSchedule, StreamVocoder, receptive_radius
 
 SAMPLE_RATE = 16000
@@ -46,6 +46,21 @@ class SparkTTS:
         self.audio_tokenizer, self.lm, self.tokenizer, self.bicodec = audio_tokenizer, lm, tokenizer, bicodec
         self.radius = receptive_radius(bicodec.config)
         self.hop = bicodec.config.hop_length
+        self._fixed_tokens: int | None = None
+
+    def set_fixed_token_count(self, tokens: int | None) -> None:
+        """Benchmark mode for random weights: every request generates exactly ``tokens`` LLM tokens (eos is never
+        drawn) and every one of them counts as a semantic code (a random LLM mostly draws other ids; they are
+        mapped to ``id % 8192``), so each request yields ``tokens`` codes. None restores the normal rules. Per
+        request: the model itself is untouched."""
+        self._fixed_tokens = tokens
+
+    def codes_of(self, token: int) -> list[int]:
+        """The semantic code(s) one generated LLM id contributes (benchmark mode: always one)."""
+        codes = self.tokenizer.semantic_codes([token])
+        if not codes and self._fixed_tokens is not None:
+            return [int(token) % NUM_SEMANTIC_CODES]
+        return codes
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", llm_dtype: torch.dtype = torch.float32,
@@ -74,9 +89,12 @@ class SparkTTS:
                  sampling: SparkSampling | None = None) -> Iterator[int]:
         """Semantic codes as the LLM samples them (non-semantic ids dropped). ``sampling`` overrides the top-k/p
         and length of this request; the temperature and top-k of the distribution are the model's."""
-        request = spark_request(self.prompt_ids(voice, text), sampling or self.lm.config.sampling, seed)
+        sampling = sampling or self.lm.config.sampling
+        if self._fixed_tokens is not None:
+            sampling = replace(sampling, max_new_tokens=self._fixed_tokens)
+        request = spark_request(self.prompt_ids(voice, text), sampling, seed, ignore_eos=self._fixed_tokens is not None)
         for token in generate_tokens(self.lm, request):  # type: ignore[arg-type]  (duck-typed model)
-            yield from self.tokenizer.semantic_codes([token])
+            yield from self.codes_of(token)
 
     @torch.inference_mode()
     def vocode(self, global_tokens: Sequence[int], semantic_tokens: Sequence[int]) -> np.ndarray:

@@ -74,10 +74,11 @@ class SparkDecodeRequest(DecodeRequest):
 
 
 def spark_request(prompt_ids: Sequence[int], sampling: SparkSampling | None = None,
-                  seed: int | None = None) -> SparkDecodeRequest:
+                  seed: int | None = None, ignore_eos: bool = False) -> SparkDecodeRequest:
+    """``ignore_eos``: benchmark mode for random weights (never stops before ``max_new_tokens``)."""
     sampling = sampling or SparkSampling()
     params = SamplingParams(top_p=sampling.top_p, top_k=sampling.top_k, win_size=0, seed=seed,
-                            min_tokens=0, max_tokens=sampling.max_new_tokens)
+                            min_tokens=0, max_tokens=sampling.max_new_tokens, ignore_eos=ignore_eos)
     return SparkDecodeRequest(text=tuple(int(i) for i in prompt_ids), sampling=params)
 
 

@@ -71,6 +71,10 @@ TINY_WIDTHS = EcapaWidths(channels=16, latent_channels=48, pool_bottleneck=8, se
 TINY_WAV2VEC2 = Wav2Vec2Params(hidden_size=TINY_WIDTH, num_hidden_layers=17, num_attention_heads=4,
                                intermediate_size=64, conv_dim=(TINY_WIDTH,) * 7, num_codevectors_per_group=8,
                                codevector_dim=16, proj_codevector_dim=16)
+RELEASED_QWEN = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                     intermediate_size=4864, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                     max_position_embeddings=32768)
+RELEASED_VOCAB = 166_000
 TINY_QWEN = dict(hidden_size=TINY_WIDTH, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=64, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=32768)
 
@@ -89,9 +93,9 @@ def _weight_norm_split(state: dict[str, torch.Tensor], layers: list[str]) -> dic
     return state
 
 
-def _write_bicodec(directory: Path) -> None:
-    config = tiny_bicodec_config()
-    model = BiCodec(config, TINY_WIDTHS)
+def _write_bicodec(directory: Path, full_size: bool = False) -> None:
+    config = BiCodecConfig() if full_size else tiny_bicodec_config()
+    model = BiCodec(config, EcapaWidths() if full_size else TINY_WIDTHS)
     with torch.no_grad():  # random BatchNorm statistics, so a misplaced norm shows
         for module in model.modules():
             if isinstance(module, torch.nn.BatchNorm1d):
@@ -104,8 +108,8 @@ def _write_bicodec(directory: Path) -> None:
     (directory / layout.BICODEC_CONFIG_FILE).write_text(yaml.safe_dump(config.to_yaml_dict(), sort_keys=False))
 
 
-def _write_wav2vec2(directory: Path) -> None:
-    p = TINY_WAV2VEC2
+def _write_wav2vec2(directory: Path, full_size: bool = False) -> None:
+    p = Wav2Vec2Params() if full_size else TINY_WAV2VEC2
     model = Wav2Vec2Features(p)
     used = model.state_dict()
     state: dict[str, torch.Tensor] = {}
@@ -142,19 +146,20 @@ def _write_tokenizer(llm_dir: Path) -> Tokenizer:
     return tokenizer
 
 
-def _write_llm(directory: Path) -> None:
+def _write_llm(directory: Path, full_size: bool = False, dtype: torch.dtype = torch.float32) -> None:
     llm_dir = directory / layout.LLM_DIR
     tokenizer = _write_tokenizer(llm_dir)
-    vocab_size = -(-tokenizer.get_vocab_size(with_added_tokens=True) // 64) * 64  # padded, as the release pads
-    qwen = Qwen2Config(vocab_size=vocab_size, **TINY_QWEN)
-    model = Qwen2ForCausalLM(qwen)
+    # padded, as the release pads (its vocabulary: 166,000 rows)
+    vocab_size = RELEASED_VOCAB if full_size else -(-tokenizer.get_vocab_size(with_added_tokens=True) // 64) * 64
+    dims = RELEASED_QWEN if full_size else TINY_QWEN
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, **dims))
     with torch.no_grad():
-        model.model.embed_tokens.weight.normal_(0, TINY_WIDTH**-0.5)
-    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        model.model.embed_tokens.weight.normal_(0, dims["hidden_size"] ** -0.5)
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, directory / layout.LLM_WEIGHTS_FILE)
-    config = {**TINY_QWEN, "vocab_size": vocab_size, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+    config = {**dims, "vocab_size": vocab_size, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
               "hidden_act": "silu", "tie_word_embeddings": True, "use_sliding_window": False,
-              "torch_dtype": "float32", "eos_token_id": tokenizer.token_to_id("<|im_end|>")}
+              "torch_dtype": str(dtype).removeprefix("torch."), "eos_token_id": tokenizer.token_to_id("<|im_end|>")}
     (directory / layout.LLM_CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
 
@@ -167,5 +172,20 @@ def write_tiny_model(directory: str | Path, seed: int = 0) -> Path:
         _write_bicodec(directory)
         _write_wav2vec2(directory)
         _write_llm(directory)
+    (directory / layout.AUDIO_CONFIG_FILE).write_text(yaml.safe_dump(asdict(AudioParams()), sort_keys=False))
+    return directory
+
+
+def write_full_size_random_model(directory: str | Path, seed: int = 0, llm_dtype: torch.dtype = torch.bfloat16
+                                 ) -> Path:
+    """Released sizes with random weights (BiCodec and wav2vec2 fp32, the LLM in ``llm_dtype``: ~2.9 GB in
+    bf16), for speed checks on a GPU. The tokenizer is the tiny stand-in (its ids fit the 166,000 rows)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _write_bicodec(directory, full_size=True)
+        _write_wav2vec2(directory, full_size=True)
+        _write_llm(directory, full_size=True, dtype=llm_dtype)
     (directory / layout.AUDIO_CONFIG_FILE).write_text(yaml.safe_dump(asdict(AudioParams()), sort_keys=False))
     return directory

@@ -74,3 +74,30 @@ def test_bad_inputs_raise_clear_errors(tiny: SparkTTS) -> None:
     [voice] = tiny.prepare_voices([_wav(1.0, 0)], ["x"])
     with pytest.raises(SparkInputError, match="empty"):
         tiny.prompt_ids(voice, "")
+
+
+def test_benchmark_mode_yields_exactly_the_fixed_count(tiny: SparkTTS) -> None:
+    [voice] = tiny.prepare_voices([_wav(1.0, 0)], ["Hello world."])
+    tiny.set_fixed_token_count(37)
+    try:
+        assert len(list(tiny.generate(voice, "Hi.", seed=1))) == 37
+        assert tiny.synthesize(voice, "Hi.", seed=1).size == 37 * 320
+    finally:
+        tiny.set_fixed_token_count(None)
+    assert tiny.codes_of(tiny.tokenizer.vocab.eos_id) == []
+
+
+def test_gpu_check_script_reports_every_measurement() -> None:
+    """The speed-check script runs end to end (tiny model, CPU); its numbers are not asserted, its counts are."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "spark_gpu_check.py"
+    spec = importlib.util.spec_from_file_location("spark_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.main(["--tiny", "--device", "cpu", "--dtype", "fp32", "--tokens", "30", "--concurrency", "2",
+                          "--reference-seconds", "1", "--first-chunk-tokens", "10"])
+    assert report["offline_c1"]["audio_s"] == report["stream_c1"]["audio_s"] == 30 / 50
+    assert report["receptive_radius"] == 39 and report["prompt_tokens"] > 38 + 40
+    assert set(report["concurrent_c2"]) == {"first_piece_p50_s", "first_piece_max_s", "wall_s", "rtf", "ms_per_step"}
