@@ -14,8 +14,17 @@ from pathlib import Path
 from typing import get_args
 
 from cosyvoice_build.pipeline import run_stages
-from cosyvoice_build.settings import (BuildSettings, DitSource, LLMBackend, ModelSource, Token2WavKind, TritonLayout,
-                                     TrtllmOptions)
+from cosyvoice_build.settings import (
+    SPARK_MODEL_ID,
+    BuildSettings,
+    DitSource,
+    LLMBackend,
+    ModelSource,
+    SparkSource,
+    Token2WavKind,
+    TritonLayout,
+    TrtllmOptions,
+)
 from cosyvoice_build.stages import STAGES
 
 ENV_PREFIX = "COSYVOICE_"
@@ -61,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     opt("dit-dir", None, type=Path, help="existing token2wav/ directory (DiT source 'local')")
     opt("smoke-text", _DEFAULTS.smoke_text)
     opt("smoke-url", None, help="gRPC host:port of a running Triton for the smoke test (default: start one)")
+    opt("spark-source", "off", choices=get_args(SparkSource),
+        help="Spark-TTS weights (CC-BY-NC-SA-4.0): off (default, never fetched), hf, or local")
+    opt("spark-model-id", SPARK_MODEL_ID)
+    opt("spark-revision", None)
+    opt("spark-model-dir", None, type=Path, help="existing Spark weights directory (spark source 'local')")
+    p.add_argument("--accept-spark-license", action="store_true",
+                   default=str(_env("accept-spark-license", "")).lower() in ("1", "true", "yes"),
+                   help="agree to the Spark-TTS weights' non-commercial licence (needed to download them)")
     p.add_argument("-v", "--verbose", action="store_true", help="also echo tool output (trtllm-build) to the console")
     return p
 
@@ -90,6 +107,11 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         dit_model_id=args.dit_model_id,
         dit_revision=args.dit_revision,
         dit_local_dir=Path(args.dit_dir) if args.dit_dir else None,
+        spark_source=args.spark_source,
+        spark_model_id=args.spark_model_id,
+        spark_revision=args.spark_revision,
+        spark_model_dir=Path(args.spark_model_dir) if args.spark_model_dir else None,
+        accept_spark_license=bool(args.accept_spark_license),
     )
 
 

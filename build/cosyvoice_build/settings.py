@@ -22,6 +22,10 @@ Token2WavKind = Literal["unet", "dit"]
 DitSource = Literal["hf", "local"]
 DIT_MODEL_ID = "stepfun-ai/Step-Audio-2-mini"
 DIT_DIRNAME = "Step-Audio-2-mini"
+#: Spark-TTS weights (CC-BY-NC-SA-4.0): "off" (default) never fetches them.
+SparkSource = Literal["off", "hf", "local"]
+SPARK_MODEL_ID = "SparkAudio/Spark-TTS-0.5B"
+SPARK_WEIGHTS_DIRNAME = "Spark-TTS-0.5B"
 
 
 @dataclass(frozen=True)
@@ -77,12 +81,19 @@ class BuildSettings:
     dit_model_id: str = DIT_MODEL_ID
     dit_revision: str | None = None
     dit_local_dir: Path | None = None  # an existing token2wav/ directory (dit source 'local')
+    spark_source: SparkSource = "off"
+    spark_model_id: str = SPARK_MODEL_ID
+    spark_revision: str | None = None
+    spark_model_dir: Path | None = None  # the weights, for spark_source "local"
+    accept_spark_license: bool = False  # required for a hub download (the weights are non-commercial)
 
     def __post_init__(self) -> None:
         if self.model_source == "local" and self.model_dir is None:
             raise ValueError("model source 'local' needs a model directory (--model-dir / COSYVOICE_MODEL_DIR)")
         if self.dit_source == "local" and self.dit_local_dir is None:
             raise ValueError("DiT source 'local' needs a token2wav directory (--dit-dir / COSYVOICE_DIT_DIR)")
+        if self.spark_source == "local" and self.spark_model_dir is None:
+            raise ValueError("spark source 'local' needs --spark-model-dir / COSYVOICE_SPARK_MODEL_DIR")
 
     @property
     def dit_dir(self) -> Path:
@@ -102,6 +113,13 @@ class BuildSettings:
             assert self.model_dir is not None
             return self.model_dir
         return self.work_dir / WEIGHTS_DIRNAME
+
+    @property
+    def spark_weights_dir(self) -> Path:
+        if self.spark_source == "local":
+            assert self.spark_model_dir is not None
+            return self.spark_model_dir
+        return self.work_dir / SPARK_WEIGHTS_DIRNAME
 
     @property
     def hf_llm_dir(self) -> Path:

@@ -12,7 +12,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from cosyvoice_build import dit_weights, smoke, trtllm, triton_render, vocab_layout, weights
+from cosyvoice_build import dit_weights, smoke, spark_weights, trtllm, triton_render, vocab_layout, weights
 from cosyvoice_build.engine_meta import BUILD_META_FILE
 from cosyvoice_build.fingerprint import DigestCache, fingerprint
 from cosyvoice_build.pipeline import Stage, StageError, StageInputs
@@ -139,10 +139,31 @@ def _smoke(settings: BuildSettings) -> None:
     smoke.run_smoke_test(settings)
 
 
+# spark-weights -------------------------------------------------------------------------------------------
+def _spark_inputs(settings: BuildSettings) -> StageInputs:
+    local = settings.spark_source == "local"
+    return StageInputs(values={
+        "source": settings.spark_source,
+        "model": str(settings.spark_model_dir) if local else settings.spark_model_id,
+        "revision": settings.spark_revision,
+        "patterns": list(spark_weights.DOWNLOAD_PATTERNS),
+    })
+
+
+def _spark_outputs(settings: BuildSettings) -> list[Path]:
+    return [] if settings.spark_source == "off" else [settings.spark_weights_dir]
+
+
+def _spark(settings: BuildSettings) -> None:
+    spark_weights.fetch_spark_weights(settings)
+
+
 STAGES: list[Stage] = [
     Stage("download", "fetch and verify the CosyVoice2-0.5B weights (and the DiT token2wav's)", _download_inputs, _download_outputs, _download),
     Stage("convert", "llm.pt + CosyVoice-BlankEN -> HF Qwen2ForCausalLM with the speech vocabulary", _convert_inputs, _convert_outputs, _convert),
     Stage("engine", "HF checkpoint -> TensorRT-LLM checkpoint -> engine + build_meta.json", _engine_inputs, _engine_outputs, _engine),
     Stage("render", "render the Triton model repository", _render_inputs, lambda s: [s.triton_repo_dir], _render),
     Stage("smoke", "synthesize one sentence through the rendered repository", _smoke_inputs, lambda s: [], _smoke, cacheable=False),
+    Stage("spark-weights", "only when asked: fetch and verify the Spark-TTS-0.5B weights (CC-BY-NC-SA-4.0)",
+          _spark_inputs, _spark_outputs, _spark),
 ]  # fmt: skip
