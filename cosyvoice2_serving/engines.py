@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -94,6 +96,17 @@ class BatchedToken2Wav:
         self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
+
+    def capture_graphs(self) -> tuple[int, float]:
+        """Capture every flow-cache step graph now (before the server reports ready): (graphs, seconds)."""
+        graphs = self.engine.cached.graphs
+        if self.engine.flow_cache == "off" or graphs is None or self.engine.flow_device.type != "cuda":
+            return 0, 0.0
+        started = time.perf_counter()
+        with torch.inference_mode():
+            count = graphs.capture_all(self.engine.flow_device, self.engine.flow_dtype)
+        torch.cuda.synchronize(self.engine.flow_device)
+        return count, time.perf_counter() - started
 
     def open(self, prompt: PromptTensors, seed: int | None) -> StreamState:
         engine = self.engine

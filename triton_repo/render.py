@@ -73,8 +73,9 @@ class RenderOptions:
     first_hop: int = 25
     chunk_growth: int = 2
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
-    # streams (voice prefixes not counted); a stream over the budget recomputes from then on.
-    flow_cache: str = "exact"
+    # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
+    # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
+    flow_cache: str = "chunked"
     flow_cache_gb: float = 32.0
     # Benchmark mode for random-weight models (they stop at random): every request generates exactly
     # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
@@ -641,10 +642,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chunk-growth", type=int, default=defaults.chunk_growth, help="hop multiplier per chunk")
     parser.add_argument(
         "--flow-cache", default=defaults.flow_cache, choices=FLOW_CACHE_MODES,
-        help="streaming flow: exact (cached chunks, recomputed final chunk), chunked (all cached), off (recompute)",
+        help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed like upstream), "
+        "off (every chunk recomputed)",
     )  # fmt: skip
     parser.add_argument("--flow-cache-gb", type=float, default=defaults.flow_cache_gb,
-                        help="memory for live streams' flow caches")
+                        help="memory for live streams' flow caches (0: no limit)")
     parser.add_argument(
         "--layout", default=None, choices=LAYOUTS,
         help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",

@@ -6,6 +6,7 @@ Must run as ONE instance: a stream's state lives in this process (render enforce
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,6 +23,8 @@ from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
 
+logger = logging.getLogger(__name__)
+
 
 class Token2WavHandler:
     """The token2wav service built from the model's parameters, and the answer to one request."""
@@ -34,7 +37,10 @@ class Token2WavHandler:
         hift = load_hift(model_dir / HIFT_FILE, config, device)
         schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
         budget = float(params.get("flow_cache_gb", 0)) or None
-        engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "exact"), budget)
+        engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "chunked"), budget)
+        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
+        if graphs:
+            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(
             StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats
