@@ -68,7 +68,7 @@ class RenderOptions:
     benchmark_speech_ratio: float | None = None
     layout: str | None = None  # None: DEFAULT_LAYOUT of the LLM backend
     voice_cache: int = 64  # voices kept in the voice-prompt cache
-    max_target_text_tokens: int = 300
+    max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     audio_max_batch: int = 8
     max_queue_delay_us: int = 1000
 

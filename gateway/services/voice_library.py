@@ -115,7 +115,14 @@ def decode_sample(audio: BinaryIO) -> np.ndarray:
     try:
         samples = decode_to_reference(audio, stop_after_seconds=MAX_SECONDS)
     except ValueError as exc:  # av.FFmpegError is one
-        raise _invalid(f"The audio sample could not be decoded: {exc}", AUDIO_PARAM, "invalid_audio") from exc
+        # FFmpeg's own words ("[Errno 1094995529] Invalid data ...: 'None'") mean nothing to a client.
+        logger.info("voice upload not decodable: %s", exc)
+        raise _invalid(
+            "The audio sample could not be decoded as audio: send a complete, undamaged recording in a common "
+            "format (wav, mp3, ogg/opus, flac, m4a/aac, webm).",
+            AUDIO_PARAM,
+            "invalid_audio",
+        ) from exc
     seconds = samples.size / REFERENCE_SAMPLE_RATE
     if seconds < MIN_SECONDS:
         raise _invalid(

@@ -11,8 +11,8 @@ normalization leaves them alone):
 * ``failstart``     error before any audio
 * ``failmid``       streaming: one chunk, then an error
 * ``invalidinput``  error tagged ``[invalid_input]``; ``overloaded``: tagged ``[overloaded]``
-* ``holdstream``    after the first chunk, wait until ``<marker_dir>/<tag>.release`` exists (or the
-  request is cancelled, or 30 s pass -> error)
+* ``holdstream``    after the first chunk (offline: before the response), wait until
+  ``<marker_dir>/<tag>.release`` exists (or the request is cancelled, or 30 s pass -> error)
 * ``zq<letters>``   the request's tag, used for marker files
 
 Voice-prompt cache, as the contract describes it: an EMPTY ``target_text`` only "prepares" the voice
@@ -164,6 +164,16 @@ class TritonPythonModel:
             self._log(info, "failed", 0)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
         await asyncio.sleep(self.chunk_delay_s)
+        if "holdstream" in info["words"]:
+            try:
+                await self._hold(request, info["tag"])
+            except asyncio.CancelledError:
+                self._mark(info["tag"], "cancelled")
+                self._log(info, "cancelled", 0)
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled"))
+            except StandinFailure as exc:
+                self._log(info, "failed", 0)
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         wave = waveform_for(info["target_text"])
         self._log(info, "done", wave.size)
         return self._response(wave, info["reference_text"], info["target_text"], wave.size)
