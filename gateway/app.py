@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = VoiceStore(settings.uploaded_voices_dir)
-        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load())
+        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load(), store)
         triton = TritonClient(
             settings.triton_url,
             settings.offline_model,

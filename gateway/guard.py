@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import Sequence
@@ -39,8 +38,6 @@ class Drain:
     def __init__(self) -> None:
         self.in_flight = 0
         self.started_at: float | None = None
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     @property
     def draining(self) -> bool:
@@ -52,12 +49,9 @@ class Drain:
 
     def enter(self) -> None:
         self.in_flight += 1
-        self._idle.clear()
 
     def leave(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
 
     def finished(self, grace_s: float) -> bool:
         """Draining and either idle or out of grace time."""

@@ -7,7 +7,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import av
 import numpy as np
@@ -88,17 +88,30 @@ def _key(name_or_id: str) -> str:
     return name_or_id.casefold()
 
 
+class UploadSource(Protocol):
+    """Where uploaded voices live (VoiceStore); other replicas may add and delete there."""
+
+    def committed_ids(self) -> set[str]: ...
+
+    def read(self, voice_id: str) -> Voice: ...
+
+
 class VoiceRegistry:
     """Voices by name and by id (case-insensitive), plus aliases such as the OpenAI voice names.
 
     Shipped voices come first; an uploaded voice whose name was taken meanwhile (a shipped voice
-    added later) stays reachable by its id. Mutated only from the event loop (uploads and
-    deletions), so lookups need no lock.
+    added later) stays reachable by its id. With an ``uploads`` source every lookup and listing
+    first re-reads which uploaded voices exist there, so replicas sharing one directory agree.
+    Mutated only from the event loop, so lookups need no lock.
     """
 
-    def __init__(self, voices: list[Voice], aliases: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, voices: list[Voice], aliases: dict[str, str] | None = None, uploads: UploadSource | None = None
+    ) -> None:
         self._by_key: dict[str, Voice] = {}
         self._voices: list[Voice] = []
+        self._uploads = uploads
+        self._damaged: set[str] = set()  # ids that failed to load: not retried on every lookup
         for voice in voices:
             self.add(voice)
         for alias, target in (aliases or {}).items():
@@ -109,7 +122,11 @@ class VoiceRegistry:
 
     @classmethod
     def from_directory(
-        cls, directory: Path, aliases: dict[str, str] | None = None, extra_voices: list[Voice] | None = None
+        cls,
+        directory: Path,
+        aliases: dict[str, str] | None = None,
+        extra_voices: list[Voice] | None = None,
+        uploads: UploadSource | None = None,
     ) -> VoiceRegistry:
         """Every ``<name>.<audio>`` with a ``<name>.txt`` transcript next to it (bad files are
         skipped), then ``extra_voices`` (the uploaded ones)."""
@@ -125,14 +142,36 @@ class VoiceRegistry:
             except (OSError, ValueError) as exc:
                 logger.warning("voice %s skipped: %s", path.name, exc)
         logger.info("loaded %d voices from %s", len(voices), directory)
-        return cls(voices + list(extra_voices or []), aliases)
+        return cls(voices + list(extra_voices or []), aliases, uploads)
+
+    def refresh(self) -> None:
+        """Follow the upload source: forget voices deleted there, add voices committed there."""
+        if self._uploads is None:
+            return
+        on_disk = self._uploads.committed_ids()
+        known = {voice.id for voice in self._voices if voice.uploaded}
+        for gone in known - on_disk:
+            self.remove(gone)
+        new: list[Voice] = []
+        for voice_id in on_disk - known - self._damaged:
+            try:
+                new.append(self._uploads.read(voice_id))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except (OSError, ValueError, KeyError) as exc:
+                logger.warning("uploaded voice %s skipped: %s", voice_id, exc)
+                self._damaged.add(voice_id)
+        for voice in sorted(new, key=lambda v: (v.created_at, v.id)):  # the oldest keeps a shared name
+            self.add(voice)
 
     @property
     def voices(self) -> list[Voice]:
+        self.refresh()
         return sorted(self._voices, key=lambda v: (v.uploaded, v.name.casefold()))
 
     def find(self, key: str) -> Voice | None:
         """The voice a name, id or alias refers to."""
+        self.refresh()
         return self._by_key.get(_key(key))
 
     def resolve(self, key: str) -> Voice:
@@ -145,6 +184,8 @@ class VoiceRegistry:
 
     def add(self, voice: Voice) -> None:
         """Register a voice under its id and name; a name (or id) already taken keeps its voice."""
+        if any(known.id == voice.id for known in self._voices):
+            return  # already found in the upload source
         self._voices.append(voice)
         for key in (voice.id, voice.name):
             if _key(key) in self._by_key:
