@@ -184,7 +184,7 @@ class VoiceRegistry:
 
     def add(self, voice: Voice) -> None:
         """Register a voice under its id and name; a name (or id) already taken keeps its voice."""
-        if any(known.id == voice.id for known in self._voices):
+        if voice.uploaded and any(known.uploaded and known.id == voice.id for known in self._voices):
             return  # already found in the upload source
         self._voices.append(voice)
         for key in (voice.id, voice.name):

@@ -41,12 +41,16 @@ from typing import Any
 
 import numpy as np
 
+from triton_repo.contract import MAX_SEGMENT_TOKENS, REFERENCE_SAMPLE_RATE
+
 SAMPLE_RATE = 24_000
 SECONDS_PER_CHAR = 0.02
 MIN_SECONDS = 0.25
 #: CosyVoice2's speech tokens are 25 Hz.
 SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
 HOLD_TIMEOUT_S = 30.0
+#: The real pipeline's shortest reference (cosyvoice2_serving.orchestrator.OrchestratorConfig): 0.1 s.
+MIN_REFERENCE_SAMPLES = REFERENCE_SAMPLE_RATE // 10
 
 
 def frequency_for(text: str) -> float:
@@ -55,7 +59,9 @@ def frequency_for(text: str) -> float:
 
 
 def samples_for(text: str) -> int:
-    return round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE)
+    """Whole speech tokens, as the real pipeline produces (960 samples per token)."""
+    tokens = round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE / SAMPLES_PER_TOKEN)
+    return tokens * SAMPLES_PER_TOKEN
 
 
 def waveform_for(text: str) -> np.ndarray:
@@ -112,7 +118,7 @@ class TritonPythonModel:
         wav = pb_utils.get_input_tensor_by_name(request, "reference_wav").as_numpy().reshape(-1)
         wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
         seed = pb_utils.get_input_tensor_by_name(request, "seed")
-        target = text("target_text")
+        target = text("target_text").strip()  # whitespace only counts as empty, as in the pipeline
         words = _words(target)
         cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
         voice_cached = cache_entry.exists()
@@ -130,6 +136,18 @@ class TritonPythonModel:
             "voice_cached": voice_cached,
             "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
         }
+
+    @staticmethod
+    def _contract_violation(info: dict[str, Any]) -> str | None:
+        """The input checks of the real pipeline (docs/pipeline-contract.md), so the two cannot drift:
+        a reference under 0.1 s, a segment above the token limit (each whitespace-separated word is at
+        least one token, so more words than the limit are surely too many)."""
+        if not MIN_REFERENCE_SAMPLES <= info["reference_wav_len"] <= info["reference_samples"]:
+            return f"[invalid_input] reference_wav_len must be >= {MIN_REFERENCE_SAMPLES} samples"
+        words = len(info["target_text"].split())
+        if words > MAX_SEGMENT_TOKENS:
+            return f"[invalid_input] target_text has at least {words} tokens; at most {MAX_SEGMENT_TOKENS} per segment"
+        return None
 
     @staticmethod
     def _error_message(words: set[str]) -> str | None:
@@ -157,6 +175,10 @@ class TritonPythonModel:
 
     async def _offline(self, request: Any) -> Any:
         info = self._read(request)
+        violation = self._contract_violation(info)
+        if violation:
+            self._log(info, "failed", 0)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(violation))
         if not info["target_text"]:
             return self._prepared(info)
         error = self._error_message(info["words"]) or ("stand-in failure" if "failmid" in info["words"] else None)
@@ -182,6 +204,11 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         info = self._read(request)
+        violation = self._contract_violation(info)
+        if violation:
+            self._log(info, "failed", 0)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(violation)), flags=final)
+            return
         if not info["target_text"]:
             sender.send(self._prepared(info), flags=final)
             return
