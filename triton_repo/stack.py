@@ -5,9 +5,10 @@ front of it, and keep both running.
     python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
 
-Supervision: if tritonserver exits (or stays unready for `UNHEALTHY_RESTART_S`) it is restarted on
-the same ports with exponential back-off; the gateway keeps running meanwhile (503 + `Retry-After`,
-`/ready` 503) and reconnects by itself. If the gateway exits it is restarted the same way. Ctrl-C
+Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
+for `UNHEALTHY_RESTART_S`, it is restarted on the same ports with exponential back-off; the gateway
+keeps running meanwhile (503 + `Retry-After`, `/ready` 503) and reconnects by itself. If the gateway
+exits it is restarted the same way. Ctrl-C
 (SIGINT) or SIGTERM drains: the gateway finishes the requests in flight (`TTS_DRAIN_GRACE_S`) and
 exits, then tritonserver is stopped; a second signal stops at once.
 
@@ -105,6 +106,24 @@ GATEWAY_STOP_TIMEOUT_S = 600.0
 POLL_S = 0.5
 
 
+def _child_pids(pid: int | None) -> set[int]:
+    """Live child processes of `pid` (Linux /proc; zombies count as dead)."""
+    children: set[int] = set()
+    if pid is None:
+        return children
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
 def _log(message: str) -> None:
     print(f"[stack] {message}", flush=True)
 
@@ -123,6 +142,7 @@ class Supervisor:
         self._unready_since: float | None = None
         self._starting: threading.Thread | None = None
         self._start_error: BaseException | None = None
+        self._stubs: set[int] = set()  # the model (stub) processes of the running tritonserver
 
     # Triton ---------------------------------------------------------------------------------------
     def _start_triton(self, ready_timeout: float) -> None:
@@ -166,10 +186,17 @@ class Supervisor:
             if self._start_error is not None:
                 self._restart_triton(f"failed to start ({self._start_error})")
             else:
+                self._stubs = _child_pids(self.server.pid)
                 _log(f"tritonserver ready again after {time.monotonic() - self._triton_since:.1f} s")
             return
         if self.server.exited:
             self._restart_triton("exited")
+            return
+        # A dead python-backend stub is not brought back by tritonserver when only other models call it
+        # (BLS): the server stays "ready" while every request fails. Restart the whole server instead.
+        dead = self._stubs - _child_pids(self.server.pid)
+        if dead:
+            self._restart_triton(f"lost {len(dead)} model process(es) ({', '.join(map(str, sorted(dead)))})")
             return
         if self.server.is_ready():
             self._unready_since = None
@@ -207,6 +234,7 @@ class Supervisor:
             f"tritonserver ready: grpc {self.server.grpc_url}, http {self.server.http_url}, "
             f"metrics :{self.server.metrics_port}, log {self.server.log_path}"
         )
+        self._stubs = _child_pids(self.server.pid)
         self._start_gateway()
         _log("Ctrl-C or SIGTERM drains and stops everything")
         while not self.stop.wait(POLL_S):
