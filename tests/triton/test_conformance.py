@@ -121,8 +121,8 @@ def test_input_the_pipeline_refuses_is_tagged_invalid_input(backend, inputs):
 
 
 # -- usage ---------------------------------------------------------------------------------------------------------
-def test_sse_usage_is_the_sum_over_segments_and_matches_the_audio(contract_gateway):
-    text = "First sentence of the usage check. " * 8 + "And the second segment is here."
+def test_sse_usage_is_the_pipelines_count_and_matches_the_audio(contract_gateway):
+    text = "Usage flows from the pipeline to the client."
     with contract_gateway.client().audio.speech.with_streaming_response.create(
         model="tts-1", voice="alloy", input=text, response_format="pcm", stream_format="sse"
     ) as response:
@@ -133,7 +133,7 @@ def test_sse_usage_is_the_sum_over_segments_and_matches_the_audio(contract_gatew
     usage = done["usage"]
     assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    assert len(audio) == 2 * usage["output_tokens"] * SAMPLES_PER_TOKEN  # whole speech tokens, every segment counted
+    assert len(audio) == 2 * usage["output_tokens"] * SAMPLES_PER_TOKEN  # whole speech tokens, all of them sent
 
 
 # -- cancellation --------------------------------------------------------------------------------------------------
