@@ -34,6 +34,8 @@ TEXTS = (
     "How are you today?",
 )
 VOICES = ("alloy", "amy", "ben", "coral")
+#: The long run samples memory after each slice of this many seconds.
+SLICE_S = 30.0
 
 
 @dataclass
@@ -148,16 +150,23 @@ def main(argv: list[str] | None = None) -> int:
         stack = StackProcess(write_tiny_model(Path(work) / "tiny"), Path(work), extra_args=SPEECH_RATIO).start()
         try:
             asyncio.run(soak(stack.url, concurrency=args.concurrency, requests=args.concurrency * 2))  # warm-up
-            before = stack.gateway_rss(), stack.triton_rss()
-            report = asyncio.run(soak(stack.url, concurrency=args.concurrency, seconds=args.minutes * 60))
-            time.sleep(1.0)
-            after = stack.gateway_rss(), stack.triton_rss()
+            # Memory after each slice of the run: a leak keeps growing, a cache levels off.
+            samples = [(0, stack.gateway_rss(), stack.triton_rss())]
+            report = SoakReport()
+            end = time.monotonic() + args.minutes * 60
+            while (left := end - time.monotonic()) > 0:
+                part = asyncio.run(soak(stack.url, concurrency=args.concurrency, seconds=min(SLICE_S, left), seed=len(samples)))
+                for name in ("requests", "ok", "lost", "truncated", "refused_429", "audio_seconds", "wall_seconds"):
+                    setattr(report, name, getattr(report, name) + getattr(part, name))
+                report.failures += part.failures
+                samples.append((report.requests, stack.gateway_rss(), stack.triton_rss()))
             figures = {
                 **asdict(report),
                 "gateway_in_flight_after": stack.gateway_metric("tts_in_flight_requests"),
                 "pipeline_active_after": stack.triton_active_requests(),
-                "gateway_rss_mb": [round(before[0] / 2**20, 1), round(after[0] / 2**20, 1)],
-                "triton_rss_mb": [round(before[1] / 2**20, 1), round(after[1] / 2**20, 1)],
+                "rss_mb_by_requests": [
+                    {"requests": n, "gateway": round(g / 2**20, 1), "triton": round(t / 2**20, 1)} for n, g, t in samples
+                ],
             }
         finally:
             stack.stop()
