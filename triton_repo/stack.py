@@ -227,9 +227,9 @@ class Supervisor:
     def run(self) -> int:
         self._start_triton(ready_timeout=900)
         if not self._wait_started():
-            if self._start_error is not None:
+            if self._start_error is not None and not self.stop.is_set():
                 raise self._start_error
-            return 0
+            return 0  # stopped by a signal while the models loaded
         _log(
             f"tritonserver ready: grpc {self.server.grpc_url}, http {self.server.http_url}, "
             f"metrics :{self.server.metrics_port}, log {self.server.log_path}"
