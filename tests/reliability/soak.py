@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                     setattr(report, name, getattr(report, name) + getattr(part, name))
                 report.failures += part.failures
                 samples.append((report.requests, stack.gateway_rss(), stack.triton_rss()))
+            settle = time.monotonic() + 10  # the pipeline publishes its gauges every 100 ms
+            while time.monotonic() < settle and stack.triton_active_requests():
+                time.sleep(0.2)
             figures = {
                 **asdict(report),
                 "gateway_in_flight_after": stack.gateway_metric("tts_in_flight_requests"),
