@@ -29,7 +29,7 @@ pytestmark = pytest.mark.triton
 class ContractBackend:
     name: str
     grpc_url: str
-    cancelled: Callable[[], int]  # streaming requests the models saw cancelled so far
+    cancelled: Callable[[str], int]  # requests the model (offline or streaming) saw cancelled so far
     release: Callable[[str], None]  # let a stand-in request held by `holdstream` go (no-op for the pipeline)
 
 
@@ -40,14 +40,14 @@ def backend(request) -> ContractBackend:
         return ContractBackend(
             "standin",
             standin.server.grpc_url,
-            lambda: sum(1 for r in standin.requests() if r["outcome"] == "cancelled"),
+            lambda model: sum(1 for r in standin.requests() if r["outcome"] == "cancelled" and r["model"] == model),
             standin.release,
         )
     pipeline = request.getfixturevalue("pipeline")
     return ContractBackend(
         "pipeline",
         pipeline.server.grpc_url,
-        lambda: int(pipeline.metrics().get(("orchestrator_cancelled_total", contract.STREAMING_MODEL), 0)),
+        lambda model: int(pipeline.metrics().get(("orchestrator_cancelled_total", model), 0)),
         lambda tag: None,
     )
 
@@ -137,20 +137,26 @@ def test_sse_usage_is_the_pipelines_count_and_matches_the_audio(contract_gateway
 
 
 # -- cancellation --------------------------------------------------------------------------------------------------
-def test_a_client_leaving_a_stream_cancels_it_in_the_pipeline(contract_gateway, backend):
-    before = backend.cancelled()
-    tag = f"zqleave{backend.name}"
-    body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm",
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole file"])
+def test_a_client_leaving_cancels_the_request_in_the_pipeline(contract_gateway, backend, stream):
+    model = contract.STREAMING_MODEL if stream else contract.OFFLINE_MODEL
+    before = backend.cancelled(model)
+    tag = f"zqleave{backend.name}{'stream' if stream else 'whole'}"
+    body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "stream": stream,
             "input": f"{tag} holdstream please keep on talking for quite a while, it is a long story."}  # fmt: skip
-    with httpx.Client(base_url=contract_gateway.base_url, timeout=120) as http:
-        with http.stream("POST", "/v1/audio/speech", json=body) as response:
-            assert response.status_code == 200
-            next(response.iter_bytes())  # the first audio, then leave
+    with httpx.Client(base_url=contract_gateway.base_url, timeout=httpx.Timeout(120, read=1.0)) as http:
+        if stream:
+            with http.stream("POST", "/v1/audio/speech", json=body) as response:
+                assert response.status_code == 200
+                next(response.iter_bytes())  # the first audio, then leave
+        else:
+            with pytest.raises(httpx.ReadTimeout):  # leaves while the whole file is being made
+                http.post("/v1/audio/speech", json=body)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and backend.cancelled() <= before:
+    while time.monotonic() < deadline and backend.cancelled(model) <= before:
         time.sleep(0.1)
     backend.release(tag)
-    assert backend.cancelled() > before
+    assert backend.cancelled(model) > before
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and contract_gateway.metric("tts_in_flight_requests"):
         time.sleep(0.1)
