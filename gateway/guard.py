@@ -97,7 +97,9 @@ class RequestGuard:
         route = (scope["method"], scope["path"].rstrip("/"))
         try:
             if self._drain.draining:
-                raise ShuttingDown("The server is shutting down; retry on another replica.", retry_after=self._retry_after_s)
+                raise ShuttingDown(
+                    "The server is shutting down; retry on another replica.", retry_after=self._retry_after_s
+                )
             check_api_key(headers.get("authorization", ""), self._api_keys)
             if route not in STREAMED_BODY_ROUTES:
                 receive = await self._buffered_body(headers, receive)

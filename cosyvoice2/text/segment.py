@@ -137,7 +137,9 @@ def segment_text(text: str, token_count: TokenCounter | None = None) -> list[str
 # at the best boundary each piece has, until every segment is provably under the limit.
 
 #: Cut points, best first: sentence ends, clause marks, whitespace. Below those: characters.
-_SENTENCE_ENDS = frozenset(TERMINATORS["zh"] + TERMINATORS["en"] + ("…", "‼", "⁇", "⁈", "⁉", "｡", "．", "？", "！"))
+_SENTENCE_ENDS = frozenset(
+    TERMINATORS["zh"] + TERMINATORS["en"] + ("…", "‼", "⁇", "⁈", "⁉", "｡", "．", "？", "！")
+)
 _CLAUSE_MARKS = frozenset(",，、:：;；—–)]}）】」』》〉\"”’'")
 
 
@@ -196,7 +198,9 @@ _CUTTERS: tuple[Callable[[str], list[str]], ...] = (
 )
 
 
-def bound_segment(text: str, max_tokens: int, token_bound: TokenCounter = utf8_token_bound, level: int = 0) -> list[str]:
+def bound_segment(
+    text: str, max_tokens: int, token_bound: TokenCounter = utf8_token_bound, level: int = 0
+) -> list[str]:
     """``text`` in pieces of at most ``max_tokens`` by ``token_bound``, cut at the best boundary available.
 
     Pieces are packed greedily, so a long text keeps as few, as long segments as the limit allows.

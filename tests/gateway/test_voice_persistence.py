@@ -187,7 +187,8 @@ def test_replicas_sharing_a_directory_agree_on_names(standin_backend, gateway_fa
     assert record["voice_id"] == voice["id"]
     # a restarted replica lists the name once, for the same voice
     restarted = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
-    listed = [v for v in restarted.client().get("/audio/voices", cast_to=object)["voices"] if v["name"].lower() == "shared"]
+    voices = restarted.client().get("/audio/voices", cast_to=object)["voices"]
+    listed = [v for v in voices if v["name"].lower() == "shared"]
     assert listed == [{"id": voice["id"], "name": "Shared"}]
     # a deletion on one replica is seen by the others, and frees the name
     with second.http() as http:

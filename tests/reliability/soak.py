@@ -93,12 +93,15 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random) -> tuple[st
     try:
         if rng.random() < 0.5:
             return await _sse(client, {**body, "response_format": "pcm"})
-        return await _audio(client, {**body, "response_format": rng.choice(("pcm", "wav")), "stream": rng.random() < 0.7})
+        body.update(response_format=rng.choice(("pcm", "wav")), stream=rng.random() < 0.7)
+        return await _audio(client, body)
     except httpx.HTTPError as exc:
         return f"lost: {type(exc).__name__}: {exc}", 0.0
 
 
-async def soak(url: str, *, concurrency: int, requests: int | None = None, seconds: float | None = None, seed: int = 0) -> SoakReport:
+async def soak(
+    url: str, *, concurrency: int, requests: int | None = None, seconds: float | None = None, seed: int = 0
+) -> SoakReport:
     """``concurrency`` workers send requests back to back until ``requests`` were sent or ``seconds`` passed."""
     report = SoakReport()
     rng = random.Random(seed)
@@ -126,7 +129,8 @@ async def soak(url: str, *, concurrency: int, requests: int | None = None, secon
                     report.lost += 1
 
     timeout = httpx.Timeout(300, connect=10)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as client:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     report.wall_seconds = time.monotonic() - started
     return report
@@ -155,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             report = SoakReport()
             end = time.monotonic() + args.minutes * 60
             while (left := end - time.monotonic()) > 0:
-                part = asyncio.run(soak(stack.url, concurrency=args.concurrency, seconds=min(SLICE_S, left), seed=len(samples)))
+                part = asyncio.run(
+                    soak(stack.url, concurrency=args.concurrency, seconds=min(SLICE_S, left), seed=len(samples))
+                )
                 for name in ("requests", "ok", "lost", "truncated", "refused_429", "audio_seconds", "wall_seconds"):
                     setattr(report, name, getattr(report, name) + getattr(part, name))
                 report.failures += part.failures
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 "gateway_in_flight_after": stack.gateway_metric("tts_in_flight_requests"),
                 "pipeline_active_after": stack.triton_active_requests(),
                 "rss_mb_by_requests": [
-                    {"requests": n, "gateway": round(g / 2**20, 1), "triton": round(t / 2**20, 1)} for n, g, t in samples
+                    {"requests": n, "gateway": round(g / 2**20, 1), "triton": round(t / 2**20, 1)}
+                    for n, g, t in samples
                 ],
             }
         finally:

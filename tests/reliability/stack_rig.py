@@ -181,7 +181,8 @@ class StackProcess:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310
             text = response.read().decode()
-        return sum(float(v) for v in re.findall(r"^cosyvoice2_orchestrator_active_requests\{[^}]*\} (\S+)$", text, re.M))
+        gauges = re.findall(r"^cosyvoice2_orchestrator_active_requests\{[^}]*\} (\S+)$", text, re.M)
+        return sum(float(v) for v in gauges)
 
     def stop(self, timeout: float = 120.0) -> int | None:
         """SIGTERM (drain), wait, then KILL whatever is left of the group. The stack's exit code."""

@@ -62,7 +62,8 @@ class StreamReader(threading.Thread):
 
 
 def _start(url: str, **body: object) -> StreamReader:
-    reader = StreamReader(url, {"model": "tts-1", "voice": "alloy", "input": LONG_INPUT, "response_format": "pcm", **body})
+    body = {"model": "tts-1", "voice": "alloy", "input": LONG_INPUT, "response_format": "pcm", **body}
+    reader = StreamReader(url, body)
     reader.start()
     assert reader.first.wait(120), "no first bytes"
     assert reader.status == 200, (reader.status, reader.error)
@@ -71,7 +72,8 @@ def _start(url: str, **body: object) -> StreamReader:
 
 def _speech(url: str, text: str = "Hello again.") -> httpx.Response:
     with httpx.Client(base_url=url, timeout=120) as http:
-        return http.post("/v1/audio/speech", json={"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"})
+        body = {"model": "tts-1", "voice": "alloy", "input": text, "response_format": "pcm"}
+        return http.post("/v1/audio/speech", json=body)
 
 
 def _wait_served(url: str, timeout: float) -> float | None:

@@ -88,7 +88,8 @@ async def _stream(url: str, inputs: list) -> list[tuple[np.ndarray, int, int, bo
 def test_empty_target_text_only_prepares_the_voice(backend, text):
     result = asyncio.run(_offline(backend.grpc_url, synthesis_inputs(text, voice=f"warm-{backend.name}")))
     assert result.as_numpy(contract.WAVEFORM.name).size == 0
-    assert (int(result.as_numpy(contract.INPUT_TOKENS.name)[0]), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0])) == (0, 0)
+    tokens = (result.as_numpy(contract.INPUT_TOKENS.name)[0], result.as_numpy(contract.OUTPUT_TOKENS.name)[0])
+    assert tuple(map(int, tokens)) == (0, 0)
     [(waveform, tokens_in, tokens_out, final)] = asyncio.run(_stream(backend.grpc_url, synthesis_inputs(text)))
     assert (waveform.size, tokens_in, tokens_out, final) == (0, 0, 0, True)
 
@@ -99,7 +100,9 @@ def test_a_voice_upload_warms_the_voice(contract_gateway):
     assert created.status_code == 200, created.text
     assert contract_gateway.metric("tts_voice_warmups_total", {"outcome": "ok"}) == 1
     assert contract_gateway.metric("tts_voice_warmups_total", {"outcome": "failed"}) == 0
-    speech = contract_gateway.client().audio.speech.create(model="tts-1", voice="warmed", input="Hi.", response_format="pcm")
+    speech = contract_gateway.client().audio.speech.create(
+        model="tts-1", voice="warmed", input="Hi.", response_format="pcm"
+    )
     assert len(speech.content) > 0
 
 
