@@ -184,7 +184,7 @@ def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorC
         raise InvalidInput("reference_wav holds NaN or infinite samples")
     target_text = _scalar_text(arrays, contract.TARGET_TEXT.name)
     if not target_text.strip():
-        raise InvalidInput("target_text is empty")
+        target_text = ""  # the contract's warm-up rule: only prepare the voice prompt (see synthesize)
     voice_id = _scalar_text(arrays, contract.VOICE_ID.name)
     if not voice_id:
         raise InvalidInput("voice_id is empty")
@@ -284,6 +284,11 @@ class Orchestrator:
         run = _Run(request_id, self.clients)
         try:
             prompt = await self.clients.voice_prompt(request)
+            if not request.target_text:
+                # Contract: empty target text only computes and caches the voice prompt (voice upload
+                # warms the cache this way): one response, no audio, zero tokens.
+                yield AudioChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
+                return
             llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
             schedule = self.schedule(prompt)
             tokens: list[int] = []

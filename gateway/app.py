@@ -11,9 +11,9 @@ from functools import partial
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyvoice2.text.segment import approximate_token_count, segment_text
-from gateway.dependencies import ApiKeyDep
+from cosyvoice2.text.segment import approximate_token_count, pipeline_segments
 from gateway.errors import install_error_handlers
+from gateway.guard import Drain, RequestGuard
 from gateway.metrics import GatewayMetrics
 from gateway.routes import audio_models, captions, health, models, playground, speech, voices
 from gateway.services.speech import SpeechService
@@ -59,14 +59,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = GatewayMetrics()
 
-    # CosyVoice2's own normalization + segmentation; the gateway has no tokenizer, so lengths are
-    # estimated token counts.
-    segmenter = partial(segment_text, token_count=approximate_token_count)
+    # CosyVoice2's own normalization + segmentation (the gateway has no tokenizer: merge lengths are
+    # estimated), then cut so every segment is provably within the pipeline's token limit.
+    segmenter = partial(pipeline_segments, max_tokens=settings.max_segment_tokens, token_count=approximate_token_count)
+    drain = Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = VoiceStore(settings.uploaded_voices_dir)
-        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load(), store.find)
+        registry = VoiceRegistry.from_directory(settings.voices_dir, settings.voice_aliases, store.load(), store)
         triton = TritonClient(
             settings.triton_url,
             settings.offline_model,
@@ -94,10 +95,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.started_at = int(time.time())
+    app.state.drain = drain
     install_error_handlers(app)
     app.include_router(health.router)
-    app.include_router(playground.router)
+    app.include_router(playground.router)  # a static page: no key (its own requests carry one)
     for router in (speech.router, voices.router, models.router, audio_models.router, captions.router):
-        app.include_router(router, dependencies=[ApiKeyDep])
-    app.add_middleware(SpeechRequestCounter, metrics=metrics)
+        app.include_router(router)  # behind RequestGuard: drain, API key, body limit
+    app.add_middleware(
+        RequestGuard,
+        drain=drain,
+        api_keys=settings.api_keys,
+        max_body_bytes=settings.max_request_bytes,
+        retry_after_s=settings.retry_after_s,
+    )
+    app.add_middleware(SpeechRequestCounter, metrics=metrics)  # outermost: also counts the guard's refusals
     return app

@@ -7,10 +7,14 @@ from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
+
+#: The status logged and counted for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED_REQUEST = 499
 
 
 class ApiError(Exception):
@@ -50,6 +54,15 @@ class Unauthorized(ApiError):
     status = 401
     type = "invalid_request_error"
     default_code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 names the scheme it wants
+
+
+class PayloadTooLarge(ApiError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "request_too_large"
 
 
 class NotFound(ApiError):
@@ -98,6 +111,18 @@ class BackendUnavailable(_Transient):
     status = 503
     type = "server_error"
     default_code = "backend_unavailable"
+
+
+class ShuttingDown(_Transient):
+    """The gateway is draining before it exits: requests in flight finish, new ones go elsewhere."""
+
+    status = 503
+    type = "server_error"
+    default_code = "shutting_down"
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready: nobody is left to answer."""
 
 
 class BackendOverloaded(_Transient):
@@ -180,6 +205,11 @@ def install_error_handlers(app: FastAPI) -> None:
         error = error_cls(str(exc.detail))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        # Not a server error: the client aborted (e.g. an upload cut short). One quiet line, no traceback.
+        logger.info("client disconnected before the answer: %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         return error_response(SynthesisFailed("Internal server error.", code="internal_error"))
@@ -187,5 +217,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(ClientGone, on_client_gone)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)
 

@@ -69,6 +69,19 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(1, ge=1, description="Retry-After seconds sent with 429 and 503.")
     request_timeout_s: float = Field(300.0, gt=0, description="Deadline of one Triton request (one segment).")
     ready_timeout_s: float = Field(2.0, gt=0, description="Deadline of the Triton checks behind /ready.")
+    max_request_bytes: int = Field(
+        1 * 2**20,
+        ge=64 * 1024,
+        description="Largest request body on /v1/* (voice uploads have their own limit); larger ones get 413.",
+    )
+    max_segment_tokens: int = Field(
+        contract.MAX_SEGMENT_TOKENS,
+        ge=16,
+        description="Pipeline's target-text token limit per segment; text is cut so every segment fits.",
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: how long requests in flight may finish (new ones get 503) before exit."
+    )
     stream_by_default: bool = Field(
         True, description="Default of the `stream` extension: relay audio as it is produced (streaming model)."
     )

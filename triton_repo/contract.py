@@ -27,6 +27,10 @@ import numpy as np
 OFFLINE_MODEL = "cosyvoice2"
 STREAMING_MODEL = "cosyvoice2_stream"
 
+#: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
+#: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
+MAX_SEGMENT_TOKENS = 300
+
 #: Reference audio must be 16 kHz mono; the waveform the pipeline returns is 24 kHz mono.
 REFERENCE_SAMPLE_RATE = 16_000
 OUTPUT_SAMPLE_RATE = 24_000

@@ -83,7 +83,7 @@ class RenderOptions:
     layout: str | None = None  # None: DEFAULT_LAYOUT of the LLM backend
     llm_delivery: str | None = None  # None: DEFAULT_LLM_DELIVERY of the LLM backend
     voice_cache: int = 64  # voices kept in the voice-prompt cache
-    max_target_text_tokens: int = 300
+    max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     audio_max_batch: int = 8
     max_queue_delay_us: int = 1000
     # TensorRT-LLM only (the PyTorch LLM samples with RAS): the backend's repetition penalty (upstream's 1.1) and

@@ -80,6 +80,11 @@ class TritonServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def exited(self) -> bool:
+        """Started, and the process has ended since (crashed or killed), not stopped by us."""
+        return self._proc is not None and self._proc.poll() is not None
+
     def start(self, ready_timeout: float = 120.0) -> TritonServer:
         if self._proc is not None:
             raise TritonLaunchError("server already started")

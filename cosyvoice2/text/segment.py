@@ -129,3 +129,117 @@ def segment_text(text: str, token_count: TokenCounter | None = None) -> list[str
     else:
         segments = split_paragraph(normalize_en(text), "en", token_count)
     return [s for s in segments if not is_punctuation_only(s)]
+
+
+# -- segments the pipeline always accepts -------------------------------------------------------------------------
+# The pipeline refuses a segment above its target-text token limit. Upstream's merge rules bound *merged* sentences
+# but not one long sentence (run-on text, a comma list, Chinese without punctuation), so the gateway splits further,
+# at the best boundary each piece has, until every segment is provably under the limit.
+
+#: Cut points, best first: sentence ends, clause marks, whitespace. Below those: characters.
+_SENTENCE_ENDS = frozenset(
+    TERMINATORS["zh"] + TERMINATORS["en"] + ("…", "‼", "⁇", "⁈", "⁉", "｡", "．", "？", "！")
+)
+_CLAUSE_MARKS = frozenset(",，、:：;；—–)]}）】」』》〉\"”’'")
+
+
+def utf8_token_bound(text: str) -> int:
+    """An upper bound of the Qwen2 token count of ``text`` that needs no tokenizer.
+
+    Qwen2's tokenizer NFC-normalizes, then runs byte-level BPE: every token covers at least one UTF-8 byte (merges
+    only join bytes; special tokens are whole multi-byte strings), so the NFC byte length bounds the count.
+    """
+    return len(unicodedata.normalize("NFC", text).encode("utf-8"))
+
+
+def is_speakable(text: str) -> bool:
+    """True when ``text`` holds something to say: a letter or a number (Unicode L* or N*).
+
+    Punctuation, symbols, emoji and whitespace alone are not speech; a segment of only those is dropped, and an input
+    of only those is refused, whatever mix of them it is.
+    """
+    return any(unicodedata.category(c)[0] in "LN" for c in text)
+
+
+def _cut_after(text: str, marks: frozenset[str]) -> list[str]:
+    """Pieces ending right after each run of ``marks`` (the marks stay with the text before them)."""
+    pieces: list[str] = []
+    start = 0
+    for i, char in enumerate(text):
+        if char in marks and (i + 1 == len(text) or text[i + 1] not in marks):
+            pieces.append(text[start : i + 1])
+            start = i + 1
+    if start < len(text):
+        pieces.append(text[start:])
+    return pieces
+
+
+def _cut_words(text: str) -> list[str]:
+    """Pieces ending after each whitespace run (a word keeps the space that follows it)."""
+    return [m.group(0) for m in re.finditer(r"\S+\s*|\s+", text)]
+
+
+def _cut_characters(text: str) -> list[str]:
+    """Characters, each with the combining marks that follow it (never split a base from its accents)."""
+    pieces: list[str] = []
+    for char in text:
+        if pieces and unicodedata.category(char).startswith("M"):
+            pieces[-1] += char
+        else:
+            pieces.append(char)
+    return pieces
+
+
+_CUTTERS: tuple[Callable[[str], list[str]], ...] = (
+    lambda text: _cut_after(text, _SENTENCE_ENDS),
+    lambda text: _cut_after(text, _CLAUSE_MARKS),
+    _cut_words,
+    _cut_characters,
+)
+
+
+def bound_segment(
+    text: str, max_tokens: int, token_bound: TokenCounter = utf8_token_bound, level: int = 0
+) -> list[str]:
+    """``text`` in pieces of at most ``max_tokens`` by ``token_bound``, cut at the best boundary available.
+
+    Pieces are packed greedily, so a long text keeps as few, as long segments as the limit allows.
+    """
+    if token_bound(text) <= max_tokens:
+        return [text]
+    if level >= len(_CUTTERS):
+        raise ValueError(f"a single character is above the limit of {max_tokens} tokens")
+    segments: list[str] = []
+    current = ""
+    for piece in _CUTTERS[level](text):
+        if token_bound(current + piece) <= max_tokens:
+            current += piece
+            continue
+        if current:
+            segments.append(current)
+        if token_bound(piece) <= max_tokens:
+            current = piece
+        else:
+            *whole, current = bound_segment(piece, max_tokens, token_bound, level + 1)
+            segments.extend(whole)
+    if current:
+        segments.append(current)
+    return segments
+
+
+def pipeline_segments(
+    text: str,
+    max_tokens: int,
+    token_count: TokenCounter | None = None,
+    token_bound: TokenCounter = utf8_token_bound,
+) -> list[str]:
+    """``segment_text`` made safe for the pipeline: every segment is speakable and at most ``max_tokens`` tokens
+    by ``token_bound`` (an upper bound of the pipeline tokenizer's count, or the count itself). ``[]`` when the text
+    holds nothing to speak."""
+    segments: list[str] = []
+    for segment in segment_text(text, token_count):
+        for piece in bound_segment(segment, max_tokens, token_bound):
+            piece = piece.strip()
+            if is_speakable(piece):
+                segments.append(piece)
+    return segments

@@ -7,11 +7,12 @@ Triton answers and both pipeline models are ready, so traffic only goes where it
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.dependencies import MetricsDep, SettingsDep, TritonClientDep
+from gateway.errors import ShuttingDown
 
 router = APIRouter()
 
@@ -22,7 +23,9 @@ async def health() -> dict[str, str]:
 
 
 @router.get("/ready")
-async def ready(triton: TritonClientDep, settings: SettingsDep) -> dict[str, str]:
+async def ready(request: Request, triton: TritonClientDep, settings: SettingsDep) -> dict[str, str]:
+    if request.app.state.drain.draining:  # stop sending traffic here: the process is about to exit
+        raise ShuttingDown("The server is shutting down.", retry_after=settings.retry_after_s)
     await triton.check_ready(settings.ready_timeout_s)
     return {"status": "ready"}
 

@@ -1,17 +1,23 @@
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway.dependencies import SpeechServiceDep
-from gateway.errors import ApiError
+from gateway.errors import ApiError, ClientGone
 from gateway.schemas import SpeechRequest
 from gateway.services.speech import SpeechStream
 
 router = APIRouter()
+
+T = TypeVar("T")
 
 
 class SpeechStreamingResponse(StreamingResponse):
@@ -34,12 +40,38 @@ class SpeechStreamingResponse(StreamingResponse):
             await self._stream.aclose()
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was read already: only
+    ``http.disconnect`` can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled as soon as the client goes away (then ClientGone): a request whose
+    answer nobody will read must not keep its in-flight slot and the pipeline busy."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await task
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
+
+
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequest, request: Request, service: SpeechServiceDep) -> Response:
     request_id = request.headers.get("x-request-id") or f"req_{uuid.uuid4().hex}"
     request.state.response_format = body.response_format
     headers = {"x-request-id": request_id}
-    result = await service.create_speech(body, request_id)
+    # Covers a whole `stream: false` synthesis and the wait for a stream's first chunk.
+    result = await unless_disconnected(request, service.create_speech(body, request_id))
     if isinstance(result, SpeechStream):
         return SpeechStreamingResponse(result, headers)
     return Response(result.content, media_type=result.media_type, headers=headers)

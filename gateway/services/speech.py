@@ -184,7 +184,11 @@ class SpeechService:
         voice = self._voices.resolve(request.voice_key)
         segments = self._segmenter(request.input)
         if not segments:
-            raise InvalidRequest("The input contains nothing to speak.", param="input")
+            raise InvalidRequest(
+                "The input contains nothing to speak: it needs at least one letter or number "
+                "(punctuation, symbols and emoji alone are not spoken).",
+                param="input",
+            )
         sse = request.stream_format == "sse"
         stream = sse or (self._settings.stream_by_default if request.stream is None else request.stream)
         return SpeechPlan(

@@ -24,7 +24,7 @@ import numpy as np
 
 from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, VoiceNotFound
 from gateway.metrics import GatewayMetrics
-from gateway.services.voice_store import VoiceStore
+from gateway.services.voice_store import NameTaken, VoiceExists, VoiceStore
 from gateway.services.voices import Voice, VoiceRegistry, decode_to_reference, voice_id
 from gateway.settings import OPENAI_VOICE_NAMES
 from gateway.triton_client import SegmentRequest, TritonClient
@@ -110,7 +110,14 @@ def decode_sample(audio: BinaryIO) -> np.ndarray:
     try:
         samples = decode_to_reference(audio, stop_after_seconds=MAX_SECONDS)
     except ValueError as exc:  # av.FFmpegError is one
-        raise _invalid(f"The audio sample could not be decoded: {exc}", AUDIO_PARAM, "invalid_audio") from exc
+        # FFmpeg's own words ("[Errno 1094995529] Invalid data ...: 'None'") mean nothing to a client.
+        logger.info("voice upload not decodable: %s", exc)
+        raise _invalid(
+            "The audio sample could not be decoded as audio: send a complete, undamaged recording in a common "
+            "format (wav, mp3, ogg/opus, flac, m4a/aac, webm).",
+            AUDIO_PARAM,
+            "invalid_audio",
+        ) from exc
     seconds = samples.size / REFERENCE_SAMPLE_RATE
     if seconds < MIN_SECONDS:
         raise _invalid(
@@ -204,7 +211,16 @@ class VoiceLibrary:
                     param=AUDIO_PARAM,
                     code="voice_already_exists",
                 )
-            await asyncio.to_thread(self._store.save, voice)
+            try:
+                await asyncio.to_thread(self._store.save, voice)
+            except NameTaken as exc:  # another replica sharing the directory claimed it first
+                raise self._name_taken(name, exc.voice_id or None) from None
+            except VoiceExists:
+                raise Conflict(
+                    "This audio sample and transcript are already a voice.",
+                    param=AUDIO_PARAM,
+                    code="voice_already_exists",
+                ) from None
             self._registry.add(voice)
         self._metrics.voice_uploads.inc()
         warm = await self._warm(voice)
@@ -232,13 +248,17 @@ class VoiceLibrary:
     def _check_name_free(self, name: str) -> None:
         taken = self._registry.find(name)
         if taken is not None or name.casefold() in OPENAI_VOICE_NAMES:
-            raise Conflict(
-                f"The voice name '{name}' is taken"
-                + (f" by voice {taken.id}." if taken is not None else " (an OpenAI voice name).")
-                + " Choose another name.",
-                param="name",
-                code="voice_name_taken",
-            )
+            raise self._name_taken(name, taken.id if taken is not None else None)
+
+    @staticmethod
+    def _name_taken(name: str, holder: str | None) -> Conflict:
+        return Conflict(
+            f"The voice name '{name}' is taken"
+            + (f" by voice {holder}." if holder else " (an OpenAI voice name or another upload).")
+            + " Choose another name.",
+            param="name",
+            code="voice_name_taken",
+        )
 
     async def _warm(self, voice: Voice) -> bool:
         """Have the pipeline compute and cache the voice prompt now (empty target text)."""

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import av
 import numpy as np
@@ -92,25 +92,30 @@ def _key(name_or_id: str) -> str:
     return name_or_id.casefold()
 
 
+class UploadSource(Protocol):
+    """Where uploaded voices live (VoiceStore); other replicas may add and delete there."""
+
+    def committed_ids(self) -> set[str]: ...
+
+    def read(self, voice_id: str) -> Voice: ...
+
+
 class VoiceRegistry:
     """Voices by name and by id (case-insensitive), plus aliases such as the OpenAI voice names.
 
     Shipped voices come first; an uploaded voice whose name was taken meanwhile (a shipped voice
-    added later) stays reachable by its id. Mutated only from the event loop (uploads and
-    deletions), so lookups need no lock.
+    added later) stays reachable by its id. With an ``uploads`` source every lookup and listing
+    first re-reads which uploaded voices exist there, so replicas sharing one directory agree.
+    Mutated only from the event loop, so lookups need no lock.
     """
 
     def __init__(
-        self,
-        voices: list[Voice],
-        aliases: dict[str, str] | None = None,
-        loader: Callable[[str], Voice | None] | None = None,
+        self, voices: list[Voice], aliases: dict[str, str] | None = None, uploads: UploadSource | None = None
     ) -> None:
         self._by_key: dict[str, Voice] = {}
         self._voices: list[Voice] = []
-        #: Looks up a voice this registry does not know (by id or name) in the uploaded-voices store: several
-        #: gateway replicas share that directory, and another one may have stored the voice after this started.
-        self._loader = loader
+        self._uploads = uploads
+        self._damaged: set[str] = set()  # ids that failed to load: not retried on every lookup
         for voice in voices:
             self.add(voice)
         for alias, target in (aliases or {}).items():
@@ -125,7 +130,7 @@ class VoiceRegistry:
         directory: Path,
         aliases: dict[str, str] | None = None,
         extra_voices: list[Voice] | None = None,
-        loader: Callable[[str], Voice | None] | None = None,
+        uploads: UploadSource | None = None,
     ) -> VoiceRegistry:
         """Every ``<name>.<audio>``, with the ``<name>.txt`` transcript next to it if there is one (bad
         files are skipped), then ``extra_voices`` (the uploaded ones)."""
@@ -138,20 +143,37 @@ class VoiceRegistry:
             except (OSError, ValueError) as exc:
                 logger.warning("voice %s skipped: %s", path.name, exc)
         logger.info("loaded %d voices from %s", len(voices), directory)
-        return cls(voices + list(extra_voices or []), aliases, loader)
+        return cls(voices + list(extra_voices or []), aliases, uploads)
+
+    def refresh(self) -> None:
+        """Follow the upload source: forget voices deleted there, add voices committed there."""
+        if self._uploads is None:
+            return
+        on_disk = self._uploads.committed_ids()
+        known = {voice.id for voice in self._voices if voice.uploaded}
+        for gone in known - on_disk:
+            self.remove(gone)
+        new: list[Voice] = []
+        for voice_id in on_disk - known - self._damaged:
+            try:
+                new.append(self._uploads.read(voice_id))
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except (OSError, ValueError, KeyError) as exc:
+                logger.warning("uploaded voice %s skipped: %s", voice_id, exc)
+                self._damaged.add(voice_id)
+        for voice in sorted(new, key=lambda v: (v.created_at, v.id)):  # the oldest keeps a shared name
+            self.add(voice)
 
     @property
     def voices(self) -> list[Voice]:
+        self.refresh()
         return sorted(self._voices, key=lambda v: (v.uploaded, v.name.casefold()))
 
     def find(self, key: str) -> Voice | None:
-        """The voice a name, id or alias refers to (asking the loader, and keeping its answer, on a miss)."""
-        voice = self._by_key.get(_key(key))
-        if voice is None and self._loader is not None and (voice := self._loader(key)) is not None:
-            if self._by_key.get(_key(voice.id)) is not None:
-                return self._by_key[_key(voice.id)]
-            self.add(voice)
-        return voice
+        """The voice a name, id or alias refers to."""
+        self.refresh()
+        return self._by_key.get(_key(key))
 
     def resolve(self, key: str) -> Voice:
         voice = self.find(key)
@@ -163,6 +185,8 @@ class VoiceRegistry:
 
     def add(self, voice: Voice) -> None:
         """Register a voice under its id and name; a name (or id) already taken keeps its voice."""
+        if voice.uploaded and any(known.uploaded and known.id == voice.id for known in self._voices):
+            return  # already found in the upload source
         self._voices.append(voice)
         for key in (voice.id, voice.name):
             if _key(key) in self._by_key:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import numpy as np
@@ -78,6 +80,8 @@ def test_a_crash_mid_upload_leaves_no_half_voice(standin_backend, gateway_factor
     crashed_id = crashed.stdout.strip()
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left and not any(name.endswith(".json") for name in left)  # the process died half-way
+    for leftover in tmp_path.iterdir():  # leftovers are told from uploads in progress by their age
+        os.utime(leftover, (time.time() - 3600, time.time() - 3600))
 
     gateway = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
     assert "crashed" not in names(gateway)
@@ -85,7 +89,8 @@ def test_a_crash_mid_upload_leaves_no_half_voice(standin_backend, gateway_factor
         assert http.get(f"/v1/audio/voices/{crashed_id}").status_code == 404
         # The name is free again, and the leftovers are gone.
         assert upload(http, name="crashed", audio=make_clip("wav", 1.5)).status_code == 200
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json", ".wav"]
+    assert sorted(p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".")) == [".json", ".wav"]
+    assert not [p for p in tmp_path.glob(".tmp-*")]
 
 
 def test_a_damaged_voice_is_skipped_at_load(tmp_path):
@@ -156,7 +161,55 @@ def test_a_failed_write_stores_and_registers_nothing(standin_backend, gateway_fa
         assert response.status_code == 500
         assert response.json()["error"]["type"] == "server_error"
         assert "unlucky" not in names(gateway)
-    assert list(tmp_path.iterdir()) == []
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
     monkeypatch.undo()
     with gateway.http() as http:
         assert upload(http, name="unlucky", audio=make_clip("wav", 1.5)).status_code == 200
+
+
+def test_replicas_sharing_a_directory_agree_on_names(standin_backend, gateway_factory, tmp_path):
+    first = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
+    second = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
+    with first.http() as http:
+        created = upload(http, name="Shared", audio=make_clip("wav", 1.5), transcript="Shared words.")
+    assert created.status_code == 200
+    voice = created.json()
+    # the other replica sees it at once (listing, lookup, speech) and refuses the name
+    assert names(second)["Shared"] == voice["id"]
+    with second.http() as http:
+        assert http.get("/v1/audio/voices/shared").json()["id"] == voice["id"]
+        taken = upload(http, name="shared", audio=make_clip("wav", 1.8), transcript="Other words.")
+        same = upload(http, name="Another", audio=make_clip("wav", 1.5), transcript="Shared words.")
+    assert taken.status_code == 409 and taken.json()["error"]["code"] == "voice_name_taken"
+    assert same.status_code == 409 and same.json()["error"]["code"] == "voice_already_exists"
+    second.client().audio.speech.create(model="tts-1", voice="shared", input="zqsharedspeech Hello.")
+    [record] = standin_backend.requests_tagged("zqsharedspeech")
+    assert record["voice_id"] == voice["id"]
+    # a restarted replica lists the name once, for the same voice
+    restarted = gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path)
+    voices = restarted.client().get("/audio/voices", cast_to=object)["voices"]
+    listed = [v for v in voices if v["name"].lower() == "shared"]
+    assert listed == [{"id": voice["id"], "name": "Shared"}]
+    # a deletion on one replica is seen by the others, and frees the name
+    with second.http() as http:
+        assert http.delete(f"/v1/audio/voices/{voice['id']}").status_code == 200
+    with first.http() as http:
+        assert http.get(f"/v1/audio/voices/{voice['id']}").status_code == 404
+        assert upload(http, name="SHARED", audio=make_clip("wav", 1.8), transcript="New words.").status_code == 200
+
+
+async def test_replicas_racing_for_one_name_give_it_to_exactly_one(standin_backend, gateway_factory, tmp_path):
+    replicas = [gateway_factory(standin_backend.server.grpc_url, uploaded_voices_dir=tmp_path) for _ in range(3)]
+
+    async def post(gateway, i: int) -> httpx.Response:
+        files = {
+            "name": (None, "Raced"), "transcript": (None, f"Take {i}."),
+            "audio_sample": ("a.wav", make_clip("wav", 1.0 + 0.2 * i)),
+        }  # fmt: skip
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=60) as client:
+            return await client.post("/v1/audio/voices", files=files)
+
+    responses = await asyncio.gather(*(post(g, i) for i, g in enumerate(replicas * 2)))
+    assert sorted(r.status_code for r in responses) == [200] + [409] * 5
+    assert {v.name for v in VoiceStore(tmp_path).load()} == {"Raced"}
+    assert len(list(tmp_path.glob("*.wav"))) == 1

@@ -169,4 +169,4 @@ def test_voice_routes_require_the_api_key(keyed_voice_gateway):
         assert created.status_code == 200
         assert "keyed" in {v["name"] for v in http.get("/v1/audio/voices").json()["voices"]}
         assert http.delete(f"/v1/audio/voices/{created.json()['id']}").status_code == 200
-    assert list(keyed_voice_gateway.settings.uploaded_voices_dir.iterdir()) == []
+    assert [p for p in keyed_voice_gateway.settings.uploaded_voices_dir.rglob("*") if p.is_file()] == []

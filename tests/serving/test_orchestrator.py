@@ -220,7 +220,6 @@ def test_parse_request_accepts_the_contract_and_slices_the_audio():
         ({contract.REFERENCE_WAV_LEN.name: np.array([9000], np.int32)}, "reference_wav_len"),
         ({contract.REFERENCE_WAV_LEN.name: np.array([100], np.int32)}, "reference_wav_len"),
         ({contract.REFERENCE_WAV.name: np.full(8000, np.nan, np.float32)}, "NaN"),
-        ({contract.TARGET_TEXT.name: np.array([b"   "], object)}, "target_text is empty"),
         ({contract.TARGET_TEXT.name: np.array([b"\xff"], object)}, "UTF-8"),
         ({contract.VOICE_ID.name: np.array([b""], object)}, "voice_id"),
         ({contract.REFERENCE_WAV_LEN.name: None}, "reference_wav_len"),
@@ -262,3 +261,25 @@ async def test_streaming_asks_for_tokens_at_the_chunk_boundaries_and_gets_the_sa
     assert [(c.output_tokens, c.final) for c in chunks_b] == [(c.output_tokens, c.final) for c in chunks_a]
     await collect(orch_b, request(), streaming=False)
     assert buffered.llm_requests[-1].deliver_at == ()  # offline: the tokens are needed only at the end
+
+
+@pytest.mark.parametrize("text", [b"", b"   "])
+async def test_empty_target_text_only_prepares_the_voice(text):
+    """The contract's warm-up rule: the voice prompt is computed, nothing is spoken, zero tokens."""
+    config = OrchestratorConfig(vocab=VOCAB)
+    req = parse_request(_arrays(**{contract.TARGET_TEXT.name: np.array([text], object)}), config)
+    assert req.target_text == ""
+    clients = FakeClients(list(range(10)))
+    prepared: list[str] = []
+
+    async def voice_prompt(request):
+        prepared.append(request.voice_id)
+        return PROMPT
+
+    clients.voice_prompt = voice_prompt
+    orch = orchestrator(clients)
+    for streaming in (False, True):
+        [chunk] = await collect(orch, req, streaming)
+        assert chunk.final and chunk.waveform.size == 0 and (chunk.input_tokens, chunk.output_tokens) == (0, 0)
+    assert prepared == ["abc", "abc"] and clients.llm_requests == [] and clients.calls == []
+    assert orch.stats.get("orchestrator_active_requests") == 0

@@ -11,8 +11,8 @@ normalization leaves them alone):
 * ``failstart``     error before any audio
 * ``failmid``       streaming: one chunk, then an error
 * ``invalidinput``  error tagged ``[invalid_input]``; ``overloaded``: tagged ``[overloaded]``
-* ``holdstream``    after the first chunk, wait until ``<marker_dir>/<tag>.release`` exists (or the
-  request is cancelled, or 30 s pass -> error)
+* ``holdstream``    after the first chunk (offline: before the response), wait until
+  ``<marker_dir>/<tag>.release`` exists (or the request is cancelled, or 30 s pass -> error)
 * ``zq<letters>``   the request's tag, used for marker files
 
 Voice-prompt cache, as the contract describes it: an EMPTY ``target_text`` only "prepares" the voice
@@ -41,12 +41,16 @@ from typing import Any
 
 import numpy as np
 
+from triton_repo.contract import MAX_SEGMENT_TOKENS, REFERENCE_SAMPLE_RATE
+
 SAMPLE_RATE = 24_000
 SECONDS_PER_CHAR = 0.02
 MIN_SECONDS = 0.25
 #: CosyVoice2's speech tokens are 25 Hz.
 SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
 HOLD_TIMEOUT_S = 30.0
+#: The real pipeline's shortest reference (cosyvoice2_serving.orchestrator.OrchestratorConfig): 0.1 s.
+MIN_REFERENCE_SAMPLES = REFERENCE_SAMPLE_RATE // 10
 
 
 def frequency_for(text: str) -> float:
@@ -55,7 +59,9 @@ def frequency_for(text: str) -> float:
 
 
 def samples_for(text: str) -> int:
-    return round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE)
+    """Whole speech tokens, as the real pipeline produces (960 samples per token)."""
+    tokens = round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE / SAMPLES_PER_TOKEN)
+    return tokens * SAMPLES_PER_TOKEN
 
 
 def waveform_for(text: str) -> np.ndarray:
@@ -114,7 +120,7 @@ class TritonPythonModel:
         wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
         seed = pb_utils.get_input_tensor_by_name(request, "seed")
         instruction = pb_utils.get_input_tensor_by_name(request, "instruction_text")
-        target = text("target_text")
+        target = text("target_text").strip()  # whitespace only counts as empty, as in the pipeline
         words = _words(target)
         cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
         voice_cached = cache_entry.exists()
@@ -138,6 +144,17 @@ class TritonPythonModel:
     def _prompt_text(info: dict[str, Any]) -> str:
         """An instruction replaces the transcript in what the LLM reads (CosyVoice2's instruct mode)."""
         return info["instruction_text"] or info["reference_text"]
+
+    def _contract_violation(info: dict[str, Any]) -> str | None:
+        """The input checks of the real pipeline (docs/pipeline-contract.md), so the two cannot drift:
+        a reference under 0.1 s, a segment above the token limit (each whitespace-separated word is at
+        least one token, so more words than the limit are surely too many)."""
+        if not MIN_REFERENCE_SAMPLES <= info["reference_wav_len"] <= info["reference_samples"]:
+            return f"[invalid_input] reference_wav_len must be >= {MIN_REFERENCE_SAMPLES} samples"
+        words = len(info["target_text"].split())
+        if words > MAX_SEGMENT_TOKENS:
+            return f"[invalid_input] target_text has at least {words} tokens; at most {MAX_SEGMENT_TOKENS} per segment"
+        return None
 
     @staticmethod
     def _error_message(words: set[str]) -> str | None:
@@ -165,6 +182,10 @@ class TritonPythonModel:
 
     async def _offline(self, request: Any) -> Any:
         info = self._read(request)
+        violation = self._contract_violation(info)
+        if violation:
+            self._log(info, "failed", 0)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(violation))
         if not info["target_text"]:
             return self._prepared(info)
         error = self._error_message(info["words"]) or ("stand-in failure" if "failmid" in info["words"] else None)
@@ -172,6 +193,16 @@ class TritonPythonModel:
             self._log(info, "failed", 0)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
         await asyncio.sleep(self.chunk_delay_s)
+        if "holdstream" in info["words"]:
+            try:
+                await self._hold(request, info["tag"])
+            except asyncio.CancelledError:
+                self._mark(info["tag"], "cancelled")
+                self._log(info, "cancelled", 0)
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled"))
+            except StandinFailure as exc:
+                self._log(info, "failed", 0)
+                return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
         wave = waveform_for(info["target_text"])
         self._log(info, "done", wave.size)
         return self._response(wave, self._prompt_text(info), info["target_text"], wave.size)
@@ -180,6 +211,11 @@ class TritonPythonModel:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         info = self._read(request)
+        violation = self._contract_violation(info)
+        if violation:
+            self._log(info, "failed", 0)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(violation)), flags=final)
+            return
         if not info["target_text"]:
             sender.send(self._prepared(info), flags=final)
             return

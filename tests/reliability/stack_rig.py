@@ -1,0 +1,206 @@
+"""The local stack (`python -m triton_repo.stack`) on the tiny model as a subprocess on loopback, plus what
+the reliability suites need to observe and hurt it: its processes (from /proc), their memory, its metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from triton_repo.server import REPO_ROOT, free_port
+
+#: Loading the tiny pipeline on a busy 2-core machine takes tens of seconds.
+START_TIMEOUT_S = 300.0
+#: The tiny model's random weights never stop by themselves (every request would generate 20 speech tokens per
+#: text token); benchmark mode makes it exactly this many, so suites measure the serving path, not the CPU.
+SPEECH_RATIO = ("--benchmark-speech-ratio", "2")
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for other in _pids():
+        parent = _ppid(other)
+        if parent is not None:
+            children.setdefault(parent, []).append(other)
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def http_status(url: str, timeout: float = 3.0) -> int:
+    """The status of a GET (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - loopback
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+@dataclass
+class StackProcess:
+    """``python -m triton_repo.stack`` with pinned ports; stopped (TERM, then KILL of its group) by ``stop``."""
+
+    model_dir: Path
+    work_dir: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    gateway_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    grpc_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "stack.log"
+
+    def start(self) -> StackProcess:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "TTS_PORT": str(self.gateway_port),
+            "TTS_UPLOADED_VOICES_DIR": str(self.work_dir / "voices"),
+            "COSYVOICE_TRITON_HTTP_PORT": str(self.http_port),
+            "COSYVOICE_TRITON_GRPC_PORT": str(self.grpc_port),
+            "COSYVOICE_TRITON_METRICS_PORT": str(self.metrics_port),
+            **self.extra_env,
+        }
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(  # noqa: S603 - our own module
+                [sys.executable, "-m", "triton_repo.stack", "--model-dir", str(self.model_dir),
+                 "--repo-dir", str(self.work_dir / "repo"), *self.extra_args],
+                cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        if self.wait_ready(START_TIMEOUT_S) is None:
+            log = self.log_tail()
+            self.stop()
+            raise RuntimeError(f"the stack did not become ready; log tail:\n{log}")
+        return self
+
+    def wait_ready(self, timeout: float) -> float | None:
+        """Seconds until the gateway's /ready said 200 (None: it did not within ``timeout``)."""
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if self.proc is not None and self.proc.poll() is not None:
+                return None
+            if http_status(f"{self.url}/ready") == 200:
+                return time.monotonic() - started
+            time.sleep(0.2)
+        return None
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    # processes ---------------------------------------------------------------------------------------
+    def tritonserver_pid(self) -> int | None:
+        flag = f"--grpc-port={self.grpc_port}"
+        for pid in descendants(self.proc.pid) if self.proc else []:
+            cmd = _cmdline(pid)
+            if cmd and cmd[0].endswith("tritonserver") and flag in cmd:
+                return pid
+        return None
+
+    def stub_pid(self, model: str) -> int | None:
+        """The python-backend stub process serving ``model``."""
+        triton = self.tritonserver_pid()
+        for pid in descendants(triton) if triton else []:
+            cmd = _cmdline(pid)
+            if len(cmd) > 1 and cmd[0].endswith("triton_python_backend_stub") and f"/{model}/1/model.py" in cmd[1]:
+                return pid
+        return None
+
+    def gateway_pid(self) -> int | None:
+        for pid in descendants(self.proc.pid) if self.proc else []:
+            if _cmdline(pid)[1:3] == ["-m", "gateway"]:
+                return pid
+        return None
+
+    def triton_rss(self) -> int:
+        """tritonserver and all its stubs."""
+        triton = self.tritonserver_pid()
+        return sum(rss_bytes(pid) for pid in ([triton, *descendants(triton)] if triton else []))
+
+    def gateway_rss(self) -> int:
+        pid = self.gateway_pid()
+        return rss_bytes(pid) if pid else 0
+
+    def gateway_metric(self, name: str, labels: str = "") -> float:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:  # noqa: S310
+            text = response.read().decode()
+        match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    def triton_active_requests(self) -> float:
+        """Requests the pipeline entry models hold now (the orchestrator's gauge, both models)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310
+            text = response.read().decode()
+        gauges = re.findall(r"^cosyvoice2_orchestrator_active_requests\{[^}]*\} (\S+)$", text, re.M)
+        return sum(float(v) for v in gauges)
+
+    def stop(self, timeout: float = 120.0) -> int | None:
+        """SIGTERM (drain), wait, then KILL whatever is left of the group. The stack's exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return self.proc.wait(10)
