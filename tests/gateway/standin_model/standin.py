@@ -145,6 +145,7 @@ class TritonPythonModel:
         """An instruction replaces the transcript in what the LLM reads (CosyVoice2's instruct mode)."""
         return info["instruction_text"] or info["reference_text"]
 
+    @staticmethod
     def _contract_violation(info: dict[str, Any]) -> str | None:
         """The input checks of the real pipeline (docs/pipeline-contract.md), so the two cannot drift:
         a reference under 0.1 s, a segment above the token limit (each whitespace-separated word is at
