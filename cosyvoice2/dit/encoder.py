@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..flow.encoder import LinearEmbedding  # the same embedding layer as the UNet flow's encoder
 from .config import DiTEncoderConfig
 
 _EMBED_LN_EPS = 1e-5
@@ -49,18 +50,6 @@ def relative_positions(keys: int, queries: int, width: int, device: torch.device
     table[:, 0::2] = torch.sin(angle)
     table[:, 1::2] = torch.cos(angle)
     return table.unsqueeze(0).to(dtype)
-
-
-class Embedding(nn.Module):
-    """Linear -> LayerNorm -> x sqrt(width) (`embed` and `up_embed`)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.out = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width, eps=_EMBED_LN_EPS))
-        self.scale = math.sqrt(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(x) * self.scale
 
 
 class RelPositionAttention(nn.Module):
@@ -192,12 +181,12 @@ class UpsampleConformerEncoderV2(nn.Module):
         super().__init__()
         self.config = config
         w = config.width
-        self.embed = Embedding(w)
+        self.embed = LinearEmbedding(w)
         self.pre_lookahead_layer = PreLookaheadLayer(w, config.pre_lookahead_len)
         self.encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                       for _ in range(config.num_blocks))
         self.up_layer = Upsample(w, config.upsample_stride)
-        self.up_embed = Embedding(w)
+        self.up_embed = LinearEmbedding(w)
         self.up_encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                          for _ in range(config.num_up_blocks))
         self.after_norm = nn.LayerNorm(w, eps=_EMBED_LN_EPS)

@@ -17,8 +17,9 @@ from tests.gateway.audio_checks import decode
 pytestmark = pytest.mark.triton
 
 RATE = 24_000
-#: Three segments: each sentence (about 75 tokens) is long enough that the segmenter keeps them apart.
-_FILLER = " ".join(["and then the story continues with more and more words"] * 6)
+#: Three segments: each sentence (~260 bytes) is long enough that the segmenter keeps them apart and short
+#: enough (under the 300-byte segment bound) that it does not split them.
+_FILLER = " ".join(["and then the story continues with more and more words"] * 4)
 TEXT = " ".join(
     f"zqcap{tag} this sentence about the number {word} {_FILLER}." for tag, word in (("a", "one"), ("b", "two"), ("c", "three"))
 )
