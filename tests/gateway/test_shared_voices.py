@@ -24,8 +24,9 @@ def test_a_voice_uploaded_on_one_replica_is_spoken_by_another(replicas, standin_
         assert response.status_code == 200, response.text
         voice_id = response.json()["id"]
     with second.http() as http:
-        assert "Shared Voice" not in {v["name"] for v in http.get("/v1/audio/voices").json()["voices"]}  # not yet
-        assert http.get(f"/v1/audio/voices/{voice_id}").json()["name"] == "Shared Voice"  # found on disk by id
+        # the other replica re-reads the shared directory: listed, and found by id, at once
+        assert "Shared Voice" in {v["name"] for v in http.get("/v1/audio/voices").json()["voices"]}
+        assert http.get(f"/v1/audio/voices/{voice_id}").json()["name"] == "Shared Voice"
     second.client().audio.speech.create(model="tts-1", voice="shared voice", input="zqsharedname Hi.")
     [record] = standin_backend.requests_tagged("zqsharedname")
     assert record["voice_id"] == voice_id and record["reference_text"] == "Shared words."

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.triton
 #: Long enough for two segments; every sentence carries the stand-in's tag so each segment's request is found.
 TWO_SEGMENTS = " ".join(
     f"zqinstructed sentence number {word} keeps going on for quite a while, with many words in it."
-    for word in ("one", "two", "three", "four", "five", "six")
+    for word in ("one", "two", "three", "four")
 )
 
 
