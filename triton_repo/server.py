@@ -1,7 +1,7 @@
 """Start and stop the `tritonserver` binary shipped in the `nvidia-pytriton` wheel.
 
 Used by the local stack (`make run`) and by the test fixtures. The facts behind each step are in
-shared/reference/triton-cpu.md: the python-backend stub must sit in a private backend dir, find its
+docs/triton.md: the python-backend stub must sit in a private backend dir, find its
 libraries through LD_LIBRARY_PATH, and run in an environment with numpy < 2; a server with a stream
 in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process group.
 """

@@ -35,7 +35,7 @@ RELEASED_TEXT_VOCAB = 151643  # regular Qwen2 vocabulary entries; <|endoftext|> 
 
 
 def tiny_config() -> EngineConfig:
-    """The parity harness's micro dimensions (shared/data/parity/micro/harness_config.json)."""
+    """The parity harness's micro dimensions (its harness_config.json)."""
     return EngineConfig(
         llm=LLMConfig(qwen=Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, intermediate_size=128, vocab_size=512)),
