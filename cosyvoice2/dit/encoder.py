@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..flow.encoder import LinearEmbedding  # the same embedding layer as the UNet flow's encoder
+from ..flow.encoder import LinearEmbedding, PositionwiseFeedForward  # the same layers as the UNet flow's encoder
 from .config import DiTEncoderConfig
 
 _EMBED_LN_EPS = 1e-5
@@ -103,23 +103,13 @@ class RelPositionAttention(nn.Module):
         return self.linear_out(out), new_cache
 
 
-class FeedForward(nn.Module):
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.w_1 = nn.Linear(width, hidden)
-        self.w_2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_2(F.silu(self.w_1(x)))
-
-
 class ConformerLayer(nn.Module):
     """Pre-LN attention then feed-forward, both residual (no macaron FFN, no convolution module)."""
 
     def __init__(self, width: int, heads: int, hidden: int) -> None:
         super().__init__()
         self.self_attn = RelPositionAttention(width, heads)
-        self.feed_forward = FeedForward(width, hidden)
+        self.feed_forward = PositionwiseFeedForward(width, hidden)
         self.norm_ff = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
         self.norm_mha = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
 
