@@ -236,3 +236,33 @@ def test_over_budget_stream_recomputes_and_returns_its_memory(tiny_engine, tiny_
     limited = stream_audio(engine, tiny_prompt_unaligned, long_tokens, seed=4)
     assert np.abs(limited - exact).max() < 1e-3
     assert engine.cache_bytes == 0
+
+
+@parity
+def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
+    """The CUDA-graph path's shapes on CPU: calls padded to (rows, new frames, history) buckets, the history
+    gathered into one static buffer (one copy for rows sharing a voice prefix), run eagerly."""
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow)
+    graphs = runner.graphs
+    graphs.emulate = True
+    graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
+    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    chunks = [c for c in ChunkSchedule(prompt_tokens=40).chunks(300) if not c.final]
+    streams = [(random_tokens(300, seed=30 + s), CachedSegment()) for s in range(3)]
+    worst, rows_seen = 0.0, set()
+    for round_ in range(len(chunks) + len(streams) - 1):  # stream s runs chunk i at round i + s
+        work = [(s, chunks[round_ - s]) for s in range(len(streams)) if 0 <= round_ - s < len(chunks)]
+        rows = [CachedRow(torch.cat([prompt_tokens, streams[s][0][: c.feed]]), prompt_mel, spks, prefix,
+                          streams[s][1], stop=40 + c.stop, final=False, keep=True, emit_from=40 + c.start)
+                for s, c in work]
+        rows_seen.add(len(rows))
+        for (s, chunk), mel in zip(work, runner.run(rows)):
+            ref = recompute(flow, prompt_tokens, prompt_mel, dump["in_xvector"][0], streams[s][0][: chunk.feed],
+                            chunk.start, final=False)
+            assert mel.shape == ref.shape
+            worst = max(worst, (mel - ref).abs().max().item())
+    assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
+    assert worst <= MEL_TOL
