@@ -26,6 +26,9 @@ from pathlib import Path
 from string import Template
 from typing import Sequence
 
+from cosyvoice2.config import EngineConfig
+from cosyvoice2.dit.config import DiTFlowConfig
+from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
 from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.streaming import FLOW_CACHE_MODES
@@ -167,6 +170,8 @@ def check_options(opts: RenderOptions) -> None:
                 check_dit_dir(opts.dit_dir)
             except FileNotFoundError as exc:
                 errors.append(f"--dit-dir: {exc}")
+            else:
+                errors += _dit_fit_errors(opts.model_dir, opts.dit_dir)
     elif opts.dit_dir is not None:
         errors.append("--dit-dir is only used with --token2wav dit")
     if not opts.repetition_penalty > 0:
@@ -491,6 +496,26 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
     record = asdict(opts)
     record.pop("out")
     return {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+
+
+def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:
+    """The DiT flow must take every speech token the LLM can emit, and the lookahead the orchestrators' chunks
+    carry (CosyVoice2's schedule drives the DiT streams)."""
+    try:
+        dit = DiTFlowConfig.from_flow_yaml(dit_dir / DIT_FLOW_CONFIG)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a malformed yaml, any shape
+        return [f"--dit-dir: {dit_dir / DIT_FLOW_CONFIG} is not a DiT flow config ({exc})"]
+    if not model_dir.is_dir():
+        return []  # reported above
+    engine = EngineConfig.for_model_dir(model_dir)
+    errors = []
+    if dit.vocab_size < engine.llm.speech_token_size:
+        errors.append(f"--dit-dir: the DiT flow knows {dit.vocab_size} speech tokens, the LLM emits "
+                      f"{engine.llm.speech_token_size}")
+    if dit.pre_lookahead_len != engine.flow.pre_lookahead_len:
+        errors.append(f"--dit-dir: the DiT flow's lookahead is {dit.pre_lookahead_len} tokens, the chunk schedule "
+                      f"sends {engine.flow.pre_lookahead_len}")
+    return errors
 
 
 # -- validation of the rendered repository --------------------------------------------------------

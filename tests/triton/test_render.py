@@ -250,3 +250,22 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
                  "--dit-dir", str(dit_dir)]) == 2
     assert "lacks hift.pt" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_dit_flow_that_cannot_take_the_llms_tokens_or_chunks_is_refused(tiny_model_dir, tmp_path):
+    from cosyvoice2.dit.testing import micro_dit_config, write_dit_model
+
+    micro = micro_dit_config()
+    small_vocab = write_dit_model(tmp_path / "vocab", replace(micro, vocab_size=4096))
+    with pytest.raises(RenderError, match="knows 4096 speech tokens, the LLM emits 6561"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "a", token2wav="dit",
+                                       dit_dir=small_vocab))
+    lookahead = write_dit_model(tmp_path / "lookahead",
+                                replace(micro, encoder=replace(micro.encoder, pre_lookahead_len=5)))
+    with pytest.raises(RenderError, match="lookahead is 5 tokens, the chunk schedule sends 3"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "b", token2wav="dit",
+                                       dit_dir=lookahead))
+    (lookahead / "flow.yaml").write_text("flow: [not, a, mapping]\n")
+    with pytest.raises(RenderError, match="is not a DiT flow config"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "c", token2wav="dit",
+                                       dit_dir=lookahead))
