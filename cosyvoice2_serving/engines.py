@@ -6,6 +6,8 @@
 * `BatchedToken2Wav` - `Token2WavEngine` over `cosyvoice2.streaming`: all jobs of a call (streaming chunks of
   any shapes, offline utterances) share the flow and HiFT forwards; caches and noise stay per stream (so a
   seeded request sounds the same whether or not it was batched).
+* `DiTBatchedToken2Wav` - the same `Token2WavEngine` over the DiT token2wav (`cosyvoice2.dit`): per-voice prompt
+  caches shared by the streams of a voice, all per-stream state in a `DiTStream`.
 * `speech_tokens`, `speaker_xvector`, `prompt_tensors` - the prompt features from 16 kHz audio.
 """
 
@@ -20,6 +22,8 @@ import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig
+from cosyvoice2.dit.flow import PromptCache
+from cosyvoice2.dit.token2wav import DiTStream, DiTToken2Wav, VoiceCaches, prompt_key
 from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -145,6 +149,69 @@ class BatchedToken2Wav:
             return exc
 
     def _run_alone(self, job: tuple[Token2WavStream, Chunk]) -> np.ndarray | Exception:
+        try:
+            return self.engine.run_chunks([job])[0]
+        except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed
+            return exc
+
+
+@dataclass
+class DiTStreamState:
+    prompt: PromptCache  # the voice's shared, read-only prompt cache (offline jobs open their own stream on it)
+    stream: DiTStream
+
+
+class DiTBatchedToken2Wav:
+    """`Token2WavEngine` over the DiT token2wav: all jobs of a service batch run as one `DiTToken2Wav.run_chunks`
+    call (one batched flow call, one HiFT call); if that call fails, each job runs alone, so only the bad one fails.
+
+    The orchestrator's chunks (`cosyvoice2.streaming.Chunk`, the UNet schedule) drive the DiT streams as they are:
+    a DiT stream takes any hop >= 4 tokens with the flow's lookahead (3 tokens), and emits 960 samples per token
+    in all, like the UNet token2wav. The prompt cache of a voice is computed once (`VoiceCaches`, keyed by the
+    prompt's features) and shared by all its streams."""
+
+    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64) -> None:
+        self.engine = engine
+        self.voices = VoiceCaches(voice_capacity)
+        self.vocab_size = engine.flow.config.vocab_size
+
+    def capture_graphs(self) -> tuple[int, float]:
+        """No CUDA graphs on the DiT path: (0 graphs, 0 s), so the adapter treats both engines alike."""
+        return 0, 0.0
+
+    def open(self, prompt: PromptTensors, seed: int | None) -> DiTStreamState:
+        engine = self.engine
+        key = prompt_key(prompt.speech_tokens, prompt.mel, prompt.embedding)
+
+        def compute() -> PromptCache:
+            with torch.inference_mode():
+                return engine.prompt_cache(prompt.speech_tokens, prompt.mel, prompt.embedding)
+
+        cache = self.voices.get(key, compute)
+        return DiTStreamState(cache, engine.open_stream(cache, engine.new_generator(seed)))
+
+    def run(self, work: Sequence[Work[DiTStreamState]]) -> list[np.ndarray | Exception]:
+        jobs = [self._job(item) for item in work]
+        ready = [job for job in jobs if not isinstance(job, Exception)]
+        try:
+            audio = iter(self.engine.run_chunks(ready))
+            return [job if isinstance(job, Exception) else next(audio) for job in jobs]
+        except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
+            return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
+
+    def _job(self, item: Work[DiTStreamState]) -> tuple[DiTStream, Chunk] | Exception:
+        try:
+            tokens = item.tokens.tolist()
+            if tokens and (max(tokens) >= self.vocab_size or min(tokens) < 0):
+                raise InvalidInput(f"speech tokens must lie in 0..{self.vocab_size - 1} (the DiT flow vocabulary)")
+            if item.chunk is None:
+                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
+            item.state.stream.extend(tokens)
+            return item.state.stream, item.chunk
+        except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
+            return exc
+
+    def _run_alone(self, job: tuple[DiTStream, Chunk]) -> np.ndarray | Exception:
         try:
             return self.engine.run_chunks([job])[0]
         except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed

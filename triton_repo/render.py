@@ -3,7 +3,8 @@
     python -m triton_repo.render --model-dir models/CosyVoice2-0.5B --out models/triton_repo \\
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
-        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token]
+        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token] \
+        [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. Every option is checked before
@@ -25,6 +26,10 @@ from pathlib import Path
 from string import Template
 from typing import Sequence
 
+from cosyvoice2.config import EngineConfig
+from cosyvoice2.dit.config import DiTFlowConfig
+from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
+from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
@@ -45,6 +50,8 @@ DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
 #: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
 #: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
 LLM_DELIVERIES = ("chunk", "token")
+#: unet: CosyVoice2's own flow (`--model-dir`); dit: the DiT flow of Step-Audio-2-mini (`--dit-dir`, docs/engine.md).
+TOKEN2WAVS = ("unet", "dit")
 DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
 ENGINE_MODEL = "engine"
 #: The engine's logits type the per-request embedding bias (float32) needs: trtllm-build --logits_dtype float32.
@@ -77,6 +84,10 @@ class RenderOptions:
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
     flow_cache: str = "chunked"
     flow_cache_gb: float = 32.0
+    # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
+    # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
+    token2wav: str = "unet"
+    dit_dir: Path | None = None
     # Benchmark mode for random-weight models (they stop at random): every request generates exactly
     # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
     benchmark_speech_ratio: float | None = None
@@ -149,6 +160,20 @@ def check_options(opts: RenderOptions) -> None:
         errors.append(f"--flow-cache must be one of {', '.join(FLOW_CACHE_MODES)}, got {opts.flow_cache!r}")
     if not opts.flow_cache_gb >= 0:
         errors.append(f"--flow-cache-gb must be >= 0, got {opts.flow_cache_gb}")
+    if opts.token2wav not in TOKEN2WAVS:
+        errors.append(f"--token2wav must be one of {', '.join(TOKEN2WAVS)}, got {opts.token2wav!r}")
+    elif opts.token2wav == "dit":
+        if opts.dit_dir is None:
+            errors.append("--token2wav dit needs --dit-dir (the released token2wav/ directory of Step-Audio-2-mini)")
+        else:
+            try:
+                check_dit_dir(opts.dit_dir)
+            except FileNotFoundError as exc:
+                errors.append(f"--dit-dir: {exc}")
+            else:
+                errors += _dit_fit_errors(opts.model_dir, opts.dit_dir)
+    elif opts.dit_dir is not None:
+        errors.append("--dit-dir is only used with --token2wav dit")
     if not opts.repetition_penalty > 0:
         errors.append(f"--repetition-penalty must be > 0 (1 = off), got {opts.repetition_penalty}")
     if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:
@@ -413,6 +438,8 @@ def _token2wav_parameters(opts: RenderOptions) -> dict[str, object]:
         "chunk_growth": opts.chunk_growth,
         "flow_cache": opts.flow_cache,
         "flow_cache_gb": opts.flow_cache_gb,
+        "token2wav": opts.token2wav,
+        "dit_dir": opts.dit_dir.resolve() if opts.dit_dir is not None else "",
     }
 
 
@@ -469,6 +496,26 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
     record = asdict(opts)
     record.pop("out")
     return {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+
+
+def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:
+    """The DiT flow must take every speech token the LLM can emit, and the lookahead the orchestrators' chunks
+    carry (CosyVoice2's schedule drives the DiT streams)."""
+    try:
+        dit = DiTFlowConfig.from_flow_yaml(dit_dir / DIT_FLOW_CONFIG)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a malformed yaml, any shape
+        return [f"--dit-dir: {dit_dir / DIT_FLOW_CONFIG} is not a DiT flow config ({exc})"]
+    if not model_dir.is_dir():
+        return []  # reported above
+    engine = EngineConfig.for_model_dir(model_dir)
+    errors = []
+    if dit.vocab_size < engine.llm.speech_token_size:
+        errors.append(f"--dit-dir: the DiT flow knows {dit.vocab_size} speech tokens, the LLM emits "
+                      f"{engine.llm.speech_token_size}")
+    if dit.pre_lookahead_len != engine.flow.pre_lookahead_len:
+        errors.append(f"--dit-dir: the DiT flow's lookahead is {dit.pre_lookahead_len} tokens, the chunk schedule "
+                      f"sends {engine.flow.pre_lookahead_len}")
+    return errors
 
 
 # -- validation of the rendered repository --------------------------------------------------------
@@ -648,6 +695,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flow-cache-gb", type=float, default=defaults.flow_cache_gb,
                         help="memory for live streams' flow caches (0: no limit)")
     parser.add_argument(
+        "--token2wav", default=defaults.token2wav, choices=TOKEN2WAVS,
+        help="unet: CosyVoice2's flow from --model-dir; dit: the DiT flow of Step-Audio-2-mini from --dit-dir",
+    )  # fmt: skip
+    parser.add_argument("--dit-dir", type=Path, help="the released token2wav/ directory (flow.yaml, flow.pt, hift.pt)")
+    parser.add_argument(
         "--layout", default=None, choices=LAYOUTS,
         help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",
     )  # fmt: skip
@@ -684,6 +736,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chunk_growth=args.chunk_growth,
                 flow_cache=args.flow_cache,
                 flow_cache_gb=args.flow_cache_gb,
+                token2wav=args.token2wav,
+                dit_dir=args.dit_dir,
                 layout=args.layout,
                 llm_delivery=args.llm_delivery,
                 voice_cache=args.voice_cache,

@@ -3,6 +3,7 @@ layout: LLM and token2wav in one `engine` process), start the bundled tritonserv
 front of it, and keep both running.
 
     python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
+                                [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
 
 Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
@@ -13,7 +14,8 @@ exits it is restarted the same way. Ctrl-C
 exits, then tritonserver is stopped; a second signal stops at once.
 
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
-`COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
+`COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
+`--token2wav` / `--dit-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory is missing or empty the build tooling's
 `download` stage fetches it, if that tooling is installed; otherwise the launcher says what to put where.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from triton_repo.render import MODEL_FILES, RenderError, RenderOptions, write_repository
+from triton_repo.render import MODEL_FILES, TOKEN2WAVS, RenderError, RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, free_port
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
@@ -270,10 +272,13 @@ def run_stack(
     gateway_port: int | None,
     ports: TritonPorts,
     benchmark_speech_ratio: float | None = None,
+    token2wav: str = "unet",
+    dit_dir: Path | None = None,
 ) -> int:
     ensure_model_dir(model_dir)
     options = RenderOptions(
-        model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio
+        model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
+        token2wav=token2wav, dit_dir=dit_dir,
     )
     repo = write_repository(options)
     _log(f"rendered {repo}; starting tritonserver (loading models takes a while)")
@@ -315,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=os.environ.get("COSYVOICE_DEVICE", "cpu"), choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=os.environ.get("COSYVOICE_DTYPE", "fp32"), choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--port", type=int, default=None, help="gateway port (default: TTS_PORT or 8080)")
+    parser.add_argument("--token2wav", default=os.environ.get("COSYVOICE_TOKEN2WAV", "unet"), choices=TOKEN2WAVS,
+                        help="unet: CosyVoice2's flow; dit: the DiT flow of Step-Audio-2-mini (needs --dit-dir)")
+    parser.add_argument("--dit-dir", type=Path, default=os.environ.get("COSYVOICE_DIT_DIR") or None,
+                        help="the released token2wav/ directory (default: COSYVOICE_DIT_DIR)")
     for kind in ("http", "grpc", "metrics"):
         parser.add_argument(
             f"--triton-{kind}-port", type=int, default=None,
@@ -336,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return run_stack(
             args.model_dir.resolve(), args.repo_dir.resolve(), args.device, args.dtype, args.port, ports,
-            args.benchmark_speech_ratio,
+            args.benchmark_speech_ratio, args.token2wav,
+            Path(args.dit_dir).resolve() if args.dit_dir else None,
         )  # fmt: skip
     except (StackError, RenderError, TritonLaunchError) as exc:
         print(f"[stack] error: {exc}", file=sys.stderr)

@@ -76,6 +76,10 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"instances": {"engine": 2}}, "per-request state"),
         ({"llm_delivery": "bytes"}, "--llm-delivery must be one of chunk, token"),
         ({"llm_backend": "tensorrt_llm", "device": "cuda", "llm_delivery": "chunk"}, "chunk needs --llm-backend pytorch"),
+        ({"token2wav": "bigvgan"}, "--token2wav must be one of unet, dit"),
+        ({"token2wav": "dit"}, "--token2wav dit needs --dit-dir"),
+        ({"token2wav": "dit", "dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir: .* does not exist"),
+        ({"dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir is only used with --token2wav dit"),
     ],
 )
 def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):
@@ -228,3 +232,40 @@ def test_a_delivery_schedule_round_trips_through_the_llm_tensors_and_bad_ones_ar
         arrays[io.DELIVER_AT.name] = np.array([bad], np.int32)
         with pytest.raises(InvalidInput, match=r"deliver_at must be ascending positive"):
             io.parse_llm_request(arrays)
+
+
+def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_dir, tmp_path, capsys):
+    from cosyvoice2.dit.testing import write_dit_model
+
+    dit_dir = write_dit_model(tmp_path / "dit")
+    repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", token2wav="dit",
+                                          dit_dir=dit_dir))
+    params = parameters(parsed_configs(repo)["engine"])
+    assert (params["token2wav"], params["dit_dir"]) == ("dit", str(dit_dir.resolve()))
+    unet = parameters(parsed_configs(write_repository(RenderOptions(model_dir=tiny_model_dir,
+                                                                    out=tmp_path / "unet")))["engine"])
+    assert (unet["token2wav"], unet["dit_dir"]) == ("unet", "")
+    (dit_dir / "hift.pt").unlink()
+    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "r"), "--token2wav", "dit",
+                 "--dit-dir", str(dit_dir)]) == 2
+    assert "lacks hift.pt" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_dit_flow_that_cannot_take_the_llms_tokens_or_chunks_is_refused(tiny_model_dir, tmp_path):
+    from cosyvoice2.dit.testing import micro_dit_config, write_dit_model
+
+    micro = micro_dit_config()
+    small_vocab = write_dit_model(tmp_path / "vocab", replace(micro, vocab_size=4096))
+    with pytest.raises(RenderError, match="knows 4096 speech tokens, the LLM emits 6561"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "a", token2wav="dit",
+                                       dit_dir=small_vocab))
+    lookahead = write_dit_model(tmp_path / "lookahead",
+                                replace(micro, encoder=replace(micro.encoder, pre_lookahead_len=5)))
+    with pytest.raises(RenderError, match="lookahead is 5 tokens, the chunk schedule sends 3"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "b", token2wav="dit",
+                                       dit_dir=lookahead))
+    (lookahead / "flow.yaml").write_text("flow: [not, a, mapping]\n")
+    with pytest.raises(RenderError, match="is not a DiT flow config"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "c", token2wav="dit",
+                                       dit_dir=lookahead))

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 
 from triton_repo.server import REPO_ROOT, free_port
-from triton_repo.stack import StackError, ensure_model_dir
+from triton_repo.stack import StackError, ensure_model_dir, main
 
 pytestmark = pytest.mark.triton
 
@@ -20,6 +20,18 @@ pytestmark = pytest.mark.triton
 def test_an_empty_model_dir_with_an_unusual_name_gets_instructions(tmp_path):
     with pytest.raises(StackError, match="CosyVoice2-0.5B"):
         ensure_model_dir(tmp_path / "somewhere")
+
+
+def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_directory(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("COSYVOICE_TOKEN2WAV", "dit")
+    monkeypatch.setenv("COSYVOICE_DIT_DIR", str(tmp_path / "no_dit"))
+    assert main(["--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "repo").exists()
+    monkeypatch.delenv("COSYVOICE_DIT_DIR")
+    assert main(["--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo")]) == 2
+    assert "--token2wav dit needs --dit-dir" in capsys.readouterr().err
 
 
 def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):

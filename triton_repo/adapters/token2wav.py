@@ -2,6 +2,8 @@
 
 Must run as ONE instance: a stream's state lives in this process (render enforces count 1).
 `Token2WavHandler` is the whole model; the colocated `engine` model hosts it next to the LLM.
+The `token2wav` parameter picks the flow: `unet` (CosyVoice2's, from `model_dir`) or `dit` (the DiT flow of
+Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either way (the orchestrator's).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
+from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
-from cosyvoice2_serving.engines import BatchedToken2Wav
+from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from cosyvoice2_serving.orchestrator import stream_schedule
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
@@ -31,13 +34,18 @@ class Token2WavHandler:
 
     def __init__(self, params: Mapping[str, str]) -> None:
         model_dir = Path(params["model_dir"])
-        config = EngineConfig.for_model_dir(model_dir)
         device, dtype = torch.device(params["device"]), resolve_dtype(params["dtype"])
-        flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
-        hift = load_hift(model_dir / HIFT_FILE, config, device)
-        schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
-        budget = float(params.get("flow_cache_gb", 0)) or None
-        engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "chunked"), budget)
+        engine: BatchedToken2Wav | DiTBatchedToken2Wav
+        if params.get("token2wav", "unet") == "dit":
+            engine = DiTBatchedToken2Wav(load_dit_token2wav(Path(params["dit_dir"]), device, dtype))
+            logger.info("token2wav: DiT flow from %s", params["dit_dir"])
+        else:
+            config = EngineConfig.for_model_dir(model_dir)
+            flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
+            hift = load_hift(model_dir / HIFT_FILE, config, device)
+            schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+            budget = float(params.get("flow_cache_gb", 0)) or None
+            engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "chunked"), budget)
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
             logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
