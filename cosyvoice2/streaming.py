@@ -382,30 +382,14 @@ class Token2Wav:
         return Token2WavStream(self, prompt, self.config.schedule(prompt.num_tokens, first_hop), generator)
 
 
-class Token2WavStream:
-    """All state of one streaming request; feed tokens as the LLM emits them.
+class ChunkedStream:
+    """The token-feeding side of a stream, shared by both token2wavs: a token buffer, the schedule's next chunk,
+    and `push`/`finish` that run the chunks that became ready, alone. Subclasses provide `tokens`, `chunks`,
+    `finished`, `schedule` (with `next_chunk`) and `engine` (with `run_chunks`)."""
 
-    Audio per chunk: a non-final chunk emits 2 x hop x 480 samples (the first one 3840 fewer, held back for
-    the cross-fade), the final chunk emits the rest plus the held-back 3840, so a stream of N tokens yields
-    exactly 960 N samples in total, like `Token2Wav.offline`.
-
-    `push`/`finish` run the chunks that became ready, alone. A batching caller instead `extend`s several
-    streams, takes each one's `next_chunk` and runs them together with `Token2Wav.run_chunks`.
-    """
-
-    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, schedule: ChunkSchedule,
-                 generator: "torch.Generator") -> None:
-        self.engine = engine
-        self.prompt = prompt
-        self.schedule = schedule
-        self.generator = generator
-        self.tokens: list[int] = []
-        self.chunks: list[Chunk] = []  # chunks run so far
-        self._cache: HiFTCache | None = None
-        self.finished = False
-        self.flow_cache: StreamFlowCache | None = None  # set on the first cached chunk
-        self._flow_cache_bytes = 0
-        self._cache_off = engine.flow_cache == "off"  # also set once the engine's cache budget refused this stream
+    tokens: list[int]
+    chunks: list[Chunk]
+    finished: bool
 
     @property
     def _start(self) -> int:
@@ -438,9 +422,35 @@ class Token2WavStream:
 
     def _drain(self, finished: bool) -> list[np.ndarray]:
         out: list[np.ndarray] = []
-        while (chunk := self.next_chunk(finished)):
+        while (chunk := self.next_chunk(finished)) is not None:
             out.extend(self.engine.run_chunks([(self, chunk)]))
         return out
+
+
+class Token2WavStream(ChunkedStream):
+    """All state of one streaming request; feed tokens as the LLM emits them.
+
+    Audio per chunk: a non-final chunk emits 2 x hop x 480 samples (the first one 3840 fewer, held back for
+    the cross-fade), the final chunk emits the rest plus the held-back 3840, so a stream of N tokens yields
+    exactly 960 N samples in total, like `Token2Wav.offline`.
+
+    `push`/`finish` run the chunks that became ready, alone. A batching caller instead `extend`s several
+    streams, takes each one's `next_chunk` and runs them together with `Token2Wav.run_chunks`.
+    """
+
+    def __init__(self, engine: Token2Wav, prompt: FlowPrompt, schedule: ChunkSchedule,
+                 generator: "torch.Generator") -> None:
+        self.engine = engine
+        self.prompt = prompt
+        self.schedule = schedule
+        self.generator = generator
+        self.tokens: list[int] = []
+        self.chunks: list[Chunk] = []  # chunks run so far
+        self._cache: HiFTCache | None = None
+        self.finished = False
+        self.flow_cache: StreamFlowCache | None = None  # set on the first cached chunk
+        self._flow_cache_bytes = 0
+        self._cache_off = engine.flow_cache == "off"  # also set once the engine's cache budget refused this stream
 
     # ---- the steps of one chunk, driven by `Token2Wav.run_chunks` ----------------------------------------
     def check_next(self, chunk: Chunk) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -89,7 +89,44 @@ class StreamState:
     stream: Token2WavStream
 
 
-class BatchedToken2Wav:
+class _BatchedStreams:
+    """What both token2wav engines share: every job of a service batch in one `run_chunks` call of the engine
+    (streaming chunks continue their stream; an offline job is a one-chunk stream); if that call fails, which
+    changes no stream, each job runs alone so that only the bad one fails. Subclasses set `engine` (with
+    `run_chunks` and `offline_job`) and `vocab_size`; states have `.prompt` and `.stream`."""
+
+    engine: Any
+    vocab_size: int
+
+    def run(self, work: Sequence[Work[Any]]) -> list[np.ndarray | Exception]:
+        jobs = [self._job(item) for item in work]
+        ready = [job for job in jobs if not isinstance(job, Exception)]
+        try:
+            audio = iter(self.engine.run_chunks(ready))
+            return [job if isinstance(job, Exception) else next(audio) for job in jobs]
+        except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
+            return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
+
+    def _job(self, item: Work[Any]) -> tuple[Any, Chunk] | Exception:
+        try:
+            tokens = item.tokens.tolist()
+            if tokens and (max(tokens) >= self.vocab_size or min(tokens) < 0):  # on a GPU: a device-side assert
+                raise InvalidInput(f"speech tokens must lie in 0..{self.vocab_size - 1} (the flow vocabulary)")
+            if item.chunk is None:
+                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
+            item.state.stream.extend(tokens)
+            return item.state.stream, item.chunk
+        except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
+            return exc
+
+    def _run_alone(self, job: tuple[Any, Chunk]) -> np.ndarray | Exception:
+        try:
+            return self.engine.run_chunks([job])[0]
+        except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed
+            return exc
+
+
+class BatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
@@ -127,33 +164,6 @@ class BatchedToken2Wav:
         schedule = replace(self.schedule, prompt_tokens=flow_prompt.num_tokens)
         return StreamState(flow_prompt, Token2WavStream(engine, flow_prompt, schedule, engine.new_generator(seed)))
 
-    def run(self, work: Sequence[Work[StreamState]]) -> list[np.ndarray | Exception]:
-        jobs = [self._job(item) for item in work]
-        ready = [job for job in jobs if not isinstance(job, Exception)]
-        try:
-            audio = iter(self.engine.run_chunks(ready))
-            return [job if isinstance(job, Exception) else next(audio) for job in jobs]
-        except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
-            return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
-
-    def _job(self, item: Work[StreamState]) -> tuple[Token2WavStream, Chunk] | Exception:
-        try:
-            tokens = item.tokens.tolist()
-            if tokens and max(tokens) >= self.vocab_size:  # on a GPU this would be a device-side assert for all
-                raise InvalidInput(f"speech token {max(tokens)} is outside the flow vocabulary ({self.vocab_size})")
-            if item.chunk is None:
-                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
-            item.state.stream.extend(tokens)
-            return item.state.stream, item.chunk
-        except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
-            return exc
-
-    def _run_alone(self, job: tuple[Token2WavStream, Chunk]) -> np.ndarray | Exception:
-        try:
-            return self.engine.run_chunks([job])[0]
-        except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed
-            return exc
-
 
 @dataclass
 class DiTStreamState:
@@ -161,7 +171,7 @@ class DiTStreamState:
     stream: DiTStream
 
 
-class DiTBatchedToken2Wav:
+class DiTBatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` over the DiT token2wav: all jobs of a service batch run as one `DiTToken2Wav.run_chunks`
     call (one batched flow call, one HiFT call); if that call fails, each job runs alone, so only the bad one fails.
 
@@ -189,33 +199,6 @@ class DiTBatchedToken2Wav:
 
         cache = self.voices.get(key, compute)
         return DiTStreamState(cache, engine.open_stream(cache, engine.new_generator(seed)))
-
-    def run(self, work: Sequence[Work[DiTStreamState]]) -> list[np.ndarray | Exception]:
-        jobs = [self._job(item) for item in work]
-        ready = [job for job in jobs if not isinstance(job, Exception)]
-        try:
-            audio = iter(self.engine.run_chunks(ready))
-            return [job if isinstance(job, Exception) else next(audio) for job in jobs]
-        except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
-            return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
-
-    def _job(self, item: Work[DiTStreamState]) -> tuple[DiTStream, Chunk] | Exception:
-        try:
-            tokens = item.tokens.tolist()
-            if tokens and (max(tokens) >= self.vocab_size or min(tokens) < 0):
-                raise InvalidInput(f"speech tokens must lie in 0..{self.vocab_size - 1} (the DiT flow vocabulary)")
-            if item.chunk is None:
-                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
-            item.state.stream.extend(tokens)
-            return item.state.stream, item.chunk
-        except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
-            return exc
-
-    def _run_alone(self, job: tuple[DiTStream, Chunk]) -> np.ndarray | Exception:
-        try:
-            return self.engine.run_chunks([job])[0]
-        except Exception as exc:  # noqa: BLE001 - returned per job, the others still succeed
-            return exc
 
 
 # -- prompt frontend -------------------------------------------------------------------------------

@@ -17,12 +17,13 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from cosyvoice2.hift import HiFTGenerator
+from cosyvoice2.streaming import Chunk, ChunkedStream, HiFTCache  # the same chunk and HiFT state as the UNet path
 
 from .flow import DiTFlow, FlowState, PromptCache
 
@@ -87,27 +88,6 @@ class DiTChunkSchedule:
             if chunk.final:
                 return out
             start = chunk.stop
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One flow + HiFT call of a stream, in generated-token indices."""
-
-    start: int  # first token whose audio this chunk emits
-    stop: int  # one past the last token whose audio this chunk emits
-    feed: int  # the flow sees tokens[start:feed]; feed - stop tokens are lookahead context only
-    final: bool  # last chunk: the lookahead is zero-padded and every remaining sample is emitted
-
-    @property
-    def hop(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class HiFTCache:
-    mel: torch.Tensor  # (1, 80, mel_cache_len) last HiFT input frames
-    source: torch.Tensor  # (1, 1, overlap) last source samples, forced into the next call's source
-    speech: torch.Tensor  # (overlap,) withheld audio, cross-faded with the next chunk's first samples
 
 
 def prompt_key(tokens: Sequence[int] | np.ndarray, mel: np.ndarray, xvector: np.ndarray) -> str:
@@ -298,7 +278,7 @@ class DiTToken2Wav:
         return out  # type: ignore[return-value]
 
 
-class DiTStream:
+class DiTStream(ChunkedStream):
     """All state of one DiT stream; feed tokens as the LLM emits them.
 
     Audio: the first chunk emits 960 hop - 3840 samples (3840 withheld for the cross-fade), later non-final
@@ -320,36 +300,8 @@ class DiTStream:
         return self._flow
 
     @property
-    def _start(self) -> int:
-        return self.chunks[-1].stop if self.chunks else 0
-
-    def extend(self, tokens: Iterable[int]) -> None:
-        if self.finished:
-            raise RuntimeError("tokens added after the final chunk")
-        self.tokens.extend(int(t) for t in tokens)
-
-    def next_chunk(self, finished: bool) -> Optional[Chunk]:
-        """The next chunk over the tokens added so far (`finished`: no more tokens will come), or None."""
-        if self.finished:
-            return None
-        return self.engine.schedule.next_chunk(self._start, len(self.chunks), len(self.tokens), finished)
-
-    def push(self, tokens: Iterable[int]) -> list[np.ndarray]:
-        self.extend(tokens)
-        return self._drain(finished=False)
-
-    def finish(self) -> np.ndarray:
-        if self.finished:
-            raise RuntimeError("finish() called twice")
-        pieces = self._drain(finished=True)
-        self.finished = True
-        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-
-    def _drain(self, finished: bool) -> list[np.ndarray]:
-        out: list[np.ndarray] = []
-        while (chunk := self.next_chunk(finished)) is not None:
-            out.extend(self.engine.run_chunks([(self, chunk)]))
-        return out
+    def schedule(self) -> DiTChunkSchedule:
+        return self.engine.schedule
 
     # ---- the steps of one chunk, driven by `DiTToken2Wav.run_chunks` -----------------------------------
     def check_next(self, chunk: Chunk) -> None:
