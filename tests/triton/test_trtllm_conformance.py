@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -81,7 +82,18 @@ def recording_stack(request, tiny_model_dir, tmp_path_factory, triton_server_fac
     return server, record_dir
 
 
-def recorded(record_dir: Path) -> list[dict[str, np.ndarray]]:
+def recorded(record_dir: Path, stops: int = 0, timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
+    """The recorded requests, once at least `stops` stop requests are among them (a stop is sent after the
+    client already has its final response, so it may land a moment later)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = read_recorded(record_dir)
+        if sum("stop" in r for r in out) >= stops or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
+
+
+def read_recorded(record_dir: Path) -> list[dict[str, np.ndarray]]:
     out = []
     for path in sorted(record_dir.glob("*.npz")):
         with np.load(path) as data:
@@ -95,7 +107,7 @@ async def test_every_request_to_the_llm_is_one_the_pinned_backend_reads(recordin
         result = await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("One offline request.", seed=3))
         chunks = await stream(client, synthesis_inputs("One streaming request.", seed=4))
     assert int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]) > 0 and chunks[-1][3]
-    requests = recorded(record_dir)
+    requests = recorded(record_dir, stops=2)
     generation = [r for r in requests if "stop" not in r]
     stops = [r for r in requests if "stop" in r]
     assert len(generation) >= 2 and stops  # both pipelines, and the stop sent after each end id

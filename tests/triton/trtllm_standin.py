@@ -34,7 +34,13 @@ class TritonPythonModel:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     arrays[name] = tensor.as_numpy()
-            np.savez(self.record_dir / f"{secrets.token_hex(8)}.npz", **arrays)
+            # Written under a temporary name and renamed, so a reader never sees a half-written file (the
+            # stop request can arrive while the test is already reading the directory).
+            name = secrets.token_hex(8)
+            partial = self.record_dir / f"{name}.partial"
+            with partial.open("wb") as out:
+                np.savez(out, **arrays)
+            partial.rename(self.record_dir / f"{name}.npz")
             sender = request.get_response_sender()
             if "stop" in arrays and bool(arrays["stop"].reshape(-1)[0]):
                 sender.send(flags=FINAL)
