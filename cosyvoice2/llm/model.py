@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, StaticKVCache
+from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1
@@ -65,7 +65,7 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Te
     return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
 
 
-class CosyVoice2LM(nn.Module):
+class CosyVoice2LM(SpeechLM):
     def __init__(self, config: LLMConfig | None = None) -> None:
         super().__init__()
         self.config = config or LLMConfig()
@@ -103,33 +103,6 @@ class CosyVoice2LM(nn.Module):
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.speech_embedding(tokens)
 
-    def hidden(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: StaticKVCache | None = None,
-        slots: Sequence[int] | torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ) -> torch.Tensor:
-        """Last hidden state after the final RMSNorm (see ``Qwen2Model.forward`` for the cache arguments)."""
-        return self.body(inputs_embeds, positions, cache, slots, kv_len)
-
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """log_softmax over the 6564 speech classes, in fp32."""
         return F.log_softmax(self.llm_decoder(hidden).float(), dim=-1)
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: StaticKVCache | None = None,
-        slots: Sequence[int] | torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ) -> torch.Tensor:
-        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slots, kv_len))
-
-    def new_cache(
-        self, num_slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> StaticKVCache:
-        weight = self.llm_decoder.weight
-        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)

@@ -309,3 +309,32 @@ class Qwen2ForCausalLM(nn.Module):
         self.model = Qwen2Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class SpeechLM(nn.Module):
+    """What every speech LM on the batched decoder shares: a Qwen2 `body` (a `Qwen2Model`) whose last hidden
+    state an output head turns into the sampling distribution. Subclasses provide `body`, `llm_decoder` (the
+    head; its weight sets the cache's device and dtype), `config.qwen`, `embed_prefix`, `embed_speech` and
+    `log_probs`."""
+
+    config: Any
+    body: Qwen2Model
+    llm_decoder: nn.Linear
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None,
+               cache: StaticKVCache | None = None, slots: Sequence[int] | torch.Tensor | None = None,
+               kv_len: int | None = None) -> torch.Tensor:
+        """Last hidden state after the final norm (see ``Qwen2Model.forward`` for the cache arguments)."""
+        return self.body(inputs_embeds, positions, cache, slots, kv_len)
+
+    def forward(self, inputs_embeds: torch.Tensor, *cache_args: Any, **cache_kwargs: Any) -> torch.Tensor:
+        """``log_probs`` of ``hidden`` (same arguments)."""
+        return self.log_probs(self.hidden(inputs_embeds, *cache_args, **cache_kwargs))
+
+    def new_cache(self, num_slots: int, max_len: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> StaticKVCache:
+        weight = self.llm_decoder.weight
+        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)
