@@ -23,35 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..flow.encoder import ConformerLayer, LinearEmbedding, relative_positions  # the UNet flow encoder's layers
+from ..flow.encoder import (  # the UNet flow encoder's layers; the DiT encoder runs them chunk by chunk
+    ConformerLayer, LinearEmbedding, PreLookaheadLayer, Upsample1D, relative_positions,
+)
 from .config import DiTEncoderConfig
 
 _EMBED_LN_EPS = 1e-5
 _LEAKY_SLOPE = 0.01
 _LOOKAHEAD_CONV2_CONTEXT = 2  # kernel 3, left-padded by 2
-
-
-class PreLookaheadLayer(nn.Module):
-    """conv1 (kernel lookahead + 1, reads ahead) -> leaky ReLU -> causal conv2 (kernel 3) -> residual."""
-
-    def __init__(self, width: int, lookahead: int) -> None:
-        super().__init__()
-        self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(width, width, lookahead + 1)
-        self.conv2 = nn.Conv1d(width, width, 3)
-
-
-class Upsample(nn.Module):
-    """Nearest-neighbour repeat by `stride`, then a causal conv (kernel 2 stride + 1, left context 2 stride)."""
-
-    def __init__(self, width: int, stride: int) -> None:
-        super().__init__()
-        self.stride = stride
-        self.conv = nn.Conv1d(width, width, 2 * stride + 1)
-
-    @property
-    def context(self) -> int:
-        return 2 * self.stride
 
 
 @dataclass(frozen=True)
@@ -86,7 +65,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         self.pre_lookahead_layer = PreLookaheadLayer(w, config.pre_lookahead_len)
         self.encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                       for _ in range(config.num_blocks))
-        self.up_layer = Upsample(w, config.upsample_stride)
+        self.up_layer = Upsample1D(w, config.upsample_stride)
         self.up_embed = LinearEmbedding(w)
         self.up_encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                          for _ in range(config.num_up_blocks))

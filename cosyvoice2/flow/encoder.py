@@ -188,9 +188,14 @@ class Upsample1D(nn.Module):
         self.stride = stride
         self.conv = nn.Conv1d(width, width, 2 * stride + 1)
 
+    @property
+    def context(self) -> int:
+        """Left context of the causal conv, in upsampled frames."""
+        return 2 * self.stride
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.repeat_interleave(self.stride, dim=2)
-        return self.conv(F.pad(h, (2 * self.stride, 0)))
+        return self.conv(F.pad(h, (self.context, 0)))
 
 
 class UpsampleConformerEncoder(nn.Module):
