@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
-from triton_repo.server import REPO_ROOT, free_port
+from tests.reliability.stack_rig import StackProcess
+from triton_repo.server import REPO_ROOT
 from triton_repo.stack import DEMO_MARKER, StackError, ensure_demo_model, main
 
 pytestmark = pytest.mark.triton
@@ -98,28 +98,14 @@ def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_director
 
 
 def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
-    port = free_port()
-    env = {**os.environ, "TTS_PORT": str(port), "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "triton_repo.stack", "--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo")],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # the rig picks free ports and starts again on new ones if another process took one first
+    stack = StackProcess(tiny_model_dir, tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                    ready = response.status == 200
-            except OSError:
-                time.sleep(0.5)
-        assert ready, proc.stdout.read() if proc.poll() is not None else "gateway never became ready"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        output = proc.stdout.read()
-        assert "[stack] stopping" in output
+        stack.start()
+        stack.proc.send_signal(signal.SIGINT)
+        assert stack.proc.wait(60) == 0
+        assert "[stack] stopping" in stack.log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stack.stop()
     with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        urllib.request.urlopen(f"{stack.url}/health", timeout=2)
