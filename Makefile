@@ -20,7 +20,7 @@ run: venv
 demo: venv
 	$(PY) -m triton_repo.stack --demo
 
-# The download stage of the build tool: the ~2 GB the engine reads, into models/CosyVoice2-0.5B (make run's default).
+# The download stage of the build tool: the ~3 GB the engine reads, into models/CosyVoice2-0.5B (make run's default).
 weights: venv
 	$(PY) -m cosyvoice_build --work-dir models --from download --to download
 

@@ -20,7 +20,7 @@ Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (t
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
 stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
-about 2 GB), the variable that points elsewhere, or the demo.
+about 3 GB), the variable that points elsewhere, or the demo.
 
 `--demo` (`make demo`) needs no weights: it writes a tiny random-weight model into `--demo-dir`
 (`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, runs it in benchmark
@@ -83,7 +83,7 @@ def _shown_python() -> str:
 def check_model_dir(model_dir: Path) -> None:
     """Refuse a model directory that lacks a file the engine reads, saying how to get the weights.
 
-    Nothing is created or downloaded here (the weights are about 2 GB: fetching them is the user's call)."""
+    Nothing is created or downloaded here (the weights are about 3 GB: fetching them is the user's call)."""
     problems = model_dir_problems(model_dir)
     if not problems:
         return
@@ -95,13 +95,13 @@ def check_model_dir(model_dir: Path) -> None:
         f"{_shown_python()} -m cosyvoice_build --work-dir {model_dir.parent} --from download --to download"
     )
     if model_dir == DEFAULT_MODEL_DIR:
-        get = f"download them (about 2 GB): `make weights` (= `{download}`)"
+        get = f"download them (about 3 GB): `make weights` (= `{download}`)"
     elif model_dir.name == WEIGHTS_DIRNAME:
-        get = f"download them (about 2 GB): `{download}`"
+        get = f"download them (about 3 GB): `{download}`"
     else:
         target = model_dir.parent / WEIGHTS_DIRNAME
         get = (
-            f"download them (about 2 GB) next to it: `{download}` "
+            f"download them (about 3 GB) next to it: `{download}` "
             f"(writes {target}; then set COSYVOICE_MODEL_DIR={target})"
         )
     raise StackError(
