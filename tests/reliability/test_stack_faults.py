@@ -19,7 +19,8 @@ import pytest
 from tests.reliability.soak import PCM_BYTES_PER_TOKEN
 from tests.reliability.stack_rig import http_status
 
-pytestmark = pytest.mark.triton
+#: Each test may wait for a restarted stack (RECOVERY_TIMEOUT_S) or start the shared one (START_TIMEOUT_S).
+pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]
 
 #: Several segments: the stream is still running when the fault hits.
 LONG_INPUT = " ".join(

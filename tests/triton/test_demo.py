@@ -17,7 +17,8 @@ from gateway.demo import DEMO_HEADER, DEMO_HEADER_VALUE, DEMO_MODEL_ID
 from tests.reliability.stack_rig import StackProcess, descendants, http_status
 from triton_repo.stack import DEMO_MARKER
 
-pytestmark = pytest.mark.triton
+#: The whole stack: its start (up to START_TIMEOUT_S, again after a port conflict), the calls, the drain.
+pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]
 
 
 def _alive(pid: int) -> bool:

@@ -97,13 +97,14 @@ def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_director
     assert "--token2wav dit needs --dit-dir" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(1200)  # the whole stack: its start (up to START_TIMEOUT_S, again after a port conflict)
 def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
     # the rig picks free ports and starts again on new ones if another process took one first
     stack = StackProcess(tiny_model_dir, tmp_path)
     try:
         stack.start()
         stack.proc.send_signal(signal.SIGINT)
-        assert stack.proc.wait(60) == 0
+        assert stack.proc.wait(120) == 0
         assert "[stack] stopping" in stack.log_path.read_text()
     finally:
         stack.stop()
