@@ -6,7 +6,8 @@ everywhere a client or an operator looks:
 * every HTTP response carries ``X-Demo-Model: random-weights`` (also errors, health and metrics);
 * ``/v1/models`` and ``/v1/audio/models`` list ``cosyvoice2-demo-random-weights`` first (also accepted as
   ``model``, like every served id);
-* the startup log shows a banner with the base URL and copy-paste curl and OpenAI SDK calls.
+* the startup log shows a banner with the base URL and copy-paste curl and OpenAI SDK calls;
+* the playground shows a notice (it reads the header of its voice listing).
 """
 
 from __future__ import annotations

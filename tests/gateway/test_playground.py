@@ -161,3 +161,14 @@ def test_playground_is_served_without_a_key(standin_backend, gateway_factory):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="speak"' in page.text
         assert http.get("/v1/audio/voices").status_code == 401  # what the page calls still needs the key
+
+
+def test_the_playground_says_when_the_server_is_the_demo(gateway, standin_backend, gateway_factory, browser):
+    demo = gateway_factory(standin_backend.server.grpc_url, demo=True)
+    browser.get(f"{demo.base_url}/playground")
+    wait_text(browser, "voice", lambda text: "amy" in text.split())
+    banner = browser.find_element("id", "demo-banner")
+    assert banner.is_displayed() and "random weights" in banner.text
+    browser.get(f"{gateway.base_url}/playground")
+    wait_text(browser, "voice", lambda text: "amy" in text.split())
+    assert not browser.find_element("id", "demo-banner").is_displayed()
