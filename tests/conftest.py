@@ -82,7 +82,7 @@ class RunningGateway:
 
     def start(self) -> RunningGateway:
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # start-up decodes every shipped voice: slow on a loaded machine
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("gateway did not start")

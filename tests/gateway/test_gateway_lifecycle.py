@@ -57,6 +57,6 @@ def test_gateway_recovers_when_triton_restarts_on_the_same_ports(
 
     backend.server.start()  # same ports
     with gateway.http() as http:
-        assert wait_for(lambda: http.get("/ready").status_code == 200, timeout=15, interval=0.1)
+        assert wait_for(lambda: http.get("/ready").status_code == 200, timeout=60, interval=0.1)
     audio = client.audio.speech.create(model="tts-1", input="After.", voice="alloy", response_format="pcm")
     assert len(audio.content) > 0
