@@ -10,7 +10,7 @@ import torch
 from cosyvoice2.dit.config import DiTConfigError, DiTFlowConfig
 from cosyvoice2.dit.flow import DiTFlow
 from cosyvoice2.dit.loading import load_dit_token2wav
-from cosyvoice2.dit.testing import micro_dit_config, write_full_size_layout
+from cosyvoice2.testing.dit import micro_dit_config, write_full_size_layout
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
 from cosyvoice2.loading import CheckpointMismatchError
 

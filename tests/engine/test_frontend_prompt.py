@@ -23,7 +23,7 @@ from cosyvoice2.frontend.prompt import (
     build_voice_prompt,
     build_voice_prompt_from_file,
 )
-from cosyvoice2.frontend.testing_onnx import write_tiny_frontend_models
+from cosyvoice2.testing.frontend_models import write_tiny_frontend_models
 
 SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 ZERO_SHOT_WAV = SHARED_DATA / "zero_shot_prompt.wav"
