@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIXTURES_DIR
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PARITY_DIR = REPO_ROOT.parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 MICRO_DIR = PARITY_DIR / "micro"
 #: The micro LLM's text vocabulary has 512 rows; 492 regular entries + 3 base specials + CosyVoice2's 17 new
 #: specials make a tokenizer of exactly 512, so speech token 0 lands right after the text rows (as 151663 does
