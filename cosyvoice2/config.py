@@ -35,7 +35,7 @@ _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "flo
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    """Upstream CosyVoice2Model streaming constants (spec §5)."""
+    """Upstream CosyVoice2Model streaming constants (docs/reference/cosyvoice2.md#streaming-schedule)."""
 
     token_hop_len: int = 25  # first hop; equals the flow's training chunk of 25 tokens
     token_max_hop_len: int = 100

@@ -1,4 +1,4 @@
-"""File names of a CosyVoice2 model directory in the official layout (spec §6.1).
+"""File names of a CosyVoice2 model directory in the official layout (docs/reference/cosyvoice2.md#model-directory).
 
 Torch-free, so the render tool and the build tooling can check a directory without loading anything.
 """
