@@ -1,4 +1,5 @@
-"""File names of a CosyVoice2 model directory in the official layout (spec §6.1), and the check of one.
+"""File names of a CosyVoice2 model directory in the official layout (docs/reference/cosyvoice2.md#model-directory),
+and the check of one.
 
 Torch-free, so the render tool, the local stack and the build tooling can check a directory without loading
 anything.

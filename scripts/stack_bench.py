@@ -1,6 +1,6 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
-    python scripts/stack_bench.py --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -57,12 +57,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
-
-from triton_repo.render import RenderOptions, write_repository  # noqa: E402
-from triton_repo.server import TritonServer, free_port  # noqa: E402
-
+from triton_repo.render import RenderOptions, write_repository
+from triton_repo.server import REPO_ROOT, TritonServer, free_port
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.

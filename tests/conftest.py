@@ -19,8 +19,9 @@ from gateway.settings import Settings
 from triton_repo.server import TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: Shared reference data lives next to the checkout: <repo root>/../shared.
-SHARED_DIR = REPO_ROOT.parent / "shared"
+#: The parity oracles: micro models (seeded random weights, released file layout) with the upstream
+#: implementation's outputs for fixed inputs; each directory's README lists its arrays and tolerances.
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
 
 TritonFactory = Callable[..., TritonServer]
 

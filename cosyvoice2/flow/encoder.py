@@ -1,4 +1,4 @@
-"""UpsampleConformerEncoder: 25 Hz token embeddings -> 50 Hz hidden states (spec §3.4).
+"""UpsampleConformerEncoder: 25 Hz token embeddings -> 50 Hz hidden states (docs/reference/cosyvoice2.md#encoder).
 
 Key layout follows upstream flow.pt (`embed.out.{0,1}`, `encoders.N.self_attn.linear_q`, ...).
 Rows of different lengths are right-padded and given `lengths`: attention hides the padded keys, the

@@ -7,50 +7,17 @@ State-dict keys equal ``llm.pt`` exactly: ``llm_embedding.weight`` (row 0 = SOS,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
+from cosyvoice2.llm.config import LLMConfig, Qwen2Config
+from cosyvoice2.llm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1
-
-
-@dataclass(frozen=True)
-class LLMConfig:
-    """CosyVoice2 LLM hyper-parameters; defaults are the released CosyVoice2-0.5B values."""
-
-    qwen: Qwen2Config = field(default_factory=Qwen2Config)
-    speech_token_size: int = 6561
-
-    @property
-    def hidden_size(self) -> int:
-        return self.qwen.hidden_size
-
-    @property
-    def num_speech_classes(self) -> int:
-        """Speech ids 0..6560 plus the end ids 6561 (EOS), 6562, 6563 (FILL)."""
-        return self.speech_token_size + 3
-
-    @property
-    def eos_id(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
-
-    @classmethod
-    def from_harness(cls, values: Mapping[str, Any]) -> "LLMConfig":
-        """From a dict such as the parity harness's ``llm`` section (``qwen`` = HF Qwen2 config fields).
-        Missing entries keep the released defaults."""
-        defaults = cls()
-        qwen = Qwen2Config.from_dict(values["qwen"]) if "qwen" in values else defaults.qwen
-        return cls(qwen=qwen, speech_token_size=int(values.get("speech_token_size", defaults.speech_token_size)))
 
 
 class Qwen2Encoder(nn.Module):

@@ -26,42 +26,16 @@ fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice2.kernels import add_rms_norm, silu_mul
-
-
-@dataclass(frozen=True)
-class Qwen2Config:
-    """Qwen2 body hyper-parameters; defaults are CosyVoice2-0.5B's (``CosyVoice-BlankEN/config.json``)."""
-
-    hidden_size: int = 896
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 14
-    num_key_value_heads: int = 2
-    intermediate_size: int = 4864
-    vocab_size: int = 151936
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Qwen2Config":
-        """Build from an HF-style config dict (unknown fields such as ``attn_implementation`` are ignored)."""
-        if values.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported (CosyVoice2 does not use it)")
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+from cosyvoice2.llm.config import Qwen2Config
 
 
 class StaticKVCache:

@@ -1,4 +1,4 @@
-"""scripts/stack_bench.py end to end on the CPU: the tiny random model in a real tritonserver and a real
+"""`python -m scripts.stack_bench` end to end on the CPU: the tiny random model in a real tritonserver and a real
 gateway, two runs of one streaming level per target. Checks what it wrote, never how fast anything was."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     work = tmp_path / "work"
     (work / "results").mkdir(parents=True)
     (work / "results" / "earlier").mkdir()  # an earlier invocation's results stay as they are
-    command = [sys.executable, str(REPO_ROOT / "scripts" / "stack_bench.py"), "--work", str(work),
+    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work),
                "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
                "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1", "--gateway-levels", "1",
                "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "2",
