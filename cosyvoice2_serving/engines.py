@@ -34,7 +34,7 @@ from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import PromptTensors
 from cosyvoice2_serving.token2wav import Work
-from triton_repo.contract import REFERENCE_SAMPLE_RATE
+from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 
 # -- LLM -------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
-from triton_repo import contract
+import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
 

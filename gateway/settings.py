@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from triton_repo import contract
+import pipeline_contract as contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,7 +24,7 @@ from gateway.errors import (
     SynthesisFailed,
     SynthesisTimeout,
 )
-from triton_repo import contract
+import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
 

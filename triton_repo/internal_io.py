@@ -20,7 +20,7 @@ from cosyvoice2.streaming import Chunk
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.orchestrator import LLMRequest, PromptTensors
-from triton_repo.contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
+from pipeline_contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
 from triton_repo.trtllm_backend_facts import PINNED
 
 Arrays = Mapping[str, "np.ndarray | None"]

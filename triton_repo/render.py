@@ -34,7 +34,7 @@ from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
 from cosyvoice2_serving.repetition import LoopGuardConfig
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
 

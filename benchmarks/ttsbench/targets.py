@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from triton_repo import contract
+import pipeline_contract as contract
 from ttsbench.inputs import BenchRequest
 
 PCM_BYTES_PER_SAMPLE = 2  # the gateway's pcm: s16le mono at OUTPUT_SAMPLE_RATE

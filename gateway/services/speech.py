@@ -18,7 +18,7 @@ from gateway.services.audio_encoding import MEDIA_TYPES, create_encoder
 from gateway.services.voices import Voice, VoiceRegistry
 from gateway.settings import Settings
 from gateway.triton_client import SegmentRequest, SynthesisChunk, TritonClient
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from pipeline_contract import OUTPUT_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 

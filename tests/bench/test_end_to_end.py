@@ -17,7 +17,7 @@ import pytest
 
 from tests.bench.wavfiles import write_wav
 from tests.gateway.standin_model.repository import render_standin_repository
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from pipeline_contract import OUTPUT_SAMPLE_RATE
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
 from ttsbench.cli import main
 

@@ -11,7 +11,7 @@ from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import Orchestrator, OrchestratorConfig, PromptTensors, SynthesisRequest, parse_request
-from triton_repo import contract
+import pipeline_contract as contract
 
 ENDOFPROMPT_ID = 151646  # the released tokenizer's id of <|endofprompt|>
 PROMPT_SPEECH = np.array([5, 0, 6560, 17, 17, 3], np.int32)

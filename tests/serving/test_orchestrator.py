@@ -18,7 +18,7 @@ from cosyvoice2_serving.orchestrator import (
     SynthesisRequest,
     parse_request,
 )
-from triton_repo import contract
+import pipeline_contract as contract
 
 VOCAB = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
 SAMPLES_PER_TOKEN = 960

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import TritonServer
 

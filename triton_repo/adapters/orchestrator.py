@@ -26,7 +26,7 @@ from cosyvoice2_serving.orchestrator import (
 )
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
     FINAL,

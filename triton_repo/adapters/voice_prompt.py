@@ -14,7 +14,7 @@ from cosyvoice2_serving.engines import prompt_tensors
 from cosyvoice2_serving.orchestrator import PromptTensors
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve
 

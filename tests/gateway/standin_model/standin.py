@@ -1,6 +1,6 @@
 """STAND-IN pipeline model: a test double, NOT speech synthesis.
 
-It implements the pipeline contract (triton_repo/contract.py) for both the offline (one response)
+It implements the pipeline contract (pipeline_contract) for both the offline (one response)
 and the streaming (decoupled, N responses, FINAL with the last one) model, so the gateway can be
 tested against a real tritonserver without the CosyVoice2 engine. Its audio is a deterministic sine
 derived from the target text, so tests can predict duration, pitch and order.
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from triton_repo.contract import MAX_SEGMENT_TOKENS, REFERENCE_SAMPLE_RATE
+from pipeline_contract import MAX_SEGMENT_TOKENS, REFERENCE_SAMPLE_RATE
 
 SAMPLE_RATE = 24_000
 SECONDS_PER_CHAR = 0.02
