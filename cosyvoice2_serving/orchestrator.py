@@ -19,7 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
-from cosyvoice2.frontend.llm_prompt import VoiceMode, llm_prompt
+from cosyvoice2.frontend.llm_prompt import llm_prompt
 from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
@@ -27,6 +27,7 @@ from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
 import pipeline_contract as contract
+from pipeline_contract import SpeechChunk, SpeechRequest
 
 logger = logging.getLogger(__name__)
 
@@ -42,22 +43,6 @@ ORCHESTRATOR_STATS = (
 
 
 # -- data ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SynthesisRequest:
-    """One validated pipeline request (one text segment)."""
-
-    reference_wav: np.ndarray  # float32, 16 kHz, exactly the valid samples
-    reference_text: str  # "" = no transcript: cross-lingual mode
-    target_text: str
-    voice_id: str
-    seed: int | None
-    instruction: str = ""  # "" = none; else instruct mode (the transcript is then unused)
-
-    @property
-    def mode(self) -> VoiceMode:
-        return llm_prompt(self.reference_text, self.instruction).mode
-
-
 @dataclass(frozen=True)
 class PromptTensors:
     """What the LLM and token2wav need about a voice (spec §1.9): 1:2-aligned tokens and mel, x-vector."""
@@ -82,14 +67,6 @@ class LLMRequest:
     # Cumulative token counts at which the orchestrator needs the tokens decoded so far (the streaming
     # schedule's chunk boundaries; empty: only at the end). An LLM that can buffer answers only there.
     deliver_at: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    waveform: np.ndarray  # float32, 24 kHz
-    input_tokens: int  # cumulative: text tokens the LLM read
-    output_tokens: int  # cumulative: speech tokens generated so far
-    final: bool
 
 
 @dataclass(frozen=True)
@@ -119,14 +96,12 @@ class OrchestratorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = 300
-    min_reference_samples: int = contract.REFERENCE_SAMPLE_RATE // 10  # 0.1 s
-    max_reference_samples: int = 30 * contract.REFERENCE_SAMPLE_RATE  # tokenizer / CAM++ limit
     loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
 
 
 # -- the clients the orchestrator drives ----------------------------------------------------------
 class PipelineClients(Protocol):
-    async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
+    async def voice_prompt(self, request: SpeechRequest) -> PromptTensors:
         """The voice's prompt tensors (computed once per voice id, cached by the callee)."""
 
     def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
@@ -155,52 +130,13 @@ class TextTokenizer(Protocol):
 
 
 # -- input parsing ---------------------------------------------------------------------------------
-def _scalar_text(arrays: Mapping[str, np.ndarray | None], name: str) -> str:
-    value = arrays.get(name)
-    if value is None or value.size != 1:
-        raise InvalidInput(f"input '{name}' must hold exactly one string")
-    item = value.reshape(-1)[0]
+def parse_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
+    """The contract inputs (numpy arrays by tensor name), decoded by the contract's codec; a violation is
+    `InvalidInput` (tagged for the gateway)."""
     try:
-        return item.decode("utf-8") if isinstance(item, bytes) else str(item)
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"input '{name}' is not valid UTF-8") from exc
-
-
-def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorConfig) -> SynthesisRequest:
-    """Validate the contract inputs (numpy arrays by tensor name) into a `SynthesisRequest`."""
-    wav = arrays.get(contract.REFERENCE_WAV.name)
-    wav_len = arrays.get(contract.REFERENCE_WAV_LEN.name)
-    if wav is None or wav_len is None or wav_len.size != 1:
-        raise InvalidInput("reference_wav and a one-element reference_wav_len are required")
-    wav = np.asarray(wav, dtype=np.float32).reshape(-1)
-    n = int(wav_len.reshape(-1)[0])
-    if not config.min_reference_samples <= n <= min(wav.size, config.max_reference_samples):
-        raise InvalidInput(
-            f"reference_wav_len must be between {config.min_reference_samples} and "
-            f"{config.max_reference_samples} samples (16 kHz) and <= the {wav.size} samples sent; got {n}"
-        )
-    wav = wav[:n]
-    if not np.isfinite(wav).all():
-        raise InvalidInput("reference_wav holds NaN or infinite samples")
-    target_text = _scalar_text(arrays, contract.TARGET_TEXT.name)
-    if not target_text.strip():
-        target_text = ""  # the contract's warm-up rule: only prepare the voice prompt (see synthesize)
-    voice_id = _scalar_text(arrays, contract.VOICE_ID.name)
-    if not voice_id:
-        raise InvalidInput("voice_id is empty")
-    seed_array = arrays.get(contract.SEED.name)
-    seed = None if seed_array is None or seed_array.size == 0 else int(seed_array.reshape(-1)[0])
-    instruction = ""
-    if arrays.get(contract.INSTRUCTION_TEXT.name) is not None:
-        instruction = _scalar_text(arrays, contract.INSTRUCTION_TEXT.name)
-    return SynthesisRequest(
-        reference_wav=wav,
-        reference_text=_scalar_text(arrays, contract.REFERENCE_TEXT.name),
-        target_text=target_text,
-        voice_id=voice_id,
-        seed=seed,
-        instruction=instruction,
-    )
+        return contract.decode_request(arrays)
+    except contract.ContractViolation as exc:
+        raise InvalidInput(str(exc)) from exc
 
 
 def stream_schedule(base: ChunkSchedule, first_hop: int, growth: int) -> ChunkSchedule:
@@ -228,7 +164,7 @@ class Orchestrator:
         self.stats = stats or Stats(ORCHESTRATOR_STATS)
 
     def build_llm_request(
-        self, request: SynthesisRequest, prompt: PromptTensors, streaming: bool
+        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
     ) -> tuple[LLMRequest, int]:
         """The LLM sequence for `request` and the number of text tokens it reads.
 
@@ -276,7 +212,7 @@ class Orchestrator:
         """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""
         return replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
 
-    async def synthesize(self, request: SynthesisRequest, streaming: bool) -> AsyncIterator[AudioChunk]:
+    async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
         request_id = new_request_id()
         self.stats.add("orchestrator_requests_total")
@@ -287,7 +223,7 @@ class Orchestrator:
             if not request.target_text:
                 # Contract: empty target text only computes and caches the voice prompt (voice upload
                 # warms the cache this way): one response, no audio, zero tokens.
-                yield AudioChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
+                yield SpeechChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
                 return
             llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
             schedule = self.schedule(prompt)
@@ -305,7 +241,7 @@ class Orchestrator:
                 while streaming and (chunk := schedule.next_chunk(start, index, len(tokens), finished=False)):
                     audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)
                     sent, start, index = chunk.feed, chunk.stop, index + 1
-                    yield AudioChunk(audio, input_tokens, len(tokens), final=False)
+                    yield SpeechChunk(audio, input_tokens, len(tokens), final=False)
                 if ended:
                     break  # an end id: the utterance is complete (release() stops the sequence if it runs on)
             else:
@@ -318,7 +254,7 @@ class Orchestrator:
                 audio = await run.token2wav(tokens[sent:], prompt, final, llm_request.seed)
             else:
                 audio = await run.token2wav(tokens, prompt, None, llm_request.seed)
-            yield AudioChunk(audio, input_tokens, len(tokens), final=True)
+            yield SpeechChunk(audio, input_tokens, len(tokens), final=True)
         except asyncio.CancelledError:
             self.stats.add("orchestrator_cancelled_total")
             raise

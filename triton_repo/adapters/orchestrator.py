@@ -20,7 +20,6 @@ from cosyvoice2_serving.orchestrator import (
     OrchestratorConfig,
     PromptTensors,
     SamplingConfig,
-    SynthesisRequest,
     parse_request,
     stream_schedule,
 )
@@ -76,7 +75,7 @@ class TritonClients:
         self.models = models
         self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
 
-    async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
+    async def voice_prompt(self, request: contract.SpeechRequest) -> PromptTensors:
         out = await bls(
             "voice_prompt",
             {
@@ -163,17 +162,10 @@ class TritonPythonModel:
         serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
-        synthesis = parse_request(read_inputs(request, contract.INPUTS), self.orchestrator.config)
+        synthesis = parse_request(read_inputs(request, contract.INPUTS))
         async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
-            out = response(
-                {
-                    contract.WAVEFORM.name: chunk.waveform.astype(np.float32),
-                    contract.INPUT_TOKENS.name: np.array([chunk.input_tokens], dtype=np.int32),
-                    contract.OUTPUT_TOKENS.name: np.array([chunk.output_tokens], dtype=np.int32),
-                }
-            )
             # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
-            sender.send(out, flags=FINAL if chunk.final else 0)
+            sender.send(response(contract.encode_response(chunk)), flags=FINAL if chunk.final else 0)
 
     def finalize(self) -> None:
         release_bls_streams()
