@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
@@ -24,7 +24,9 @@ from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
 from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest
@@ -40,33 +42,6 @@ ORCHESTRATOR_STATS = (
     "orchestrator_failed_total",
     "orchestrator_loops_cut_total",
 )
-
-
-# -- data ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PromptTensors:
-    """What the LLM and token2wav need about a voice (spec §1.9): 1:2-aligned tokens and mel, x-vector."""
-
-    speech_tokens: np.ndarray  # int32 (P,), speech ids 0..speech_token_size-1
-    mel: np.ndarray  # float32 (2P, 80), 24 kHz prompt mel
-    embedding: np.ndarray  # float32 (192,) x-vector
-
-
-@dataclass(frozen=True)
-class LLMRequest:
-    """Inputs of one LLM sequence, in the form both LLM backends take (TensorRT-LLM names in the adapter)."""
-
-    input_ids: np.ndarray  # int32 [SOS, prompt text ids, target ids, TASK_ID, prompt speech ids + offset]
-    min_tokens: int  # EOS is masked before this many tokens (2 x target text tokens)
-    max_tokens: int  # 20 x target text tokens, clamped to the KV capacity
-    seed: int
-    top_k: int
-    top_p: float
-    temperature: float
-    streaming: bool
-    # Cumulative token counts at which the orchestrator needs the tokens decoded so far (the streaming
-    # schedule's chunk boundaries; empty: only at the end). An LLM that can buffer answers only there.
-    deliver_at: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,11 +114,6 @@ def parse_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
         raise InvalidInput(str(exc)) from exc
 
 
-def stream_schedule(base: ChunkSchedule, first_hop: int, growth: int) -> ChunkSchedule:
-    """The engine's schedule with the deployment's first hop and growth (both sides of a stream use it)."""
-    return replace(base, first_hop=first_hop, growth=growth, max_hop=max(first_hop, base.max_hop))
-
-
 def new_request_id() -> str:
     """A fresh numeric id (the TensorRT-LLM backend maps request ids to uint64)."""
     return str(secrets.randbits(63))
@@ -210,7 +180,7 @@ class Orchestrator:
 
     def schedule(self, prompt: PromptTensors) -> ChunkSchedule:
         """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""
-        return replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
+        return for_prompt(self.config.schedule, int(prompt.speech_tokens.size))
 
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
@@ -274,15 +244,14 @@ class Orchestrator:
         logits mask) ends it too, loudly, instead of being fed to the flow or silently skipped.
         """
         vocab = self.config.vocab
-        speech: list[int] = []
-        for i in ids:
-            token = i - vocab.speech_offset
-            if not 0 <= token < vocab.speech_token_size:
-                if i not in vocab.end_ids:
-                    logger.warning("LLM produced non-speech id %d; ending the utterance there", i)
-                return speech, True
-            speech.append(token)
-        return speech, False
+        tokens = vocab.to_speech_tokens(np.asarray(ids, dtype=np.int64))
+        outside = np.flatnonzero((tokens < 0) | (tokens >= vocab.speech_token_size))
+        if not outside.size:
+            return tokens.tolist(), False
+        first = int(outside[0])
+        if ids[first] not in vocab.end_ids:
+            logger.warning("LLM produced non-speech id %d; ending the utterance there", ids[first])
+        return tokens[:first].tolist(), True
 
 
 @dataclass

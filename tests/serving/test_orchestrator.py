@@ -10,10 +10,10 @@ import pytest
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
-    PromptTensors,
     SamplingConfig,
     parse_request,
 )

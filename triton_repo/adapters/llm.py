@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
@@ -63,12 +64,13 @@ class LLMHandler:
         # not streaming: the caller reads one response, so the scheduler hands over nothing before the end
         deliver_at = llm_request.deliver_at if llm_request.streaming else ()
         stream = self.scheduler.submit(request_id, decode_request, deliver_at)
-        offset = self.vocab.speech_offset  # the decoder counts speech tokens; the LLM vocabulary offsets them
         try:
             async for delivery in stream.deliveries():
                 flags = FINAL if delivery.last else 0
                 if delivery.tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
-                    sender.send(response(io.llm_response_tensors([t + offset for t in delivery.tokens])), flags=flags)
+                    # the decoder counts speech tokens; the LLM's responses are vocabulary ids
+                    ids = self.vocab.to_vocab_ids(np.asarray(delivery.tokens, dtype=np.int64)).tolist()
+                    sender.send(response(io.llm_response_tensors(ids)), flags=flags)
                 elif delivery.last:  # the end came without a token (a stop id): nothing but the flag
                     sender.send(flags=FINAL)
                 else:

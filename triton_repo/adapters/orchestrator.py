@@ -13,17 +13,16 @@ from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import LOGITS_BIAS_KEY, SpeechVocabLayout
+from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
 from cosyvoice2_serving.orchestrator import (
     ORCHESTRATOR_STATS,
-    LLMRequest,
     Orchestrator,
     OrchestratorConfig,
-    PromptTensors,
     SamplingConfig,
     parse_request,
-    stream_schedule,
 )
 from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import StreamScheduleParams
 from cosyvoice2_serving.stats import Stats
 import pipeline_contract as contract
 from triton_repo import internal_io as io
@@ -135,7 +134,7 @@ class TritonPythonModel:
         engine = EngineConfig.for_model_dir(model_dir)
         tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
         vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
-        schedule = stream_schedule(engine.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+        schedule = StreamScheduleParams(int(params["first_hop"]), int(params["chunk_growth"])).schedule(engine)
         benchmark_ratio = float(params["benchmark_speech_ratio"]) if params.get("benchmark_speech_ratio") else None
         loop_guard = trtllm_loop_guard(params) if benchmark_ratio is None else None
         config = OrchestratorConfig(

@@ -20,7 +20,7 @@ from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
-from cosyvoice2_serving.orchestrator import stream_schedule
+from cosyvoice2_serving.schedule import StreamScheduleParams
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
@@ -43,7 +43,7 @@ class Token2WavHandler:
             config = EngineConfig.for_model_dir(model_dir)
             flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
             hift = load_hift(model_dir / HIFT_FILE, config, device)
-            schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
+            schedule = StreamScheduleParams(int(params["first_hop"]), int(params["chunk_growth"])).schedule(config)
             budget = float(params.get("flow_cache_gb", 0)) or None
             engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "chunked"), budget)
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from cosyvoice2_serving.engines import prompt_tensors
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
 import pipeline_contract as contract
