@@ -70,7 +70,7 @@ class OrchestratorConfig:
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
-    max_target_text_tokens: int = 300
+    max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
 
 

@@ -8,9 +8,12 @@ flow caches by it. They run in different processes, so each builds it from the s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import ChunkSchedule
+
+if TYPE_CHECKING:  # only its `schedule` method is called: reading the parameters needs no engine config module
+    from cosyvoice2.config import EngineConfig
 
 
 @dataclass(frozen=True)
