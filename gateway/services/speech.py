@@ -319,7 +319,7 @@ class SpeechService:
                 reference_text=plan.voice.transcript,
                 target_text=text,
                 seed=plan.seed,
-                instruction=plan.instructions,
+                instruction=plan.instructions or "",
             )
             last: SpeechChunk | None = None
             if plan.stream:
