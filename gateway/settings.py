@@ -10,8 +10,8 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+import pipeline_contract as contract
 from gateway.demo import DEMO_MODEL_ID
-from triton_repo import contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

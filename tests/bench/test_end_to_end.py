@@ -17,8 +17,8 @@ import pytest
 
 from tests.bench.wavfiles import write_wav
 from tests.gateway.standin_model.repository import render_standin_repository
+from pipeline_contract import OUTPUT_SAMPLE_RATE
 from tests.gateway.standin_model.standin import read_request_log
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
 from ttsbench.cli import main
 

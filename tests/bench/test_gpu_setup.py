@@ -20,9 +20,9 @@ from triton_repo.server import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_setup.sh"
 #: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks.
-RUNTIME_SOURCES = ["gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "benchmarks/ttsbench",
+RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "benchmarks/ttsbench",
                    "scripts/stack_bench.py"]  # fmt: skip
-FIRST_PARTY = {"gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "ttsbench", "cosyvoice_build"}
+FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "ttsbench", "cosyvoice_build"}
 #: Imported at run time but not installed by the script, with the reason.
 PROVIDED = {
     "torch": "the machine's CUDA build (the script checks it and pins it, never installs it)",

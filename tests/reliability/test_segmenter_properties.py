@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cosyvoice2.text.segment import bound_segment, is_speakable, pipeline_segments, utf8_token_bound
 from gateway.schemas import MAX_INPUT_CHARS
-from triton_repo.contract import MAX_SEGMENT_TOKENS
+from pipeline_contract import MAX_SEGMENT_TOKENS
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -12,7 +12,7 @@ import pytest
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.token2wav import Token2WavService, Work
 
 PROMPT = PromptTensors(np.arange(4, dtype=np.int32), np.zeros((8, 80), np.float32), np.ones(192, np.float32))
@@ -125,13 +125,13 @@ def tiny_token2wav(tmp_path_factory):
     from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
     from cosyvoice2.testing import write_tiny_model
     from cosyvoice2_serving.engines import BatchedToken2Wav
-    from cosyvoice2_serving.orchestrator import stream_schedule
+    from cosyvoice2_serving.schedule import StreamScheduleParams
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     config = EngineConfig.for_model_dir(model_dir)
     flow = load_flow(model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32)
     hift = load_hift(model_dir / HIFT_FILE, config, torch.device("cpu"))
-    schedule = stream_schedule(config.schedule(0), first_hop=5, growth=2)
+    schedule = StreamScheduleParams(first_hop=5, chunk_growth=2).schedule(config)
     return BatchedToken2Wav(flow, hift, config, schedule), schedule
 
 

@@ -13,8 +13,8 @@ from tritonclient.grpc import model_config_pb2
 
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import LLMRequest
-from triton_repo import contract
+from cosyvoice2_serving.io_struct import LLMRequest
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.render import (
     MARKER,
@@ -244,7 +244,7 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
     assert (params["token2wav"], params["dit_dir"]) == ("dit", str(dit_dir.resolve()))
     unet = parameters(parsed_configs(write_repository(RenderOptions(model_dir=tiny_model_dir,
                                                                     out=tmp_path / "unet")))["engine"])
-    assert (unet["token2wav"], unet["dit_dir"]) == ("unet", "")
+    assert (unet["token2wav"], unet.get("dit_dir")) == ("unet", None)  # an unset optional parameter is left out
     (dit_dir / "hift.pt").unlink()
     assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "r"), "--token2wav", "dit",
                  "--dit-dir", str(dit_dir)]) == 2
