@@ -13,7 +13,6 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-import av
 import httpx
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
@@ -100,6 +99,8 @@ def encoded_chunk_seconds(pieces: Sequence[bytes], response_format: str) -> list
         return []
     if response_format == "pcm":
         return [len(p) / PCM_BYTES_PER_SAMPLE / contract.OUTPUT_SAMPLE_RATE for p in pieces]
+    import av  # only compressed gateway formats need a demuxer; the Triton targets run without PyAV
+
     data = b"".join(pieces)
     packets: list[tuple[int, float]] = []  # (position, seconds) of every data packet
     trailing, positions_known = 0.0, True
