@@ -20,7 +20,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -29,18 +28,11 @@ from cosyvoice2.dit.config import DiTFlowConfig
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model
 from cosyvoice2.hift import HiFTConfig
+from scripts.gpu_timing import timed
 
 TOKEN_RATE = 25
 
 
-def timed(device: torch.device, fn: Callable[[], object]) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, result
 
 
 def main() -> None:

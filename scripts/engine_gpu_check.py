@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -25,19 +24,12 @@ import torch
 import cosyvoice2
 from cosyvoice2.config import resolve_dtype
 from cosyvoice2.testing import write_full_size_random_model
+from scripts.gpu_timing import timed
 
 TEXT = "This sentence only sets the text length; benchmark mode fixes the number of speech tokens."
 TOKENS_PER_SECOND = 25
 
 
-def timed(device: torch.device, fn: Callable[[], object]) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, result
 
 
 def prompt_wav(seconds: float, sample_rate: int = 16000) -> np.ndarray:

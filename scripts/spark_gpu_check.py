@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.decode import BatchedDecoder
+from scripts.gpu_timing import sync, timed
 from spark_tts.engine import SparkTTS
 from spark_tts.llm import SparkSampling, spark_request
 from spark_tts.streaming import ChunkSchedule, StreamPlan
@@ -34,9 +35,6 @@ TEXT = "This sentence only sets the prompt length; benchmark mode fixes the numb
 TOKENS_PER_SECOND = 50
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def reference(seconds: float, seed: int = 0) -> np.ndarray:
@@ -45,12 +43,6 @@ def reference(seconds: float, seed: int = 0) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * (150 + 20 * seed) * t) + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-def timed(device: torch.device, fn):
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, result
 
 
 def concurrent_streams(engine: SparkTTS, prompts: list[list[int]], tokens: int, schedule: ChunkSchedule,

@@ -59,6 +59,7 @@ from typing import Any
 
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from ttsbench.cli import concurrency_list
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
@@ -417,16 +418,6 @@ def copy_tail(log: Path, dest: Path, lines: int = LOG_TAIL_LINES) -> None:
 # Command line ----------------------------------------------------------------------------------------
 
 
-def _levels(text: str) -> list[int]:
-    try:
-        levels = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from exc
-    if not levels or min(levels) < 1:
-        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
-    return levels
-
-
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -453,11 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
     parser.add_argument("--only", help="comma-separated scenario names (default: all): "
                         + ", ".join(s.name for s in SCENARIOS))
-    parser.add_argument("--stream-levels", type=_levels, default=[1, 4, 16, 32, 64],
+    parser.add_argument("--stream-levels", type=concurrency_list, default=[1, 4, 16, 32, 64],
                         help="concurrency levels of triton-stream (default 1,4,16,32,64)")
-    parser.add_argument("--offline-levels", type=_levels, default=[32, 64],
+    parser.add_argument("--offline-levels", type=concurrency_list, default=[32, 64],
                         help="concurrency levels of triton-offline (default 32,64)")
-    parser.add_argument("--gateway-levels", type=_levels, default=[1],
+    parser.add_argument("--gateway-levels", type=concurrency_list, default=[1],
                         help="concurrency levels of the gateway scenarios (default 1)")
     parser.add_argument("--repeat", type=_positive, default=1,
                         help="runs of every level, interleaved (run 1 of all levels, then run 2, ...)")

@@ -30,7 +30,7 @@ DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 DEFAULT_VOICES_DIR = Path(__file__).resolve().parents[2] / "ref_audios"  # the gateway's default too
 
 
-def _concurrency_list(text: str) -> list[int]:
+def concurrency_list(text: str) -> list[int]:
     try:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     load = common.add_argument_group("load")
     load.add_argument("--mode", choices=("streaming", "offline", "both"), default="both")
-    load.add_argument("--concurrency", type=_concurrency_list, default=list(DEFAULT_CONCURRENCY),
+    load.add_argument("--concurrency", type=concurrency_list, default=list(DEFAULT_CONCURRENCY),
                       help="comma-separated levels (default 1,2,4,8,16,32)")
     amount = load.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=int,
