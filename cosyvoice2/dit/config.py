@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..flow.config import ConformerEncoderShape
+from ..flow.config import ConformerEncoderShape, EstimatorIO, TokenRates
 
 # Class names the released flow.yaml instantiates, per section (checked so that a UNet flow.yaml is refused).
 _FLOW_CLASS = "CausalMaskedDiffWithXvec"
@@ -33,11 +33,9 @@ class DiTEncoderConfig(ConformerEncoderShape):
 
 
 @dataclass(frozen=True)
-class DiTEstimatorConfig:
+class DiTEstimatorConfig(EstimatorIO):
     """The DiT velocity estimator (adaLN-Zero, QK-norm attention, causal conv block per layer)."""
 
-    in_channels: int = 320  # x, mu, speaker, cond: 4 x 80
-    out_channels: int = 80
     hidden_size: int = 512
     depth: int = 16
     num_heads: int = 8
@@ -67,7 +65,7 @@ class DiTSolverConfig:
 
 
 @dataclass(frozen=True)
-class DiTFlowConfig:
+class DiTFlowConfig(TokenRates):
     vocab_size: int = 6561
     input_size: int = 512  # token embedding width (= encoder width)
     output_size: int = 80  # mel bins
@@ -84,14 +82,6 @@ class DiTFlowConfig:
             raise DiTConfigError(f"estimator in_channels {self.estimator.in_channels} must be 4 x {self.output_size}")
         if self.estimator.out_channels != self.output_size:
             raise DiTConfigError("estimator out_channels must equal the mel bins")
-
-    @property
-    def token_mel_ratio(self) -> int:
-        return self.encoder.upsample_stride
-
-    @property
-    def pre_lookahead_len(self) -> int:
-        return self.encoder.pre_lookahead_len
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

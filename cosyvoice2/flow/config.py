@@ -32,11 +32,18 @@ class EncoderConfig(ConformerEncoderShape):
 
 
 @dataclass(frozen=True)
-class EstimatorConfig:
+class EstimatorIO:
+    """The velocity estimator's input and output channels, the same for both flows: it reads x, mu, the
+    speaker embedding and the prompt condition (4 x 80 mel channels) and returns a velocity over 80 channels."""
+
+    in_channels: int = 320
+    out_channels: int = 80
+
+
+@dataclass(frozen=True)
+class EstimatorConfig(EstimatorIO):
     """Causal 1-D UNet (Matcha style) with a single channel level: no temporal down/upsampling."""
 
-    in_channels: int = 320  # x, mu, speaker, cond: 4 x 80
-    out_channels: int = 80
     channels: int = 256
     attention_head_dim: int = 64
     num_heads: int = 8
@@ -57,22 +64,30 @@ class CFMConfig:
     noise_seed: int = 0
 
 
+class TokenRates:
+    """What both flow configurations derive from their encoder (`self.encoder`, a `ConformerEncoderShape`)."""
+
+    encoder: ConformerEncoderShape
+
+    @property
+    def token_mel_ratio(self) -> int:
+        """Mel frames per speech token."""
+        return self.encoder.upsample_stride
+
+    @property
+    def pre_lookahead_len(self) -> int:
+        """Tokens of right context a chunk needs beyond the frames it emits."""
+        return self.encoder.pre_lookahead_len
+
+
 @dataclass(frozen=True)
-class FlowConfig:
+class FlowConfig(TokenRates):
     vocab_size: int = 6561
     output_size: int = 80  # mel bins
     spk_embed_dim: int = 192
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     cfm: CFMConfig = field(default_factory=CFMConfig)
-
-    @property
-    def token_mel_ratio(self) -> int:
-        return self.encoder.upsample_stride
-
-    @property
-    def pre_lookahead_len(self) -> int:
-        return self.encoder.pre_lookahead_len
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FlowConfig:
