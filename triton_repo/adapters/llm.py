@@ -27,6 +27,7 @@ from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingSchedu
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.devices import instance_device
 
 
 class LLMHandler:
@@ -83,7 +84,8 @@ class LLMHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.llm = LLMHandler(model_params(args))
+        params = model_params(args)
+        self.llm = LLMHandler({**params, "device": instance_device(args, params["device"])})
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
 
     async def execute(self, requests: list[Any]) -> None:

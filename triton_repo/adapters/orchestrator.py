@@ -24,6 +24,7 @@ from cosyvoice2_serving.orchestrator import (
     parse_request,
     stream_schedule,
 )
+from cosyvoice2_serving.replicas import StickyRouter
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.stats import Stats
 from triton_repo import contract
@@ -45,18 +46,19 @@ from triton_repo.adapters.common import (
 
 @dataclass(frozen=True)
 class InternalModels:
-    """Which models answer the LLM and token2wav calls (rendered per layout: `engine` when colocated), and
-    whether the LLM takes a delivery schedule (`deliver_at`: the PyTorch LLM; TensorRT-LLM streams per token)."""
+    """Which models answer the LLM and token2wav calls (rendered per layout: `engine` when colocated; the
+    disaggregated layout has several token2wav replicas, rendered comma-separated), and whether the LLM takes a
+    delivery schedule (`deliver_at`: the PyTorch LLM; TensorRT-LLM streams per token)."""
 
     llm: str
-    token2wav: str
+    token2wav: tuple[str, ...]
     token2wav_decoupled: bool
     llm_deliver_at: bool = False
 
     @classmethod
     def from_params(cls, params: Mapping[str, str]) -> InternalModels:
         return cls(
-            params["llm_model"], params["token2wav_model"], params["token2wav_decoupled"] == "true",
+            params["llm_model"], tuple(params["token2wav_model"].split(",")), params["token2wav_decoupled"] == "true",
             params.get("llm_deliver_at") == "true",
         )  # fmt: skip
 
@@ -75,6 +77,8 @@ class TritonClients:
         self.logits_bias = logits_bias  # TensorRT-LLM: the text-id mask + llm_decoder.bias, per request
         self.models = models
         self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
+        # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them)
+        self.token2wav_router = StickyRouter(models.token2wav)
 
     async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
         out = await bls(
@@ -106,15 +110,23 @@ class TritonClients:
     async def token2wav(
         self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
     ) -> np.ndarray:
-        waveform = await self._token2wav_call(io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
+        replica = self.token2wav_router.route(request_id)
+        try:
+            waveform = await self._token2wav_call(replica, io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
+        finally:
+            if chunk is None or chunk.final:  # offline or the last chunk: the replica keeps nothing of it
+                self.token2wav_router.release(request_id)
         return np.zeros(0, np.float32) if waveform is None else waveform.astype(np.float32).reshape(-1)
 
     async def token2wav_close(self, request_id: str) -> None:
-        await self._token2wav_call(io.token2wav_close_tensors(request_id))
+        replica = self.token2wav_router.owner(request_id) or self.token2wav_router.route(request_id)
+        try:
+            await self._token2wav_call(replica, io.token2wav_close_tensors(request_id))
+        finally:
+            self.token2wav_router.release(request_id)
 
-    async def _token2wav_call(self, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
-        models = self.models
-        out = await bls_one(models.token2wav, inputs, [io.WAVEFORM.name], models.token2wav_decoupled)
+    async def _token2wav_call(self, replica: str, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+        out = await bls_one(replica, inputs, [io.WAVEFORM.name], self.models.token2wav_decoupled)
         return out[io.WAVEFORM.name]
 
 

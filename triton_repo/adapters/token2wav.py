@@ -1,6 +1,7 @@
 """`token2wav`: flow + HiFT with per-request streams; concurrent chunks share batched flow forwards.
 
-Must run as ONE instance: a stream's state lives in this process (render enforces count 1).
+Must run as ONE instance: a stream's state lives in this process (render enforces count 1). Several replicas
+are several models (the disaggregated layout: one per GPU slot), each stream kept on one by the orchestrator.
 `Token2WavHandler` is the whole model; the colocated `engine` model hosts it next to the LLM.
 The `token2wav` parameter picks the flow: `unet` (CosyVoice2's, from `model_dir`) or `dit` (the DiT flow of
 Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either way (the orchestrator's).
@@ -25,6 +26,7 @@ from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.devices import instance_device
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ class Token2WavHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.token2wav = Token2WavHandler(model_params(args))
+        params = model_params(args)
+        self.token2wav = Token2WavHandler({**params, "device": instance_device(args, params["device"])})
         self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:
