@@ -23,7 +23,15 @@ import tritonclient.grpc.aio as aio
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from tests.triton.conftest import FIRST_HOP, SAMPLES_PER_TOKEN, Pipeline, settled_metrics, stream, synthesis_inputs
+from tests.triton.conftest import (
+    FIRST_HOP,
+    SAMPLES_PER_TOKEN,
+    Pipeline,
+    settled_metrics,
+    stream,
+    synthesis_inputs,
+    wait_metrics,
+)
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
 from triton_repo import contract
 from triton_repo.devices import instance_device
@@ -198,6 +206,58 @@ def test_every_adapter_puts_each_instance_on_the_gpu_triton_gives_it(adapters, t
     assert providers == [[("CUDAExecutionProvider", {"device_id": 1}), "CPUExecutionProvider"]]
 
 
+async def test_the_orchestrators_clients_keep_each_stream_and_its_close_on_one_replica(adapters, monkeypatch):
+    import numpy as np
+
+    from cosyvoice2.streaming import Chunk
+    from cosyvoice2_serving.errors import RemoteError
+    from triton_repo import internal_io as io
+
+    orchestrator = adapters("orchestrator")
+    calls: list[tuple[str, str, str]] = []  # (replica, stream id, what)
+    failing: set[str] = set()
+
+    async def bls_one(model, inputs, outputs, decoupled, request_id=""):
+        stream_id = inputs[io.STREAM_ID.name][0].decode()
+        what = "close" if io.CLOSE.name in inputs else "prompt" if io.PROMPT_SPEECH_TOKENS.name in inputs else "chunk"
+        calls.append((model, stream_id, what))
+        if stream_id in failing and what == "chunk":
+            raise RemoteError("token2wav failed")
+        return {io.WAVEFORM.name: np.zeros(4, np.float32)}
+
+    monkeypatch.setattr(orchestrator, "bls_one", bls_one)
+    replicas = ("token2wav_gpu1_0", "token2wav_gpu1_1", "token2wav_gpu2_0")
+    params = {"llm_model": "llm", "token2wav_model": ",".join(replicas), "token2wav_decoupled": "false"}
+    models = orchestrator.InternalModels.from_params(params)
+    assert models.token2wav == replicas
+    clients = orchestrator.TritonClients(None, None, models)  # type: ignore[arg-type]
+    prompt = io.prompt_from_tensors(
+        {io.PROMPT_SPEECH_TOKENS.name: np.zeros(4, np.int32), io.PROMPT_MEL.name: np.zeros((8, 80), np.float32),
+         io.PROMPT_XVECTOR.name: np.zeros(192, np.float32)}
+    )  # fmt: skip
+    tokens = np.zeros(3, np.int32)
+    ids = [str(i) for i in range(5)]
+    for rid in ids:  # five streams open, interleaved
+        await clients.token2wav(rid, tokens, prompt, Chunk(0, 3, 6, False), 1)
+    for rid in ids:
+        await clients.token2wav(rid, tokens, None, Chunk(3, 6, 9, False), 1)
+    await clients.token2wav_close("0")  # a cancelled stream
+    failing.add("1")
+    with pytest.raises(RemoteError):
+        await clients.token2wav("1", tokens, None, Chunk(6, 9, 12, False), 1)
+    await clients.token2wav_close("1")  # the orchestrator closes a stream whose chunk failed
+    for rid in ids[2:]:
+        await clients.token2wav(rid, tokens, None, Chunk(6, 9, 9, True), 1)
+    await clients.token2wav("offline", tokens, prompt, None, 1)
+    by_stream: dict[str, set[str]] = {}
+    for replica, rid, _ in calls:
+        by_stream.setdefault(rid, set()).add(replica)
+    assert all(len(used) == 1 for used in by_stream.values()), by_stream  # every call of a stream on one replica
+    assert {next(iter(by_stream[rid])) for rid in ids} == set(replicas)  # and the streams spread over all
+    assert [what for _, rid, what in calls if rid == "0"] == ["prompt", "chunk", "close"]
+    assert clients.token2wav_router.load() == dict.fromkeys(replicas, 0)  # nothing left held after every end
+
+
 # -- a real tritonserver: the CPU rehearsal of the layout ----------------------------------------------------------
 REHEARSED = ("token2wav_gpu1_0", "token2wav_gpu1_1")
 
@@ -259,6 +319,15 @@ async def test_two_replicas_in_two_processes_share_the_streams_and_each_stream_s
     assert sum(chunks_by_replica.values()) == sum(len(c) for c in streams) + len(offline)
     for name in REHEARSED:
         assert metrics[("token2wav_failed_total", name)] == 0 and metrics[("token2wav_active_streams", name)] == 0
+    # cancelled streams: the close reaches the replica holding the stream (else it would stay open there)
+    async with aio.InferenceServerClient(rehearsal.server.grpc_url) as client:
+        await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=40 + i), cancel_after=1)
+                               for i, t in enumerate(texts[:2])))  # fmt: skip
+    closed = await wait_metrics(
+        rehearsal, lambda m: sum(m.get(("token2wav_closed_total", n), 0) for n in REHEARSED) == 2, timeout=60
+    )
+    for name in REHEARSED:
+        assert closed[("token2wav_active_streams", name)] == 0 and closed[("token2wav_failed_total", name)] == 0
     # each replica's chunk count is a sum of whole streams (plus offline calls): no stream was split across them
     lengths = [len(c) for c in streams]
     sums = {0}
