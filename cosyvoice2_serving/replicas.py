@@ -15,13 +15,14 @@ from typing import Sequence
 class StickyRouter:
     """Maps request ids to replicas: a new id goes to the least-loaded replica, a known id to its own."""
 
-    def __init__(self, replicas: Sequence[str]) -> None:
+    def __init__(self, replicas: Sequence[str], start: int = 0) -> None:
+        """`start`: the replica the first tie goes to (several routing processes are best started apart)."""
         if not replicas or len(set(replicas)) != len(replicas):
             raise ValueError(f"replicas must be distinct and at least one, got {list(replicas)}")
         self.replicas = tuple(replicas)
         self._load = dict.fromkeys(self.replicas, 0)
         self._owner: dict[str, str] = {}
-        self._next = 0  # where the next tie-break starts, so equal loads take turns
+        self._next = start % len(self.replicas)  # where the next tie-break starts, so equal loads take turns
         self._lock = threading.Lock()
 
     def route(self, request_id: str) -> str:

@@ -40,3 +40,8 @@ def test_release_of_an_unknown_id_changes_nothing_and_bad_replica_lists_are_refu
         StickyRouter(())
     with pytest.raises(ValueError):
         StickyRouter(("a", "a"))
+
+
+def test_a_start_offset_moves_the_first_tie_only():
+    router = StickyRouter(REPLICAS, start=4)  # 4 mod 3: the second replica
+    assert [router.route(str(i)) for i in range(4)] == ["t2w_b", "t2w_c", "t2w_a", "t2w_b"]

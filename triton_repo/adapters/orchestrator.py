@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping
@@ -77,8 +78,9 @@ class TritonClients:
         self.logits_bias = logits_bias  # TensorRT-LLM: the text-id mask + llm_decoder.bias, per request
         self.models = models
         self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
-        # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them)
-        self.token2wav_router = StickyRouter(models.token2wav)
+        # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them).
+        # Every orchestrator process routes on its own: a random start keeps their first requests apart.
+        self.token2wav_router = StickyRouter(models.token2wav, start=secrets.randbelow(len(models.token2wav)))
 
     async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
         out = await bls(
