@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc.aio as aio
-from google.protobuf import json_format, text_format
+from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2
 
 from tests.triton.conftest import (
@@ -32,6 +32,8 @@ from tests.triton.conftest import (
     synthesis_inputs,
     wait_metrics,
 )
+from tests.triton.test_render import parameters as params
+from tests.triton.test_render import parsed_configs as configs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
 import pipeline_contract as contract
 from triton_repo.devices import instance_device
@@ -41,19 +43,6 @@ from triton_repo.render import RenderError, RenderOptions, main, render_reposito
 GPUS = (1, 2, 3)
 PER_GPU = 2
 REPLICAS = {f"token2wav_gpu{g}_{k}": g for g in GPUS for k in range(PER_GPU)}
-
-
-def configs(repo: Path) -> dict[str, model_config_pb2.ModelConfig]:
-    out = {}
-    for path in sorted(repo.glob("*/config.pbtxt")):
-        config = model_config_pb2.ModelConfig()
-        text_format.Parse(path.read_text(), config)
-        out[config.name] = config
-    return out
-
-
-def params(config: model_config_pb2.ModelConfig) -> dict[str, str]:
-    return {key: value.string_value for key, value in config.parameters.items()}
 
 
 def backend_args(config: model_config_pb2.ModelConfig) -> list[dict[str, str]]:
