@@ -4,7 +4,8 @@
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
         [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token] \
-        [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
+        [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav] \
+        [--token2wav-gpus 1,2,3 --token2wav-instances-per-gpu 2]  # --layout disaggregated
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. Every option is checked before
@@ -56,7 +57,8 @@ MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the dire
 LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm"}
 DTYPES = ("fp32", "fp16", "bf16")
 #: colocated: the PyTorch LLM and token2wav in one model (`engine`, one process: concurrent CUDA streams);
-#: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, the rest on GPU 1.
+#: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, token2wav
+#: replicas on GPUs 1..N (`token2wav_gpus`, `token2wav_instances_per_gpu`; see `token2wav_replicas`).
 LAYOUTS = ("colocated", "single", "disaggregated")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
 #: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
@@ -70,10 +72,17 @@ ENGINE_MODEL = "engine"
 LOGITS_DTYPE = "float32"
 #: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
+#: The GPU of the LLM in the disaggregated layout (TensorRT-LLM's `gpu_device_ids`, the PyTorch LLM's instance group).
+LLM_GPU = 0
+#: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
+DEFAULT_TOKEN2WAV_GPUS = (1,)
 
 
-def default_device(llm_backend: str, layout: str | None) -> str:
-    """TensorRT-LLM and the disaggregated layout (two GPUs) need CUDA; anything else renders for the CPU."""
+def default_device(llm_backend: str, layout: str | None, gpu_emulation: bool = False) -> str:
+    """TensorRT-LLM and the disaggregated layout (several GPUs) need CUDA, except the layout's CPU rehearsal
+    (`gpu_emulation`); anything else renders for the CPU."""
+    if gpu_emulation:
+        return "cpu"
     return "cuda" if llm_backend == "tensorrt_llm" or layout == "disaggregated" else "cpu"
 
 
@@ -88,7 +97,7 @@ class RenderOptions:
     llm_backend: str = "pytorch"
     engine_dir: Path | None = None  # TensorRT-LLM engine (tensorrt_llm backend)
     llm_dir: Path | None = None  # HF checkpoint dir with logits_bias.safetensors (tensorrt_llm backend)
-    device: str | None = None  # None: default_device(llm_backend, layout)
+    device: str | None = None  # None: default_device(llm_backend, layout, gpu_emulation)
     dtype: str = "fp32"
     max_batch: int = 16  # LLM sequences decoded together (KV slots)
     max_seq_len: int = 4096  # prompt + generated tokens per sequence
@@ -118,6 +127,13 @@ class RenderOptions:
     # the orchestrator's loop guard, together the nearest the C++ backend gets to RAS (docs/deploy.md)
     repetition_penalty: float = 1.1
     loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
+    # Disaggregated layout only: the GPUs of the token2wav replicas (None: DEFAULT_TOKEN2WAV_GPUS) and how many
+    # replicas each GPU runs. Each replica is a model of its own with one instance (see `token2wav_replicas`).
+    token2wav_gpus: tuple[int, ...] | None = None
+    token2wav_instances_per_gpu: int = 1
+    # Rehearse the disaggregated GPU placement on a machine without GPUs (tests, CI): every GPU instance group
+    # renders as a CPU one and every device as cpu; the models, replicas and routing stay those of the GPU render.
+    gpu_emulation: bool = False
 
     def __post_init__(self) -> None:
         # The one place that fills in what was left open, for the command line, the library call and the stack alike.
@@ -131,16 +147,58 @@ class RenderOptions:
         if self.llm_delivery is None:
             object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
         if self.device is None:
-            object.__setattr__(self, "device", default_device(self.llm_backend, self.layout))
+            object.__setattr__(self, "device", default_device(self.llm_backend, self.layout, self.gpu_emulation))
+        if self.token2wav_gpus is not None and not isinstance(self.token2wav_gpus, tuple):
+            # a list from settings or JSON: the options and their record keep a tuple
+            object.__setattr__(self, "token2wav_gpus", tuple(self.token2wav_gpus))
 
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)
 
     def device_of(self, model: str) -> str:
-        """`disaggregated` puts the LLM on GPU 0 and everything else on GPU 1."""
-        if self.device == "cpu" or self.layout != "disaggregated":
-            return self.device if self.device == "cpu" else "cuda:0"
-        return "cuda:0" if model == "llm" else "cuda:1"
+        """The `device` parameter of `model`'s adapter. `disaggregated` renders "cuda" for the models it pins to a
+        GPU by their instance group (`gpus_of`): the adapter takes the GPU Triton gives the instance
+        (`triton_repo.devices.instance_device`); other layouts run every model on cuda:0 or the CPU."""
+        if self.device == "cpu" or self.gpu_emulation:
+            return "cpu"
+        if self.layout != "disaggregated":
+            return "cuda:0"
+        return "cuda" if self.gpus_of(model) is not None else "cuda:0"
+
+    def gpus_of(self, model: str) -> tuple[int, ...] | None:
+        """The GPUs of `model`'s KIND_GPU instance group in the disaggregated layout; None: a KIND_CPU group.
+
+        The PyTorch LLM gets LLM_GPU (TensorRT-LLM places itself: `gpu_device_ids`); each token2wav replica its
+        GPU; the audio front-end (`audio_tokenizer`, `speaker_embedding`: once per new voice, then cached) the
+        first token2wav GPU, which keeps the LLM's GPU to the LLM's KV cache."""
+        if self.layout != "disaggregated":
+            return None
+        if model == "llm":
+            return (LLM_GPU,) if self.llm_backend == "pytorch" else None
+        replicas = dict(token2wav_replicas(self))
+        if model in replicas:
+            return (replicas[model],)
+        if model in ("audio_tokenizer", "speaker_embedding"):
+            return (self.resolved_token2wav_gpus[0],)
+        return None
+
+    @property
+    def resolved_token2wav_gpus(self) -> tuple[int, ...]:
+        return DEFAULT_TOKEN2WAV_GPUS if self.token2wav_gpus is None else tuple(self.token2wav_gpus)
+
+
+def token2wav_replicas(opts: RenderOptions) -> list[tuple[str, int | None]]:
+    """(model name, GPU) of every token2wav model. One model per replica, each with exactly one instance: a
+    stream's caches live in the process that served its first chunk, and Triton spreads the requests of one model
+    over all its instances, so the orchestrator addresses a replica by name and keeps each stream on the one it
+    picked (`cosyvoice2_serving.replicas.StickyRouter`). Outside the disaggregated layout: the one `token2wav`."""
+    if opts.layout != "disaggregated":
+        return [("token2wav", None)]
+    return [
+        (f"token2wav_gpu{gpu}_{k}", gpu)
+        for gpu in opts.resolved_token2wav_gpus
+        for k in range(opts.token2wav_instances_per_gpu)
+    ]
 
 
 # -- validation of options -------------------------------------------------------------------------
@@ -171,8 +229,7 @@ def check_options(opts: RenderOptions) -> None:
         errors.append(f"--llm-delivery must be one of {', '.join(LLM_DELIVERIES)}, got {opts.llm_delivery!r}")
     elif opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
-    if opts.layout == "disaggregated" and opts.device != "cuda":
-        errors.append("--layout disaggregated needs --device cuda (it puts the LLM and token2wav on two GPUs)")
+    errors += _check_placement(opts)
     for name, value, low in (
         ("--max-batch", opts.max_batch, 1), ("--max-seq-len", opts.max_seq_len, 64), ("--max-waiting", opts.max_waiting, 0),
         ("--first-hop", opts.first_hop, 4), ("--chunk-growth", opts.chunk_growth, 1), ("--voice-cache", opts.voice_cache, 1),
@@ -215,6 +272,39 @@ def check_options(opts: RenderOptions) -> None:
         errors += _check_trtllm(opts)
     if errors:
         raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
+
+
+def _check_placement(opts: RenderOptions) -> list[str]:
+    """The disaggregated layout's GPUs; its CPU rehearsal (`gpu_emulation`)."""
+    errors = []
+    if opts.gpu_emulation:
+        if opts.layout != "disaggregated" or opts.device != "cpu":
+            errors.append("--gpu-emulation rehearses --layout disaggregated on --device cpu only")
+    elif opts.layout == "disaggregated" and opts.device != "cuda":
+        errors.append(
+            "--layout disaggregated needs --device cuda (the LLM on GPU 0, token2wav on the others; "
+            "--gpu-emulation rehearses it on the CPU)"
+        )
+    if opts.layout != "disaggregated":
+        if opts.token2wav_gpus is not None or opts.token2wav_instances_per_gpu != 1:
+            errors.append("--token2wav-gpus and --token2wav-instances-per-gpu need --layout disaggregated")
+        return errors
+    gpus = opts.resolved_token2wav_gpus
+    if not gpus:
+        errors.append("--token2wav-gpus names no GPU (give GPU ids, e.g. 1,2,3)")
+    if any(gpu < 0 for gpu in gpus):
+        errors.append(f"--token2wav-gpus: GPU ids are >= 0, got {','.join(map(str, gpus))}")
+    if len(set(gpus)) != len(gpus):
+        errors.append(f"--token2wav-gpus names a GPU twice ({','.join(map(str, gpus))}); use "
+                      "--token2wav-instances-per-gpu for several replicas on one GPU")
+    if opts.token2wav_instances_per_gpu < 1:
+        errors.append(f"--token2wav-instances-per-gpu must be >= 1, got {opts.token2wav_instances_per_gpu}")
+    return errors
+
+
+def llm_shares_its_gpu(opts: RenderOptions) -> bool:
+    """Whether other models run on the LLM's GPU (TensorRT-LLM then leaves them half of the free memory)."""
+    return opts.layout != "disaggregated" or LLM_GPU in opts.resolved_token2wav_gpus
 
 
 def _check_trtllm(opts: RenderOptions) -> list[str]:
@@ -278,7 +368,7 @@ def _check_engine_facts(opts: RenderOptions, engine: dict) -> list[str]:
         )
     tp = engine_tp_size(engine)
     if tp > 1 and opts.layout == "disaggregated":
-        errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns cuda:0 only)")
+        errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns GPU {LLM_GPU} only)")
     return errors
 
 
@@ -333,6 +423,18 @@ def _fill(template: str, **values: object) -> str:
     return text
 
 
+def instance_group(opts: RenderOptions, model: str, count: int = 1) -> str:
+    """`model`'s instance group: `count` instances on each GPU of `gpus_of` (Triton passes each instance its GPU as
+    `model_instance_device_id`), else `count` CPU-kind instances (their adapters use the rendered `device`)."""
+    gpus = opts.gpus_of(model)
+    if gpus is None:
+        return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]"
+    gpu_list = ", ".join(map(str, gpus))
+    if opts.gpu_emulation:  # the CPU rehearsal: same model and count, the GPU only named
+        return f"# gpu_emulation of: KIND_GPU gpus [ {gpu_list} ]\ninstance_group [ {{ kind: KIND_CPU count: {count} }} ]"
+    return f"instance_group [ {{ kind: KIND_GPU count: {count} gpus: [ {gpu_list} ] }} ]"
+
+
 def _python_model(module: str, cls: str = "TritonPythonModel") -> str:
     return _fill("model.py.tmpl", module=f"triton_repo.adapters.{module}", cls=cls)
 
@@ -379,7 +481,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
             max_queue_delay_us=opts.max_queue_delay_us,
             inputs=contract.pbtxt_io_block("input", io.AUDIO_INPUTS),
             outputs=contract.pbtxt_io_block("output", (output,)),
-            instances=opts.instances_of(name),
+            instance_group=instance_group(opts, name, opts.instances_of(name)),
             parameters=_parameters(AudioModelParams(opts.model_dir.resolve(), opts.device_of(name))),
         )
         files[f"{name}/1/model.py"] = _python_model("audio_features", cls)
@@ -395,14 +497,16 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
         files[f"{ENGINE_MODEL}/1/model.py"] = _python_model("engine")
     else:
         files.update(_llm_files(opts))
-        files["token2wav/config.pbtxt"] = _fill(
-            "token2wav.pbtxt",
-            name="token2wav",
-            inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
-            outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
-            parameters=_parameters(token2wav_params(opts)),
-        )
-        files["token2wav/1/model.py"] = _python_model("token2wav")
+        for name, _ in token2wav_replicas(opts):
+            files[f"{name}/config.pbtxt"] = _fill(
+                "token2wav.pbtxt",
+                name=name,
+                inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
+                outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
+                instance_group=instance_group(opts, name),
+                parameters=_parameters(token2wav_params(opts, name)),
+            )
+            files[f"{name}/1/model.py"] = _python_model("token2wav")
     files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
     return files
 
@@ -412,7 +516,7 @@ def internal_models(opts: RenderOptions) -> InternalModels:
     colocated = opts.layout == "colocated"
     return InternalModels(
         llm_model=ENGINE_MODEL if colocated else "llm",
-        token2wav_model=ENGINE_MODEL if colocated else "token2wav",
+        token2wav_model=(ENGINE_MODEL,) if colocated else tuple(name for name, _ in token2wav_replicas(opts)),
         token2wav_decoupled=colocated,
         llm_deliver_at=opts.llm_delivery == "chunk",
     )
@@ -444,7 +548,7 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
 
 
 def expected_models(opts: RenderOptions) -> set[str]:
-    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", "token2wav"}
+    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
     return frontend | internal
 
@@ -462,17 +566,20 @@ def llm_params(opts: RenderOptions) -> LLMParams:
     )
 
 
-def token2wav_params(opts: RenderOptions) -> Token2WavParams:
-    """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`)."""
+def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavParams:
+    """Parameters of the token2wav model `name` (`adapters.token2wav.Token2WavHandler`), one of `token2wav_replicas`."""
+    disaggregated = opts.layout == "disaggregated"
     return Token2WavParams(
         model_dir=opts.model_dir.resolve(),
-        device=opts.device_of("token2wav"),
+        device=opts.device_of(name),
         dtype=opts.dtype,
         schedule=_schedule(opts),
         flow_cache=opts.flow_cache,
         flow_cache_gb=opts.flow_cache_gb,
         token2wav=opts.token2wav,
         dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
+        # the budget is per GPU: the replicas sharing one split it
+        replicas_per_gpu=opts.token2wav_instances_per_gpu if disaggregated else None,
     )
 
 
@@ -486,7 +593,7 @@ def _llm_files(opts: RenderOptions) -> dict[str, str]:
     if opts.llm_backend == "pytorch":
         config = _fill(
             "llm_pytorch.pbtxt", name="llm", max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, **llm_io,
-            parameters=_parameters(llm_params(opts)),
+            instance_group=instance_group(opts, "llm"), parameters=_parameters(llm_params(opts)),
         )  # fmt: skip
         return {"llm/config.pbtxt": config, "llm/1/model.py": _python_model("llm")}
     config = _fill(
@@ -507,7 +614,7 @@ def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
         "batch_scheduler_policy": "guaranteed_no_evict",
         "max_tokens_in_paged_kv_cache": opts.max_batch * opts.max_seq_len,
         "max_attention_window_size": opts.max_seq_len,
-        "kv_cache_free_gpu_mem_fraction": 0.5 if opts.layout == "single" else 0.9,
+        "kv_cache_free_gpu_mem_fraction": 0.5 if llm_shares_its_gpu(opts) else 0.9,
         "enable_kv_cache_reuse": "false",
         "exclude_input_in_output": "true",
         "enable_chunked_context": "false",
@@ -578,7 +685,9 @@ def validate_repository(repo: Path, expected: set[str]) -> None:
             errors.append(f"{repo / name}: missing version directory 1/")
         if config.backend == "python" and not (repo / name / "1" / "model.py").is_file():
             errors.append(f"{repo / name}/1/model.py missing")
-        if name in ("llm", "token2wav", ENGINE_MODEL) and any(g.count != 1 for g in config.instance_group):
+        if (name in ("llm", ENGINE_MODEL) or name.startswith("token2wav")) and (
+            len(config.instance_group) != 1 or any(g.count != 1 or len(g.gpus) > 1 for g in config.instance_group)
+        ):
             errors.append(f"{path}: {name} must have exactly one instance")
         if config.backend == "tensorrtllm":
             errors += check_trtllm_config(config)
@@ -666,6 +775,14 @@ def render_repository(output_dir: Path, model_dir: Path, **options: object) -> P
 
 
 # -- command line ----------------------------------------------------------------------------------
+def parse_gpus(value: str) -> tuple[int, ...]:
+    """`--token2wav-gpus 1,2,3` -> (1, 2, 3); the values are checked with the other options."""
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not all(part.lstrip("-").isdigit() for part in parts):
+        raise RenderError(f"--token2wav-gpus expects comma-separated GPU ids (e.g. 1,2,3), got {value!r}")
+    return tuple(int(part) for part in parts)
+
+
 def _instances(values: Sequence[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for value in values:
@@ -718,6 +835,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="default: colocated for the pytorch LLM (LLM + token2wav in one process), single for tensorrt_llm",
     )  # fmt: skip
     parser.add_argument(
+        "--token2wav-gpus", default=None, metavar="IDS",
+        help=f"disaggregated: GPUs of the token2wav replicas, e.g. 1,2,3 (default {','.join(map(str, DEFAULT_TOKEN2WAV_GPUS))};"
+        f" the LLM has GPU {LLM_GPU})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token2wav-instances-per-gpu", type=int, default=defaults.token2wav_instances_per_gpu, metavar="N",
+        help="disaggregated: token2wav replicas on each of those GPUs",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-emulation", action="store_true",
+        help="tests/CI: rehearse --layout disaggregated on --device cpu (same models and routing, every device cpu)",
+    )  # fmt: skip
+    parser.add_argument(
         "--llm-delivery", default=None, choices=LLM_DELIVERIES,
         help="tokens to the streaming orchestrator per chunk boundary (default for pytorch) or per token (tensorrt_llm)",
     )  # fmt: skip
@@ -756,6 +886,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 voice_cache=args.voice_cache,
                 benchmark_speech_ratio=args.benchmark_speech_ratio,
                 repetition_penalty=args.repetition_penalty,
+                token2wav_gpus=parse_gpus(args.token2wav_gpus) if args.token2wav_gpus is not None else None,
+                token2wav_instances_per_gpu=args.token2wav_instances_per_gpu,
+                gpu_emulation=args.gpu_emulation,
             )
         )
     except RenderError as exc:

@@ -77,6 +77,10 @@ class BuildSettings:
     smoke_text: str = "Hello, this is a smoke test of the speech pipeline."
     smoke_url: str | None = None  # an already running Triton (gRPC host:port); None: start one
     token2wav: Token2WavKind = "unet"
+    #: disaggregated layout: the GPUs of the token2wav replicas (None: the render's default, GPU 1) and replicas per
+    #: GPU; the LLM has GPU 0. GPU ids as the Triton container numbers them.
+    token2wav_gpus: tuple[int, ...] | None = None
+    token2wav_instances_per_gpu: int = 1
     dit_source: DitSource = "hf"
     dit_model_id: str = DIT_MODEL_ID
     dit_revision: str | None = None

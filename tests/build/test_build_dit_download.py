@@ -115,3 +115,20 @@ def test_cli_options_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert (settings.token2wav, settings.dit_source, settings.dit_revision) == ("dit", "local", "r1")
     assert settings.dit_dir == Path("/m/t2w")
     assert cli.settings_from_args(cli.build_parser().parse_args([])).dit_model_id == "stepfun-ai/Step-Audio-2-mini"
+
+
+def test_the_render_stage_serves_the_downloaded_dit_token2wav(fake_repo: Path, micro_model_dir: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the download stage fetched and verified is what the rendered repository's token2wav loads."""
+    monkeypatch.setitem(weights.HUB_DOWNLOADS, "hf", hub_from(fake_repo, [])["hf"])
+    stages = [s for s in STAGES if s.name in ("download", "render")]
+    settings = BuildSettings(work_dir=tmp_path, model_source="local", model_dir=micro_model_dir, llm_backend="torch",
+                             triton_layout="colocated", token2wav="dit")
+    assert [r.outcome for r in run_stages(stages, settings)] == ["done", "done"]
+    config = (settings.triton_repo_dir / "engine" / "config.pbtxt").read_text()
+    assert 'key: "token2wav" value: { string_value: "dit" }' in config
+    assert f'key: "dit_dir" value: {{ string_value: "{settings.dit_dir.resolve()}" }}' in config
+    unet = BuildSettings(work_dir=tmp_path / "unet", model_source="local", model_dir=micro_model_dir,
+                         llm_backend="torch", triton_layout="colocated")
+    assert [r.outcome for r in run_stages(stages, unet)] == ["done", "done"]
+    assert 'string_value: "unet"' in (unet.triton_repo_dir / "engine" / "config.pbtxt").read_text()

@@ -39,6 +39,11 @@ ADAPTER_PARAMS = {
 }
 
 
+def adapter_params(model: str) -> type:
+    """The class `model`'s adapter reads with; the disaggregated layout's token2wav replicas are token2wav models."""
+    return Token2WavParams if model.startswith("token2wav") else ADAPTER_PARAMS[model]
+
+
 def _expected(opts: RenderOptions, model: str) -> object:
     """What render meant to give `model`, as the typed object."""
     if model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
@@ -47,8 +52,8 @@ def _expected(opts: RenderOptions, model: str) -> object:
         return EngineParams(render.llm_params(opts), render.token2wav_params(opts))
     if model == "llm":
         return render.llm_params(opts)
-    if model == "token2wav":
-        return render.token2wav_params(opts)
+    if model.startswith("token2wav"):
+        return render.token2wav_params(opts, model)
     if model == "voice_prompt":
         return VoicePromptParams(opts.voice_cache)
     return AudioModelParams(opts.model_dir.resolve(), opts.device_of(model))
@@ -61,23 +66,67 @@ def _expected(opts: RenderOptions, model: str) -> object:
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "disaggregated", "device": "cuda", "dtype": "fp16"},
+        {"layout": "disaggregated", "gpu_emulation": True, "token2wav_gpus": (1, 2), "token2wav_instances_per_gpu": 2},
     ],
-    ids=["colocated", "single", "benchmark", "disaggregated"],
+    ids=["colocated", "single", "benchmark", "disaggregated", "disaggregated-replicas"],
 )
 def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_path, options):
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", **options)
     configs = parsed_configs(write_repository(opts))
     for name, config in configs.items():
-        read = ADAPTER_PARAMS[name].from_parameters(parameters(config), name)
+        read = adapter_params(name).from_parameters(parameters(config), name)
         assert read == _expected(opts, name), name
     engine_or_llm = configs.get("engine") or configs["llm"]
-    benchmark = ADAPTER_PARAMS[engine_or_llm.name].from_parameters(parameters(engine_or_llm))
+    benchmark = adapter_params(engine_or_llm.name).from_parameters(parameters(engine_or_llm))
     llm = benchmark.llm if isinstance(benchmark, EngineParams) else benchmark
     ratio = options.get("benchmark_speech_ratio")
     assert llm.benchmark == (BenchmarkMode(ratio) if ratio else None)  # one option, in the LLM and the orchestrators
     orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
     assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth)
+    # the orchestrators address exactly the token2wav models rendered
+    token2wavs = {name for name in configs if name.startswith("token2wav")} or {"engine"}
+    assert set(orchestrator.models.token2wav_model) == token2wavs
+
+
+def test_the_token2wav_replicas_and_their_share_of_the_gpu_budget_are_typed_parameters(tiny_model_dir, tmp_path):
+    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout="disaggregated", gpu_emulation=True,
+                         token2wav_gpus=(1, 2), token2wav_instances_per_gpu=4, flow_cache_gb=10.0)  # fmt: skip
+    configs = parsed_configs(write_repository(opts))
+    streaming = parameters(configs[contract.STREAMING_MODEL])
+    # one list parameter, items in placement order
+    assert streaming["token2wav_model"] == ",".join(f"token2wav_gpu{g}_{k}" for g in (1, 2) for k in range(4))
+    replica = Token2WavParams.from_parameters(parameters(configs["token2wav_gpu2_3"]))
+    assert (replica.flow_cache_gb, replica.replicas_per_gpu, replica.flow_cache_budget_gb) == (10.0, 4, 2.5)
+    # outside the disaggregated layout the parameter is left out and the whole budget is the model's
+    single = render.token2wav_params(replace(opts, layout="single", gpu_emulation=False, token2wav_gpus=None,
+                                             token2wav_instances_per_gpu=1))  # fmt: skip
+    assert "replicas_per_gpu" not in single.to_parameters() and single.flow_cache_budget_gb == 10.0
+    assert replace(single, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
+
+
+@pytest.mark.parametrize("value", ["", "llm,", ",llm", "llm,,token2wav"])
+def test_a_list_parameter_needs_items_none_empty(value):
+    params = {**_orchestrator().to_parameters(), "token2wav_model": value}
+    with pytest.raises(ParameterError, match=rf"token2wav_model={value!r} is not a valid"):
+        OrchestratorParams.from_parameters(params)
+
+
+def test_a_list_parameter_round_trips_and_refuses_items_it_cannot_write():
+    orchestrator = _orchestrator()
+    two = replace(orchestrator, models=replace(orchestrator.models, token2wav_model=("a", "b")))
+    assert two.to_parameters()["token2wav_model"] == "a,b"
+    assert OrchestratorParams.from_parameters(two.to_parameters()) == two
+    for bad in ((), ("a,b",), ("",)):
+        with pytest.raises(ParameterError, match="token2wav_model"):
+            replace(orchestrator, models=replace(orchestrator.models, token2wav_model=bad)).to_parameters()
+
+
+def test_a_replica_count_below_one_is_refused():
+    params = {**Token2WavParams(Path("/m"), "cuda", "fp32", StreamScheduleParams(), "chunked", 32.0).to_parameters(),
+              "replicas_per_gpu": "0"}  # fmt: skip
+    with pytest.raises(ParameterError, match="replicas_per_gpu must be >= 1"):
+        Token2WavParams.from_parameters(params)
 
 
 def test_the_tensorrt_llm_orchestrator_reads_back_its_logits_bias_penalty_and_loop_guard(tiny_model_dir, tmp_path):
@@ -120,10 +169,13 @@ def test_bad_values_are_refused_naming_the_model_the_key_and_the_value(change, m
         LLMParams.from_parameters(params, "llm")
 
 
-def test_booleans_nested_checks_and_shared_keys_are_strict():
+def _orchestrator() -> OrchestratorParams:
     models = render.internal_models(RenderOptions(model_dir=Path("/m"), out=Path("/o")))
-    orchestrator = OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models)
-    params = orchestrator.to_parameters()
+    return OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models)
+
+
+def test_booleans_nested_checks_and_shared_keys_are_strict():
+    params = _orchestrator().to_parameters()
     assert params["token2wav_decoupled"] == "true" and "loop_max_run" not in params
     with pytest.raises(ParameterError, match="token2wav_decoupled='yes' is not a valid bool"):
         OrchestratorParams.from_parameters({**params, "token2wav_decoupled": "yes"})
@@ -139,6 +191,8 @@ def test_the_command_line_the_library_call_and_the_options_default_to_the_same_d
     assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="disaggregated").device == "cuda"
     assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, llm_backend="trtllm").device == "cuda"
     assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path).device == "cpu"
+    emulated = RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="disaggregated", gpu_emulation=True)
+    assert emulated.device == "cpu"  # the rehearsal of the layout on a machine without GPUs
     assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "cli"), "--layout", "disaggregated"]) == 0
     render_repository(tmp_path / "lib", tiny_model_dir, layout="disaggregated")
     cli, lib = (json.loads((tmp_path / name / MARKER).read_text()) for name in ("cli", "lib"))

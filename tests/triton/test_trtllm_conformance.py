@@ -66,8 +66,10 @@ def recording_stack(request, tiny_model_dir, tmp_path_factory, triton_server_fac
     """A CPU repository serving the TensorRT-LLM render's orchestrators and `llm` config (stand-in behind it)."""
     root = tmp_path_factory.mktemp(f"conformance_{request.param}")
     trt_repo = render_trtllm(tiny_model_dir, root / "trt", request.param)
+    # the same internal models as the TensorRT-LLM render (disaggregated: its token2wav replicas, rehearsed on CPU)
+    placement = {"layout": "disaggregated", "gpu_emulation": True} if request.param == "disaggregated" else {"layout": "single"}
     repo = write_repository(
-        RenderOptions(model_dir=tiny_model_dir, out=root / "repo", layout="single", max_batch=4, max_seq_len=1024, first_hop=5)
+        RenderOptions(model_dir=tiny_model_dir, out=root / "repo", max_batch=4, max_seq_len=1024, first_hop=5, **placement)
     )
     for name in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):  # the TensorRT-LLM orchestrators as rendered
         shutil.copy(trt_repo / name / "config.pbtxt", repo / name / "config.pbtxt")

@@ -21,11 +21,17 @@ from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
+from triton_repo.devices import instance_device
 from triton_repo.model_params import AudioModelParams
 
 
-def _providers(device: str) -> list[str]:
-    return default_providers() if device.startswith("cuda") else ["CPUExecutionProvider"]
+def _providers(device: str) -> list:
+    """onnxruntime's providers for `device`; cuda:N names the GPU (the CUDA provider's own default is GPU 0)."""
+    providers: list = default_providers() if device.startswith("cuda") else ["CPUExecutionProvider"]
+    _, _, index = device.partition(":")
+    if index and "CUDAExecutionProvider" in providers:
+        providers[providers.index("CUDAExecutionProvider")] = ("CUDAExecutionProvider", {"device_id": int(index)})
+    return providers
 
 
 class _AudioModel:
@@ -52,7 +58,8 @@ class AudioTokenizerModel(_AudioModel):
 
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
-        self.model = SpeechTokenizer(params.model_dir / SPEECH_TOKENIZER_FILE, _providers(params.device))
+        device = instance_device(args, params.device)
+        self.model = SpeechTokenizer(params.model_dir / SPEECH_TOKENIZER_FILE, _providers(device))
 
 
 class SpeakerEmbeddingModel(_AudioModel):

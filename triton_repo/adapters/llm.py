@@ -10,6 +10,7 @@ boundary (the last one flagged final) instead of one per token; without it, one 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingSchedu
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.devices import instance_device
 from triton_repo.model_params import LLMParams
 
 
@@ -85,7 +87,8 @@ class LLMHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.llm = LLMHandler(LLMParams.from_parameters(model_params(args), args["model_name"]))
+        params = LLMParams.from_parameters(model_params(args), args["model_name"])
+        self.llm = LLMHandler(dataclasses.replace(params, device=instance_device(args, params.device)))
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
 
     async def execute(self, requests: list[Any]) -> None:

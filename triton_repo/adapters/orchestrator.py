@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -19,6 +20,7 @@ from cosyvoice2_serving.orchestrator import (
     SamplingConfig,
     parse_request,
 )
+from cosyvoice2_serving.replicas import StickyRouter
 from cosyvoice2_serving.stats import Stats
 import pipeline_contract as contract
 from triton_repo import internal_io as io
@@ -52,6 +54,10 @@ class TritonClients:
         self.logits_bias = logits_bias  # TensorRT-LLM: the text-id mask + llm_decoder.bias, per request
         self.models = models
         self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
+        # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them).
+        # Every orchestrator process routes on its own: a random start keeps their first requests apart.
+        replicas = models.token2wav_model
+        self.token2wav_router = StickyRouter(replicas, start=secrets.randbelow(len(replicas)))
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> PromptTensors:
         out = await bls(
@@ -83,15 +89,23 @@ class TritonClients:
     async def token2wav(
         self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
     ) -> np.ndarray:
-        waveform = await self._token2wav_call(io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
+        replica = self.token2wav_router.route(request_id)
+        try:
+            waveform = await self._token2wav_call(replica, io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
+        finally:
+            if chunk is None or chunk.final:  # offline or the last chunk: the replica keeps nothing of it
+                self.token2wav_router.release(request_id)
         return np.zeros(0, np.float32) if waveform is None else waveform.astype(np.float32).reshape(-1)
 
     async def token2wav_close(self, request_id: str) -> None:
-        await self._token2wav_call(io.token2wav_close_tensors(request_id))
+        replica = self.token2wav_router.owner(request_id) or self.token2wav_router.route(request_id)
+        try:
+            await self._token2wav_call(replica, io.token2wav_close_tensors(request_id))
+        finally:
+            self.token2wav_router.release(request_id)
 
-    async def _token2wav_call(self, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
-        models = self.models
-        out = await bls_one(models.token2wav_model, inputs, [io.WAVEFORM.name], models.token2wav_decoupled)
+    async def _token2wav_call(self, replica: str, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+        out = await bls_one(replica, inputs, [io.WAVEFORM.name], self.models.token2wav_decoupled)
         return out[io.WAVEFORM.name]
 
 

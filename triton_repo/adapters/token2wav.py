@@ -1,6 +1,7 @@
 """`token2wav`: flow + HiFT with per-request streams; concurrent chunks share batched flow forwards.
 
-Must run as ONE instance: a stream's state lives in this process (render enforces count 1).
+Must run as ONE instance: a stream's state lives in this process (render enforces count 1). Several replicas
+are several models (the disaggregated layout: one per GPU slot), each stream kept on one by the orchestrator.
 `Token2WavHandler` is the whole model; the colocated `engine` model hosts it next to the LLM.
 The `token2wav` parameter picks the flow: `unet` (CosyVoice2's, from `model_dir`) or `dit` (the DiT flow of
 Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either way (the orchestrator's).
@@ -8,6 +9,7 @@ Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either wa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -23,6 +25,7 @@ from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.devices import instance_device
 from triton_repo.model_params import ParameterError, Token2WavParams
 
 logger = logging.getLogger(__name__)
@@ -44,8 +47,9 @@ class Token2WavHandler:
             config = EngineConfig.for_model_dir(model_dir)
             flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
             hift = load_hift(model_dir / HIFT_FILE, config, device)
-            budget = params.flow_cache_gb or None
-            engine = BatchedToken2Wav(flow, hift, config, params.schedule.schedule(config), params.flow_cache, budget)
+            engine = BatchedToken2Wav(
+                flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb
+            )
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
             logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
@@ -69,7 +73,8 @@ class Token2WavHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.token2wav = Token2WavHandler(Token2WavParams.from_parameters(model_params(args), args["model_name"]))
+        params = Token2WavParams.from_parameters(model_params(args), args["model_name"])
+        self.token2wav = Token2WavHandler(dataclasses.replace(params, device=instance_device(args, params.device)))
         self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:
