@@ -244,11 +244,10 @@ class Token2WavService(Generic[S]):
             while not self._pending and not self._in_flight and not self._closed:
                 self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
                 self._expire_idle()
-            if self._closed:
+            closed = self._closed
+            if closed:
                 for job in self._pending:
                     job.resolve(RuntimeError("token2wav service is shut down"))
-                for row in self._in_flight:
-                    row.job.resolve(RuntimeError("token2wav service is shut down"))
                 cancelled, self._in_flight = self._in_flight, []
             else:
                 # a stream closed while its chunk is in flight gives its row (and its caches) back now
@@ -256,8 +255,9 @@ class Token2WavService(Generic[S]):
                 self._in_flight = [row for row in self._in_flight if row not in cancelled]
                 batch = self._take_step_jobs(engine.max_rows - len(self._in_flight))
         for row in cancelled:
-            self._cancel(row, InvalidInput(f"token2wav stream {row.job.request_id} was closed"))
-        if self._closed:
+            self._cancel(row, RuntimeError("token2wav service is shut down") if closed
+                         else InvalidInput(f"token2wav stream {row.job.request_id} was closed"))
+        if closed:
             self.stats.set("token2wav_rows_in_flight", 0)
             return False
         try:
@@ -276,8 +276,10 @@ class Token2WavService(Generic[S]):
 
     def _take_step_jobs(self, room: int) -> list[_Job[S]]:
         """Jobs to start now, removed from the queue: at most one per stream and none of a stream with a chunk
-        in flight (a stream's chunks stay in order); jobs that waited `max_defer_s` first (nothing starves),
-        then first chunks, then the rest, oldest first, up to `room`. Caller holds the lock."""
+        in flight (a stream's chunks stay in order). Streaming chunks: jobs that waited `max_defer_s` first
+        (nothing starves), then first chunks, then the rest, oldest first, up to `room`. Offline jobs (whole
+        calls, no row) take no room; they wait while first chunks wait or run, up to `max_defer_s`.
+        Caller holds the lock."""
         now = time.monotonic()
         busy = {row.job.request_id for row in self._in_flight}
         heads: dict[str, _Job[S]] = {}
@@ -285,10 +287,17 @@ class Token2WavService(Generic[S]):
             if job.request_id not in busy:
                 heads.setdefault(job.request_id, job)
 
-        def rank(job: _Job[S]) -> tuple[int, float]:
-            return (0 if job.queued_at < now - self.max_defer_s else 1 if job.is_first_chunk else 2, job.queued_at)
+        def overdue(job: _Job[S]) -> bool:
+            return job.queued_at < now - self.max_defer_s
 
-        batch = sorted(heads.values(), key=rank)[: max(room, 0)]
+        def rank(job: _Job[S]) -> tuple[int, float]:
+            return (0 if overdue(job) else 1 if job.is_first_chunk else 2, job.queued_at)
+
+        chunks = sorted((job for job in heads.values() if job.chunk is not None), key=rank)[: max(room, 0)]
+        # a whole call between two steps holds up every chunk in flight: not while a first chunk waits or runs
+        first_waiting = any(job.is_first_chunk for job in [*heads.values(), *(row.job for row in self._in_flight)])
+        offline = [job for job in heads.values() if job.chunk is None and (not first_waiting or overdue(job))]
+        batch = chunks + offline
         for job in batch:
             self._pending.remove(job)
         return batch

@@ -272,4 +272,40 @@ async def test_a_later_chunk_is_not_starved_by_a_flood_of_new_streams():
         service.shutdown()
 
 
+async def test_whole_calls_run_between_steps_and_neither_kind_starves():
+    """Offline jobs (whole calls) keep arriving while a stream's chunks are stepped: both make progress."""
+    engine = FakeStepEngine(max_rows=4, steps=5, step_s=0.002)
+    log: list[str] = []
+    run, step = engine.run, engine.step
+    engine.run = lambda work: log.append("call") or time.sleep(0.002) or run(work)
+    engine.step = lambda tickets: log.append("step") or step(tickets)
+    service = Token2WavService(engine, max_defer_s=0.05)
+    try:
+        flooding = True
+        answered: list[np.ndarray] = []
+
+        async def offline(n: int) -> None:
+            answered.append(await service.process(f"offline{n}", np.arange(3), PROMPT, None))
+
+        async def flood() -> None:
+            n = 0
+            while flooding:
+                asyncio.create_task(offline(n))
+                n += 1
+                await asyncio.sleep(0.001)
+
+        flooder = asyncio.create_task(flood())
+        await asyncio.sleep(0.02)
+        stream = [await asyncio.wait_for(service.process("s", np.arange(5), PROMPT, chunk(0, 5)), timeout=5)]
+        stream.append(await asyncio.wait_for(service.process("s", np.arange(5, 9), None, chunk(5, 9, True)), 5))
+        assert len(answered) > 0  # whole calls were answered while the stream was stepped
+        flooding = False
+        await flooder
+        assert [a.tolist() for a in stream] == [list(range(5)), list(range(5, 9))]
+        steps_between_calls = "".join("s" if entry == "step" else "c" for entry in log)
+        assert "csc" in steps_between_calls or "cssc" in steps_between_calls  # steps ran between whole calls
+    finally:
+        service.shutdown()
+
+
 PROMPT = PromptTensors(np.arange(4, dtype=np.int32), np.zeros((8, 80), np.float32), np.ones(192, np.float32))
