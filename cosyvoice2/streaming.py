@@ -16,7 +16,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -361,18 +361,24 @@ class Token2Wav:
         that raises leaves every stream as it was (tokens, caches and generator state), so its chunks can be
         retried one by one.
         """
-        import torch
-
         streams = [stream for stream, _ in work]
         if len({id(stream) for stream in streams}) != len(streams):
             raise ValueError("run_chunks takes at most one chunk per stream")
         for stream, chunk in work:
             stream.check_next(chunk)
+        return self._vocode_and_emit(work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work]))
+
+    def _vocode_and_emit(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
+                         mels: "Callable[[], list[torch.Tensor]]") -> list[np.ndarray]:
+        """The chunks' mels (from `mels()`, flow caches set pending) through one batched HiFT pass, then emitted
+        (caches committed). If anything before the emit raises, every stream is left as it was."""
+        import torch
+
+        streams = [stream for stream, _ in work]
         generator_states = [stream.generator.get_state() for stream in streams]
         try:
             with torch.inference_mode():
-                mels = self.mels([stream.flow_call(chunk) for stream, chunk in work])
-                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels)]
+                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels())]
                 rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]  # an empty stream has nothing
                 vocoded = self.vocode_batch([inputs[i][0] for i in rows], [inputs[i][1] for i in rows],
                                             [streams[i].generator for i in rows]) if rows else []
@@ -420,29 +426,16 @@ class Token2Wav:
         committed now. Raises, leaving every stream as it was before the chunk, when HiFT fails."""
         import torch
 
-        streams = [c.stream for c in chunks]
-        generator_states = [stream.generator.get_state() for stream in streams]
-        try:
-            with torch.inference_mode():
-                mels = []
-                for c in chunks:
-                    mel, update = self.cached.finish(c.solving)
-                    assert c.call.cache is not None
-                    c.call.cache.pending = update
-                    mels.append(mel[None].to(self.hift_device, torch.float32))
-                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels)]
-                rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]  # an empty stream has nothing
-                vocoded = self.vocode_batch([inputs[i][0] for i in rows], [inputs[i][1] for i in rows],
-                                            [streams[i].generator for i in rows]) if rows else []
-        except BaseException:
-            for stream, state in zip(streams, generator_states):
-                stream.generator.set_state(state)
-                stream.discard_pending()
-            raise
-        results = dict(zip(rows, vocoded))
-        with torch.inference_mode():
-            return [c.stream.emit(c.chunk, inputs[i][0], *results[i]) if i in results else c.stream.emit_nothing(c.chunk)
-                    for i, c in enumerate(chunks)]
+        def mels() -> "list[torch.Tensor]":
+            out = []
+            for c in chunks:
+                mel, update = self.cached.finish(c.solving)
+                assert c.call.cache is not None
+                c.call.cache.pending = update
+                out.append(mel[None].to(self.hift_device, torch.float32))
+            return out
+
+        return self._vocode_and_emit([(c.stream, c.chunk) for c in chunks], mels)
 
     def offline_job(self, tokens: "Sequence[int]", prompt: FlowPrompt,
                     generator: "torch.Generator") -> "tuple[Token2WavStream, Chunk]":
