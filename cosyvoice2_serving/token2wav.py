@@ -64,14 +64,16 @@ TOKEN2WAV_STATS = (
     "token2wav_chunks_total",
     "token2wav_engine_calls_total",  # whole calls (every batch in call mode; jobs not stepped in step mode)
     "token2wav_max_jobs_per_call",
+    "token2wav_call_jobs_total",  # jobs run in whole calls (in step mode only those that are not stepped)
     "token2wav_steps_total",  # step mode: estimator steps run (each over all chunks in flight)
     "token2wav_step_rows_total",  # step mode: chunk-steps run; / steps_total = mean chunks per step
     "token2wav_max_rows_per_step",
     "token2wav_rows_in_flight",  # step mode: chunks between admission and their last step now
+    "token2wav_step_seconds_total",  # step mode: wall time inside admissions (encoder) and steps (+ HiFT)
     "token2wav_failed_total",
     "token2wav_closed_total",
     "token2wav_expired_total",
-    "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
+    "token2wav_engine_seconds_total",  # wall time inside whole engine calls (flow + HiFT)
 )
 
 
@@ -322,7 +324,9 @@ class Token2WavService(Generic[S]):
             self._execute(whole)
         if not stepped:
             return
+        started = time.perf_counter()
         tickets = engine.admit([work for _, work in stepped])
+        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
         for (job, _), ticket in zip(stepped, tickets, strict=True):
             if isinstance(ticket, Exception):
                 self._finish_job(job, ticket)
@@ -334,7 +338,7 @@ class Token2WavService(Generic[S]):
         rows = self._in_flight
         started = time.perf_counter()
         results = engine.step([row.ticket for row in rows])
-        self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
+        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_steps_total")
         self.stats.add("token2wav_step_rows_total", len(rows))
         self.stats.set("token2wav_max_rows_per_step", max(self.stats.get("token2wav_max_rows_per_step"), len(rows)))
@@ -422,6 +426,7 @@ class Token2WavService(Generic[S]):
             results = [exc] * len(work)
         self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_engine_calls_total")
+        self.stats.add("token2wav_call_jobs_total", len(work))
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
         for job, result in zip(runnable, results, strict=True):
             self._finish_job(job, result)
