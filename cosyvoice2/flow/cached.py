@@ -25,6 +25,10 @@ Layout of the caches (per stream, one tensor per kind, appended per chunk along 
 
 Rows of different histories and lengths run in one batched call: histories and new frames are right-padded and
 masked, as in `CausalFlow.inference_batch`.
+
+The Euler solve is resumable (`admit`, `advance`, `finish`): a scheduler can run one estimator step at a time over
+rows that are at different steps (each with its own t, dt and step-indexed history), so a new chunk joins at the
+next step instead of waiting for a whole call. A whole call (`run_pending`) is the lock-step case.
 """
 
 from __future__ import annotations

@@ -187,6 +187,37 @@ async def test_an_engine_error_fails_only_the_rows_it_hits(chunked_engine):
         service.shutdown()
 
 
+async def test_recomputing_final_chunks_and_offline_jobs_run_as_whole_calls_among_steps(tiny_token2wav):  # noqa: F811
+    """flow_cache="exact": non-final chunks are stepped, the final chunk (full attention, recomputed) and an
+    offline utterance run as whole calls; every stream still gets its audio alone."""
+    engine, schedule = tiny_token2wav
+    assert engine.engine.flow_cache == "exact"
+    prompts = [voice(7), voice(8, tokens=11)]
+    tokens = [np.arange(30, dtype=np.int32) % 71, (np.arange(30, dtype=np.int32) * 3) % 67]
+    plans = [plan(schedule, p, 30) for p in prompts]
+    service = Token2WavService(engine)
+    try:
+        async def stream(rid: str, i: int) -> list[np.ndarray]:
+            out, sent = [], 0
+            for c in plans[i]:
+                out.append(await service.process(rid, tokens[i][sent : c.feed], prompts[i] if c.start == 0 else None,
+                                                 c, seed=i))
+                sent = c.feed
+            return out
+
+        *streams, offline = await asyncio.gather(stream("a", 0), stream("b", 1),
+                                                 service.process("x", tokens[0], prompts[1], None, seed=9))
+        for i, got in enumerate(streams):
+            want = alone(engine, prompts[i], tokens[i], plans[i], i)
+            np.testing.assert_allclose(np.concatenate(got), np.concatenate(want), atol=AUDIO_ATOL)
+        want_offline = engine.run([Work(engine.open(prompts[1], 9), tokens[0], None)])[0]
+        np.testing.assert_allclose(offline, want_offline, atol=AUDIO_ATOL)
+        stats = service.stats.snapshot()
+        assert stats["token2wav_steps_total"] > 0 and stats["token2wav_call_jobs_total"] >= 3  # 2 finals + offline
+    finally:
+        service.shutdown()
+
+
 # -- scheduling policy, on a fake step engine ------------------------------------------------------------
 class FakeStepEngine:
     """Every chunk takes `steps` steps; records which streams each admission started (by tokens seen)."""
