@@ -165,6 +165,11 @@ class BatchedToken2Wav(_BatchedStreams):
 
     # -- step scheduling (`StepToken2WavEngine`) -------------------------------------------------------------
     @property
+    def can_step(self) -> bool:
+        """Without flow caches every chunk recomputes: nothing can be stepped."""
+        return self.engine.flow_cache != "off"
+
+    @property
     def max_rows(self) -> int:
         """Chunks in flight at most: the largest CUDA-graph bucket of rows (more would run eagerly)."""
         graphs = self.engine.cached.graphs

@@ -5,11 +5,7 @@ the orchestrator's server-generated request id. The state exists from the reques
 its final chunk, an error in one of its chunks, or an explicit close (cancellation) - nothing else
 keeps it alive.
 
-All engine work runs on one worker thread. Whenever it is free it takes the pending jobs (at most one
-per stream, so a stream's chunks stay in order) and hands them to the engine in one call; the engine
-runs them as one batched flow + HiFT pass (any mix of chunk shapes and offline jobs, padded and masked).
-
-Two ways to schedule that work (`T2W_SCHEDULING`):
+All engine work runs on one worker thread, in one of two ways (`T2W_SCHEDULING`):
 
 * `call`: whenever the worker is free it takes the pending jobs (at most one per stream, so a stream's chunks
   stay in order) and hands them to the engine in one call; the engine runs them as one batched flow + HiFT
@@ -98,6 +94,10 @@ class StepToken2WavEngine(Token2WavEngine[S], Protocol):
     """An engine that can also run chunks one estimator step at a time (`T2W_SCHEDULING` "step")."""
 
     @property
+    def can_step(self) -> bool:
+        """False when no job could be stepped (the service then schedules whole calls)."""
+
+    @property
     def max_rows(self) -> int:
         """Chunks in flight at most."""
 
@@ -167,8 +167,9 @@ class Token2WavService(Generic[S]):
     ) -> None:
         if scheduling not in T2W_SCHEDULING:
             raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")
-        if scheduling == "step" and not callable(getattr(engine, "admit", None)):
-            scheduling = "call"  # an engine that cannot step (the DiT token2wav) runs whole calls
+        if scheduling == "step" and not (callable(getattr(engine, "admit", None)) and getattr(engine, "can_step", True)):
+            # an engine that cannot step (the DiT token2wav, flow caches off) runs whole calls, first chunks first
+            scheduling = "call"
         self.scheduling = scheduling
         self.engine = engine
         self.max_defer_s = max_defer_s

@@ -218,6 +218,21 @@ async def test_recomputing_final_chunks_and_offline_jobs_run_as_whole_calls_amon
         service.shutdown()
 
 
+def test_engines_that_cannot_step_get_whole_calls(tiny_token2wav):  # noqa: F811
+    from cosyvoice2_serving.engines import BatchedToken2Wav
+
+    base, schedule = tiny_token2wav
+    off = BatchedToken2Wav(base.engine.flow, base.engine.hift, base.engine.config, schedule, "off")
+    for engine, expected in ((off, "call"), (base, "step")):
+        service = Token2WavService(engine)
+        try:
+            assert service.scheduling == expected
+        finally:
+            service.shutdown()
+    with pytest.raises(ValueError, match="scheduling"):
+        Token2WavService(base, scheduling="steps")
+
+
 # -- scheduling policy, on a fake step engine ------------------------------------------------------------
 class FakeStepEngine:
     """Every chunk takes `steps` steps; records which streams each admission started (by tokens seen)."""
