@@ -129,7 +129,7 @@ class _BatchedStreams:
 
 
 @dataclass(eq=False)
-class StepTicket:
+class StepHandle:
     """One chunk in flight in `BatchedToken2Wav`'s step mode."""
 
     stepped: SteppedChunk
@@ -179,56 +179,56 @@ class BatchedToken2Wav(_BatchedStreams):
         """A streaming chunk over the flow caches; offline jobs and recomputing chunks run as whole calls."""
         return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
 
-    def admit(self, work: Sequence[Work[StreamState]]) -> list[StepTicket | Exception]:
+    def admit(self, work: Sequence[Work[StreamState]]) -> list[StepHandle | Exception]:
         """Start each job's chunk (its tokens added, its encoder pass run, batched); if the batched admission
         fails, which changes no stream, each job is admitted alone so that only the bad one fails."""
         jobs = [self._job(item) for item in work]
         ready = [job for job in jobs if not isinstance(job, Exception)]
         try:
             started = iter(self.engine.begin_chunks(ready))
-            return [job if isinstance(job, Exception) else StepTicket(next(started)) for job in jobs]
+            return [job if isinstance(job, Exception) else StepHandle(next(started)) for job in jobs]
         except Exception:  # noqa: BLE001
             return [job if isinstance(job, Exception) else self._admit_alone(job) for job in jobs]
 
-    def _admit_alone(self, job: tuple[Token2WavStream, Chunk]) -> StepTicket | Exception:
+    def _admit_alone(self, job: tuple[Token2WavStream, Chunk]) -> StepHandle | Exception:
         try:
-            return StepTicket(self.engine.begin_chunks([job])[0])
+            return StepHandle(self.engine.begin_chunks([job])[0])
         except Exception as exc:  # noqa: BLE001 - returned per job
             return exc
 
-    def step(self, tickets: Sequence[StepTicket]) -> list[np.ndarray | Exception | None]:
-        """One Euler step of every ticket's chunk (one padded estimator evaluation), then the chunks that ran
-        their last step are vocoded and emitted together. Per ticket: its audio when it finished, the error
-        when it failed, None while it has steps left. A failing step or vocoder call is retried per ticket,
+    def step(self, handles: Sequence[StepHandle]) -> list[np.ndarray | Exception | None]:
+        """One Euler step of every handle's chunk (one padded estimator evaluation), then the chunks that ran
+        their last step are vocoded and emitted together. Per handle: its audio when it finished, the error
+        when it failed, None while it has steps left. A failing step or vocoder call is retried per handle,
         so only the bad chunks fail (a failed step or vocoder call changes no stream)."""
-        out: list[np.ndarray | Exception | None] = [None] * len(tickets)
-        live = list(range(len(tickets)))
+        out: list[np.ndarray | Exception | None] = [None] * len(handles)
+        live = list(range(len(handles)))
         try:
-            self._batch = self.engine.advance_chunks([t.stepped for t in tickets], self._batch)
+            self._batch = self.engine.advance_chunks([t.stepped for t in handles], self._batch)
         except Exception:  # noqa: BLE001 - find the failing chunks by stepping each alone
             self._batch = None
-            for i, ticket in enumerate(tickets):
+            for i, handle in enumerate(handles):
                 try:
-                    self.engine.advance_chunks([ticket.stepped])
-                except Exception as exc:  # noqa: BLE001 - returned per ticket
+                    self.engine.advance_chunks([handle.stepped])
+                except Exception as exc:  # noqa: BLE001 - returned per handle
                     out[i] = exc
             live = [i for i in live if out[i] is None]
-        done = [i for i in live if tickets[i].stepped.done]
+        done = [i for i in live if handles[i].stepped.done]
         if done:
             try:
-                for i, audio in zip(done, self.engine.finish_chunks([tickets[i].stepped for i in done])):
+                for i, audio in zip(done, self.engine.finish_chunks([handles[i].stepped for i in done])):
                     out[i] = audio
             except Exception:  # noqa: BLE001 - vocode each alone
                 for i in done:
                     try:
-                        out[i] = self.engine.finish_chunks([tickets[i].stepped])[0]
-                    except Exception as exc:  # noqa: BLE001 - returned per ticket
+                        out[i] = self.engine.finish_chunks([handles[i].stepped])[0]
+                    except Exception as exc:  # noqa: BLE001 - returned per handle
                         out[i] = exc
         return out
 
-    def cancel(self, ticket: StepTicket) -> None:
+    def cancel(self, handle: StepHandle) -> None:
         """Drop a chunk in flight (its stream was closed): the stream's flow caches are freed at once."""
-        stream = ticket.stepped.stream
+        stream = handle.stepped.stream
         stream.discard_pending()
         stream.release_flow_cache()
 

@@ -105,13 +105,13 @@ class StepToken2WavEngine(Token2WavEngine[S], Protocol):
         """Whether the job can be stepped (else it runs as a whole `run` call)."""
 
     def admit(self, work: Sequence[Work[S]]) -> list[Any]:
-        """Start each job: a ticket to pass to `step`, or the job's error."""
+        """Start each job: a handle to pass to `step`, or the job's error."""
 
-    def step(self, tickets: Sequence[Any]) -> list[np.ndarray | Exception | None]:
-        """One step of every ticket; per ticket its audio when it finished, its error, or None (steps left)."""
+    def step(self, handles: Sequence[Any]) -> list[np.ndarray | Exception | None]:
+        """One step of every handle; per handle its audio when it finished, its error, or None (steps left)."""
 
-    def cancel(self, ticket: Any) -> None:
-        """Drop a ticket in flight and free what its stream holds."""
+    def cancel(self, handle: Any) -> None:
+        """Drop a handle in flight and free what its stream holds."""
 
 
 @dataclass
@@ -152,7 +152,7 @@ class _InFlight(Generic[S]):
     """Step mode: a job whose chunk the engine is stepping."""
 
     job: _Job[S]
-    ticket: Any
+    handle: Any
     steps: int = 0  # steps run so far
 
 
@@ -174,7 +174,7 @@ class Token2WavService(Generic[S]):
         self.engine = engine
         self.max_defer_s = max_defer_s
         self.stats = stats or Stats(TOKEN2WAV_STATS)
-        # step mode: chunks in flight (job, engine ticket, steps run) and the streams they belong to
+        # step mode: chunks in flight (job, engine handle, steps run) and the streams they belong to
         self._in_flight: list[_InFlight[S]] = []
         # step mode: per step, (request id, steps that job had run before) of every chunk in it, oldest first
         # (what the scheduler did, for the service's tests and for debugging)
@@ -326,19 +326,19 @@ class Token2WavService(Generic[S]):
         if not stepped:
             return
         started = time.perf_counter()
-        tickets = engine.admit([work for _, work in stepped])
+        handles = engine.admit([work for _, work in stepped])
         self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
-        for (job, _), ticket in zip(stepped, tickets, strict=True):
-            if isinstance(ticket, Exception):
-                self._finish_job(job, ticket)
+        for (job, _), handle in zip(stepped, handles, strict=True):
+            if isinstance(handle, Exception):
+                self._finish_job(job, handle)
             else:
-                self._in_flight.append(_InFlight(job, ticket))
+                self._in_flight.append(_InFlight(job, handle))
 
     def _step(self) -> None:
         engine: Any = self.engine
         rows = self._in_flight
         started = time.perf_counter()
-        results = engine.step([row.ticket for row in rows])
+        results = engine.step([row.handle for row in rows])
         self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_steps_total")
         self.stats.add("token2wav_step_rows_total", len(rows))
@@ -358,7 +358,7 @@ class Token2WavService(Generic[S]):
     def _cancel(self, row: "_InFlight[S]", error: BaseException) -> None:
         """Drop a chunk in flight (closed stream, failure, shutdown) and answer it with `error`."""
         try:
-            cast(Any, self.engine).cancel(row.ticket)
+            cast(Any, self.engine).cancel(row.handle)
         except Exception:  # noqa: BLE001 - freeing must not stop the worker
             logger.exception("token2wav: dropping a chunk in flight failed")
         self._finish_job(row.job, error)

@@ -35,9 +35,9 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def step(self, tickets):
+    def step(self, handles):
         assert self.permits.acquire(timeout=60), "test never released a step"
-        return self._engine.step(tickets)
+        return self._engine.step(handles)
 
     def release(self, steps: int) -> None:
         for _ in range(steps):
@@ -254,13 +254,13 @@ class FakeStepEngine:
         self.admitted.append([w.state["name"] for w in work])
         return [{"left": self.steps, "audio": np.asarray(w.tokens, np.float32)} for w in work]
 
-    def step(self, tickets):
+    def step(self, handles):
         time.sleep(self.step_s)
-        for t in tickets:
+        for t in handles:
             t["left"] -= 1
-        return [t["audio"] if t["left"] == 0 else None for t in tickets]
+        return [t["audio"] if t["left"] == 0 else None for t in handles]
 
-    def cancel(self, ticket) -> None:
+    def cancel(self, handle) -> None:
         pass
 
 
@@ -324,7 +324,7 @@ async def test_whole_calls_run_between_steps_and_neither_kind_starves():
     log: list[str] = []
     run, step = engine.run, engine.step
     engine.run = lambda work: log.append("call") or time.sleep(0.002) or run(work)
-    engine.step = lambda tickets: log.append("step") or step(tickets)
+    engine.step = lambda handles: log.append("step") or step(handles)
     service = Token2WavService(engine, max_defer_s=0.05)
     try:
         flooding = True
