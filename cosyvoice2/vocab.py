@@ -69,6 +69,11 @@ class SpeechVocabLayout:
     def to_vocab_ids(self, speech_tokens: np.ndarray) -> np.ndarray:
         return speech_tokens.astype(np.int32) + self.speech_offset
 
+    def to_speech_tokens(self, vocab_ids: np.ndarray) -> np.ndarray:
+        """Inverse of ``to_vocab_ids`` without a range check: ids outside the speech range come out < 0 or
+        >= ``speech_token_size`` (the caller decides what they mean: an end id, a stray text id)."""
+        return np.asarray(vocab_ids) - self.speech_offset
+
     def to_speech_token(self, vocab_id: int) -> int:
         """Inverse of ``to_vocab_id``; refuses ids outside the speech range (end ids included: they stop)."""
         token = vocab_id - self.speech_offset

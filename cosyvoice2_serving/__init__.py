@@ -4,6 +4,9 @@ The Triton ``model.py`` files in ``triton_repo/templates`` are thin adapters ove
 
 * `orchestrator` - the per-request state machine (validate, voice prompt, LLM token stream, chunked
   token2wav, cumulative usage), written against small client protocols so it runs without Triton.
+* `io_struct` - the data the serving processes hand each other (prompt tensors, LLM requests); the
+  gateway-facing request and response are the pipeline contract's (`pipeline_contract`).
+* `schedule` - the streaming chunk schedule, built in one place for both ends of a stream.
 * `voice_cache` - bounded LRU of voice prompts keyed by voice id, single-flight on misses.
 * `llm_scheduler` - continuous batching over a batched decoder with fixed KV slots.
 * `token2wav` - per-request stream registry and a batcher that runs concurrent chunks in one forward.

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cosyvoice2_serving.llm_scheduler import SlotDecoder, StepOutput
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.token2wav import Token2WavEngine, Work
 
 R = TypeVar("R")

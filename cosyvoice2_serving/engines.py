@@ -34,9 +34,10 @@ from cosyvoice2.streaming import (Chunk, ChunkSchedule, FlowPrompt, SteppedChunk
                                   prompt_digest)
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
+from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.token2wav import Work
-from triton_repo.contract import REFERENCE_SAMPLE_RATE
+from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 
 # -- LLM -------------------------------------------------------------------------------------------
@@ -57,22 +58,16 @@ def build_decode_request(
     if task_positions.size != 1:
         raise InvalidInput("LLM input_ids must hold exactly one <|task_id|>")
     split = int(task_positions[0])
-    text, speech = ids[1:split], ids[split + 1 :] - vocab.speech_offset
+    text, speech = ids[1:split], vocab.to_speech_tokens(ids[split + 1 :])
     if text.size == 0 or (text >= vocab.text_vocab_size).any() or (text < 0).any():
         raise InvalidInput("LLM input_ids: the text part must be non-empty text ids")
     if ((speech < 0) | (speech >= vocab.speech_token_size)).any():
         raise InvalidInput("LLM input_ids: after <|task_id|> only speech token ids may follow")
     if not 0 <= min_tokens <= max_tokens or max_tokens < 1:
         raise InvalidInput(f"LLM token limits must satisfy 0 <= min ({min_tokens}) <= max ({max_tokens}), max >= 1")
-    # The decoder derives its limits as int(len(text) * ratio); +0.5 makes that exactly the requested count.
-    n = text.size
+    # The limits the orchestrator computed, as they are (the decoder's text ratios do not apply).
     sampling = replace(
-        SamplingParams(),
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        min_token_text_ratio=(min_tokens + 0.5) / n if min_tokens else 0.0,
-        max_token_text_ratio=(max_tokens + 0.5) / n,
+        SamplingParams(), top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens, max_tokens=max_tokens
     )
     return DecodeRequest(text=text.tolist(), prompt_speech_tokens=speech.tolist(), sampling=sampling)
 
@@ -244,7 +239,7 @@ class BatchedToken2Wav(_BatchedStreams):
             tensor(prompt.embedding, engine.flow_dtype),
             prompt_digest(prompt.speech_tokens, prompt.mel, prompt.embedding),
         )
-        schedule = replace(self.schedule, prompt_tokens=flow_prompt.num_tokens)
+        schedule = for_prompt(self.schedule, flow_prompt.num_tokens)
         return StreamState(flow_prompt, Token2WavStream(engine, flow_prompt, schedule, engine.new_generator(seed)))
 
 
@@ -299,7 +294,8 @@ def speaker_xvector(encoder: SpeakerEncoder, wav_16k: np.ndarray) -> np.ndarray:
 
 @torch.inference_mode()
 def prompt_tensors(tokens: np.ndarray, xvector: np.ndarray, wav_16k: np.ndarray) -> PromptTensors:
-    """Tokens + x-vector + the 24 kHz mel of the same audio -> 1:2-aligned prompt tensors (spec §1.7-1.8)."""
+    """Tokens + x-vector + the 24 kHz mel of the same audio -> 1:2-aligned prompt tensors
+    (docs/reference/cosyvoice2.md#token-and-mel-alignment)."""
     wav_24k = resample(torch.as_tensor(wav_16k, dtype=torch.float32), REFERENCE_SAMPLE_RATE, MEL_SAMPLE_RATE)
     tokens, mel = align_tokens_and_mel(np.asarray(tokens, dtype=np.int32).reshape(-1), matcha_mel(wav_24k).numpy())
     if tokens.size == 0:

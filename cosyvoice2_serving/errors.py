@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triton_repo.contract import ERROR_INVALID_INPUT, ERROR_OVERLOADED
+from pipeline_contract import ERROR_INVALID_INPUT, ERROR_OVERLOADED
 
 
 class ServingError(RuntimeError):

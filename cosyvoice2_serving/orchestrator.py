@@ -14,19 +14,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
-from cosyvoice2.frontend.llm_prompt import VoiceMode, llm_prompt
+from cosyvoice2.frontend.llm_prompt import llm_prompt
 from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
 from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.stats import Stats
-from triton_repo import contract
+import pipeline_contract as contract
+from pipeline_contract import SpeechChunk, SpeechRequest
 
 logger = logging.getLogger(__name__)
 
@@ -41,60 +44,9 @@ ORCHESTRATOR_STATS = (
 )
 
 
-# -- data ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SynthesisRequest:
-    """One validated pipeline request (one text segment)."""
-
-    reference_wav: np.ndarray  # float32, 16 kHz, exactly the valid samples
-    reference_text: str  # "" = no transcript: cross-lingual mode
-    target_text: str
-    voice_id: str
-    seed: int | None
-    instruction: str = ""  # "" = none; else instruct mode (the transcript is then unused)
-
-    @property
-    def mode(self) -> VoiceMode:
-        return llm_prompt(self.reference_text, self.instruction).mode
-
-
-@dataclass(frozen=True)
-class PromptTensors:
-    """What the LLM and token2wav need about a voice (spec §1.9): 1:2-aligned tokens and mel, x-vector."""
-
-    speech_tokens: np.ndarray  # int32 (P,), speech ids 0..speech_token_size-1
-    mel: np.ndarray  # float32 (2P, 80), 24 kHz prompt mel
-    embedding: np.ndarray  # float32 (192,) x-vector
-
-
-@dataclass(frozen=True)
-class LLMRequest:
-    """Inputs of one LLM sequence, in the form both LLM backends take (TensorRT-LLM names in the adapter)."""
-
-    input_ids: np.ndarray  # int32 [SOS, prompt text ids, target ids, TASK_ID, prompt speech ids + offset]
-    min_tokens: int  # EOS is masked before this many tokens (2 x target text tokens)
-    max_tokens: int  # 20 x target text tokens, clamped to the KV capacity
-    seed: int
-    top_k: int
-    top_p: float
-    temperature: float
-    streaming: bool
-    # Cumulative token counts at which the orchestrator needs the tokens decoded so far (the streaming
-    # schedule's chunk boundaries; empty: only at the end). An LLM that can buffer answers only there.
-    deliver_at: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class AudioChunk:
-    waveform: np.ndarray  # float32, 24 kHz
-    input_tokens: int  # cumulative: text tokens the LLM read
-    output_tokens: int  # cumulative: speech tokens generated so far
-    final: bool
-
-
 @dataclass(frozen=True)
 class SamplingConfig:
-    """CosyVoice2's decoding defaults (spec §2.4/2.5); temperature 1 as in the reference."""
+    """CosyVoice2's decoding defaults (docs/reference/cosyvoice2.md#ras-sampling); temperature 1 as in the reference."""
 
     top_k: int = 25
     top_p: float = 0.8
@@ -118,15 +70,13 @@ class OrchestratorConfig:
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
-    max_target_text_tokens: int = 300
-    min_reference_samples: int = contract.REFERENCE_SAMPLE_RATE // 10  # 0.1 s
-    max_reference_samples: int = 30 * contract.REFERENCE_SAMPLE_RATE  # tokenizer / CAM++ limit
+    max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
 
 
 # -- the clients the orchestrator drives ----------------------------------------------------------
 class PipelineClients(Protocol):
-    async def voice_prompt(self, request: SynthesisRequest) -> PromptTensors:
+    async def voice_prompt(self, request: SpeechRequest) -> PromptTensors:
         """The voice's prompt tensors (computed once per voice id, cached by the callee)."""
 
     def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
@@ -155,57 +105,13 @@ class TextTokenizer(Protocol):
 
 
 # -- input parsing ---------------------------------------------------------------------------------
-def _scalar_text(arrays: Mapping[str, np.ndarray | None], name: str) -> str:
-    value = arrays.get(name)
-    if value is None or value.size != 1:
-        raise InvalidInput(f"input '{name}' must hold exactly one string")
-    item = value.reshape(-1)[0]
+def parse_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
+    """The contract inputs (numpy arrays by tensor name), decoded by the contract's codec; a violation is
+    `InvalidInput` (tagged for the gateway)."""
     try:
-        return item.decode("utf-8") if isinstance(item, bytes) else str(item)
-    except UnicodeDecodeError as exc:
-        raise InvalidInput(f"input '{name}' is not valid UTF-8") from exc
-
-
-def parse_request(arrays: Mapping[str, np.ndarray | None], config: OrchestratorConfig) -> SynthesisRequest:
-    """Validate the contract inputs (numpy arrays by tensor name) into a `SynthesisRequest`."""
-    wav = arrays.get(contract.REFERENCE_WAV.name)
-    wav_len = arrays.get(contract.REFERENCE_WAV_LEN.name)
-    if wav is None or wav_len is None or wav_len.size != 1:
-        raise InvalidInput("reference_wav and a one-element reference_wav_len are required")
-    wav = np.asarray(wav, dtype=np.float32).reshape(-1)
-    n = int(wav_len.reshape(-1)[0])
-    if not config.min_reference_samples <= n <= min(wav.size, config.max_reference_samples):
-        raise InvalidInput(
-            f"reference_wav_len must be between {config.min_reference_samples} and "
-            f"{config.max_reference_samples} samples (16 kHz) and <= the {wav.size} samples sent; got {n}"
-        )
-    wav = wav[:n]
-    if not np.isfinite(wav).all():
-        raise InvalidInput("reference_wav holds NaN or infinite samples")
-    target_text = _scalar_text(arrays, contract.TARGET_TEXT.name)
-    if not target_text.strip():
-        target_text = ""  # the contract's warm-up rule: only prepare the voice prompt (see synthesize)
-    voice_id = _scalar_text(arrays, contract.VOICE_ID.name)
-    if not voice_id:
-        raise InvalidInput("voice_id is empty")
-    seed_array = arrays.get(contract.SEED.name)
-    seed = None if seed_array is None or seed_array.size == 0 else int(seed_array.reshape(-1)[0])
-    instruction = ""
-    if arrays.get(contract.INSTRUCTION_TEXT.name) is not None:
-        instruction = _scalar_text(arrays, contract.INSTRUCTION_TEXT.name)
-    return SynthesisRequest(
-        reference_wav=wav,
-        reference_text=_scalar_text(arrays, contract.REFERENCE_TEXT.name),
-        target_text=target_text,
-        voice_id=voice_id,
-        seed=seed,
-        instruction=instruction,
-    )
-
-
-def stream_schedule(base: ChunkSchedule, first_hop: int, growth: int) -> ChunkSchedule:
-    """The engine's schedule with the deployment's first hop and growth (both sides of a stream use it)."""
-    return replace(base, first_hop=first_hop, growth=growth, max_hop=max(first_hop, base.max_hop))
+        return contract.decode_request(arrays)
+    except contract.ContractViolation as exc:
+        raise InvalidInput(str(exc)) from exc
 
 
 def new_request_id() -> str:
@@ -228,7 +134,7 @@ class Orchestrator:
         self.stats = stats or Stats(ORCHESTRATOR_STATS)
 
     def build_llm_request(
-        self, request: SynthesisRequest, prompt: PromptTensors, streaming: bool
+        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
     ) -> tuple[LLMRequest, int]:
         """The LLM sequence for `request` and the number of text tokens it reads.
 
@@ -274,9 +180,9 @@ class Orchestrator:
 
     def schedule(self, prompt: PromptTensors) -> ChunkSchedule:
         """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""
-        return replace(self.config.schedule, prompt_tokens=int(prompt.speech_tokens.size))
+        return for_prompt(self.config.schedule, int(prompt.speech_tokens.size))
 
-    async def synthesize(self, request: SynthesisRequest, streaming: bool) -> AsyncIterator[AudioChunk]:
+    async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
         request_id = new_request_id()
         self.stats.add("orchestrator_requests_total")
@@ -287,7 +193,7 @@ class Orchestrator:
             if not request.target_text:
                 # Contract: empty target text only computes and caches the voice prompt (voice upload
                 # warms the cache this way): one response, no audio, zero tokens.
-                yield AudioChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
+                yield SpeechChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
                 return
             llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
             schedule = self.schedule(prompt)
@@ -305,7 +211,7 @@ class Orchestrator:
                 while streaming and (chunk := schedule.next_chunk(start, index, len(tokens), finished=False)):
                     audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)
                     sent, start, index = chunk.feed, chunk.stop, index + 1
-                    yield AudioChunk(audio, input_tokens, len(tokens), final=False)
+                    yield SpeechChunk(audio, input_tokens, len(tokens), final=False)
                 if ended:
                     break  # an end id: the utterance is complete (release() stops the sequence if it runs on)
             else:
@@ -318,7 +224,7 @@ class Orchestrator:
                 audio = await run.token2wav(tokens[sent:], prompt, final, llm_request.seed)
             else:
                 audio = await run.token2wav(tokens, prompt, None, llm_request.seed)
-            yield AudioChunk(audio, input_tokens, len(tokens), final=True)
+            yield SpeechChunk(audio, input_tokens, len(tokens), final=True)
         except asyncio.CancelledError:
             self.stats.add("orchestrator_cancelled_total")
             raise
@@ -338,15 +244,14 @@ class Orchestrator:
         logits mask) ends it too, loudly, instead of being fed to the flow or silently skipped.
         """
         vocab = self.config.vocab
-        speech: list[int] = []
-        for i in ids:
-            token = i - vocab.speech_offset
-            if not 0 <= token < vocab.speech_token_size:
-                if i not in vocab.end_ids:
-                    logger.warning("LLM produced non-speech id %d; ending the utterance there", i)
-                return speech, True
-            speech.append(token)
-        return speech, False
+        tokens = vocab.to_speech_tokens(np.asarray(ids, dtype=np.int64))
+        outside = np.flatnonzero((tokens < 0) | (tokens >= vocab.speech_token_size))
+        if not outside.size:
+            return tokens.tolist(), False
+        first = int(outside[0])
+        if ids[first] not in vocab.end_ids:
+            logger.warning("LLM produced non-speech id %d; ending the utterance there", ids[first])
+        return tokens[:first].tolist(), True
 
 
 @dataclass

@@ -40,7 +40,7 @@ import numpy as np
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.stats import Stats
 
 S = TypeVar("S")

@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
-from tritonclient.grpc import InferenceServerException, InferInput, InferRequestedOutput
+from tritonclient.grpc import InferenceServerException, InferRequestedOutput
 from tritonclient.grpc import aio as grpcclient
 
 from gateway.errors import (
@@ -24,7 +23,7 @@ from gateway.errors import (
     SynthesisFailed,
     SynthesisTimeout,
 )
-from triton_repo import contract
+import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
 
@@ -47,69 +46,15 @@ _CHANNEL_ARGS = [
 _UNAVAILABLE_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.NOT_FOUND"}
 
 
-@dataclass(frozen=True)
-class SegmentRequest:
-    """One text segment to speak with one reference voice."""
+@dataclass(frozen=True, kw_only=True)
+class SegmentRequest(contract.SpeechRequest):
+    """One text segment to speak with one reference voice, under the request id Triton logs it with."""
 
     request_id: str
-    voice_id: str
-    reference_wav: np.ndarray  # float32, 16 kHz mono
-    reference_text: str  # "" = the voice has no transcript (cross-lingual mode)
-    target_text: str
-    seed: int | None = None
-    instruction: str | None = None  # OpenAI's `instructions`: CosyVoice2's instruct mode
-
-
-@dataclass(frozen=True)
-class SynthesisChunk:
-    waveform: np.ndarray  # float32, 24 kHz mono; may be empty
-    input_tokens: int  # cumulative for the segment request
-    output_tokens: int  # cumulative for the segment request
-    final: bool
-
-
-def _input(spec: contract.TensorSpec, value: np.ndarray) -> InferInput:
-    tensor = InferInput(spec.name, list(value.shape), spec.triton_dtype)
-    tensor.set_data_from_numpy(value)
-    return tensor
-
-
-def build_inputs(request: SegmentRequest) -> list[InferInput]:
-    def text(value: str) -> np.ndarray:
-        return np.array([value.encode("utf-8")], dtype=np.object_)
-
-    wav = np.ascontiguousarray(request.reference_wav, dtype=np.float32)
-    inputs = [
-        _input(contract.REFERENCE_WAV, wav),
-        _input(contract.REFERENCE_WAV_LEN, np.array([wav.size], dtype=np.int32)),
-        _input(contract.REFERENCE_TEXT, text(request.reference_text)),
-        _input(contract.TARGET_TEXT, text(request.target_text)),
-        _input(contract.VOICE_ID, text(request.voice_id)),
-    ]
-    if request.seed is not None:
-        inputs.append(_input(contract.SEED, np.array([request.seed], dtype=np.uint64)))
-    if request.instruction:
-        inputs.append(_input(contract.INSTRUCTION_TEXT, text(request.instruction)))
-    return inputs
 
 
 def _requested_outputs() -> list[InferRequestedOutput]:
     return [InferRequestedOutput(spec.name) for spec in contract.OUTPUTS]
-
-
-def _first_int(result: object, name: str) -> int:
-    value = result.as_numpy(name)  # type: ignore[attr-defined]
-    return int(value.reshape(-1)[0]) if value is not None and value.size else 0
-
-
-def _chunk(result: object, final: bool) -> SynthesisChunk:
-    waveform = result.as_numpy(contract.WAVEFORM.name)  # type: ignore[attr-defined]
-    return SynthesisChunk(
-        waveform=np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False),
-        input_tokens=_first_int(result, contract.INPUT_TOKENS.name),
-        output_tokens=_first_int(result, contract.OUTPUT_TOKENS.name),
-        final=final,
-    )
 
 
 def _is_final(result: object) -> bool:
@@ -164,22 +109,24 @@ class TritonClient:
         except (InferenceServerException, grpc.RpcError) as exc:
             raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
 
-    async def synthesize_offline(self, request: SegmentRequest, *, timeout_s: float | None = None) -> SynthesisChunk:
+    async def synthesize_offline(
+        self, request: SegmentRequest, *, timeout_s: float | None = None
+    ) -> contract.SpeechChunk:
         """One unary request on the offline model: the whole waveform of one segment (with empty
         ``target_text``: only the voice prompt is computed and cached, per the contract)."""
         try:
             result = await self._client.infer(
                 self._offline_model,
-                build_inputs(request),
+                contract.grpc_inputs(request),
                 outputs=_requested_outputs(),
                 request_id=request.request_id,
                 client_timeout=timeout_s or self._timeout_s,
             )
         except (InferenceServerException, grpc.RpcError) as exc:
             raise _from_exception(exc, self._retry_after_s) from exc
-        return _chunk(result, final=True)
+        return contract.decode_response(result.as_numpy, final=True)
 
-    async def synthesize_stream(self, request: SegmentRequest) -> AsyncIterator[SynthesisChunk]:
+    async def synthesize_stream(self, request: SegmentRequest) -> AsyncIterator[contract.SpeechChunk]:
         """The decoupled model's chunks for one segment, in order.
 
         The request stream is half-closed right after the request, so the call ends by itself after
@@ -191,7 +138,7 @@ class TritonClient:
         async def one_request() -> AsyncIterator[dict[str, object]]:
             yield {
                 "model_name": self._streaming_model,
-                "inputs": build_inputs(request),
+                "inputs": contract.grpc_inputs(request),
                 "outputs": _requested_outputs(),
                 "request_id": request.request_id,
             }
@@ -204,7 +151,7 @@ class TritonClient:
                 if error is not None:
                     raise _from_exception(error, self._retry_after_s)
                 final_seen = _is_final(result)
-                yield _chunk(result, final_seen)
+                yield contract.decode_response(result.as_numpy, final_seen)
             ended = True
             if not final_seen:
                 raise SynthesisFailed("The speech stream ended without its final response.")

@@ -34,10 +34,22 @@ from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
 from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import StreamScheduleParams
 from cosyvoice2_serving.token2wav import T2W_SCHEDULING
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
+from triton_repo.model_params import (
+    AudioModelParams,
+    BenchmarkMode,
+    EngineParams,
+    InternalModels,
+    LLMParams,
+    ModelParams,
+    OrchestratorParams,
+    Token2WavParams,
+    VoicePromptParams,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
@@ -61,6 +73,11 @@ LOGITS_DTYPE = "float32"
 SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
 
 
+def default_device(llm_backend: str, layout: str | None) -> str:
+    """TensorRT-LLM and the disaggregated layout (two GPUs) need CUDA; anything else renders for the CPU."""
+    return "cuda" if llm_backend == "tensorrt_llm" or layout == "disaggregated" else "cpu"
+
+
 class RenderError(ValueError):
     """A render option or input is wrong; the message says which and what to do."""
 
@@ -72,14 +89,14 @@ class RenderOptions:
     llm_backend: str = "pytorch"
     engine_dir: Path | None = None  # TensorRT-LLM engine (tensorrt_llm backend)
     llm_dir: Path | None = None  # HF checkpoint dir with logits_bias.safetensors (tensorrt_llm backend)
-    device: str = "cpu"
+    device: str | None = None  # None: default_device(llm_backend, layout)
     dtype: str = "fp32"
     max_batch: int = 16  # LLM sequences decoded together (KV slots)
     max_seq_len: int = 4096  # prompt + generated tokens per sequence
     max_waiting: int = 64  # LLM requests queued beyond the slots before [overloaded]
     instances: dict[str, int] = field(default_factory=dict)
-    first_hop: int = 25
-    chunk_growth: int = 2
+    first_hop: int = StreamScheduleParams.first_hop
+    chunk_growth: int = StreamScheduleParams.chunk_growth
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
     # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
@@ -108,10 +125,18 @@ class RenderOptions:
     loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
 
     def __post_init__(self) -> None:
+        # The one place that fills in what was left open, for the command line, the library call and the stack alike.
+        object.__setattr__(self, "llm_backend", LLM_BACKENDS.get(self.llm_backend, self.llm_backend))
+        for name in ("model_dir", "out", "engine_dir", "llm_dir", "dit_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(value))
         if self.layout is None:
             object.__setattr__(self, "layout", DEFAULT_LAYOUT.get(self.llm_backend, "single"))
         if self.llm_delivery is None:
             object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
+        if self.device is None:
+            object.__setattr__(self, "device", default_device(self.llm_backend, self.layout))
 
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)
@@ -299,7 +324,9 @@ def safetensors_length(path: Path, key: str) -> int:
 
 
 # -- rendering -------------------------------------------------------------------------------------
-def _parameters(values: dict[str, object]) -> str:
+def _parameters(values: ModelParams | dict[str, object]) -> str:
+    if isinstance(values, ModelParams):
+        values = dict(values.to_parameters())
     return "\n".join(
         f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}' for key, value in sorted(values.items())
     )
@@ -321,24 +348,6 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
     """Relative path -> file content of the whole repository (no I/O besides reading templates and the engine's
     config.json)."""
     files: dict[str, str] = {}
-    common = {"model_dir": opts.model_dir.resolve()}
-    schedule = {"first_hop": opts.first_hop, "chunk_growth": opts.chunk_growth}
-
-    orchestrator_params = {
-        **common,
-        **schedule,
-        "llm_backend": opts.llm_backend,
-        "max_sequence_len": opts.max_seq_len,
-        "max_target_text_tokens": opts.max_target_text_tokens,
-        **internal_models(opts),
-    }
-    if opts.benchmark_speech_ratio is not None:
-        orchestrator_params["benchmark_speech_ratio"] = opts.benchmark_speech_ratio
-    if opts.llm_backend == "tensorrt_llm":
-        assert opts.llm_dir is not None
-        orchestrator_params["llm_logits_bias"] = (opts.llm_dir / LOGITS_BIAS_FILE).resolve()
-        orchestrator_params["llm_repetition_penalty"] = opts.repetition_penalty
-        orchestrator_params.update({f"loop_{key}": value for key, value in asdict(opts.loop_guard).items()})
     for name, decoupled, description in (
         (contract.OFFLINE_MODEL, "false", "Offline pipeline: one response with the whole waveform of one segment."),
         (contract.STREAMING_MODEL, "true", "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
@@ -351,7 +360,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
             inputs=contract.pbtxt_io_block("input", contract.INPUTS),
             outputs=contract.pbtxt_io_block("output", contract.OUTPUTS),
             instances=opts.instances_of(name),
-            parameters=_parameters(orchestrator_params),
+            parameters=_parameters(orchestrator_params(opts)),
         )
         files[f"{name}/1/model.py"] = _python_model("orchestrator")
 
@@ -361,7 +370,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
         inputs=contract.pbtxt_io_block("input", io.VOICE_PROMPT_INPUTS),
         outputs=contract.pbtxt_io_block("output", io.VOICE_PROMPT_OUTPUTS),
         instances=opts.instances_of("voice_prompt"),
-        parameters=_parameters({"cache_capacity": opts.voice_cache}),
+        parameters=_parameters(VoicePromptParams(cache_capacity=opts.voice_cache)),
     )
     files["voice_prompt/1/model.py"] = _python_model("voice_prompt")
 
@@ -378,7 +387,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
             inputs=contract.pbtxt_io_block("input", io.AUDIO_INPUTS),
             outputs=contract.pbtxt_io_block("output", (output,)),
             instances=opts.instances_of(name),
-            parameters=_parameters({**common, "device": opts.device_of(name)}),
+            parameters=_parameters(AudioModelParams(opts.model_dir.resolve(), opts.device_of(name))),
         )
         files[f"{name}/1/model.py"] = _python_model("audio_features", cls)
 
@@ -388,7 +397,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
             name=ENGINE_MODEL,
             inputs=contract.pbtxt_io_block("input", io.ENGINE_INPUTS),
             outputs=contract.pbtxt_io_block("output", io.ENGINE_OUTPUTS),
-            parameters=_parameters({**_llm_parameters(opts), **_token2wav_parameters(opts)}),
+            parameters=_parameters(EngineParams(llm_params(opts), token2wav_params(opts))),
         )
         files[f"{ENGINE_MODEL}/1/model.py"] = _python_model("engine")
     else:
@@ -398,22 +407,47 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
             name="token2wav",
             inputs=contract.pbtxt_io_block("input", io.TOKEN2WAV_INPUTS),
             outputs=contract.pbtxt_io_block("output", (io.WAVEFORM,)),
-            parameters=_parameters(_token2wav_parameters(opts)),
+            parameters=_parameters(token2wav_params(opts)),
         )
         files["token2wav/1/model.py"] = _python_model("token2wav")
     files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
     return files
 
 
-def internal_models(opts: RenderOptions) -> dict[str, str]:
-    """The orchestrator's targets for its LLM and token2wav calls (`adapters.orchestrator.InternalModels`)."""
+def internal_models(opts: RenderOptions) -> InternalModels:
+    """The orchestrator's targets for its LLM and token2wav calls."""
     colocated = opts.layout == "colocated"
-    return {
-        "llm_model": ENGINE_MODEL if colocated else "llm",
-        "token2wav_model": ENGINE_MODEL if colocated else "token2wav",
-        "token2wav_decoupled": str(colocated).lower(),
-        "llm_deliver_at": str(opts.llm_delivery == "chunk").lower(),
-    }
+    return InternalModels(
+        llm_model=ENGINE_MODEL if colocated else "llm",
+        token2wav_model=ENGINE_MODEL if colocated else "token2wav",
+        token2wav_decoupled=colocated,
+        llm_deliver_at=opts.llm_delivery == "chunk",
+    )
+
+
+def _benchmark(opts: RenderOptions) -> BenchmarkMode | None:
+    return None if opts.benchmark_speech_ratio is None else BenchmarkMode(opts.benchmark_speech_ratio)
+
+
+def _schedule(opts: RenderOptions) -> StreamScheduleParams:
+    return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth)
+
+
+def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
+    """Parameters of both pipeline models (`adapters.orchestrator`)."""
+    trtllm = opts.llm_backend == "tensorrt_llm"
+    return OrchestratorParams(
+        model_dir=opts.model_dir.resolve(),
+        llm_backend=opts.llm_backend,
+        max_sequence_len=opts.max_seq_len,
+        max_target_text_tokens=opts.max_target_text_tokens,
+        schedule=_schedule(opts),
+        models=internal_models(opts),
+        benchmark=_benchmark(opts),
+        llm_logits_bias=(opts.llm_dir / LOGITS_BIAS_FILE).resolve() if trtllm and opts.llm_dir else None,
+        llm_repetition_penalty=opts.repetition_penalty if trtllm else None,
+        loop_guard=opts.loop_guard if trtllm else None,
+    )
 
 
 def expected_models(opts: RenderOptions) -> set[str]:
@@ -422,33 +456,32 @@ def expected_models(opts: RenderOptions) -> set[str]:
     return frontend | internal
 
 
-def _llm_parameters(opts: RenderOptions) -> dict[str, object]:
+def llm_params(opts: RenderOptions) -> LLMParams:
     """Parameters of the PyTorch LLM (`adapters.llm.LLMHandler`)."""
-    return {
-        "model_dir": opts.model_dir.resolve(),
-        "device": opts.device_of("llm"),
-        "dtype": opts.dtype,
-        "max_batch": opts.max_batch,
-        "max_seq_len": opts.max_seq_len,
-        "max_waiting": opts.max_waiting,
-        "never_stop": str(opts.benchmark_speech_ratio is not None).lower(),
-    }
+    return LLMParams(
+        model_dir=opts.model_dir.resolve(),
+        device=opts.device_of("llm"),
+        dtype=opts.dtype,
+        max_batch=opts.max_batch,
+        max_seq_len=opts.max_seq_len,
+        max_waiting=opts.max_waiting,
+        benchmark=_benchmark(opts),
+    )
 
 
-def _token2wav_parameters(opts: RenderOptions) -> dict[str, object]:
+def token2wav_params(opts: RenderOptions) -> Token2WavParams:
     """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`)."""
-    return {
-        "model_dir": opts.model_dir.resolve(),
-        "device": opts.device_of("token2wav"),
-        "dtype": opts.dtype,
-        "first_hop": opts.first_hop,
-        "chunk_growth": opts.chunk_growth,
-        "flow_cache": opts.flow_cache,
-        "flow_cache_gb": opts.flow_cache_gb,
-        "t2w_scheduling": opts.t2w_scheduling,
-        "token2wav": opts.token2wav,
-        "dit_dir": opts.dit_dir.resolve() if opts.dit_dir is not None else "",
-    }
+    return Token2WavParams(
+        model_dir=opts.model_dir.resolve(),
+        device=opts.device_of("token2wav"),
+        dtype=opts.dtype,
+        schedule=_schedule(opts),
+        flow_cache=opts.flow_cache,
+        flow_cache_gb=opts.flow_cache_gb,
+        t2w_scheduling=opts.t2w_scheduling,
+        token2wav=opts.token2wav,
+        dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
+    )
 
 
 def _llm_files(opts: RenderOptions) -> dict[str, str]:
@@ -461,7 +494,7 @@ def _llm_files(opts: RenderOptions) -> dict[str, str]:
     if opts.llm_backend == "pytorch":
         config = _fill(
             "llm_pytorch.pbtxt", name="llm", max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, **llm_io,
-            parameters=_parameters(_llm_parameters(opts)),
+            parameters=_parameters(llm_params(opts)),
         )  # fmt: skip
         return {"llm/config.pbtxt": config, "llm/1/model.py": _python_model("llm")}
     config = _fill(
@@ -635,29 +668,9 @@ def write_repository(opts: RenderOptions) -> Path:
     return out
 
 
-def render_repository(
-    output_dir: Path,
-    model_dir: Path,
-    llm_backend: str = "pytorch",
-    llm_dir: Path | None = None,
-    engine_dir: Path | None = None,
-    layout: str | None = None,
-    **options: object,
-) -> Path:
-    """Library entry point (the build tooling's `render` stage calls this); layout None = the backend's default."""
-    backend = LLM_BACKENDS.get(llm_backend, llm_backend)
-    options.setdefault("device", "cuda" if backend == "tensorrt_llm" or layout == "disaggregated" else "cpu")
-    return write_repository(
-        RenderOptions(
-            model_dir=Path(model_dir),
-            out=Path(output_dir),
-            llm_backend=backend,
-            llm_dir=Path(llm_dir) if llm_dir is not None else None,
-            engine_dir=Path(engine_dir) if engine_dir is not None else None,
-            layout=layout,
-            **options,  # type: ignore[arg-type]
-        )
-    )
+def render_repository(output_dir: Path, model_dir: Path, **options: object) -> Path:
+    """Library entry point (the build tooling's `render` stage calls this): `RenderOptions` fields by name."""
+    return write_repository(RenderOptions(model_dir=Path(model_dir), out=Path(output_dir), **options))  # type: ignore[arg-type]
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -682,7 +695,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--llm-dir", type=Path, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)"
     )
     parser.add_argument(
-        "--device", default=None, choices=("cpu", "cuda"), help="default: cuda for tensorrt_llm, else cpu"
+        "--device", default=None, choices=("cpu", "cuda"),
+        help="default: cuda for tensorrt_llm or the disaggregated layout, else cpu"
     )
     parser.add_argument("--dtype", default=defaults.dtype, choices=DTYPES, help="LLM and flow dtype")
     parser.add_argument("--max-batch", type=int, default=defaults.max_batch, help="LLM sequences decoded together")
@@ -731,15 +745,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        backend = LLM_BACKENDS[args.llm_backend]
         out = write_repository(
             RenderOptions(
                 model_dir=args.model_dir,
                 out=args.out,
-                llm_backend=backend,
+                llm_backend=args.llm_backend,
                 engine_dir=args.engine_dir,
                 llm_dir=args.llm_dir,
-                device=args.device or ("cuda" if backend == "tensorrt_llm" else "cpu"),
+                device=args.device,
                 dtype=args.dtype,
                 max_batch=args.max_batch,
                 max_seq_len=args.max_seq_len,

@@ -13,12 +13,11 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
-import av
 import httpx
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from triton_repo import contract
+import pipeline_contract as contract
 from ttsbench.inputs import BenchRequest
 
 PCM_BYTES_PER_SAMPLE = 2  # the gateway's pcm: s16le mono at OUTPUT_SAMPLE_RATE
@@ -43,29 +42,16 @@ class TritonTarget:
     def _inputs(self, request: BenchRequest) -> list[grpcclient.InferInput]:
         voice = request.voice
         vid = f"{voice.id}-{uuid.uuid4().hex}" if self._fresh_voice_ids else voice.id
-        values: list[tuple[contract.TensorSpec, np.ndarray]] = [
-            (contract.REFERENCE_WAV, voice.samples),
-            (contract.REFERENCE_WAV_LEN, [voice.samples.size]),
-            (contract.REFERENCE_TEXT, [voice.transcript.encode()]),
-            (contract.TARGET_TEXT, [request.target_text.encode()]),
-            (contract.VOICE_ID, [vid.encode()]),
-        ]
-        if self._seed is not None:
-            values.append((contract.SEED, [self._seed]))
-        inputs = []
-        for spec, value in values:
-            array = np.asarray(value, dtype=spec.numpy_dtype)
-            tensor = grpcclient.InferInput(spec.name, list(array.shape), spec.triton_dtype)
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        return inputs
+        return contract.grpc_inputs(
+            contract.SpeechRequest(voice.samples, voice.transcript, request.target_text, vid, self._seed)
+        )
 
     async def synthesize(self, request: BenchRequest) -> AsyncIterator[np.ndarray]:
         inputs = self._inputs(request)
         request_id = f"bench-{next(self._ids)}"
         if not self.streaming:
             result = await self._client.infer(self.model, inputs, request_id=request_id)
-            yield result.as_numpy(contract.WAVEFORM.name)
+            yield contract.decode_response(result.as_numpy, final=True).waveform
             return
 
         async def one_request() -> AsyncIterator[dict]:
@@ -80,9 +66,8 @@ class TritonTarget:
                 if failure is not None:
                     error = error or failure  # keep reading: the stream ends on its own
                     continue
-                waveform = result.as_numpy(contract.WAVEFORM.name)
-                if waveform is not None:
-                    yield waveform
+                # a response without audio (the flag-only FINAL) is an empty piece, which the runner skips
+                yield contract.decode_response(result.as_numpy, final=False).waveform
             finished = True
         finally:
             if not finished:  # abandoned (timeout): tell the server to stop working on it
@@ -114,6 +99,8 @@ def encoded_chunk_seconds(pieces: Sequence[bytes], response_format: str) -> list
         return []
     if response_format == "pcm":
         return [len(p) / PCM_BYTES_PER_SAMPLE / contract.OUTPUT_SAMPLE_RATE for p in pieces]
+    import av  # only compressed gateway formats need a demuxer; the Triton targets run without PyAV
+
     data = b"".join(pieces)
     packets: list[tuple[int, float]] = []  # (position, seconds) of every data packet
     trailing, positions_known = 0.0, True

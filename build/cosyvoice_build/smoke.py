@@ -13,7 +13,7 @@ import numpy as np
 
 from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.settings import BuildSettings
-from triton_repo import contract
+import pipeline_contract as contract
 
 log = logging.getLogger("cosyvoice_build")
 

@@ -18,7 +18,7 @@ import av.filter
 import numpy as np
 
 from gateway.schemas import ResponseFormat
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from pipeline_contract import OUTPUT_SAMPLE_RATE
 
 MEDIA_TYPES: dict[str, str] = {
     "mp3": "audio/mpeg",

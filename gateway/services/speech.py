@@ -17,8 +17,8 @@ from gateway.schemas import Caption, CaptionedSpeech, ResponseFormat, SpeechRequ
 from gateway.services.audio_encoding import MEDIA_TYPES, create_encoder
 from gateway.services.voices import Voice, VoiceRegistry
 from gateway.settings import Settings
-from gateway.triton_client import SegmentRequest, SynthesisChunk, TritonClient
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from gateway.triton_client import SegmentRequest, TritonClient
+from pipeline_contract import OUTPUT_SAMPLE_RATE, SpeechChunk
 
 logger = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class SpeechService:
             return
         yield _sse_event({"type": "speech.audio.done", "usage": progress.usage().model_dump()})
 
-    async def _chunks(self, plan: SpeechPlan, progress: _Progress) -> AsyncIterator[SynthesisChunk]:
+    async def _chunks(self, plan: SpeechPlan, progress: _Progress) -> AsyncIterator[SpeechChunk]:
         """Pipeline chunks of all segments, one Triton request per segment, in order."""
         for index, text in enumerate(plan.segments):
             segment = SegmentRequest(
@@ -319,9 +319,9 @@ class SpeechService:
                 reference_text=plan.voice.transcript,
                 target_text=text,
                 seed=plan.seed,
-                instruction=plan.instructions,
+                instruction=plan.instructions or "",
             )
-            last: SynthesisChunk | None = None
+            last: SpeechChunk | None = None
             if plan.stream:
                 async with aclosing(self._triton.synthesize_stream(segment)) as chunks:
                     async for chunk in chunks:
@@ -336,7 +336,7 @@ class SpeechService:
             progress.segment_ends.append(progress.samples)
 
     @staticmethod
-    def _account(progress: _Progress, chunk: SynthesisChunk) -> SynthesisChunk:
+    def _account(progress: _Progress, chunk: SpeechChunk) -> SpeechChunk:
         if progress.first_chunk_at is None:
             progress.first_chunk_at = time.monotonic()
         progress.samples += chunk.waveform.size

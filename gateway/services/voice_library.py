@@ -28,7 +28,7 @@ from gateway.services.voice_store import NameTaken, VoiceExists, VoiceStore
 from gateway.services.voices import Voice, VoiceRegistry, decode_to_reference, voice_id
 from gateway.settings import OPENAI_VOICE_NAMES
 from gateway.triton_client import SegmentRequest, TritonClient
-from triton_repo.contract import REFERENCE_SAMPLE_RATE
+from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 

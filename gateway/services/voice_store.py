@@ -32,7 +32,7 @@ import av
 import numpy as np
 
 from gateway.services.voices import Voice, decode_to_reference, voice_id
-from triton_repo.contract import REFERENCE_SAMPLE_RATE
+from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 

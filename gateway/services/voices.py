@@ -17,7 +17,7 @@ import av
 import numpy as np
 
 from gateway.errors import VoiceNotFound
-from triton_repo.contract import REFERENCE_SAMPLE_RATE
+from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
 

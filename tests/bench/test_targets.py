@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from gateway.services.audio_encoding import create_encoder
-from triton_repo.contract import OUTPUT_SAMPLE_RATE
+from pipeline_contract import OUTPUT_SAMPLE_RATE
 from ttsbench.targets import encoded_chunk_seconds, encoded_seconds
 
 CHUNK_S = 0.2

@@ -16,7 +16,7 @@ import pytest
 from cosyvoice_build import smoke, triton_render
 from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.settings import BuildSettings, TrtllmOptions
-from triton_repo import contract
+import pipeline_contract as contract
 
 
 def test_check_audio_accepts_sound_and_rejects_empty_nonfinite_and_silent() -> None:

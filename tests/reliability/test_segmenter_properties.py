@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cosyvoice2.text.segment import bound_segment, is_speakable, pipeline_segments, utf8_token_bound
 from gateway.schemas import MAX_INPUT_CHARS
-from triton_repo.contract import MAX_SEGMENT_TOKENS
+from pipeline_contract import MAX_SEGMENT_TOKENS
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -77,7 +77,7 @@ def test_the_segments_keep_every_speakable_character_in_order(text):
 def test_the_reported_run_on_inputs_fit_the_real_tokenizer(tmp_path_factory, text):
     """The bound holds for a real byte-level BPE tokenizer (the tiny model's, loaded like CosyVoice-BlankEN)."""
     pytest.importorskip("transformers")
-    from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+    from cosyvoice2.testing.tokenizer import write_test_tokenizer
     from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
     tokenizer = CosyVoice2Tokenizer(write_test_tokenizer(tmp_path_factory.mktemp("tok")))

@@ -10,7 +10,7 @@ import numpy as np
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.token2wav import Work
 from tests.serving.test_token2wav_service import tiny_token2wav  # noqa: F401 - the shared module fixture
 

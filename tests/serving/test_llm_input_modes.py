@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from cosyvoice2.frontend.llm_prompt import VoiceMode, instruction_text, llm_prompt
-from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+from cosyvoice2.testing.tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.orchestrator import Orchestrator, OrchestratorConfig, PromptTensors, SynthesisRequest, parse_request
-from triton_repo import contract
+from cosyvoice2_serving.io_struct import PromptTensors
+from cosyvoice2_serving.orchestrator import Orchestrator, OrchestratorConfig, parse_request
+import pipeline_contract as contract
+from pipeline_contract import SpeechRequest
 
 ENDOFPROMPT_ID = 151646  # the released tokenizer's id of <|endofprompt|>
 PROMPT_SPEECH = np.array([5, 0, 6560, 17, 17, 3], np.int32)
@@ -55,7 +57,7 @@ def reference_input_ids(tokenizer, vocab, mode: str, tts_text: str, prompt_text:
 
 def ours(tokenizer, vocab, reference_text: str, instruction: str = "") -> tuple[list[int], int, int, int]:
     orchestrator = Orchestrator(OrchestratorConfig(vocab=vocab), tokenizer, clients=None)  # type: ignore[arg-type]
-    request = SynthesisRequest(np.zeros(16000, np.float32), reference_text, TARGET, "voice", 1, instruction)
+    request = SpeechRequest(np.zeros(16000, np.float32), reference_text, TARGET, "voice", 1, instruction)
     llm, text_tokens = orchestrator.build_llm_request(request, PROMPT, streaming=True)
     return llm.input_ids.tolist(), text_tokens, llm.min_tokens, llm.max_tokens
 
@@ -111,10 +113,11 @@ def test_the_contract_carries_the_optional_instruction():
         contract.TARGET_TEXT.name: np.array([b"hello"], object),
         contract.VOICE_ID.name: np.array([b"v"], object),
     }
-    vocab = SpeechVocabLayout(text_vocab_size=100)
-    plain = parse_request(arrays, OrchestratorConfig(vocab=vocab))
-    assert plain.instruction == "" and plain.mode is VoiceMode.CROSS_LINGUAL
+    plain = parse_request(arrays)
+    assert plain.instruction == ""
+    assert llm_prompt(plain.reference_text, plain.instruction).mode is VoiceMode.CROSS_LINGUAL
     arrays[contract.INSTRUCTION_TEXT.name] = np.array(["Parle doucement".encode()], object)
-    instructed = parse_request(arrays, OrchestratorConfig(vocab=vocab))
-    assert instructed.instruction == "Parle doucement" and instructed.mode is VoiceMode.INSTRUCT
+    instructed = parse_request(arrays)
+    assert instructed.instruction == "Parle doucement"
+    assert llm_prompt(instructed.reference_text, instructed.instruction).mode is VoiceMode.INSTRUCT
     assert contract.INSTRUCTION_TEXT.optional and contract.INSTRUCTION_TEXT in contract.INPUTS

@@ -10,15 +10,15 @@ import pytest
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
-    PromptTensors,
     SamplingConfig,
-    SynthesisRequest,
     parse_request,
 )
-from triton_repo import contract
+import pipeline_contract as contract
+from pipeline_contract import SpeechRequest
 
 VOCAB = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
 SAMPLES_PER_TOKEN = 960
@@ -66,8 +66,8 @@ class FakeClients:
         self.closed.append(request_id)
 
 
-def request(text="one two three four five", seed=3) -> SynthesisRequest:
-    return SynthesisRequest(np.zeros(16000, np.float32), "ref text", text, "voice", seed)
+def request(text="one two three four five", seed=3) -> SpeechRequest:
+    return SpeechRequest(np.zeros(16000, np.float32), "ref text", text, "voice", seed)
 
 
 def orchestrator(clients, **config) -> Orchestrator:
@@ -207,10 +207,9 @@ def _arrays(**overrides):
 
 
 def test_parse_request_accepts_the_contract_and_slices_the_audio():
-    config = OrchestratorConfig(vocab=VOCAB)
-    req = parse_request(_arrays(**{contract.REFERENCE_WAV_LEN.name: np.array([4000], np.int32)}), config)
+    req = parse_request(_arrays(**{contract.REFERENCE_WAV_LEN.name: np.array([4000], np.int32)}))
     assert req.reference_wav.size == 4000 and req.target_text == "héllo" and req.seed is None
-    seeded = parse_request(_arrays(**{contract.SEED.name: np.array([2**63 + 5], np.uint64)}), config)
+    seeded = parse_request(_arrays(**{contract.SEED.name: np.array([2**63 + 5], np.uint64)}))
     assert seeded.seed == 2**63 + 5
 
 
@@ -227,7 +226,7 @@ def test_parse_request_accepts_the_contract_and_slices_the_audio():
 )
 def test_parse_request_rejects_bad_input_with_the_invalid_input_tag(overrides, message):
     with pytest.raises(InvalidInput, match=message) as info:
-        parse_request(_arrays(**overrides), OrchestratorConfig(vocab=VOCAB))
+        parse_request(_arrays(**overrides))
     assert str(info.value).startswith(contract.ERROR_INVALID_INPUT)
 
 
@@ -266,8 +265,7 @@ async def test_streaming_asks_for_tokens_at_the_chunk_boundaries_and_gets_the_sa
 @pytest.mark.parametrize("text", [b"", b"   "])
 async def test_empty_target_text_only_prepares_the_voice(text):
     """The contract's warm-up rule: the voice prompt is computed, nothing is spoken, zero tokens."""
-    config = OrchestratorConfig(vocab=VOCAB)
-    req = parse_request(_arrays(**{contract.TARGET_TEXT.name: np.array([text], object)}), config)
+    req = parse_request(_arrays(**{contract.TARGET_TEXT.name: np.array([text], object)}))
     assert req.target_text == ""
     clients = FakeClients(list(range(10)))
     prepared: list[str] = []

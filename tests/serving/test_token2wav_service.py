@@ -12,7 +12,7 @@ import pytest
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.token2wav import Token2WavService, Work
 
 PROMPT = PromptTensors(np.arange(4, dtype=np.int32), np.zeros((8, 80), np.float32), np.ones(192, np.float32))
@@ -25,11 +25,13 @@ class FakeEngine:
         self.calls: list[list[str]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = 0  # calls that reached run(), held by the gate or not
 
     def open(self, prompt, seed):
         return {"tokens": [], "id": None}
 
     def run(self, work):
+        self.entered += 1
         self.gate.wait()
         self.calls.append([len(w.state["tokens"]) for w in work])
         out = []
@@ -123,13 +125,13 @@ def tiny_token2wav(tmp_path_factory):
     from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
     from cosyvoice2.testing import write_tiny_model
     from cosyvoice2_serving.engines import BatchedToken2Wav
-    from cosyvoice2_serving.orchestrator import stream_schedule
+    from cosyvoice2_serving.schedule import StreamScheduleParams
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     config = EngineConfig.for_model_dir(model_dir)
     flow = load_flow(model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32)
     hift = load_hift(model_dir / HIFT_FILE, config, torch.device("cpu"))
-    schedule = stream_schedule(config.schedule(0), first_hop=5, growth=2)
+    schedule = StreamScheduleParams(first_hop=5, chunk_growth=2).schedule(config)
     return BatchedToken2Wav(flow, hift, config, schedule), schedule
 
 
@@ -180,7 +182,13 @@ async def test_first_chunks_run_before_later_chunks_unless_those_waited_too_long
             engine.calls.clear()
             engine.gate.clear()  # the worker blocks in the next call: everything below queues up
             blocker = asyncio.create_task(service.process("blocker", np.arange(3), PROMPT, chunk(0, 3)))
-            await asyncio.sleep(0.05)
+            # the worker thread must hold the blocker's call before the others queue (a fixed sleep is not
+            # enough when a loaded machine schedules that thread late: it would batch them with the blocker)
+            for _ in range(3000):
+                if engine.entered == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.entered == 2
             later = asyncio.create_task(service.process("playing", np.arange(5, 10), None, chunk(5, 10)))
             await asyncio.sleep(0.01)
             first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))

@@ -9,7 +9,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from triton_repo.adapters.common import FINAL, bls_stream, model_params, read_inputs, release_bls_streams, response, serve
-from triton_repo.contract import TensorSpec
+from pipeline_contract import TensorSpec
 
 STREAMS = TensorSpec("STREAMS", "INT32", (1,))
 TICKS = TensorSpec("TICKS", "INT32", (1,))

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import TritonServer
 
@@ -46,24 +46,7 @@ def synthesis_inputs(
     instruction: str | None = None,
 ) -> list:
     wav = (np.random.default_rng(len(voice)).standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32)
-    values = {
-        contract.REFERENCE_WAV.name: wav,
-        contract.REFERENCE_WAV_LEN.name: np.array([wav.size], np.int32),
-        contract.REFERENCE_TEXT.name: np.array([reference_text.encode()], object),
-        contract.TARGET_TEXT.name: np.array([text.encode()], object),
-        contract.VOICE_ID.name: np.array([voice.encode()], object),
-    }
-    if seed is not None:
-        values[contract.SEED.name] = np.array([seed], np.uint64)
-    if instruction is not None:
-        values[contract.INSTRUCTION_TEXT.name] = np.array([instruction.encode()], object)
-    inputs = []
-    for spec in contract.INPUTS:
-        if spec.name in values:
-            tensor = grpcclient.InferInput(spec.name, list(values[spec.name].shape), spec.triton_dtype)
-            tensor.set_data_from_numpy(values[spec.name])
-            inputs.append(tensor)
-    return inputs
+    return contract.grpc_inputs(contract.SpeechRequest(wav, reference_text, text, voice, seed, instruction or ""))
 
 
 @pytest.fixture(scope="session")
@@ -125,12 +108,18 @@ async def wait_metrics(pipeline, predicate, timeout=30.0):
     return pipeline.metrics()
 
 
+#: How long the metrics must stay unchanged to count as settled. Components push a change at once and then at
+#: most every 100 ms, but on a loaded CI machine a publisher thread can wait for the CPU well beyond that.
+SETTLE_S = 1.2
+
+
 async def settled_metrics(pipeline):
-    """Metrics once every component has published its latest values (they are pushed every 100 ms)."""
-    previous = pipeline.metrics()
+    """Metrics once every component has published its latest values (unchanged for `SETTLE_S`)."""
+    previous, since = pipeline.metrics(), time.monotonic()
     while True:
         await asyncio.sleep(0.3)
         current = pipeline.metrics()
-        if current == previous:
+        if current != previous:
+            previous, since = current, time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S:
             return current
-        previous = current

@@ -20,7 +20,7 @@ from tritonclient.grpc import InferenceServerException
 from tests.gateway.conftest import standin_backend  # noqa: F401 - the stand-in as a fixture here too
 from tests.gateway.voice_clips import make_clip, upload
 from tests.triton.conftest import SAMPLES_PER_TOKEN, synthesis_inputs
-from triton_repo import contract
+import pipeline_contract as contract
 
 pytestmark = pytest.mark.triton
 

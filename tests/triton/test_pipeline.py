@@ -19,7 +19,7 @@ from tests.triton.conftest import (
     synthesis_inputs,
     wait_metrics,
 )
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo.render import RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton

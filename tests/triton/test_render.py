@@ -13,8 +13,8 @@ from tritonclient.grpc import model_config_pb2
 
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.orchestrator import LLMRequest
-from triton_repo import contract
+from cosyvoice2_serving.io_struct import LLMRequest
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.render import (
     MARKER,
@@ -247,7 +247,7 @@ def test_a_delivery_schedule_round_trips_through_the_llm_tensors_and_bad_ones_ar
 
 
 def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_dir, tmp_path, capsys):
-    from cosyvoice2.dit.testing import write_dit_model
+    from cosyvoice2.testing.dit import write_dit_model
 
     dit_dir = write_dit_model(tmp_path / "dit")
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", token2wav="dit",
@@ -256,7 +256,7 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
     assert (params["token2wav"], params["dit_dir"]) == ("dit", str(dit_dir.resolve()))
     unet = parameters(parsed_configs(write_repository(RenderOptions(model_dir=tiny_model_dir,
                                                                     out=tmp_path / "unet")))["engine"])
-    assert (unet["token2wav"], unet["dit_dir"]) == ("unet", "")
+    assert (unet["token2wav"], unet.get("dit_dir")) == ("unet", None)  # an unset optional parameter is left out
     (dit_dir / "hift.pt").unlink()
     assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "r"), "--token2wav", "dit",
                  "--dit-dir", str(dit_dir)]) == 2
@@ -265,7 +265,7 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
 
 
 def test_a_dit_flow_that_cannot_take_the_llms_tokens_or_chunks_is_refused(tiny_model_dir, tmp_path):
-    from cosyvoice2.dit.testing import micro_dit_config, write_dit_model
+    from cosyvoice2.testing.dit import micro_dit_config, write_dit_model
 
     micro = micro_dit_config()
     small_vocab = write_dit_model(tmp_path / "vocab", replace(micro, vocab_size=4096))

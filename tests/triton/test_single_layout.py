@@ -6,7 +6,7 @@ import pytest
 import tritonclient.grpc.aio as aio
 
 from tests.triton.conftest import FIRST_HOP, SAMPLES_PER_TOKEN, Pipeline, settled_metrics, stream, synthesis_inputs
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo.render import RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton

@@ -22,10 +22,10 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.orchestrator import LLMRequest
+from cosyvoice2_serving.io_struct import LLMRequest
 from tests.triton.conftest import stream, synthesis_inputs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.render import RenderError, RenderOptions, check_trtllm_config, render_repository, write_repository

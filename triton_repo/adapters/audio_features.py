@@ -6,7 +6,6 @@ Requests of a batch arrive together in one `execute`; each is sliced to its `ref
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -19,9 +18,10 @@ from cosyvoice2.frontend.onnx_models import (
     default_providers,
 )
 from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
+from triton_repo.model_params import AudioModelParams
 
 
 def _providers(device: str) -> list[str]:
@@ -51,8 +51,8 @@ class AudioTokenizerModel(_AudioModel):
     compute = staticmethod(speech_tokens)
 
     def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
-        self.model = SpeechTokenizer(Path(params["model_dir"]) / SPEECH_TOKENIZER_FILE, _providers(params["device"]))
+        params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
+        self.model = SpeechTokenizer(params.model_dir / SPEECH_TOKENIZER_FILE, _providers(params.device))
 
 
 class SpeakerEmbeddingModel(_AudioModel):
@@ -60,6 +60,6 @@ class SpeakerEmbeddingModel(_AudioModel):
     compute = staticmethod(speaker_xvector)
 
     def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
+        params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         # CAM++ runs on CPU, as upstream's reference frontend does (it is small and its input is short)
-        self.model = SpeakerEncoder(Path(params["model_dir"]) / CAMPPLUS_FILE)
+        self.model = SpeakerEncoder(params.model_dir / CAMPPLUS_FILE)

@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 from cosyvoice2_serving.errors import RemoteError
 from cosyvoice2_serving.orchestrator import run_until_cancelled
 from cosyvoice2_serving.stats import Stats
-from triton_repo.contract import TensorSpec
+from pipeline_contract import TensorSpec
 
 logger = logging.getLogger("cosyvoice2.triton")
 

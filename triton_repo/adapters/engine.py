@@ -15,14 +15,15 @@ from triton_repo import internal_io as io
 from triton_repo.adapters.common import MetricsExporter, model_params, serve
 from triton_repo.adapters.llm import LLMHandler
 from triton_repo.adapters.token2wav import Token2WavHandler
+from triton_repo.model_params import EngineParams
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
+        params = EngineParams.from_parameters(model_params(args), args["model_name"])
         # The LLM first: its CUDA graphs are captured while no other thread uses the GPU yet.
-        self.llm = LLMHandler(params)
-        self.token2wav = Token2WavHandler(params)
+        self.llm = LLMHandler(params.llm)
+        self.token2wav = Token2WavHandler(params.token2wav)
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats, self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:

@@ -10,9 +10,9 @@ boundary (the last one flagged final) instead of one per token; without it, one 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
@@ -27,24 +27,25 @@ from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingSchedu
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.model_params import LLMParams
 
 
 class LLMHandler:
     """The scheduler built from the model's parameters, and the answer to one LLM request."""
 
-    def __init__(self, params: Mapping[str, str]) -> None:
-        model_dir = Path(params["model_dir"])
+    def __init__(self, params: LLMParams) -> None:
+        model_dir = params.model_dir
         config = EngineConfig.for_model_dir(model_dir)
-        device = torch.device(params["device"])
-        llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params["dtype"]))
+        device = torch.device(params.device)
+        llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params.dtype))
         self.vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
-        if params.get("never_stop") == "true":
+        if params.benchmark:
             disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
         # On CUDA the decoder captures its step as CUDA graphs (one per batch/length bucket) right here.
-        decoder = BatchedDecoder(llm, num_slots=int(params["max_batch"]), max_seq_len=int(params["max_seq_len"]))
+        decoder = BatchedDecoder(llm, num_slots=params.max_batch, max_seq_len=params.max_seq_len)
         self.stats = Stats(LLM_STATS)
         self.scheduler = ContinuousBatchingScheduler(
-            StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY)), int(params["max_waiting"]), self.stats
+            StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY)), params.max_waiting, self.stats
         )
 
     async def handle(self, request: Any, sender: Any) -> None:
@@ -63,12 +64,13 @@ class LLMHandler:
         # not streaming: the caller reads one response, so the scheduler hands over nothing before the end
         deliver_at = llm_request.deliver_at if llm_request.streaming else ()
         stream = self.scheduler.submit(request_id, decode_request, deliver_at)
-        offset = self.vocab.speech_offset  # the decoder counts speech tokens; the LLM vocabulary offsets them
         try:
             async for delivery in stream.deliveries():
                 flags = FINAL if delivery.last else 0
                 if delivery.tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
-                    sender.send(response(io.llm_response_tensors([t + offset for t in delivery.tokens])), flags=flags)
+                    # the decoder counts speech tokens; the LLM's responses are vocabulary ids
+                    ids = self.vocab.to_vocab_ids(np.asarray(delivery.tokens, dtype=np.int64)).tolist()
+                    sender.send(response(io.llm_response_tensors(ids)), flags=flags)
                 elif delivery.last:  # the end came without a token (a stop id): nothing but the flag
                     sender.send(flags=FINAL)
                 else:
@@ -83,7 +85,7 @@ class LLMHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.llm = LLMHandler(model_params(args))
+        self.llm = LLMHandler(LLMParams.from_parameters(model_params(args), args["model_name"]))
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
 
     async def execute(self, requests: list[Any]) -> None:

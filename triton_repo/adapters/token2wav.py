@@ -9,8 +9,7 @@ Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either wa
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,11 +19,11 @@ from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
-from cosyvoice2_serving.orchestrator import stream_schedule
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
+from triton_repo.model_params import ParameterError, Token2WavParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,27 +31,28 @@ logger = logging.getLogger(__name__)
 class Token2WavHandler:
     """The token2wav service built from the model's parameters, and the answer to one request."""
 
-    def __init__(self, params: Mapping[str, str]) -> None:
-        model_dir = Path(params["model_dir"])
-        device, dtype = torch.device(params["device"]), resolve_dtype(params["dtype"])
+    def __init__(self, params: Token2WavParams) -> None:
+        model_dir = params.model_dir
+        device, dtype = torch.device(params.device), resolve_dtype(params.dtype)
         engine: BatchedToken2Wav | DiTBatchedToken2Wav
-        if params.get("token2wav", "unet") == "dit":
-            engine = DiTBatchedToken2Wav(load_dit_token2wav(Path(params["dit_dir"]), device, dtype))
-            logger.info("token2wav: DiT flow from %s", params["dit_dir"])
+        if params.token2wav == "dit":
+            if params.dit_dir is None:
+                raise ParameterError("token2wav: token2wav=dit needs dit_dir")
+            engine = DiTBatchedToken2Wav(load_dit_token2wav(params.dit_dir, device, dtype))
+            logger.info("token2wav: DiT flow from %s", params.dit_dir)
         else:
             config = EngineConfig.for_model_dir(model_dir)
             flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
             hift = load_hift(model_dir / HIFT_FILE, config, device)
-            schedule = stream_schedule(config.schedule(0), int(params["first_hop"]), int(params["chunk_growth"]))
-            budget = float(params.get("flow_cache_gb", 0)) or None
-            engine = BatchedToken2Wav(flow, hift, config, schedule, params.get("flow_cache", "chunked"), budget)
+            budget = params.flow_cache_gb or None
+            engine = BatchedToken2Wav(flow, hift, config, params.schedule.schedule(config), params.flow_cache, budget)
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
             logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(
             StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats,
-            scheduling=params.get("t2w_scheduling", "step"),
+            scheduling=params.t2w_scheduling,
         )
         logger.info("token2wav: %s scheduling", self.service.scheduling)
 
@@ -71,7 +71,7 @@ class Token2WavHandler:
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        self.token2wav = Token2WavHandler(model_params(args))
+        self.token2wav = Token2WavHandler(Token2WavParams.from_parameters(model_params(args), args["model_name"]))
         self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:

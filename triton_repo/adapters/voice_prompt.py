@@ -11,20 +11,21 @@ from typing import Any
 import numpy as np
 
 from cosyvoice2_serving.engines import prompt_tensors
-from cosyvoice2_serving.orchestrator import PromptTensors
+from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
-from triton_repo import contract
+import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve
+from triton_repo.model_params import VoicePromptParams
 
 
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
-        params = model_params(args)
+        params = VoicePromptParams.from_parameters(model_params(args), args["model_name"])
         self.stats = Stats(CACHE_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
-        self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(int(params["cache_capacity"]), self.stats)
+        self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(params.cache_capacity, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
         serve(requests, self._handle)

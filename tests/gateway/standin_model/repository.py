@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from triton_repo import contract
+import pipeline_contract as contract
 
 STANDIN_SOURCE = Path(__file__).resolve().parent / "standin.py"
 

@@ -1,6 +1,6 @@
 """STAND-IN pipeline model: a test double, NOT speech synthesis.
 
-It implements the pipeline contract (triton_repo/contract.py) for both the offline (one response)
+It implements the pipeline contract (pipeline_contract) for both the offline (one response)
 and the streaming (decoupled, N responses, FINAL with the last one) model, so the gateway can be
 tested against a real tritonserver without the CosyVoice2 engine. Its audio is a deterministic sine
 derived from the target text, so tests can predict duration, pitch and order.
@@ -24,7 +24,9 @@ a cache hit.
 
 Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``. Observations go to
 ``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
-``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()``.
+``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()`` (made after
+its line in ``requests.jsonl``, so a test that saw the marker finds the record). Read the log with
+``read_request_log``: it skips a last line still being written.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from triton_repo.contract import MAX_SEGMENT_TOKENS, REFERENCE_SAMPLE_RATE
+import pipeline_contract as contract
 
 SAMPLE_RATE = 24_000
 SECONDS_PER_CHAR = 0.02
@@ -49,8 +51,6 @@ MIN_SECONDS = 0.25
 #: CosyVoice2's speech tokens are 25 Hz.
 SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
 HOLD_TIMEOUT_S = 30.0
-#: The real pipeline's shortest reference (cosyvoice2_serving.orchestrator.OrchestratorConfig): 0.1 s.
-MIN_REFERENCE_SAMPLES = REFERENCE_SAMPLE_RATE // 10
 
 
 def frequency_for(text: str) -> float:
@@ -76,6 +76,15 @@ def input_tokens_for(reference_text: str, target_text: str) -> int:
 
 def output_tokens_for(samples: int) -> int:
     return samples // SAMPLES_PER_TOKEN
+
+
+def read_request_log(marker_dir: Path) -> list[dict[str, Any]]:
+    """The finished requests logged so far (a last line without its newline is still being written: skipped)."""
+    log = marker_dir / "requests.jsonl"
+    if not log.exists():
+        return []
+    complete = log.read_text(encoding="utf-8").rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def voice_cache_entry(marker_dir: Path, voice_id: str) -> Path:
@@ -112,33 +121,42 @@ class TritonPythonModel:
         return list(await asyncio.gather(*(self._offline(r) for r in requests)))
 
     # Request handling --------------------------------------------------------------------------
-    def _read(self, request: Any) -> dict[str, Any]:
-        def text(name: str) -> str:
-            return pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0].decode("utf-8")
-
-        wav = pb_utils.get_input_tensor_by_name(request, "reference_wav").as_numpy().reshape(-1)
-        wav_len = int(pb_utils.get_input_tensor_by_name(request, "reference_wav_len").as_numpy().reshape(-1)[0])
-        seed = pb_utils.get_input_tensor_by_name(request, "seed")
-        instruction = pb_utils.get_input_tensor_by_name(request, "instruction_text")
-        target = text("target_text").strip()  # whitespace only counts as empty, as in the pipeline
-        words = _words(target)
-        cache_entry = voice_cache_entry(self.marker_dir, text("voice_id"))
+    def _read(self, request: Any) -> tuple[dict[str, Any], str | None]:
+        """(what the request says, for the log; the contract violation to answer with, if any). The request is
+        decoded by the contract's own codec, as the pipeline decodes it, so the two cannot drift."""
+        arrays: dict[str, np.ndarray | None] = {}
+        for spec in contract.INPUTS:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            arrays[spec.name] = None if tensor is None else tensor.as_numpy()
+        wav = np.asarray(arrays[contract.REFERENCE_WAV.name]).reshape(-1)
+        raw = {  # as sent, so that tests see what the gateway sent (not what decoding made of it)
+            "model": self.model_name,
+            "reference_samples": int(wav.size),
+            "reference_wav_len": int(np.asarray(arrays[contract.REFERENCE_WAV_LEN.name]).reshape(-1)[0]),
+            "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
+        }
+        try:
+            speech = contract.decode_request(arrays)
+        except contract.ContractViolation as exc:
+            info = {**raw, "tag": None, "words": set(), "target_text": "", "reference_text": "", "voice_id": "",
+                    "voice_cached": False, "seed": None, "instruction_text": None}  # fmt: skip
+            return info, f"{contract.ERROR_INVALID_INPUT} {exc}"
+        words = _words(speech.target_text)
+        cache_entry = voice_cache_entry(self.marker_dir, speech.voice_id)
         voice_cached = cache_entry.exists()
         cache_entry.touch()  # a miss computes the prompt and caches it
-        return {
-            "model": self.model_name,
+        info = {
+            **raw,
             "tag": next((w for w in sorted(words) if w.startswith("zq")), None),
             "words": words,
-            "target_text": target,
-            "reference_text": text("reference_text"),
-            "voice_id": text("voice_id"),
-            "reference_samples": int(wav.size),
-            "reference_wav_len": wav_len,
-            "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
+            "target_text": speech.target_text,
+            "reference_text": speech.reference_text,
+            "voice_id": speech.voice_id,
             "voice_cached": voice_cached,
-            "seed": None if seed is None else int(seed.as_numpy().reshape(-1)[0]),
-            "instruction_text": None if instruction is None else instruction.as_numpy().reshape(-1)[0].decode("utf-8"),
+            "seed": speech.seed,
+            "instruction_text": speech.instruction or None,
         }
+        return info, self._segment_violation(info)
 
     @staticmethod
     def _prompt_text(info: dict[str, Any]) -> str:
@@ -146,15 +164,13 @@ class TritonPythonModel:
         return info["instruction_text"] or info["reference_text"]
 
     @staticmethod
-    def _contract_violation(info: dict[str, Any]) -> str | None:
-        """The input checks of the real pipeline (docs/pipeline-contract.md), so the two cannot drift:
-        a reference under 0.1 s, a segment above the token limit (each whitespace-separated word is at
-        least one token, so more words than the limit are surely too many)."""
-        if not MIN_REFERENCE_SAMPLES <= info["reference_wav_len"] <= info["reference_samples"]:
-            return f"[invalid_input] reference_wav_len must be >= {MIN_REFERENCE_SAMPLES} samples"
+    def _segment_violation(info: dict[str, Any]) -> str | None:
+        """The pipeline's segment limit without its tokenizer: each whitespace-separated word is at least one
+        token, so more words than the limit are surely too many."""
         words = len(info["target_text"].split())
-        if words > MAX_SEGMENT_TOKENS:
-            return f"[invalid_input] target_text has at least {words} tokens; at most {MAX_SEGMENT_TOKENS} per segment"
+        if words > contract.MAX_SEGMENT_TOKENS:
+            return (f"{contract.ERROR_INVALID_INPUT} target_text has at least {words} tokens; "
+                    f"at most {contract.MAX_SEGMENT_TOKENS} per segment")  # fmt: skip
         return None
 
     @staticmethod
@@ -168,13 +184,12 @@ class TritonPythonModel:
         return None
 
     def _response(self, chunk: np.ndarray, reference_text: str, target_text: str, samples_so_far: int) -> Any:
-        return pb_utils.InferenceResponse(
-            output_tensors=[
-                pb_utils.Tensor("waveform", chunk.astype(np.float32)),
-                pb_utils.Tensor("input_tokens", np.array([input_tokens_for(reference_text, target_text)], np.int32)),
-                pb_utils.Tensor("output_tokens", np.array([output_tokens_for(samples_so_far)], np.int32)),
-            ]
+        tensors = contract.encode_response(
+            contract.SpeechChunk(
+                chunk, input_tokens_for(reference_text, target_text), output_tokens_for(samples_so_far), final=False
+            )
         )
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
 
     def _prepared(self, info: dict[str, Any]) -> Any:
         """The contract's answer to an empty target_text: the voice is cached, nothing is spoken."""
@@ -182,8 +197,7 @@ class TritonPythonModel:
         return self._response(np.zeros(0, np.float32), "", "", 0)
 
     async def _offline(self, request: Any) -> Any:
-        info = self._read(request)
-        violation = self._contract_violation(info)
+        info, violation = self._read(request)
         if violation:
             self._log(info, "failed", 0)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(violation))
@@ -198,8 +212,8 @@ class TritonPythonModel:
             try:
                 await self._hold(request, info["tag"])
             except asyncio.CancelledError:
-                self._mark(info["tag"], "cancelled")
                 self._log(info, "cancelled", 0)
+                self._mark(info["tag"], "cancelled")  # after the record: whoever sees the marker finds it
                 return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled"))
             except StandinFailure as exc:
                 self._log(info, "failed", 0)
@@ -211,8 +225,7 @@ class TritonPythonModel:
     async def _stream(self, request: Any) -> None:
         sender = request.get_response_sender()
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        info = self._read(request)
-        violation = self._contract_violation(info)
+        info, violation = self._read(request)
         if violation:
             self._log(info, "failed", 0)
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(violation)), flags=final)
@@ -247,8 +260,8 @@ class TritonPythonModel:
                 else:
                     sender.send(response)
         except asyncio.CancelledError:
-            self._mark(info["tag"], "cancelled")
             self._log(info, "cancelled", sent)
+            self._mark(info["tag"], "cancelled")  # after the record: whoever sees the marker finds it
             sender.send(flags=final)
             return
         except StandinFailure as exc:
@@ -280,5 +293,12 @@ class TritonPythonModel:
             output_tokens=output_tokens_for(samples),
             pid=os.getpid(),
         )
-        with open(self.marker_dir / "requests.jsonl", "a", encoding="utf-8") as log:
-            log.write(json.dumps(record) + "\n")
+        # One write(2) of the whole line on an O_APPEND descriptor: the offline and the streaming model (two
+        # processes) append to one file while tests read it, so a line must never be split across writes
+        # (readers also skip a last line without its newline, which a read racing the write can see).
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        fd = os.open(self.marker_dir / "requests.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)

@@ -1,0 +1,258 @@
+"""The pipeline contract: the one Triton interface the gateway calls.
+
+Two models with the same inputs and outputs are deployed side by side:
+
+* ``OFFLINE_MODEL`` (non-decoupled): one request -> exactly one response holding the whole waveform
+  of one text segment.
+* ``STREAMING_MODEL`` (decoupled): one request -> N >= 1 responses, each holding the next waveform
+  chunk; the last response carries the TRITONSERVER_RESPONSE_COMPLETE_FINAL flag *together with* its
+  data (the grpc.aio client cannot ask for an empty final response).
+
+A request whose ``target_text`` is empty only computes and caches the voice prompt for ``voice_id``
+(voice registration warms the cache this way): its single response has an empty waveform and zero
+tokens. The gateway never sends empty text for speech (it rejects empty input with 400).
+
+Both take ``max_batch_size: 0`` shapes (no batch dimension): batching happens inside the pipeline.
+The gateway sends one request per text segment, in order. This module is import-light (numpy only)
+because the torch-free gateway, the Triton model adapters and the stand-in test model all use it.
+See docs/pipeline-contract.md for the prose version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import numpy as np
+
+OFFLINE_MODEL = "cosyvoice2"
+STREAMING_MODEL = "cosyvoice2_stream"
+
+#: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
+#: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
+MAX_SEGMENT_TOKENS = 300
+
+#: Reference audio must be 16 kHz mono; the waveform the pipeline returns is 24 kHz mono.
+REFERENCE_SAMPLE_RATE = 16_000
+OUTPUT_SAMPLE_RATE = 24_000
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    triton_dtype: str  # the config.pbtxt/tritonclient name, e.g. "FP32", "BYTES"
+    dims: tuple[int, ...]
+    optional: bool = False
+    #: Shape the model sees when it differs from `dims` (e.g. () for a scalar behind a batch dimension).
+    reshape: tuple[int, ...] | None = None
+    #: Let the dynamic batcher group requests whose variable dims differ (python models get a list anyway).
+    allow_ragged_batch: bool = False
+
+    @property
+    def numpy_dtype(self) -> type:
+        return _NUMPY_DTYPES[self.triton_dtype]
+
+    @property
+    def pbtxt_dtype(self) -> str:
+        return "TYPE_STRING" if self.triton_dtype == "BYTES" else f"TYPE_{self.triton_dtype}"
+
+
+_NUMPY_DTYPES: dict[str, type] = {
+    "FP32": np.float32,
+    "INT32": np.int32,
+    "INT64": np.int64,
+    "UINT64": np.uint64,
+    "BOOL": np.bool_,
+    "FP16": np.float16,
+    "BYTES": np.object_,
+}
+
+# Inputs ---------------------------------------------------------------------------------------
+REFERENCE_WAV = TensorSpec("reference_wav", "FP32", (-1,))  # 16 kHz mono float in [-1, 1]
+REFERENCE_WAV_LEN = TensorSpec("reference_wav_len", "INT32", (1,))  # valid samples in reference_wav
+#: UTF-8 transcript of the reference; empty = none (the pipeline then uses CosyVoice2's cross-lingual mode).
+REFERENCE_TEXT = TensorSpec("reference_text", "BYTES", (1,))
+TARGET_TEXT = TensorSpec("target_text", "BYTES", (1,))  # UTF-8 text of ONE segment to speak
+#: Keys the server-side voice-prompt cache: a content hash of (audio, transcript), computed by the
+#: gateway once per voice. Never a bare name: two voices with one transcript must not collide.
+VOICE_ID = TensorSpec("voice_id", "BYTES", (1,))
+SEED = TensorSpec("seed", "UINT64", (1,), optional=True)  # sampling seed; absent = random per request
+#: UTF-8 style instruction ("Speak slowly and sadly"); absent or empty = none. Given, the pipeline uses
+#: CosyVoice2's instruct mode with the voice's timbre (the transcript is then unused).
+INSTRUCTION_TEXT = TensorSpec("instruction_text", "BYTES", (1,), optional=True)
+
+INPUTS: tuple[TensorSpec, ...] = (
+    REFERENCE_WAV, REFERENCE_WAV_LEN, REFERENCE_TEXT, TARGET_TEXT, VOICE_ID, SEED, INSTRUCTION_TEXT,
+)  # fmt: skip
+
+# Outputs --------------------------------------------------------------------------------------
+WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # 24 kHz mono float32 samples (may be empty)
+#: Usage, cumulative for the request so far; the final response holds the totals.
+INPUT_TOKENS = TensorSpec("input_tokens", "INT32", (1,))  # text tokens the LLM read (prompt text + target)
+OUTPUT_TOKENS = TensorSpec("output_tokens", "INT32", (1,))  # speech tokens the LLM generated
+
+OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS)
+
+#: Error messages raised by pipeline models start with one of these tags so the gateway can map
+#: them to HTTP statuses without parsing free text (Triton's gRPC status codes are coarse).
+ERROR_INVALID_INPUT = "[invalid_input]"  # -> 400
+ERROR_OVERLOADED = "[overloaded]"  # -> 503 with Retry-After
+
+
+def pbtxt_io_block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
+    """Render an ``input [...]`` or ``output [...]`` block of a config.pbtxt from specs."""
+    items = []
+    for spec in specs:
+        dims = ", ".join(str(d) for d in spec.dims)
+        optional = " optional: true" if spec.optional and kind == "input" else ""
+        reshape = ""
+        if spec.reshape is not None:
+            reshape = f" reshape: {{ shape: [ {', '.join(str(d) for d in spec.reshape)} ] }}"
+        ragged = " allow_ragged_batch: true" if spec.allow_ragged_batch and kind == "input" else ""
+        items.append(
+            f'  {{ name: "{spec.name}" data_type: {spec.pbtxt_dtype} dims: [ {dims} ]{reshape}{optional}{ragged} }}'
+        )
+    return f"{kind} [\n" + ",\n".join(items) + "\n]"
+
+
+# The one codec ------------------------------------------------------------------------------------
+# Every party speaks the contract through these functions (the gateway's Triton client, tts-bench, the
+# pipeline's entry models, the test stand-in), so a tensor's name, dtype or a rule such as warm-up cannot
+# drift between them.
+
+#: The shortest and longest reference the pipeline accepts (0.1 s; 30 s is the speech tokenizer's and CAM++'s limit).
+MIN_REFERENCE_SAMPLES = REFERENCE_SAMPLE_RATE // 10
+MAX_REFERENCE_SAMPLES = 30 * REFERENCE_SAMPLE_RATE
+
+
+class ContractViolation(ValueError):
+    """A request that breaks the contract; the pipeline answers it as ``ERROR_INVALID_INPUT``."""
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """One pipeline request: one text segment spoken with one reference voice."""
+
+    reference_wav: np.ndarray  # float32, 16 kHz mono; decoded: exactly the reference_wav_len valid samples
+    reference_text: str  # "" = the voice has no transcript (cross-lingual mode)
+    target_text: str  # "" = the warm-up rule: only compute and cache the voice prompt
+    voice_id: str
+    seed: int | None = None  # None = random per request
+    instruction: str = ""  # "" = none; else CosyVoice2's instruct mode (the transcript is then unused)
+
+
+@dataclass(frozen=True)
+class SpeechChunk:
+    """One response: the next waveform piece and the usage so far."""
+
+    waveform: np.ndarray  # float32, OUTPUT_SAMPLE_RATE mono; may be empty
+    input_tokens: int  # cumulative for the request
+    output_tokens: int  # cumulative for the request
+    final: bool  # the last response of the request (for the streaming model: sent with the FINAL flag)
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode("utf-8")], dtype=np.object_)
+
+
+def encode_request(request: SpeechRequest) -> dict[str, np.ndarray]:
+    """The input tensors of ``request`` by name, in ``INPUTS`` order; optional inputs only when set."""
+    wav = np.ascontiguousarray(request.reference_wav, dtype=np.float32).reshape(-1)
+    arrays = {
+        REFERENCE_WAV.name: wav,
+        REFERENCE_WAV_LEN.name: np.array([wav.size], dtype=np.int32),
+        REFERENCE_TEXT.name: _text(request.reference_text),
+        TARGET_TEXT.name: _text(request.target_text),
+        VOICE_ID.name: _text(request.voice_id),
+    }
+    if request.seed is not None:
+        arrays[SEED.name] = np.array([request.seed], dtype=np.uint64)
+    if request.instruction:
+        arrays[INSTRUCTION_TEXT.name] = _text(request.instruction)
+    return arrays
+
+
+def grpc_inputs(request: SpeechRequest) -> list:
+    """``encode_request`` as ``tritonclient.grpc.InferInput`` objects (what the gRPC clients send)."""
+    from tritonclient.grpc import InferInput  # noqa: PLC0415 - clients only; the Triton models never need it
+
+    inputs = []
+    for name, value in encode_request(request).items():
+        tensor = InferInput(name, list(value.shape), _INPUTS_BY_NAME[name].triton_dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+_INPUTS_BY_NAME = {spec.name: spec for spec in INPUTS}
+
+
+def _scalar_text(arrays: Mapping[str, np.ndarray | None], spec: TensorSpec) -> str:
+    value = arrays.get(spec.name)
+    if value is None or value.size != 1:
+        raise ContractViolation(f"input '{spec.name}' must hold exactly one string")
+    item = value.reshape(-1)[0]
+    try:
+        return item.decode("utf-8") if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError as exc:
+        raise ContractViolation(f"input '{spec.name}' is not valid UTF-8") from exc
+
+
+def decode_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
+    """The inverse of ``encode_request`` with the contract's input rules (numpy arrays by tensor name; absent
+    optional inputs as None). Raises ``ContractViolation`` saying what is wrong."""
+    wav, wav_len = arrays.get(REFERENCE_WAV.name), arrays.get(REFERENCE_WAV_LEN.name)
+    if wav is None or wav_len is None or wav_len.size != 1:
+        raise ContractViolation("reference_wav and a one-element reference_wav_len are required")
+    wav = np.asarray(wav, dtype=np.float32).reshape(-1)
+    n = int(wav_len.reshape(-1)[0])
+    if not MIN_REFERENCE_SAMPLES <= n <= min(wav.size, MAX_REFERENCE_SAMPLES):
+        raise ContractViolation(
+            f"reference_wav_len must be between {MIN_REFERENCE_SAMPLES} and {MAX_REFERENCE_SAMPLES} samples "
+            f"(16 kHz) and <= the {wav.size} samples sent; got {n}"
+        )
+    wav = wav[:n]
+    if not np.isfinite(wav).all():
+        raise ContractViolation("reference_wav holds NaN or infinite samples")
+    target_text = _scalar_text(arrays, TARGET_TEXT)
+    if not target_text.strip():
+        target_text = ""  # the warm-up rule: whitespace only counts as empty
+    voice_id = _scalar_text(arrays, VOICE_ID)
+    if not voice_id:
+        raise ContractViolation("voice_id is empty")
+    seed = arrays.get(SEED.name)
+    instruction = arrays.get(INSTRUCTION_TEXT.name)
+    return SpeechRequest(
+        reference_wav=wav,
+        reference_text=_scalar_text(arrays, REFERENCE_TEXT),
+        target_text=target_text,
+        voice_id=voice_id,
+        seed=None if seed is None or seed.size == 0 else int(seed.reshape(-1)[0]),
+        instruction="" if instruction is None else _scalar_text(arrays, INSTRUCTION_TEXT),
+    )
+
+
+def encode_response(chunk: SpeechChunk) -> dict[str, np.ndarray]:
+    """The output tensors of one response by name (``chunk.final`` travels as the response's flag)."""
+    return {
+        WAVEFORM.name: np.asarray(chunk.waveform, dtype=np.float32).reshape(-1),
+        INPUT_TOKENS.name: np.array([chunk.input_tokens], dtype=np.int32),
+        OUTPUT_TOKENS.name: np.array([chunk.output_tokens], dtype=np.int32),
+    }
+
+
+def decode_response(as_numpy: Callable[[str], np.ndarray | None], final: bool) -> SpeechChunk:
+    """One response from its output tensors (``as_numpy(name)``, None for an absent one, as tritonclient's
+    results give them); a flag-only response (no tensors) is an empty chunk with zero usage."""
+
+    def first_int(spec: TensorSpec) -> int:
+        value = as_numpy(spec.name)
+        return int(value.reshape(-1)[0]) if value is not None and value.size else 0
+
+    waveform = as_numpy(WAVEFORM.name)
+    return SpeechChunk(
+        waveform=np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False),
+        input_tokens=first_int(INPUT_TOKENS),
+        output_tokens=first_int(OUTPUT_TOKENS),
+        final=final,
+    )

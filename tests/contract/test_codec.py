@@ -1,0 +1,95 @@
+"""The one codec of the pipeline contract: what every client encodes is what the pipeline decodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pipeline_contract as contract
+
+WAV = np.linspace(-0.5, 0.5, 3200, dtype=np.float32)
+
+
+def _request(**changes) -> contract.SpeechRequest:
+    fields = dict(reference_wav=WAV, reference_text="a transcript", target_text="Speak this.", voice_id="v1")
+    return contract.SpeechRequest(**{**fields, **changes})
+
+
+@pytest.mark.parametrize("seed, instruction", [(None, ""), (2**63 + 5, ""), (7, "Speak slowly, ünïcode.")])
+def test_requests_survive_encoding_and_decoding(seed, instruction):
+    request = _request(seed=seed, instruction=instruction)
+    arrays = contract.encode_request(request)
+    specs = {spec.name: spec for spec in contract.INPUTS}
+    for name, value in arrays.items():  # every tensor has its spec's dtype (what Triton's config declares)
+        assert value.dtype == np.dtype(specs[name].numpy_dtype), name
+    assert (contract.SEED.name in arrays) is (seed is not None)
+    assert (contract.INSTRUCTION_TEXT.name in arrays) is bool(instruction)
+    decoded = contract.decode_request(arrays)
+    np.testing.assert_array_equal(decoded.reference_wav, WAV)
+    assert (decoded.reference_text, decoded.target_text, decoded.voice_id) == ("a transcript", "Speak this.", "v1")
+    assert (decoded.seed, decoded.instruction) == (seed, instruction)
+
+
+def test_grpc_inputs_are_the_encoded_tensors_under_their_declared_types():
+    inputs = contract.grpc_inputs(_request(seed=3, instruction="Calm."))
+    declared = {spec.name: spec.triton_dtype for spec in contract.INPUTS}
+    assert [(i.name(), i.datatype()) for i in inputs] == [(name, declared[name]) for name in declared]
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t "])
+def test_blank_target_text_is_the_warm_up_request(text):
+    assert contract.decode_request(contract.encode_request(_request(target_text=text))).target_text == ""
+
+
+def test_the_reference_is_cut_to_its_valid_length():
+    arrays = contract.encode_request(_request())
+    arrays[contract.REFERENCE_WAV_LEN.name] = np.array([contract.MIN_REFERENCE_SAMPLES], np.int32)
+    assert contract.decode_request(arrays).reference_wav.size == contract.MIN_REFERENCE_SAMPLES
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        (contract.REFERENCE_WAV_LEN.name, np.array([contract.MIN_REFERENCE_SAMPLES - 1], np.int32), "reference_wav_len"),
+        (contract.REFERENCE_WAV_LEN.name, np.array([WAV.size + 1], np.int32), "reference_wav_len"),
+        (contract.REFERENCE_WAV_LEN.name, None, "reference_wav_len"),
+        (contract.REFERENCE_WAV.name, np.full(WAV.size, np.inf, np.float32), "infinite"),
+        (contract.TARGET_TEXT.name, np.array([b"\xff"], object), "UTF-8"),
+        (contract.TARGET_TEXT.name, np.array([b"a", b"b"], object), "exactly one string"),
+        (contract.VOICE_ID.name, np.array([b""], object), "voice_id"),
+    ],
+)
+def test_requests_that_break_the_contract_say_what_is_wrong(name, value, message):
+    arrays = {**contract.encode_request(_request()), name: value}
+    with pytest.raises(contract.ContractViolation, match=message):
+        contract.decode_request(arrays)
+
+
+def test_a_reference_longer_than_the_limit_is_refused():
+    long = np.zeros(contract.MAX_REFERENCE_SAMPLES + 1, np.float32)
+    with pytest.raises(contract.ContractViolation, match="reference_wav_len"):
+        contract.decode_request(contract.encode_request(_request(reference_wav=long)))
+
+
+def test_responses_survive_encoding_and_decoding():
+    chunk = contract.SpeechChunk(np.arange(5, dtype=np.float32), input_tokens=12, output_tokens=40, final=True)
+    arrays = contract.encode_response(chunk)
+    assert set(arrays) == {spec.name for spec in contract.OUTPUTS}
+    decoded = contract.decode_response(arrays.get, final=True)
+    np.testing.assert_array_equal(decoded.waveform, chunk.waveform)
+    assert (decoded.input_tokens, decoded.output_tokens, decoded.final) == (12, 40, True)
+
+
+def test_a_flag_only_response_is_an_empty_chunk_without_usage():
+    decoded = contract.decode_response({}.get, final=True)
+    assert decoded.waveform.size == 0 and (decoded.input_tokens, decoded.output_tokens, decoded.final) == (0, 0, True)
+
+
+def test_the_contract_imports_nothing_of_ours():
+    import ast  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    tree = ast.parse(Path(contract.__file__).read_text())
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert {m.split(".")[0] for m in modules} <= {"__future__", "dataclasses", "typing", "numpy", "tritonclient"}

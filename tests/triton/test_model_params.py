@@ -1,0 +1,145 @@
+"""Typed model parameters: what render writes into each config.pbtxt is what the model's adapter reads back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import pipeline_contract as contract
+from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import StreamScheduleParams
+from triton_repo import render
+from triton_repo.model_params import (
+    AudioModelParams,
+    BenchmarkMode,
+    EngineParams,
+    LLMParams,
+    OrchestratorParams,
+    ParameterError,
+    Token2WavParams,
+    VoicePromptParams,
+)
+from triton_repo.render import MARKER, RenderOptions, main, render_repository, write_repository
+from tests.triton.test_render import parameters, parsed_configs
+from tests.triton.trtllm_fakes import fake_trtllm_inputs
+
+#: The class each rendered model's adapter reads its parameters with.
+ADAPTER_PARAMS = {
+    contract.OFFLINE_MODEL: OrchestratorParams,
+    contract.STREAMING_MODEL: OrchestratorParams,
+    "voice_prompt": VoicePromptParams,
+    "audio_tokenizer": AudioModelParams,
+    "speaker_embedding": AudioModelParams,
+    "engine": EngineParams,
+    "llm": LLMParams,
+    "token2wav": Token2WavParams,
+}
+
+
+def _expected(opts: RenderOptions, model: str) -> object:
+    """What render meant to give `model`, as the typed object."""
+    if model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
+        return render.orchestrator_params(opts)
+    if model == "engine":
+        return EngineParams(render.llm_params(opts), render.token2wav_params(opts))
+    if model == "llm":
+        return render.llm_params(opts)
+    if model == "token2wav":
+        return render.token2wav_params(opts)
+    if model == "voice_prompt":
+        return VoicePromptParams(opts.voice_cache)
+    return AudioModelParams(opts.model_dir.resolve(), opts.device_of(model))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0},
+        {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
+        {"layout": "disaggregated", "device": "cuda", "dtype": "fp16"},
+    ],
+    ids=["colocated", "single", "benchmark", "disaggregated"],
+)
+def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_path, options):
+    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", **options)
+    configs = parsed_configs(write_repository(opts))
+    for name, config in configs.items():
+        read = ADAPTER_PARAMS[name].from_parameters(parameters(config), name)
+        assert read == _expected(opts, name), name
+    engine_or_llm = configs.get("engine") or configs["llm"]
+    benchmark = ADAPTER_PARAMS[engine_or_llm.name].from_parameters(parameters(engine_or_llm))
+    llm = benchmark.llm if isinstance(benchmark, EngineParams) else benchmark
+    ratio = options.get("benchmark_speech_ratio")
+    assert llm.benchmark == (BenchmarkMode(ratio) if ratio else None)  # one option, in the LLM and the orchestrators
+    orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
+    assert orchestrator.benchmark == llm.benchmark
+    assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth)
+
+
+def test_the_tensorrt_llm_orchestrator_reads_back_its_logits_bias_penalty_and_loop_guard(tiny_model_dir, tmp_path):
+    engine, llm_dir = fake_trtllm_inputs(tmp_path)
+    repo = render_repository(tmp_path / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine)
+    read = OrchestratorParams.from_parameters(parameters(parsed_configs(repo)[contract.OFFLINE_MODEL]))
+    assert read.llm_logits_bias == (llm_dir / "logits_bias.safetensors").resolve()
+    assert (read.llm_repetition_penalty, read.loop_guard, read.benchmark) == (1.1, LoopGuardConfig(), None)
+
+
+def _llm(**changes) -> LLMParams:
+    base = LLMParams(Path("/m"), "cpu", "fp32", max_batch=4, max_seq_len=512, max_waiting=8)
+    return replace(base, **changes)
+
+
+def test_the_string_form_is_flat_and_leaves_unset_options_out():
+    assert _llm().to_parameters() == {
+        "model_dir": "/m", "device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "512", "max_waiting": "8",
+    }  # fmt: skip
+    assert _llm(benchmark=BenchmarkMode(2.5)).to_parameters()["benchmark_speech_ratio"] == "2.5"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"max_batch": "four"}, r"max_batch='four' is not a valid int"),
+        ({"benchmark_speech_ratio": "fast"}, r"benchmark_speech_ratio='fast' is not a valid float"),
+        ({"max_waiting": None}, "max_waiting is missing"),
+        ({"never_stop": "true"}, "unknown parameters never_stop"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_model_the_key_and_the_value(change, message):
+    params = _llm().to_parameters()
+    for key, value in change.items():
+        if value is None:
+            del params[key]
+        else:
+            params[key] = value
+    with pytest.raises(ParameterError, match=rf"^llm: .*{message}"):
+        LLMParams.from_parameters(params, "llm")
+
+
+def test_booleans_nested_checks_and_shared_keys_are_strict():
+    models = render.internal_models(RenderOptions(model_dir=Path("/m"), out=Path("/o")))
+    orchestrator = OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models)
+    params = orchestrator.to_parameters()
+    assert params["token2wav_decoupled"] == "true" and "loop_max_run" not in params
+    with pytest.raises(ParameterError, match="token2wav_decoupled='yes' is not a valid bool"):
+        OrchestratorParams.from_parameters({**params, "token2wav_decoupled": "yes"})
+    guard = {"loop_max_run": "1", "loop_max_period": "4", "loop_max_cycle_tokens": "50"}
+    with pytest.raises(ParameterError, match="loop guard limits"):  # the class's own check, reported as a parameter error
+        OrchestratorParams.from_parameters({**params, **guard})
+    token2wav = Token2WavParams(Path("/m"), "cuda:1", "fp32", StreamScheduleParams(), "chunked", 32.0)
+    with pytest.raises(ParameterError, match="device has two values"):
+        EngineParams(_llm(device="cuda:0"), token2wav).to_parameters()
+
+
+def test_the_command_line_the_library_call_and_the_options_default_to_the_same_device(tiny_model_dir, tmp_path):
+    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="disaggregated").device == "cuda"
+    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, llm_backend="trtllm").device == "cuda"
+    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path).device == "cpu"
+    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "cli"), "--layout", "disaggregated"]) == 0
+    render_repository(tmp_path / "lib", tiny_model_dir, layout="disaggregated")
+    cli, lib = (json.loads((tmp_path / name / MARKER).read_text()) for name in ("cli", "lib"))
+    assert cli == lib and cli["device"] == "cuda"
