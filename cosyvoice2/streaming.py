@@ -16,7 +16,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
     import torch
 
     from cosyvoice2.config import EngineConfig
-    from cosyvoice2.flow.cached import CachedSegment
+    from cosyvoice2.flow.cached import CachedRow, CachedSegment, SolvingRow, StepBatch
     from cosyvoice2.frontend.prompt import VoicePrompt
 
 #: How streaming chunks use the flow: "off" recomputes prompt + all tokens for every chunk (upstream's way);
@@ -165,6 +165,25 @@ class FlowCall:
     cache: StreamFlowCache | None = None  # run over the stream's caches instead of recomputing the prefix
 
 
+@dataclass(eq=False)
+class SteppedChunk:
+    """A stream's chunk whose flow is being solved one Euler step at a time (`Token2Wav.begin_chunks`)."""
+
+    stream: "Token2WavStream"
+    chunk: Chunk
+    call: FlowCall
+    solving: "SolvingRow"
+
+    @property
+    def step(self) -> int:
+        """Euler steps done."""
+        return self.solving.step
+
+    @property
+    def done(self) -> bool:
+        return self.solving.done(len(self.stream.engine.flow.decoder.schedule))
+
+
 @dataclass(frozen=True)
 class HiFTCache:
     """What a non-final chunk leaves for the next one (upstream hift_cache_dict entry)."""
@@ -296,23 +315,24 @@ class Token2Wav:
                 out[i] = mel[None, :, start_frame:].to(self.hift_device, torch.float32)
         return out  # type: ignore[return-value]
 
-    def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
-        """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
+    def _cached_row(self, call: FlowCall) -> "CachedRow":
         import torch
 
         from cosyvoice2.flow.cached import CachedRow
 
-        rows = []
-        for call in calls:
-            assert call.cache is not None
-            prompt = call.prompt
-            tokens = torch.cat([prompt.tokens[0], torch.as_tensor(call.tokens, dtype=torch.long,
-                                                                   device=self.flow_device).view(-1)])
-            offset = prompt.num_tokens
-            rows.append(CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
-                                  stop=offset + call.stop, final=call.final, keep=not call.final,
-                                  emit_from=offset + call.start))
-        mels, updates = self.cached.run_pending(rows)
+        assert call.cache is not None
+        prompt = call.prompt
+        tokens = torch.cat([prompt.tokens[0], torch.as_tensor(call.tokens, dtype=torch.long,
+                                                               device=self.flow_device).view(-1)])
+        offset = prompt.num_tokens
+        return CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
+                         stop=offset + call.stop, final=call.final, keep=not call.final, emit_from=offset + call.start)
+
+    def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
+        """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
+        import torch
+
+        mels, updates = self.cached.run_pending([self._cached_row(call) for call in calls])
         for call, update in zip(calls, updates):
             assert call.cache is not None
             call.cache.pending = update
@@ -341,18 +361,24 @@ class Token2Wav:
         that raises leaves every stream as it was (tokens, caches and generator state), so its chunks can be
         retried one by one.
         """
-        import torch
-
         streams = [stream for stream, _ in work]
         if len({id(stream) for stream in streams}) != len(streams):
             raise ValueError("run_chunks takes at most one chunk per stream")
         for stream, chunk in work:
             stream.check_next(chunk)
+        return self._vocode_and_emit(work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work]))
+
+    def _vocode_and_emit(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
+                         mels: "Callable[[], list[torch.Tensor]]") -> list[np.ndarray]:
+        """The chunks' mels (from `mels()`, flow caches set pending) through one batched HiFT pass, then emitted
+        (caches committed). If anything before the emit raises, every stream is left as it was."""
+        import torch
+
+        streams = [stream for stream, _ in work]
         generator_states = [stream.generator.get_state() for stream in streams]
         try:
             with torch.inference_mode():
-                mels = self.mels([stream.flow_call(chunk) for stream, chunk in work])
-                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels)]
+                inputs = [stream.hift_input(mel) for stream, mel in zip(streams, mels())]
                 rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]  # an empty stream has nothing
                 vocoded = self.vocode_batch([inputs[i][0] for i in rows], [inputs[i][1] for i in rows],
                                             [streams[i].generator for i in rows]) if rows else []
@@ -365,6 +391,51 @@ class Token2Wav:
         with torch.inference_mode():
             return [stream.emit(chunk, inputs[i][0], *results[i]) if i in results else stream.emit_nothing(chunk)
                     for i, (stream, chunk) in enumerate(work)]
+
+    # ---- one estimator step at a time (a scheduler interleaving streams) -------------------------------
+    def steppable(self, stream: "Token2WavStream", chunk: Chunk) -> bool:
+        """Whether `chunk` runs over the stream's flow caches, and so can be solved one Euler step at a time
+        (`begin_chunks`); the others (recomputing chunks) run as whole calls (`run_chunks`)."""
+        return stream.uses_flow_cache(chunk)
+
+    def begin_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]") -> "list[SteppedChunk]":
+        """Admit the next chunk of each of several streams: their encoder pass (batched) and the start of their
+        Euler solves. `advance_chunks` then steps them, `finish_chunks` vocodes and emits them. Raises (changing
+        no stream) when a chunk does not continue its stream, is not `steppable`, or the encoder pass fails."""
+        import torch
+
+        streams = [stream for stream, _ in work]
+        if len({id(stream) for stream in streams}) != len(streams):
+            raise ValueError("begin_chunks takes at most one chunk per stream")
+        for stream, chunk in work:
+            stream.check_next(chunk)
+            if not self.steppable(stream, chunk):
+                raise ValueError(f"{chunk} recomputes the flow: run it with run_chunks")
+        with torch.inference_mode():
+            calls = [stream.flow_call(chunk) for stream, chunk in work]
+            solving = self.cached.admit([self._cached_row(call) for call in calls])
+        return [SteppedChunk(stream, chunk, call, row) for (stream, chunk), call, row in zip(work, calls, solving)]
+
+    def advance_chunks(self, chunks: "Sequence[SteppedChunk]", batch: "StepBatch | None" = None) -> "StepBatch":
+        """One Euler step of every chunk (each at its own step), in one padded estimator evaluation; returns
+        the step batch to pass again while the set of chunks is the same. A failed step changes no chunk."""
+        return self.cached.advance([c.solving for c in chunks], batch)
+
+    def finish_chunks(self, chunks: "Sequence[SteppedChunk]") -> list[np.ndarray]:
+        """Vocode (one batched HiFT pass) and emit chunks that ran all their Euler steps; their flow caches are
+        committed now. Raises, leaving every stream as it was before the chunk, when HiFT fails."""
+        import torch
+
+        def mels() -> "list[torch.Tensor]":
+            out = []
+            for c in chunks:
+                mel, update = self.cached.finish(c.solving)
+                assert c.call.cache is not None
+                c.call.cache.pending = update
+                out.append(mel[None].to(self.hift_device, torch.float32))
+            return out
+
+        return self._vocode_and_emit([(c.stream, c.chunk) for c in chunks], mels)
 
     def offline_job(self, tokens: "Sequence[int]", prompt: FlowPrompt,
                     generator: "torch.Generator") -> "tuple[Token2WavStream, Chunk]":
@@ -459,8 +530,12 @@ class Token2WavStream(ChunkedStream):
         if chunk.start != self._start or not chunk.start <= chunk.stop <= chunk.feed <= len(self.tokens):
             raise ValueError(f"{chunk} does not continue the stream (at token {self._start} of {len(self.tokens)})")
 
+    def uses_flow_cache(self, chunk: Chunk) -> bool:
+        """Whether `chunk` runs over the flow caches (else it recomputes prompt + all tokens)."""
+        return not (self._cache_off or (chunk.final and self.engine.flow_cache == "exact"))
+
     def flow_call(self, chunk: Chunk) -> FlowCall:
-        if self._cache_off or (chunk.final and self.engine.flow_cache == "exact"):
+        if not self.uses_flow_cache(chunk):
             return FlowCall(self.tokens[: chunk.feed], self.prompt, chunk.start, chunk.final)
         if self.flow_cache is None:
             from cosyvoice2.flow.cached import CachedSegment

@@ -29,7 +29,9 @@ from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fb
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
-from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
+from cosyvoice2.flow.cached import StepBatch
+from cosyvoice2.streaming import (Chunk, ChunkSchedule, FlowPrompt, SteppedChunk, Token2Wav, Token2WavStream,
+                                  prompt_digest)
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.io_struct import PromptTensors
@@ -121,6 +123,17 @@ class _BatchedStreams:
             return exc
 
 
+@dataclass(eq=False)
+class StepHandle:
+    """One chunk in flight in `BatchedToken2Wav`'s step mode."""
+
+    stepped: SteppedChunk
+
+    @property
+    def step(self) -> int:
+        return self.stepped.step
+
+
 class BatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
@@ -132,6 +145,7 @@ class BatchedToken2Wav(_BatchedStreams):
         self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
+        self._batch: StepBatch | None = None  # step mode: the padded inputs of the last set of chunks stepped
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture every flow-cache step graph now (before the server reports ready): (graphs, seconds)."""
@@ -143,6 +157,75 @@ class BatchedToken2Wav(_BatchedStreams):
             count = graphs.capture_all(self.engine.flow_device, self.engine.flow_dtype)
         torch.cuda.synchronize(self.engine.flow_device)
         return count, time.perf_counter() - started
+
+    # -- step scheduling (`StepToken2WavEngine`) -------------------------------------------------------------
+    @property
+    def can_step(self) -> bool:
+        """Without flow caches every chunk recomputes: nothing can be stepped."""
+        return self.engine.flow_cache != "off"
+
+    @property
+    def max_rows(self) -> int:
+        """Chunks in flight at most: the largest CUDA-graph bucket of rows (more would run eagerly)."""
+        graphs = self.engine.cached.graphs
+        return max(graphs.rows) if graphs is not None else 16
+
+    def steppable(self, item: Work[StreamState]) -> bool:
+        """A streaming chunk over the flow caches; offline jobs and recomputing chunks run as whole calls."""
+        return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
+
+    def admit(self, work: Sequence[Work[StreamState]]) -> list[StepHandle | Exception]:
+        """Start each job's chunk (its tokens added, its encoder pass run, batched); if the batched admission
+        fails, which changes no stream, each job is admitted alone so that only the bad one fails."""
+        jobs = [self._job(item) for item in work]
+        ready = [job for job in jobs if not isinstance(job, Exception)]
+        try:
+            started = iter(self.engine.begin_chunks(ready))
+            return [job if isinstance(job, Exception) else StepHandle(next(started)) for job in jobs]
+        except Exception:  # noqa: BLE001
+            return [job if isinstance(job, Exception) else self._admit_alone(job) for job in jobs]
+
+    def _admit_alone(self, job: tuple[Token2WavStream, Chunk]) -> StepHandle | Exception:
+        try:
+            return StepHandle(self.engine.begin_chunks([job])[0])
+        except Exception as exc:  # noqa: BLE001 - returned per job
+            return exc
+
+    def step(self, handles: Sequence[StepHandle]) -> list[np.ndarray | Exception | None]:
+        """One Euler step of every handle's chunk (one padded estimator evaluation), then the chunks that ran
+        their last step are vocoded and emitted together. Per handle: its audio when it finished, the error
+        when it failed, None while it has steps left. A failing step or vocoder call is retried per handle,
+        so only the bad chunks fail (a failed step or vocoder call changes no stream)."""
+        out: list[np.ndarray | Exception | None] = [None] * len(handles)
+        live = list(range(len(handles)))
+        try:
+            self._batch = self.engine.advance_chunks([t.stepped for t in handles], self._batch)
+        except Exception:  # noqa: BLE001 - find the failing chunks by stepping each alone
+            self._batch = None
+            for i, handle in enumerate(handles):
+                try:
+                    self.engine.advance_chunks([handle.stepped])
+                except Exception as exc:  # noqa: BLE001 - returned per handle
+                    out[i] = exc
+            live = [i for i in live if out[i] is None]
+        done = [i for i in live if handles[i].stepped.done]
+        if done:
+            try:
+                for i, audio in zip(done, self.engine.finish_chunks([handles[i].stepped for i in done])):
+                    out[i] = audio
+            except Exception:  # noqa: BLE001 - vocode each alone
+                for i in done:
+                    try:
+                        out[i] = self.engine.finish_chunks([handles[i].stepped])[0]
+                    except Exception as exc:  # noqa: BLE001 - returned per handle
+                        out[i] = exc
+        return out
+
+    def cancel(self, handle: StepHandle) -> None:
+        """Drop a chunk in flight (its stream was closed): the stream's flow caches are freed at once."""
+        stream = handle.stepped.stream
+        stream.discard_pending()
+        stream.release_flow_cache()
 
     def open(self, prompt: PromptTensors, seed: int | None) -> StreamState:
         engine = self.engine

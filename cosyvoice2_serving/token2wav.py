@@ -5,12 +5,23 @@ the orchestrator's server-generated request id. The state exists from the reques
 its final chunk, an error in one of its chunks, or an explicit close (cancellation) - nothing else
 keeps it alive.
 
-All engine work runs on one worker thread. Whenever it is free it takes the pending jobs (at most one
-per stream, so a stream's chunks stay in order) and hands them to the engine in one call; the engine
-runs them as one batched flow + HiFT pass (any mix of chunk shapes and offline jobs, padded and masked).
+All engine work runs on one worker thread, in one of two ways (`T2W_SCHEDULING`):
+
+* `call`: whenever the worker is free it takes the pending jobs (at most one per stream, so a stream's chunks
+  stay in order) and hands them to the engine in one call; the engine runs them as one batched flow + HiFT
+  pass (any mix of chunk shapes and offline jobs, padded and masked). A job arriving meanwhile waits for the
+  whole call (encoder, 10 Euler steps, HiFT).
+* `step` (engines that implement `StepToken2WavEngine`): the worker loops over single estimator steps. Each
+  iteration admits newly pending chunks (their encoder pass), runs ONE Euler step over every chunk in flight -
+  chunks at different steps share the padded evaluation - and vocodes and answers the chunks that ran their
+  last step. A new stream's first chunk so starts at the next step, not after a whole call. Jobs the engine
+  cannot step (offline utterances, chunks that recompute the flow) run as whole calls between two steps, at
+  most one call per iteration, so steps and whole calls both keep moving. At most `max_rows` chunks are in
+  flight (the engine's largest padded shape); a job waits for room.
 
 First chunks go first: while any stream waits for its first chunk, a call runs only first chunks (plus
-jobs that have waited `max_defer_s`). A stream past its first chunk is already playing audio and has
+jobs that have waited `max_defer_s`); in step mode first chunks are admitted before later chunks, and a job
+that has waited `max_defer_s` before both. A stream past its first chunk is already playing audio and has
 slack; a new stream's listener hears nothing until its first chunk is done, and later chunks (longer
 flow prefixes) would make that call several times slower.
 """
@@ -21,9 +32,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, Sequence, TypeVar
+from typing import Any, Generic, Protocol, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -38,15 +49,27 @@ CLOSED_IDS_REMEMBERED = 4096
 
 logger = logging.getLogger(__name__)
 
+#: How the worker schedules engine work (module docstring): whole calls, or one estimator step at a time.
+T2W_SCHEDULING = ("step", "call")
+
+#: Step-mode iterations whose schedule `Token2WavService.step_trace` keeps (the most recent ones).
+STEP_TRACE_LENGTH = 4096
+
 TOKEN2WAV_STATS = (
     "token2wav_active_streams",
     "token2wav_chunks_total",
-    "token2wav_engine_calls_total",
+    "token2wav_engine_calls_total",  # whole calls (every batch in call mode; jobs not stepped in step mode)
     "token2wav_max_jobs_per_call",
+    "token2wav_call_jobs_total",  # jobs run in whole calls (in step mode only those that are not stepped)
+    "token2wav_steps_total",  # step mode: estimator steps run (each over all chunks in flight)
+    "token2wav_step_rows_total",  # step mode: chunk-steps run; / steps_total = mean chunks per step
+    "token2wav_max_rows_per_step",
+    "token2wav_rows_in_flight",  # step mode: chunks between admission and their last step now
+    "token2wav_step_seconds_total",  # step mode: wall time inside admissions (encoder) and steps (+ HiFT)
     "token2wav_failed_total",
     "token2wav_closed_total",
     "token2wav_expired_total",
-    "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
+    "token2wav_engine_seconds_total",  # wall time inside whole engine calls (flow + HiFT)
 )
 
 
@@ -65,6 +88,30 @@ class Token2WavEngine(Protocol[S]):
 
     def run(self, work: Sequence[Work[S]]) -> list[np.ndarray | Exception]:
         """Audio (or the error) for each job, in order; jobs of different streams may share forwards."""
+
+
+class StepToken2WavEngine(Token2WavEngine[S], Protocol):
+    """An engine that can also run chunks one estimator step at a time (`T2W_SCHEDULING` "step")."""
+
+    @property
+    def can_step(self) -> bool:
+        """False when no job could be stepped (the service then schedules whole calls)."""
+
+    @property
+    def max_rows(self) -> int:
+        """Chunks in flight at most."""
+
+    def steppable(self, item: Work[S]) -> bool:
+        """Whether the job can be stepped (else it runs as a whole `run` call)."""
+
+    def admit(self, work: Sequence[Work[S]]) -> list[Any]:
+        """Start each job: a handle to pass to `step`, or the job's error."""
+
+    def step(self, handles: Sequence[Any]) -> list[np.ndarray | Exception | None]:
+        """One step of every handle; per handle its audio when it finished, its error, or None (steps left)."""
+
+    def cancel(self, handle: Any) -> None:
+        """Drop a handle in flight and free what its stream holds."""
 
 
 @dataclass
@@ -100,6 +147,15 @@ class _Job(Generic[S]):
             pass
 
 
+@dataclass(eq=False)
+class _InFlight(Generic[S]):
+    """Step mode: a job whose chunk the engine is stepping."""
+
+    job: _Job[S]
+    handle: Any
+    steps: int = 0  # steps run so far
+
+
 class Token2WavService(Generic[S]):
     def __init__(
         self,
@@ -107,10 +163,22 @@ class Token2WavService(Generic[S]):
         stats: Stats | None = None,
         idle_timeout_s: float = 300.0,
         max_defer_s: float = 0.25,
+        scheduling: str = "step",
     ) -> None:
+        if scheduling not in T2W_SCHEDULING:
+            raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")
+        if scheduling == "step" and not (callable(getattr(engine, "admit", None)) and getattr(engine, "can_step", True)):
+            # an engine that cannot step (the DiT token2wav, flow caches off) runs whole calls, first chunks first
+            scheduling = "call"
+        self.scheduling = scheduling
         self.engine = engine
         self.max_defer_s = max_defer_s
         self.stats = stats or Stats(TOKEN2WAV_STATS)
+        # step mode: chunks in flight (job, engine handle, steps run) and the streams they belong to
+        self._in_flight: list[_InFlight[S]] = []
+        # step mode: per step, (request id, steps that job had run before) of every chunk in it, oldest first
+        # (what the scheduler did, for the service's tests and for debugging)
+        self.step_trace: deque[tuple[tuple[str, int], ...]] = deque(maxlen=STEP_TRACE_LENGTH)
         # A stream whose orchestrator vanished (crashed process) would never be closed: expire idle ones.
         self.idle_timeout_s = idle_timeout_s
         self._streams: dict[str, S] = {}
@@ -165,8 +233,145 @@ class Token2WavService(Generic[S]):
 
     # -- worker thread -------------------------------------------------------------------------
     def _run(self) -> None:
-        while self._iterate():
+        iterate = self._iterate_steps if self.scheduling == "step" else self._iterate
+        while iterate():
             pass
+
+    # -- step mode -------------------------------------------------------------------------------------
+    def _iterate_steps(self) -> bool:
+        """Admit what is pending, run whole calls for jobs that cannot be stepped, run one estimator step over
+        every chunk in flight and answer the finished ones. False when the service is shut down."""
+        engine: Any = self.engine
+        with self._cond:
+            self._expire_idle()
+            while not self._pending and not self._in_flight and not self._closed:
+                self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
+                self._expire_idle()
+            closed = self._closed
+            if closed:
+                for job in self._pending:
+                    job.resolve(RuntimeError("token2wav service is shut down"))
+                cancelled, self._in_flight = self._in_flight, []
+            else:
+                # a stream closed while its chunk is in flight gives its row (and its caches) back now
+                cancelled = [row for row in self._in_flight if row.job.request_id in self._closed_ids]
+                self._in_flight = [row for row in self._in_flight if row not in cancelled]
+                batch = self._take_step_jobs(engine.max_rows - len(self._in_flight))
+        for row in cancelled:
+            self._cancel(row, RuntimeError("token2wav service is shut down") if closed
+                         else InvalidInput(f"token2wav stream {row.job.request_id} was closed"))
+        if closed:
+            self.stats.set("token2wav_rows_in_flight", 0)
+            return False
+        try:
+            self._admit(batch)
+            if self._in_flight:
+                self._step()
+        except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
+            logger.exception("token2wav step failed")
+            failed, self._in_flight = self._in_flight, []
+            for row in failed:
+                self._cancel(row, exc)
+            for job in batch:
+                job.resolve(exc)  # no-op for jobs already answered
+        self.stats.set("token2wav_rows_in_flight", len(self._in_flight))
+        return True
+
+    def _take_step_jobs(self, room: int) -> list[_Job[S]]:
+        """Jobs to start now, removed from the queue: at most one per stream and none of a stream with a chunk
+        in flight (a stream's chunks stay in order). Streaming chunks: jobs that waited `max_defer_s` first
+        (nothing starves), then first chunks, then the rest, oldest first, up to `room`. Offline jobs (whole
+        calls, no row) take no room; they wait while first chunks wait or run, up to `max_defer_s`.
+        Caller holds the lock."""
+        now = time.monotonic()
+        busy = {row.job.request_id for row in self._in_flight}
+        heads: dict[str, _Job[S]] = {}
+        for job in self._pending:
+            if job.request_id not in busy:
+                heads.setdefault(job.request_id, job)
+
+        def overdue(job: _Job[S]) -> bool:
+            return job.queued_at < now - self.max_defer_s
+
+        def rank(job: _Job[S]) -> tuple[int, float]:
+            return (0 if overdue(job) else 1 if job.is_first_chunk else 2, job.queued_at)
+
+        chunks = sorted((job for job in heads.values() if job.chunk is not None), key=rank)[: max(room, 0)]
+        # a whole call between two steps holds up every chunk in flight: not while a first chunk waits or runs
+        first_waiting = any(job.is_first_chunk for job in [*heads.values(), *(row.job for row in self._in_flight)])
+        offline = [job for job in heads.values() if job.chunk is None and (not first_waiting or overdue(job))]
+        batch = chunks + offline
+        for job in batch:
+            self._pending.remove(job)
+        return batch
+
+    def _admit(self, batch: list[_Job[S]]) -> None:
+        """Start the batch's steppable jobs; run the others as one whole call (between two steps)."""
+        engine: Any = self.engine
+        stepped: list[tuple[_Job[S], Work[S]]] = []
+        whole: list[_Job[S]] = []
+        for job in batch:
+            try:
+                state = self._state_for(job)
+                work = Work(state, job.tokens, job.chunk)
+                if engine.steppable(work):
+                    stepped.append((job, work))
+                    continue
+            except Exception as exc:  # noqa: BLE001 - answered per job
+                self._finish_job(job, exc)
+                continue
+            whole.append(job)
+        if whole:
+            self._execute(whole)
+        if not stepped:
+            return
+        started = time.perf_counter()
+        handles = engine.admit([work for _, work in stepped])
+        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
+        for (job, _), handle in zip(stepped, handles, strict=True):
+            if isinstance(handle, Exception):
+                self._finish_job(job, handle)
+            else:
+                self._in_flight.append(_InFlight(job, handle))
+
+    def _step(self) -> None:
+        engine: Any = self.engine
+        rows = self._in_flight
+        started = time.perf_counter()
+        results = engine.step([row.handle for row in rows])
+        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
+        self.stats.add("token2wav_steps_total")
+        self.stats.add("token2wav_step_rows_total", len(rows))
+        self.stats.set("token2wav_max_rows_per_step", max(self.stats.get("token2wav_max_rows_per_step"), len(rows)))
+        self.step_trace.append(tuple((row.job.request_id, row.steps) for row in rows))
+        still: list[_InFlight[S]] = []
+        for row, result in zip(rows, results, strict=True):
+            row.steps += 1
+            if result is None:
+                still.append(row)
+            elif isinstance(result, Exception):
+                self._cancel(row, result)
+            else:
+                self._finish_job(row.job, result)
+        self._in_flight = still
+
+    def _cancel(self, row: "_InFlight[S]", error: BaseException) -> None:
+        """Drop a chunk in flight (closed stream, failure, shutdown) and answer it with `error`."""
+        try:
+            cast(Any, self.engine).cancel(row.handle)
+        except Exception:  # noqa: BLE001 - freeing must not stop the worker
+            logger.exception("token2wav: dropping a chunk in flight failed")
+        self._finish_job(row.job, error)
+
+    def _finish_job(self, job: _Job[S], result: np.ndarray | BaseException) -> None:
+        """Count, end the stream where the chunk failed or was its last, and answer the job."""
+        failed = isinstance(result, BaseException)
+        self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
+        if job.chunk is not None and (failed or job.chunk.final):
+            # a failed chunk leaves the stream's caches inconsistent; a final one ends it
+            with self._cond:
+                self._drop(job.request_id)
+        job.resolve(result)
 
     def _iterate(self) -> bool:
         """Take the next batch and run it. False when the service is shut down."""
@@ -222,15 +427,10 @@ class Token2WavService(Generic[S]):
             results = [exc] * len(work)
         self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
         self.stats.add("token2wav_engine_calls_total")
+        self.stats.add("token2wav_call_jobs_total", len(work))
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
         for job, result in zip(runnable, results, strict=True):
-            failed = isinstance(result, Exception)
-            self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
-            if job.chunk is not None and (failed or job.chunk.final):
-                # a failed chunk leaves the stream's caches inconsistent; a final one ends it
-                with self._cond:
-                    self._drop(job.request_id)
-            job.resolve(result)
+            self._finish_job(job, result)
 
     def _state_for(self, job: _Job[S]) -> S:
         if job.chunk is None:  # offline: a throwaway state, never registered

@@ -36,6 +36,7 @@ from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import StreamScheduleParams
+from cosyvoice2_serving.token2wav import T2W_SCHEDULING
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
@@ -110,6 +111,10 @@ class RenderOptions:
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
     flow_cache: str = "chunked"
     flow_cache_gb: float = 32.0
+    # How token2wav schedules streaming chunks (cosyvoice2_serving.token2wav.T2W_SCHEDULING): "step" advances
+    # every chunk in flight one estimator step at a time, so a new stream's first chunk starts at the next step;
+    # "call" runs each batch of chunks as one whole call. The DiT token2wav always runs whole calls.
+    t2w_scheduling: str = "step"
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = "unet"
@@ -240,6 +245,8 @@ def check_options(opts: RenderOptions) -> None:
             errors.append(f"{name} must be >= {low}, got {value}")
     if opts.flow_cache not in FLOW_CACHE_MODES:
         errors.append(f"--flow-cache must be one of {', '.join(FLOW_CACHE_MODES)}, got {opts.flow_cache!r}")
+    if opts.t2w_scheduling not in T2W_SCHEDULING:
+        errors.append(f"--t2w-scheduling must be one of {', '.join(T2W_SCHEDULING)}, got {opts.t2w_scheduling!r}")
     if not opts.flow_cache_gb >= 0:
         errors.append(f"--flow-cache-gb must be >= 0, got {opts.flow_cache_gb}")
     if opts.token2wav not in TOKEN2WAVS:
@@ -576,6 +583,7 @@ def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavP
         schedule=_schedule(opts),
         flow_cache=opts.flow_cache,
         flow_cache_gb=opts.flow_cache_gb,
+        t2w_scheduling=opts.t2w_scheduling,
         token2wav=opts.token2wav,
         dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
         # the budget is per GPU: the replicas sharing one split it
@@ -826,6 +834,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flow-cache-gb", type=float, default=defaults.flow_cache_gb,
                         help="memory for live streams' flow caches (0: no limit)")
     parser.add_argument(
+        "--t2w-scheduling", default=defaults.t2w_scheduling, choices=T2W_SCHEDULING,
+        help="token2wav: step (one estimator step at a time across streams; new streams join at the next step) "
+        "or call (whole batched calls)",
+    )  # fmt: skip
+    parser.add_argument(
         "--token2wav", default=defaults.token2wav, choices=TOKEN2WAVS,
         help="unet: CosyVoice2's flow from --model-dir; dit: the DiT flow of Step-Audio-2-mini from --dit-dir",
     )  # fmt: skip
@@ -879,6 +892,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 chunk_growth=args.chunk_growth,
                 flow_cache=args.flow_cache,
                 flow_cache_gb=args.flow_cache_gb,
+                t2w_scheduling=args.t2w_scheduling,
                 token2wav=args.token2wav,
                 dit_dir=args.dit_dir,
                 layout=args.layout,

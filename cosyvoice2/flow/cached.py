@@ -25,6 +25,10 @@ Layout of the caches (per stream, one tensor per kind, appended per chunk along 
 
 Rows of different histories and lengths run in one batched call: histories and new frames are right-padded and
 masked, as in `CausalFlow.inference_batch`.
+
+The Euler solve is resumable (`admit`, `advance`, `finish`): a scheduler can run one estimator step at a time over
+rows that are at different steps (each with its own t, dt and step-indexed history), so a new chunk joins at the
+next step instead of waiting for a whole call. A whole call (`run_pending`) is the lock-step case.
 """
 
 from __future__ import annotations
@@ -105,6 +109,44 @@ class CachedRow:
         return max(self.emit_from, self.prompt_mel.size(0) // 2, self.start)
 
 
+@dataclass(eq=False)
+class SolvingRow:
+    """A cached row between `CachedFlowRunner.admit` and its last Euler step: its encoder output and the ODE
+    state, advanced one step at a time (`advance`), possibly alongside rows at other steps."""
+
+    row: CachedRow
+    mu: torch.Tensor  # (80, new) encoder output of the new frames
+    x: torch.Tensor  # (80, new) the ODE state after `step` steps
+    cond: torch.Tensor  # (80, new) prompt mel frames inside the call, zeros elsewhere
+    spks: torch.Tensor  # (80,)
+    start: int  # first new frame (absolute) = history frames
+    new: int  # new frames
+    kept: int  # frames whose estimator states are cached afterwards
+    step: int = 0  # Euler steps done
+    encoder: Optional[EncoderCache] = None  # what the encoder pass adds to the caches (from `admit`)
+    kv: list[torch.Tensor] = field(default_factory=list)  # per step done: (blocks, 2, 2 rows, heads, kept, d)
+    tails: list[torch.Tensor] = field(default_factory=list)  # per step done: (2 rows, channels, 2)
+
+    def done(self, steps: int) -> bool:
+        return self.step >= steps
+
+
+@dataclass(eq=False)
+class StepBatch:
+    """The step-invariant padded inputs of one set of rows (`CachedFlowRunner.step_batch`); rebuilt when the
+    set of rows changes, reused while it does not (the attention bias is the costly part)."""
+
+    rows: tuple[SolvingRow, ...]
+    shape: Optional[tuple[int, int, int]]  # the CUDA-graph bucket, or None (eager)
+    padded: tuple[int, int, int]  # (rows, new frames, history frames) after padding
+    mask: torch.Tensor  # (2 Bp, 1, N) guidance rows stacked: conditional, then unconditional
+    mu: torch.Tensor
+    spks: torch.Tensor
+    cond: torch.Tensor
+    bias: torch.Tensor
+    tail_at: torch.Tensor
+
+
 def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=dim)
 
@@ -159,16 +201,19 @@ class CachedFlowRunner:
     def run_pending(self, rows: Sequence[CachedRow]) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
         """Mel (80, frames) float32 of tokens[first_emitted:stop] per row, and the caches each row's call adds
         (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream."""
+        self._check(rows)
+        mu, enc_out = self._encode(rows)
+        mel, est_out = self._solve(rows, mu)
+        updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
+        return mel, updates
+
+    def _check(self, rows: Sequence[CachedRow]) -> None:
         for row in rows:
             if row.start % self.grid:
                 raise ValueError(f"cached flow rows must start on the {self.grid}-token grid, not {row.start}")
             need = row.stop + (0 if row.final else self.lookahead)
             if not row.start < row.stop or row.tokens.numel() < need:
                 raise ValueError(f"cached flow row needs tokens [{row.start}, {need}), has {row.tokens.numel()}")
-        mu, enc_out = self._encode(rows)
-        mel, est_out = self._solve(rows, mu)
-        updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
-        return mel, updates
 
     # -- encoder -----------------------------------------------------------------------------------------
     def _encode(self, rows: Sequence[CachedRow]) -> tuple[torch.Tensor, list[EncoderCache]]:
@@ -278,85 +323,146 @@ class CachedFlowRunner:
         x = x + layer.feed_forward(layer.norm_ff(x))
         return x, k_new, v_new
 
-    # -- estimator ---------------------------------------------------------------------------------------
+    # -- estimator: a resumable Euler solve ----------------------------------------------------------------
     def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
+        """All Euler steps of a batch of rows at once (one whole call): the rows advance in lock step."""
+        solving = self._begin(rows, mu)
+        batch = self.step_batch(solving)
+        for _ in self.flow.decoder.schedule:
+            self.advance(solving, batch)
+        results = [self.result(s) for s in solving]
+        return [mel for mel, _ in results], [est for _, est in results]
+
+    @torch.inference_mode()
+    def admit(self, rows: Sequence[CachedRow]) -> list["SolvingRow"]:
+        """Encode the new tokens of each row (one batched encoder pass) and set up its Euler solve at step 0;
+        `advance` then runs one step at a time, over any mix of rows at different steps."""
+        self._check(rows)
+        mu, enc_out = self._encode(rows)
+        solving = self._begin(rows, mu)
+        for s, enc in zip(solving, enc_out):
+            s.encoder = enc
+        return solving
+
+    def _begin(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> list["SolvingRow"]:
         cfm = self.flow.decoder
-        estimator = cfm.estimator
-        batch = len(rows)
         device, dtype = mu.device, mu.dtype
-        news = [(row.stop - row.start) * self.stride for row in rows]
-        starts = [row.start * self.stride for row in rows]
-        hist = [row.prefix.estimator.frames + row.own.estimator.frames for row in rows]
-        kept = [row.kept_tokens(self.grid) * self.stride for row in rows]
-        if any(h != s for h, s in zip(hist, starts)):
-            raise RuntimeError("encoder and estimator caches disagree")
-        if max(s + n for s, n in zip(starts, news)) > cfm.rand_noise.size(-1):
-            raise ValueError("flow call exceeds the fixed-noise buffer")
+        out = []
+        for b, row in enumerate(rows):
+            start, new = row.start * self.stride, (row.stop - row.start) * self.stride
+            hist = row.prefix.estimator.frames + row.own.estimator.frames
+            if hist != start:
+                raise RuntimeError("encoder and estimator caches disagree")
+            if start + new > cfm.rand_noise.size(-1):
+                raise ValueError("flow call exceeds the fixed-noise buffer")
+            x = cfm.rand_noise[0, :, start : start + new].to(device, dtype)  # noise indexed by absolute frame
+            cond = torch.zeros_like(x)
+            prompt = row.prompt_mel[start : start + new]  # prompt frames inside this call (cond), if any
+            if prompt.size(0):
+                cond[:, : prompt.size(0)] = prompt.transpose(0, 1).to(dtype)
+            out.append(SolvingRow(row, mu[b, :, :new], x, cond, row.spks.to(dtype), start, new,
+                                  row.kept_tokens(self.grid) * self.stride))
+        return out
+
+    def step_batch(self, solving: Sequence["SolvingRow"]) -> "StepBatch":
+        """The padded inputs of one estimator evaluation over `solving` that do not change from step to step
+        (mask, mu, cond, speaker, attention bias, conv-tail positions): built once per set of rows."""
+        estimator = self.flow.decoder.estimator
+        batch = len(solving)
+        like = solving[0].x
+        device, dtype = like.device, like.dtype
+        news = [s.new for s in solving]
+        hist = [s.start for s in solving]
         # shapes: on CUDA padded to a captured bucket (rows, new frames, history frames), else as they come
-        use_graphs = self.graphs is not None and (mu.is_cuda or self.graphs.emulate)
-        shape = self.graphs.bucket(batch, mu.size(2), max(hist)) if use_graphs else None
-        rows_p, longest, hist_p = shape or (batch, mu.size(2), max(hist))
-        mu = F.pad(mu, (0, longest - mu.size(2), 0, 0, 0, rows_p - batch))
-        news_p = news + [0] * (rows_p - batch)
+        use_graphs = self.graphs is not None and (like.is_cuda or self.graphs.emulate)
+        shape = self.graphs.bucket(batch, max(news), max(hist)) if use_graphs else None
+        rows_p, longest, hist_p = shape or (batch, max(news), max(hist))
+        pad = rows_p - batch
+        news_p = news + [0] * pad
         mask = (torch.arange(longest, device=device) < torch.tensor(news_p, device=device).unsqueeze(1))
         mask = mask.unsqueeze(1).to(dtype)  # (Bp, 1, longest)
-        mu = mu * mask
+        mu = like.new_zeros(rows_p, like.size(0), longest)
         cond = torch.zeros_like(mu)
-        x = torch.zeros_like(mu)
-        for b, row in enumerate(rows):
-            start, n = starts[b], news[b]
-            x[b, :, :n] = cfm.rand_noise[0, :, start : start + n].to(device, dtype)
-            prompt = row.prompt_mel[start : start + n]  # prompt frames inside this call (cond), if any
-            if prompt.size(0):
-                cond[b, :, : prompt.size(0)] = prompt.transpose(0, 1).to(dtype)
-        spks = torch.stack([row.spks for row in rows]).to(dtype)
-        spks = F.pad(spks, (0, 0, 0, rows_p - batch))
-
-        mask_in = torch.cat([mask, mask])
-        mu_in = torch.cat([mu, torch.zeros_like(mu)])
-        spks_in = torch.cat([spks, torch.zeros_like(spks)])
-        cond_in = torch.cat([cond, torch.zeros_like(cond)])
-        finals = [row.final for row in rows] + [True] * (rows_p - batch)
-        bias = self._estimator_bias(finals, hist + [0] * (rows_p - batch), news_p, hist_p, longest,
+        for b, s in enumerate(solving):
+            mu[b, :, : s.new] = s.mu
+            cond[b, :, : s.new] = s.cond
+        mu = mu * mask
+        spks = F.pad(torch.stack([s.spks for s in solving]), (0, 0, 0, pad))
+        finals = [s.row.final for s in solving] + [True] * pad
+        bias = self._estimator_bias(finals, hist + [0] * pad, news_p, hist_p, longest,
                                     estimator.config.static_chunk_size, device, dtype)
-        kept_p = kept + [0] * (rows_p - batch)
+        kept_p = [s.kept for s in solving] + [0] * pad
         tail_at = torch.tensor(kept_p * 2, device=device).view(-1, 1, 1) + torch.arange(CONV_CONTEXT, device=device)
-        rate = cfm.config.inference_cfg_rate
-        step_kv: list[list[torch.Tensor]] = []
-        step_tails: list[torch.Tensor] = []
-        for step, (t, dt) in enumerate(cfm.schedule):
-            t_in = torch.full((2 * rows_p,), t, dtype=dtype, device=device)
-            if shape is not None:
-                velocity, kv, new_tails = self.graphs.run(shape, rows, step, hist, torch.cat([x, x]), mask_in, mu_in,
-                                                          t_in, spks_in, cond_in, bias, tail_at)
-            else:
-                keys = self._key_buffer(mu, rows_p, hist_p + longest)
-                self._gather_history(rows, step, hist_p, rows_p, out=keys[..., :hist_p, :])
-                tails = self._gather_tails(rows, step, rows_p)
-                velocity, kv, new_tails = self.estimate(torch.cat([x, x]), mask_in, mu_in, t_in, spks_in, cond_in,
-                                                        bias, keys, hist_p, tails, tail_at)
-            if any(kept):  # keep only what the rows cache: the graphs' outputs are overwritten by the next replay
-                # (slices and stack: an index list would be a host-to-device copy, i.e. a sync, per row and step)
-                step_kv.append([torch.stack([kv[:, :, b, :, : kept[b]], kv[:, :, rows_p + b, :, : kept[b]]], dim=2)
-                                for b in range(batch) if kept[b]])
-                step_tails.append(new_tails.clone())
-            v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
-            x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+        return StepBatch(tuple(solving), shape, (rows_p, longest, hist_p), torch.cat([mask, mask]),
+                         torch.cat([mu, torch.zeros_like(mu)]), torch.cat([spks, torch.zeros_like(spks)]),
+                         torch.cat([cond, torch.zeros_like(cond)]), bias, tail_at)
 
-        mels, caches = [], []
-        index = 0
-        for b, row in enumerate(rows):
-            skip = row.first_emitted() * self.stride - starts[b]
-            mels.append(x[b, :, skip : news[b]].float())
-            if kept[b]:
-                # per step (blocks, 2, 2 rows, heads, n, d); rows b and Bp + b are this row's guidance rows
-                kv = [step[index] for step in step_kv]
-                tails_b = [torch.stack([step[b], step[rows_p + b]]) for step in step_tails]
-                caches.append(EstimatorCache(kept[b], kv, tails_b))
-                index += 1
-            else:
-                caches.append(EstimatorCache())
-        return mels, caches
+    @torch.inference_mode()
+    def advance(self, solving: Sequence["SolvingRow"], batch: Optional["StepBatch"] = None) -> "StepBatch":
+        """One Euler step for every row, each at its own step index (its own t and dt, and the history keys of
+        that step), in one padded estimator evaluation. `batch` (from `step_batch` over the same rows) is reused
+        when given; returns the batch used. Nothing changes unless the whole step succeeds."""
+        if batch is None or batch.rows != tuple(solving):
+            batch = self.step_batch(solving)
+        cfm = self.flow.decoder
+        schedule = cfm.schedule
+        if any(s.done(len(schedule)) for s in solving):
+            raise ValueError("advance: a row has already run every Euler step")
+        rows_p, longest, hist_p = batch.padded
+        count = len(solving)
+        like = solving[0].x
+        device, dtype = like.device, like.dtype
+        x = like.new_zeros(rows_p, like.size(0), longest)
+        for b, s in enumerate(solving):
+            x[b, :, : s.new] = s.x
+        steps = [s.step for s in solving]
+        rows = [s.row for s in solving]
+        t_in = torch.tensor([schedule[i][0] for i in steps] + [0.0] * (rows_p - count), dtype=dtype, device=device)
+        t_in = torch.cat([t_in, t_in])
+        x_in = torch.cat([x, x])
+        if batch.shape is not None:
+            velocity, kv, new_tails = self.graphs.run(batch.shape, rows, steps, x_in, batch.mask, batch.mu, t_in,
+                                                      batch.spks, batch.cond, batch.bias, batch.tail_at)
+        else:
+            keys = self._key_buffer(like, rows_p, hist_p + longest)
+            self._gather_history(rows, steps, hist_p, rows_p, out=keys[..., :hist_p, :])
+            tails = self._gather_tails(rows, steps, rows_p)
+            velocity, kv, new_tails = self.estimate(x_in, batch.mask, batch.mu, t_in, batch.spks, batch.cond,
+                                                    batch.bias, keys, hist_p, tails, batch.tail_at)
+        rate = cfm.config.inference_cfg_rate
+        v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
+        if len(set(steps)) == 1:  # lock step (a whole call): the scalar dt, as the uncached solver
+            dt: float | torch.Tensor = schedule[steps[0]][1]
+        else:
+            dt = torch.tensor([schedule[i][1] for i in steps] + [0.0] * (rows_p - count), dtype=dtype,
+                              device=device).view(-1, 1, 1)
+        x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+        # keep what the rows cache (graph outputs are overwritten by the next replay; slices and stack: an index
+        # list would be a host-to-device copy, i.e. a sync, per row and step)
+        kept = [(torch.stack([kv[:, :, b, :, : s.kept], kv[:, :, rows_p + b, :, : s.kept]], dim=2),
+                 torch.stack([new_tails[b], new_tails[rows_p + b]])) if s.kept else None
+                for b, s in enumerate(solving)]
+        for b, s in enumerate(solving):  # commit the step to every row at once, after all of it succeeded
+            s.x = x[b, :, : s.new]
+            s.step += 1
+            if kept[b] is not None:
+                s.kv.append(kept[b][0])
+                s.tails.append(kept[b][1])
+        return batch
+
+    def result(self, s: "SolvingRow") -> tuple[torch.Tensor, EstimatorCache]:
+        """A finished row's mel (80, frames) float32 of tokens[first_emitted:stop] and its new estimator caches."""
+        if not s.done(len(self.flow.decoder.schedule)):
+            raise ValueError("result: the row has Euler steps left")
+        skip = s.row.first_emitted() * self.stride - s.start
+        mel = s.x[:, skip : s.new].float()
+        return mel, EstimatorCache(s.kept, s.kv, s.tails) if s.kept else EstimatorCache()
+
+    def finish(self, s: "SolvingRow") -> tuple[torch.Tensor, Optional[CachedSegment]]:
+        """`result` of a row from `admit`, with its encoder caches: (mel, caches to `commit`, or None)."""
+        mel, est = self.result(s)
+        assert s.encoder is not None
+        return mel, CachedSegment(s.encoder, est) if s.encoder.tokens else None
 
     @staticmethod
     def _estimator_bias(finals, hist, news, hist_p, longest, chunk, device, dtype) -> torch.Tensor:
@@ -377,21 +483,23 @@ class CachedFlowRunner:
         bias = (1.0 - visible.to(dtype)) * _MASKED_BIAS
         return torch.cat([bias, bias]).unsqueeze(1)
 
-    def _gather_history(self, rows: Sequence[CachedRow], step: int, hist_p: int, rows_p: int,
+    def _gather_history(self, rows: Sequence[CachedRow], steps: Sequence[int], hist_p: int, rows_p: int,
                         out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """(blocks, 2, 2 Bp, heads, hist_p, d) keys/values of every row's history at one Euler step, written into
-        `out` when given (padding left as it is: masked). Rows sharing a voice prefix get it in one copy."""
+        """(blocks, 2, 2 Bp, heads, hist_p, d) keys/values of every row's history at its own Euler step
+        (`steps[b]`), written into `out` when given (padding left as it is: masked). Rows sharing a voice prefix
+        and a step get it in one copy."""
         if hist_p == 0:
             return out
         if out is None:
-            like = next(seg.estimator.kv[step] for row in rows for seg in (row.prefix, row.own) if seg.estimator.frames)
+            like = next(seg.estimator.kv[step] for row, step in zip(rows, steps) for seg in (row.prefix, row.own)
+                        if seg.estimator.frames)
             blocks, _, _, heads, _, head_dim = like.shape
             out = like.new_zeros(blocks, 2, 2 * rows_p, heads, hist_p, head_dim)
-        by_prefix: dict[int, list[int]] = {}
+        by_prefix: dict[tuple[int, int], list[int]] = {}
         for b, row in enumerate(rows):
             if row.prefix.estimator.frames:
-                by_prefix.setdefault(id(row.prefix), []).append(b)
-        for members in by_prefix.values():
+                by_prefix.setdefault((id(row.prefix), steps[b]), []).append(b)
+        for (_, step), members in by_prefix.items():
             piece = rows[members[0]].prefix.estimator.kv[step]  # (blocks, 2, 2, heads, n, d)
             n = piece.size(4)
             for cfg in (0, 1):
@@ -404,18 +512,18 @@ class CachedFlowRunner:
         for b, row in enumerate(rows):
             if row.own.estimator.frames:
                 at = row.prefix.estimator.frames
-                piece = row.own.estimator.kv[step]
+                piece = row.own.estimator.kv[steps[b]]
                 n = piece.size(4)
                 out[:, :, b, :, at : at + n] = piece[:, :, 0]
                 out[:, :, rows_p + b, :, at : at + n] = piece[:, :, 1]
         return out
 
-    def _gather_tails(self, rows: Sequence[CachedRow], step: int, rows_p: int,
+    def _gather_tails(self, rows: Sequence[CachedRow], steps: Sequence[int], rows_p: int,
                       out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """(2 Bp, channels of all causal convs, 2): the last inputs before each row's history end (zeros for a
-        row with no history)."""
+        """(2 Bp, channels of all causal convs, 2): the last inputs before each row's history end at its own
+        Euler step (zeros for a row with no history)."""
         sources = []
-        for row in rows:
+        for row, step in zip(rows, steps):
             seg = row.own if row.own.estimator.frames else row.prefix
             sources.append(seg.estimator.tails[step] if seg.estimator.frames else None)
         if out is None:
@@ -598,15 +706,14 @@ class StepGraphs:
                 self._get(shape, device, dtype)
         return len(self._captured) - before
 
-    def run(self, shape: tuple[int, int, int], rows: Sequence[CachedRow], step: int, hist: list[int],
-            x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+    def run(self, shape: tuple[int, int, int], rows: Sequence[CachedRow], steps: Sequence[int], x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
             cond: torch.Tensor, bias: torch.Tensor, tail_at: torch.Tensor):
         rows_p, _, hist_p = shape
         with self._lock:
             captured = self._get(shape, x.device, x.dtype)
             keys = self._key_view(shape)
-            self.runner._gather_history(rows, step, hist_p, rows_p, out=keys[..., :hist_p, :])
-            self.runner._gather_tails(rows, step, rows_p, out=self._tails[: 2 * rows_p])
+            self.runner._gather_history(rows, steps, hist_p, rows_p, out=keys[..., :hist_p, :])
+            self.runner._gather_tails(rows, steps, rows_p, out=self._tails[: 2 * rows_p])
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
             if captured.graph is None:  # emulation on CPU

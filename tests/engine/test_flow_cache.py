@@ -266,3 +266,57 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
             worst = max(worst, (mel - ref).abs().max().item())
     assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
     assert worst <= MEL_TOL
+
+
+@parity
+@pytest.mark.parametrize("emulate", [False, True])
+def test_step_scheduled_chunks_equal_each_chunk_alone(oracle, emulate: bool) -> None:
+    """Rows solved one Euler step at a time, sharing each step with rows of other streams at other steps and
+    joining whenever a row finishes, give every chunk the mel the whole-call path gives it alone."""
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow)
+    if emulate:  # the CUDA-graph path's padded buckets and static buffers, on CPU
+        runner.graphs.emulate = True
+        runner.graphs.rows, runner.graphs.new_frames, runner.graphs.history_frames = (1, 2, 4), (128, 256), (256, 512)
+    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    chunks = ChunkSchedule(prompt_tokens=40).chunks(90)[:3]  # two non-final chunks, then the final one
+    assert [c.final for c in chunks] == [False, False, True]
+    tokens = [random_tokens(90, seed=50 + s) for s in range(3)]
+
+    def row(s: int, own: CachedSegment, chunk) -> CachedRow:
+        return CachedRow(torch.cat([prompt_tokens, tokens[s][: chunk.feed]]), prompt_mel, spks, prefix, own,
+                         stop=40 + chunk.stop, final=chunk.final, keep=not chunk.final, emit_from=40 + chunk.start)
+
+    alone = []
+    for s in range(3):
+        own = CachedSegment()
+        alone.append([runner.run([row(s, own, c)])[0] for c in chunks])
+
+    joins = {0: 0, 1: 3, 2: 7}  # stream s's first chunk joins at tick joins[s]; later chunks once the last finished
+    owns = [CachedSegment() for _ in range(3)]
+    next_chunk = [0, 0, 0]
+    flight: list = []  # (stream, SolvingRow)
+    stepped: list[list[torch.Tensor]] = [[], [], []]
+    mixed_steps, tick = set(), 0
+    while any(n < len(chunks) for n in next_chunk) or flight:
+        busy = {s for s, _ in flight}
+        enter = [s for s in range(3) if s not in busy and tick >= joins[s] and next_chunk[s] < len(chunks)]
+        if enter:
+            admitted = runner.admit([row(s, owns[s], chunks[next_chunk[s]]) for s in enter])
+            flight += list(zip(enter, admitted))
+            for s in enter:
+                next_chunk[s] += 1
+        mixed_steps.add(len({r.step for _, r in flight}))
+        runner.advance([r for _, r in flight])
+        for s, r in [item for item in flight if item[1].done(len(flow.decoder.schedule))]:
+            mel, update = runner.finish(r)
+            runner.commit(owns[s], update)
+            stepped[s].append(mel)
+            flight.remove((s, r))
+        tick += 1
+    assert max(mixed_steps) == 3  # some steps ran rows at three different step indices
+    for s in range(3):
+        for a, b in zip(alone[s], stepped[s], strict=True):
+            assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5

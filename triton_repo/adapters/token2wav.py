@@ -55,8 +55,10 @@ class Token2WavHandler:
             logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(
-            StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats
+            StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats,
+            scheduling=params.t2w_scheduling,
         )
+        logger.info("token2wav: %s scheduling", self.service.scheduling)
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
