@@ -163,7 +163,7 @@ class Token2WavService(Generic[S]):
         stats: Stats | None = None,
         idle_timeout_s: float = 300.0,
         max_defer_s: float = 0.25,
-        scheduling: str = "step",
+        scheduling: str = "call",
     ) -> None:
         if scheduling not in T2W_SCHEDULING:
             raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")

@@ -234,7 +234,7 @@ class Token2WavParams(_TorchModelParams):
     schedule: StreamScheduleParams
     flow_cache: str
     flow_cache_gb: float  # the flow caches' budget on this model's GPU; 0: no limit
-    t2w_scheduling: str = "step"  # step (one estimator step at a time across streams) or call (whole calls)
+    t2w_scheduling: str = "call"  # step (one estimator step at a time across streams) or call (whole calls)
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
     # the disaggregated layout: the token2wav replicas on this model's GPU, which split `flow_cache_gb` evenly

@@ -113,8 +113,9 @@ class RenderOptions:
     flow_cache_gb: float = 32.0
     # How token2wav schedules streaming chunks (cosyvoice2_serving.token2wav.T2W_SCHEDULING): "step" advances
     # every chunk in flight one estimator step at a time, so a new stream's first chunk starts at the next step;
-    # "call" runs each batch of chunks as one whole call. The DiT token2wav always runs whole calls.
-    t2w_scheduling: str = "step"
+    # "call" runs each batch of chunks as one whole call. "call" is the default: on the GPU it measured faster at
+    # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). The DiT token2wav always runs whole calls.
+    t2w_scheduling: str = "call"
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = "unet"

@@ -89,7 +89,7 @@ async def test_a_new_stream_joins_at_the_next_step_while_another_is_mid_utteranc
     ta, tb = np.arange(40, dtype=np.int32) % 97, (np.arange(30, dtype=np.int32) * 7) % 101
     ca, cb = plan(schedule, pa, 40), plan(schedule, pb, 30)
     gated = Gated(engine)
-    service = Token2WavService(gated, max_defer_s=30.0)
+    service = Token2WavService(gated, max_defer_s=30.0, scheduling="step")
     assert service.scheduling == "step"
     try:
         gated.release(STEPS)
@@ -130,7 +130,7 @@ async def test_closing_a_stream_mid_flight_frees_its_row_and_caches(chunked_engi
     tokens = np.arange(40, dtype=np.int32) % 89
     chunks = plan(schedule, prompt, 40)
     gated = Gated(engine)
-    service = Token2WavService(gated)
+    service = Token2WavService(gated, scheduling="step")
     try:
         gated.release(STEPS)
         await service.process("A", tokens[: chunks[0].feed], prompt, chunks[0], seed=1)
@@ -167,7 +167,7 @@ async def test_an_engine_error_fails_only_the_rows_it_hits(chunked_engine):
         return original(stepped, batch)
 
     gated = Gated(engine)
-    service = Token2WavService(gated)
+    service = Token2WavService(gated, scheduling="step")
     engine.engine.advance_chunks = failing
     try:
         first = [asyncio.create_task(service.process(rid, tokens[: chunks[0].feed], p, chunks[0], seed=2))
@@ -195,7 +195,7 @@ async def test_recomputing_final_chunks_and_offline_jobs_run_as_whole_calls_amon
     prompts = [voice(7), voice(8, tokens=11)]
     tokens = [np.arange(30, dtype=np.int32) % 71, (np.arange(30, dtype=np.int32) * 3) % 67]
     plans = [plan(schedule, p, 30) for p in prompts]
-    service = Token2WavService(engine)
+    service = Token2WavService(engine, scheduling="step")
     try:
         async def stream(rid: str, i: int) -> list[np.ndarray]:
             out, sent = [], 0
@@ -224,7 +224,7 @@ def test_engines_that_cannot_step_get_whole_calls(tiny_token2wav):  # noqa: F811
     base, schedule = tiny_token2wav
     off = BatchedToken2Wav(base.engine.flow, base.engine.hift, base.engine.config, schedule, "off")
     for engine, expected in ((off, "call"), (base, "step")):
-        service = Token2WavService(engine)
+        service = Token2WavService(engine, scheduling="step")
         try:
             assert service.scheduling == expected
         finally:
@@ -271,7 +271,7 @@ def chunk(start, stop, final=False):
 async def test_first_chunks_are_admitted_before_later_chunks():
     engine = FakeStepEngine(max_rows=1)
     gated = Gated(engine)
-    service = Token2WavService(gated, max_defer_s=30.0)
+    service = Token2WavService(gated, max_defer_s=30.0, scheduling="step")
     try:
         gated.release(3)
         await service.process("playing", np.arange(5), PROMPT, chunk(0, 5))
@@ -293,7 +293,7 @@ async def test_first_chunks_are_admitted_before_later_chunks():
 
 async def test_a_later_chunk_is_not_starved_by_a_flood_of_new_streams():
     engine = FakeStepEngine(max_rows=2, steps=3, step_s=0.002)
-    service = Token2WavService(engine, max_defer_s=0.05)
+    service = Token2WavService(engine, max_defer_s=0.05, scheduling="step")
     try:
         await service.process("playing", np.arange(5), PROMPT, chunk(0, 5))
         flooding = True
@@ -325,7 +325,7 @@ async def test_whole_calls_run_between_steps_and_neither_kind_starves():
     run, step = engine.run, engine.step
     engine.run = lambda work: log.append("call") or time.sleep(0.002) or run(work)
     engine.step = lambda handles: log.append("step") or step(handles)
-    service = Token2WavService(engine, max_defer_s=0.05)
+    service = Token2WavService(engine, max_defer_s=0.05, scheduling="step")
     try:
         flooding = True
         answered: list[np.ndarray] = []

@@ -53,8 +53,8 @@ def test_the_token2wav_scheduling_reaches_the_engine_parameters(tiny_model_dir, 
         return config.parameters["t2w_scheduling"].string_value
 
     options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo")
-    assert scheduling(options) == "step"
-    assert scheduling(replace(options, t2w_scheduling="call")) == "call"
+    assert scheduling(options) == "call"
+    assert scheduling(replace(options, t2w_scheduling="step")) == "step"
 
 
 def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_model_dir, tmp_path):
