@@ -134,6 +134,37 @@ class FlowPrompt:
         return int(self.tokens.shape[1])
 
 
+class FlowAndVocoder:
+    """What both token2wav engines hold: a flow (run in its parameters' device and dtype) and the HiFT vocoder,
+    and the cross-fade of `mel_cache_len` frames between two chunks' audio, made as the reference makes it
+    (numpy's symmetric Hamming window of 2 x overlap samples, computed in `fade_dtype`)."""
+
+    def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", mel_cache_len: int, samples_per_frame: int,
+                 fade_dtype: type = np.float32) -> None:
+        import torch
+
+        self.flow = flow
+        self.hift = hift
+        weight = flow.input_embedding.weight
+        self.flow_device, self.flow_dtype = weight.device, weight.dtype
+        self.hift_device = hift.stft_window.device
+        self.mel_cache_len = mel_cache_len
+        self.overlap = mel_cache_len * samples_per_frame
+        window = torch.from_numpy(np.hamming(2 * self.overlap).astype(fade_dtype)).to(self.hift_device)
+        self.fade_in, self.fade_out = window[: self.overlap], window[self.overlap :]  # new chunk's, old chunk's
+
+    def new_generator(self, seed: int | None) -> "torch.Generator":
+        """The vocoder's noise source for one stream (seeded, or random when `seed` is None)."""
+        import torch
+
+        generator = torch.Generator(device=self.hift_device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        return generator
+
+
 def prompt_digest(*arrays: np.ndarray) -> str:
     """A key for a voice prompt's content (tokens, mel, x-vector): equal prompts share flow caches."""
     digest = hashlib.blake2b(digest_size=16)
@@ -193,7 +224,7 @@ class HiFTCache:
     speech: "torch.Tensor"  # (overlap,) withheld audio, cross-faded with the next chunk's first samples
 
 
-class Token2Wav:
+class Token2Wav(FlowAndVocoder):
     """Stateless token -> audio conversion (flow + HiFT); one instance serves any number of streams.
 
     Batching: `run_chunks` runs one chunk of each of several streams (and offline utterances, as one-chunk
@@ -221,17 +252,8 @@ class Token2Wav:
         self.cache_budget_bytes = cache_budget_bytes
         self.cache_bytes = 0
         self._cache_lock = threading.Lock()
-        self.flow = flow
-        self.hift = hift
+        super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame)
         self.config = config
-        flow_weight = flow.input_embedding.weight
-        self.flow_device, self.flow_dtype = flow_weight.device, flow_weight.dtype
-        self.hift_device = hift.stft_window.device
-        self.mel_cache_len = config.streaming.mel_cache_len
-        self.overlap = self.mel_cache_len * config.hift.samples_per_frame  # 3840 samples
-        # upstream: numpy's symmetric hamming(2 * overlap); rising half for the new chunk, falling for the old
-        window = torch.from_numpy(np.hamming(2 * self.overlap).astype(np.float32)).to(self.hift_device)
-        self.fade_in, self.fade_out = window[: self.overlap], window[self.overlap :]
 
     def flow_prompt(self, prompt: "VoicePrompt") -> FlowPrompt:
         import torch
@@ -274,16 +296,6 @@ class Token2Wav:
     def release_cache(self, nbytes: int) -> None:
         with self._cache_lock:
             self.cache_bytes -= nbytes
-
-    def new_generator(self, seed: int | None) -> "torch.Generator":
-        import torch
-
-        generator = torch.Generator(device=self.hift_device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        return generator
 
     def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 from cosyvoice2.hift import HiFTGenerator
-from cosyvoice2.streaming import Chunk, ChunkedStream, HiFTCache  # the same chunk and HiFT state as the UNet path
+from cosyvoice2.streaming import (  # the same chunk, HiFT state and cross-fade as the UNet path
+    Chunk, ChunkedStream, FlowAndVocoder, HiFTCache,
+)
 
 from .flow import DiTFlow, FlowState, PromptCache
 
@@ -129,26 +131,18 @@ class VoiceCaches:
         return len(self._items)
 
 
-class DiTToken2Wav:
+class DiTToken2Wav(FlowAndVocoder):
     """Stateless tokens -> audio for the DiT flow; one instance serves any number of streams.
 
     The flow runs in its parameters' dtype, HiFT in fp32 (as the reference).
     """
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, streaming: DiTStreamingConfig = DiTStreamingConfig()) -> None:
-        self.flow = flow
-        self.hift = hift
+        # the DiT reference fades in float64
+        super().__init__(flow, hift, streaming.mel_cache_len, hift.config.samples_per_frame, np.float64)
         self.streaming = streaming
-        weight = flow.input_embedding.weight
-        self.flow_device, self.flow_dtype = weight.device, weight.dtype
-        self.hift_device = hift.stft_window.device
         self.lookahead = flow.config.pre_lookahead_len
         self.token_mel_ratio = flow.config.token_mel_ratio
-        self.mel_cache_len = streaming.mel_cache_len
-        self.overlap = streaming.mel_cache_len * hift.config.samples_per_frame  # 3840 samples
-        # numpy's symmetric Hamming window of 2 x overlap, in float64 (the reference fades in float64)
-        window = torch.from_numpy(np.hamming(2 * self.overlap)).to(self.hift_device)
-        self.fade_in, self.fade_out = window[: self.overlap], window[self.overlap:]
 
     @property
     def sample_rate(self) -> int:
@@ -177,15 +171,6 @@ class DiTToken2Wav:
                      xvector: np.ndarray | torch.Tensor) -> PromptCache:
         """The voice-dependent part of every stream (encoder + estimator caches of the prompt)."""
         return self.flow.prefill(*self._prompt_tensors(tokens, mel, xvector))
-
-    # ---- generators ---------------------------------------------------------------------------------
-    def new_generator(self, seed: Optional[int]) -> torch.Generator:
-        generator = torch.Generator(device=self.hift_device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        return generator
 
     # ---- offline ------------------------------------------------------------------------------------
     @torch.inference_mode()
