@@ -165,25 +165,15 @@ class SparkOrchestrator:
             llm_request, input_tokens = self.build_llm_request(request, voice, streaming)
             plan = self._plan()
             codes: list[int] = []
-            generated = 0
-            pending: np.ndarray | None = None  # the last piece is held back: FINAL rides on it
             llm_running = True
             async for ids in self.clients.llm(request_id, llm_request):
-                generated += len(ids)
                 codes.extend(self.tokenizer.semantic_codes(ids))
-                if streaming:
-                    for window in plan.advance(len(codes)):
-                        if pending is not None:
-                            yield AudioChunk(pending, input_tokens, len(codes), final=False)
-                        pending = await self._vocode(voice, codes, window)
+                for window in plan.advance(len(codes)) if streaming else ():
+                    yield AudioChunk(await self._vocode(voice, codes, window), input_tokens, len(codes), final=False)
             llm_running = False
-            windows = plan.finish(len(codes)) if streaming else [Window(0, len(codes), 0, len(codes))]
-            for window in windows:
-                if window.end > window.start:
-                    if pending is not None:
-                        yield AudioChunk(pending, input_tokens, len(codes), final=False)
-                    pending = await self._vocode(voice, codes, window)
-            audio = pending if pending is not None else np.zeros(0, dtype=np.float32)
+            # the rest (offline: everything) goes with FINAL; empty when the last window already covered it
+            [window] = plan.finish(len(codes)) or [Window(len(codes), len(codes), len(codes), len(codes))]
+            audio = await self._vocode(voice, codes, window) if window.end > window.start else np.zeros(0, np.float32)
             yield AudioChunk(audio, input_tokens, len(codes), final=True)
         except asyncio.CancelledError:
             self.stats.add("orchestrator_cancelled_total")

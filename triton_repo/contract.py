@@ -26,12 +26,17 @@ import numpy as np
 
 OFFLINE_MODEL = "cosyvoice2"
 STREAMING_MODEL = "cosyvoice2_stream"
+#: The Spark-TTS pipeline, rendered beside CosyVoice2 when a Spark model directory is given: the same inputs and
+#: outputs, 16 kHz audio (the `sample_rate` output says so).
+SPARK_OFFLINE_MODEL = "spark_tts"
+SPARK_STREAMING_MODEL = "spark_tts_stream"
 
 #: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
 #: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
 MAX_SEGMENT_TOKENS = 300
 
-#: Reference audio must be 16 kHz mono; the waveform the pipeline returns is 24 kHz mono.
+#: Reference audio must be 16 kHz mono. CosyVoice2 returns 24 kHz mono, the rate the gateway serves (every
+#: response also states its rate in `sample_rate`; the gateway resamples other rates to this one).
 REFERENCE_SAMPLE_RATE = 16_000
 OUTPUT_SAMPLE_RATE = 24_000
 
@@ -85,12 +90,15 @@ INPUTS: tuple[TensorSpec, ...] = (
 )  # fmt: skip
 
 # Outputs --------------------------------------------------------------------------------------
-WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # 24 kHz mono float32 samples (may be empty)
+WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # mono float32 samples at `sample_rate` (may be empty)
 #: Usage, cumulative for the request so far; the final response holds the totals.
 INPUT_TOKENS = TensorSpec("input_tokens", "INT32", (1,))  # text tokens the LLM read (prompt text + target)
 OUTPUT_TOKENS = TensorSpec("output_tokens", "INT32", (1,))  # speech tokens the LLM generated
 
-OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS)
+#: The rate of `waveform` in Hz, in every response: 24000 (CosyVoice2), 16000 (Spark-TTS).
+SAMPLE_RATE = TensorSpec("sample_rate", "INT32", (1,))
+
+OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS, SAMPLE_RATE)
 
 #: Error messages raised by pipeline models start with one of these tags so the gateway can map
 #: them to HTTP statuses without parsing free text (Triton's gRPC status codes are coarse).

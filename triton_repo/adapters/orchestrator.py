@@ -170,6 +170,7 @@ class TritonPythonModel:
                     contract.WAVEFORM.name: chunk.waveform.astype(np.float32),
                     contract.INPUT_TOKENS.name: np.array([chunk.input_tokens], dtype=np.int32),
                     contract.OUTPUT_TOKENS.name: np.array([chunk.output_tokens], dtype=np.int32),
+                    contract.SAMPLE_RATE.name: np.array([contract.OUTPUT_SAMPLE_RATE], dtype=np.int32),
                 }
             )
             # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)

@@ -1,0 +1,157 @@
+"""Spark-TTS beside CosyVoice2 in ONE tritonserver: `render --spark-dir` with a tiny random Spark model next to the
+tiny CosyVoice2 model (CPU), the contract's models of both, the server-side stream windows, the masked audio
+tokenizer in a shared dynamic batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aio
+
+from cosyvoice2_serving.spark import SparkVoiceTokenizer
+from spark_tts.testing import write_tiny_model
+from tests.triton.conftest import FIRST_HOP, synthesis_inputs
+from triton_repo import contract
+from triton_repo import spark_io
+from triton_repo.render import RenderError, RenderOptions, write_repository
+from triton_repo.spark_render import AUDIO_TOKENIZER, SparkRenderOptions
+
+pytestmark = pytest.mark.triton
+
+TEXT = "Hello world, the tiny Spark model speaks."
+HOP = 320  # BiCodec: samples per semantic token at 16 kHz
+#: small pieces so that a short utterance streams several (the tiny decoder's receptive radius is 39 tokens)
+SPARK = dict(max_new_tokens=160, first_chunk_tokens=10, chunk_scale=1.5, max_seq_len=1024)
+
+
+@pytest.fixture(scope="session")
+def spark_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("spark_model"), seed=2)
+
+
+@pytest.fixture(scope="session")
+def both_server(tiny_model_dir, spark_dir, tmp_path_factory, triton_server_factory):
+    """CosyVoice2 and Spark-TTS in one tritonserver; the audio tokenizer waits 300 ms to gather a batch."""
+    repo = write_repository(RenderOptions(
+        model_dir=tiny_model_dir, out=tmp_path_factory.mktemp("both") / "repo", max_batch=8, max_seq_len=2048,
+        first_hop=FIRST_HOP, max_queue_delay_us=300_000, spark=SparkRenderOptions(spark_dir, **SPARK),
+    ))  # fmt: skip
+    return triton_server_factory(repo, ready_timeout=240)
+
+
+async def _offline(url, model, inputs):
+    async with aio.InferenceServerClient(url) as client:
+        result = await client.infer(model, inputs)
+    return (result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
+            int(result.as_numpy(contract.SAMPLE_RATE.name)[0]))
+
+
+async def _stream(client, inputs):
+    async def requests():
+        yield {"model_name": contract.SPARK_STREAMING_MODEL, "inputs": inputs}
+
+    out = []
+    async for result, error in client.stream_infer(requests()):
+        if error is not None:
+            raise error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        out.append((result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
+                    int(result.as_numpy(contract.SAMPLE_RATE.name)[0]), final))
+        if final:
+            break
+    return out
+
+
+async def test_spark_offline_is_16k_with_320_samples_per_token(both_server):
+    waveform, tokens, rate = await _offline(both_server.grpc_url, contract.SPARK_OFFLINE_MODEL,
+                                            synthesis_inputs(TEXT, seed=3))
+    assert rate == 16_000 and tokens > 0 and waveform.size == tokens * HOP
+    assert np.isfinite(waveform).all() and 0 < np.abs(waveform).max() <= 1
+    again, *_ = await _offline(both_server.grpc_url, contract.SPARK_OFFLINE_MODEL, synthesis_inputs(TEXT, seed=3))
+    np.testing.assert_array_equal(again, waveform)  # the seed reproduces a request (its voice now cached)
+
+
+async def test_cosyvoice2_beside_it_states_24k(both_server):
+    waveform, tokens, rate = await _offline(both_server.grpc_url, contract.OFFLINE_MODEL, synthesis_inputs(TEXT))
+    assert rate == contract.OUTPUT_SAMPLE_RATE == 24_000 and tokens > 0 and waveform.size > 0
+
+
+async def test_spark_streams_one_continuous_waveform_equal_to_the_offline_one(both_server):
+    url = both_server.grpc_url
+    texts = [TEXT, "Another voice streams beside it."]
+    offline = [await _offline(url, contract.SPARK_OFFLINE_MODEL, synthesis_inputs(t, seed=s, voice=v))
+               for t, s, v in ((texts[0], 4, "voice-a"), (texts[1], 5, "voice-bb"))]
+    async with aio.InferenceServerClient(url) as client:
+        streams = await asyncio.gather(_stream(client, synthesis_inputs(texts[0], seed=4, voice="voice-a")),
+                                       _stream(client, synthesis_inputs(texts[1], seed=5, voice="voice-bb")))
+    for (wave, tokens, _), chunks in zip(offline, streams):
+        assert len(chunks) >= 3 and [c[3] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert {c[2] for c in chunks} == {16_000} and chunks[-1][1] == tokens
+        counts = [c[1] for c in chunks]
+        assert counts == sorted(counts) and counts[0] < counts[-1]  # audio left before the LLM had finished
+        streamed = np.concatenate([c[0] for c in chunks])
+        assert streamed.size == wave.size
+        np.testing.assert_allclose(streamed, wave, atol=1e-4)  # no seams: the overlap is resolved on the server
+
+
+async def test_spark_refuses_instructions_and_keeps_the_warm_up_rule(both_server):
+    with pytest.raises(Exception, match=r"\[invalid_input\].*instruct"):
+        await _offline(both_server.grpc_url, contract.SPARK_OFFLINE_MODEL,
+                       synthesis_inputs(TEXT, instruction="Speak sadly"))
+    waveform, tokens, rate = await _offline(both_server.grpc_url, contract.SPARK_OFFLINE_MODEL,
+                                            synthesis_inputs("", voice="warm-spark"))
+    assert waveform.size == 0 and tokens == 0 and rate == 16_000
+
+
+def _tokenize_inputs(wav):
+    inputs = []
+    for spec, value in ((contract.REFERENCE_WAV, wav[None]), (contract.REFERENCE_WAV_LEN, np.array([[wav.size]], np.int32))):
+        tensor = grpcclient.InferInput(spec.name, list(value.shape), spec.triton_dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
+async def test_a_short_reference_keeps_its_tokens_in_a_shared_batch(both_server, spark_dir):
+    rng = np.random.default_rng(7)
+    short, long = (rng.standard_normal(n).astype(np.float32) * 0.1 for n in (8_000, 24_000))
+    names = [spark_io.GLOBAL_TOKENS.name, spark_io.SEMANTIC_TOKENS.name]
+
+    async def tokens(client, wav):
+        result = await client.infer(AUDIO_TOKENIZER, _tokenize_inputs(wav),
+                                    outputs=[grpcclient.InferRequestedOutput(n) for n in names])
+        return [result.as_numpy(n).reshape(-1) for n in names]
+
+    async def batched_requests(client):  # inferences that shared an execution with another one
+        stats = (await client.get_inference_statistics(AUDIO_TOKENIZER)).model_stats[0]
+        return stats.inference_count - stats.execution_count
+
+    async with aio.InferenceServerClient(both_server.grpc_url) as client:
+        solo = await tokens(client, short)
+        before = await batched_requests(client)
+        # sent together, they reach the model as one dynamic batch (300 ms queue delay) of two lengths
+        shared, _ = await asyncio.gather(tokens(client, short), tokens(client, long))
+        assert await batched_requests(client) == before + 1
+    [expected] = SparkVoiceTokenizer(spark_dir).tokenize([short])  # the engine's tokens of it alone
+    assert solo[0].size == 32 and solo[1].size == 24  # 0.5 s: 24 frames of wav2vec2's conv front end
+    np.testing.assert_array_equal(solo[0], expected.global_tokens)
+    np.testing.assert_array_equal(solo[1], expected.semantic_tokens)
+    for alone, batched in zip(solo, shared):
+        np.testing.assert_array_equal(batched, alone)
+
+
+def test_render_without_spark_dir_renders_no_spark_model(tiny_model_dir, tmp_path):
+    repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo"))
+    assert not any(p.name.startswith("spark") for p in repo.iterdir())
+
+
+def test_render_refuses_an_incomplete_spark_dir(tiny_model_dir, spark_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    with pytest.raises(RenderError, match="--spark-dir"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo",
+                                       spark=SparkRenderOptions(broken)))
+    assert not (tmp_path / "repo").exists()
