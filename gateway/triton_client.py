@@ -62,10 +62,19 @@ class SegmentRequest:
 
 @dataclass(frozen=True)
 class SynthesisChunk:
-    waveform: np.ndarray  # float32, 24 kHz mono; may be empty
+    waveform: np.ndarray  # float32 mono at `sample_rate`; may be empty
     input_tokens: int  # cumulative for the segment request
     output_tokens: int  # cumulative for the segment request
     final: bool
+    sample_rate: int = contract.OUTPUT_SAMPLE_RATE  # the pipeline's `sample_rate` output
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The two Triton models of one speech model (same contract): CosyVoice2's or Spark-TTS's."""
+
+    offline: str
+    streaming: str
 
 
 def _input(spec: contract.TensorSpec, value: np.ndarray) -> InferInput:
@@ -104,11 +113,16 @@ def _first_int(result: object, name: str) -> int:
 
 def _chunk(result: object, final: bool) -> SynthesisChunk:
     waveform = result.as_numpy(contract.WAVEFORM.name)  # type: ignore[attr-defined]
+    samples = np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False)
+    sample_rate = _first_int(result, contract.SAMPLE_RATE.name)
+    if sample_rate <= 0 and samples.size:
+        raise SynthesisFailed("Synthesis failed: the pipeline sent audio without its sample_rate.")
     return SynthesisChunk(
-        waveform=np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False),
+        waveform=samples,
         input_tokens=_first_int(result, contract.INPUT_TOKENS.name),
         output_tokens=_first_int(result, contract.OUTPUT_TOKENS.name),
         final=final,
+        sample_rate=sample_rate if sample_rate > 0 else contract.OUTPUT_SAMPLE_RATE,
     )
 
 
@@ -145,31 +159,42 @@ class TritonClient:
         self, url: str, offline_model: str, streaming_model: str, *, timeout_s: float, retry_after_s: int
     ) -> None:
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
-        self._offline_model = offline_model
-        self._streaming_model = streaming_model
+        self.pipeline = Pipeline(offline_model, streaming_model)  # the default: CosyVoice2's
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
 
     async def close(self) -> None:
         await self._client.close()
 
+    async def is_deployed(self, pipeline: Pipeline, timeout_s: float) -> bool:
+        """Whether Triton has both models of `pipeline` loaded and ready (False when Triton is unreachable)."""
+        try:
+            for model in (pipeline.offline, pipeline.streaming):
+                if not await self._client.is_model_ready(model, client_timeout=timeout_s):
+                    return False
+        except (InferenceServerException, grpc.RpcError):
+            return False
+        return True
+
     async def check_ready(self, timeout_s: float) -> None:
-        """Raise BackendUnavailable unless Triton and both pipeline models are ready."""
+        """Raise BackendUnavailable unless Triton and both models of the default pipeline are ready."""
         try:
             if not await self._client.is_server_ready(client_timeout=timeout_s):
                 raise BackendUnavailable("Triton is not ready.", retry_after=self._retry_after_s)
-            for model in (self._offline_model, self._streaming_model):
+            for model in (self.pipeline.offline, self.pipeline.streaming):
                 if not await self._client.is_model_ready(model, client_timeout=timeout_s):
                     raise BackendUnavailable(f"Model '{model}' is not ready.", retry_after=self._retry_after_s)
         except (InferenceServerException, grpc.RpcError) as exc:
             raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
 
-    async def synthesize_offline(self, request: SegmentRequest, *, timeout_s: float | None = None) -> SynthesisChunk:
-        """One unary request on the offline model: the whole waveform of one segment (with empty
-        ``target_text``: only the voice prompt is computed and cached, per the contract)."""
+    async def synthesize_offline(
+        self, request: SegmentRequest, *, timeout_s: float | None = None, pipeline: Pipeline | None = None
+    ) -> SynthesisChunk:
+        """One unary request on the offline model (of `pipeline`, default CosyVoice2's): the whole waveform of one
+        segment (with empty ``target_text``: only the voice prompt is computed and cached, per the contract)."""
         try:
             result = await self._client.infer(
-                self._offline_model,
+                (pipeline or self.pipeline).offline,
                 build_inputs(request),
                 outputs=_requested_outputs(),
                 request_id=request.request_id,
@@ -179,7 +204,9 @@ class TritonClient:
             raise _from_exception(exc, self._retry_after_s) from exc
         return _chunk(result, final=True)
 
-    async def synthesize_stream(self, request: SegmentRequest) -> AsyncIterator[SynthesisChunk]:
+    async def synthesize_stream(
+        self, request: SegmentRequest, pipeline: Pipeline | None = None
+    ) -> AsyncIterator[SynthesisChunk]:
         """The decoupled model's chunks for one segment, in order.
 
         The request stream is half-closed right after the request, so the call ends by itself after
@@ -190,7 +217,7 @@ class TritonClient:
 
         async def one_request() -> AsyncIterator[dict[str, object]]:
             yield {
-                "model_name": self._streaming_model,
+                "model_name": (pipeline or self.pipeline).streaming,
                 "inputs": build_inputs(request),
                 "outputs": _requested_outputs(),
                 "request_id": request.request_id,
