@@ -13,6 +13,8 @@ import tritonclient.grpc.aio as aio
 
 from cosyvoice2_serving.spark import SparkVoiceTokenizer
 from spark_tts.testing import write_tiny_model
+from tests.gateway.audio_checks import decode
+from tests.gateway.voice_clips import make_clip, upload
 from tests.triton.conftest import FIRST_HOP, synthesis_inputs
 from triton_repo import contract
 from triton_repo import spark_io
@@ -155,3 +157,50 @@ def test_render_refuses_an_incomplete_spark_dir(tiny_model_dir, spark_dir, tmp_p
         write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo",
                                        spark=SparkRenderOptions(broken)))
     assert not (tmp_path / "repo").exists()
+
+
+# -- through the gateway, with the OpenAI SDK ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def spark_gateway(both_server, gateway_factory):
+    return gateway_factory(both_server.grpc_url)
+
+
+def test_the_gateway_lists_spark_tts_beside_cosyvoice2(spark_gateway):
+    models = [m.id for m in spark_gateway.client().models.list()]
+    assert models[-1] == "spark-tts" and "tts-1" in models
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["offline", "streaming"])
+@pytest.mark.parametrize("response_format", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_the_gateway_serves_spark_tts_in_every_format(spark_gateway, response_format, stream):
+    data = spark_gateway.client().audio.speech.create(
+        model="spark-tts", voice="alloy", input="Hello from Spark.", response_format=response_format,
+        extra_body={"stream": stream, "seed": 11},
+    ).read()
+    samples, rate = decode(data, response_format)
+    assert rate == (48_000 if response_format == "opus" else 24_000)
+    assert samples.size > 0 and np.isfinite(samples).all() and np.abs(samples).max() > 0
+    if response_format in ("pcm", "wav", "flac"):  # lossless: whole tokens of 320 samples at 16 kHz, x1.5
+        assert samples.size % (HOP * 3 // 2) == 0
+
+
+def test_streamed_and_offline_spark_pcm_match_through_the_gateway(spark_gateway):
+    def pcm(stream):
+        return decode(spark_gateway.client().audio.speech.create(
+            model="spark-tts", voice="nova", input=TEXT, response_format="pcm", extra_body={"stream": stream, "seed": 4},
+        ).read(), "pcm")[0]
+
+    offline, streamed = pcm(False), pcm(True)
+    assert offline.size == streamed.size > 0
+    np.testing.assert_allclose(streamed, offline, atol=3 / 32768)  # s16 rounding of float differences < 1e-4
+
+
+def test_an_uploaded_voice_speaks_with_both_models(spark_gateway):
+    with spark_gateway.http() as http:
+        created = upload(http, name="Sparky", audio=make_clip("wav", 1.5), transcript="Words of the clip.")
+    assert created.status_code == 200, created.text
+    for model in ("tts-1", "spark-tts"):
+        data = spark_gateway.client().audio.speech.create(model=model, voice="Sparky", input="Hi there.",
+                                                          response_format="wav").read()
+        samples, rate = decode(data, "wav")
+        assert rate == 24_000 and samples.size > 0
