@@ -4,6 +4,7 @@ front of it, and keep both running.
 
     python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
                                 [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
+                                [--spark-dir models/Spark-TTS-0.5B]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
 
 Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
@@ -15,7 +16,8 @@ exits, then tritonserver is stopped; a second signal stops at once.
 
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
-`--token2wav` / `--dit-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
+`--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory is missing or empty the build tooling's
 `download` stage fetches it, if that tooling is installed; otherwise the launcher says what to put where.
@@ -37,6 +39,7 @@ from typing import Sequence
 
 from triton_repo.render import MODEL_FILES, TOKEN2WAVS, RenderError, RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, free_port
+from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
 DEFAULT_REPO_DIR = REPO_ROOT / "var" / "triton_repo"
@@ -274,11 +277,12 @@ def run_stack(
     benchmark_speech_ratio: float | None = None,
     token2wav: str = "unet",
     dit_dir: Path | None = None,
+    spark_dir: Path | None = None,
 ) -> int:
     ensure_model_dir(model_dir)
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
-        token2wav=token2wav, dit_dir=dit_dir,
+        token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
     )
     repo = write_repository(options)
     _log(f"rendered {repo}; starting tritonserver (loading models takes a while)")
@@ -324,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="unet: CosyVoice2's flow; dit: the DiT flow of Step-Audio-2-mini (needs --dit-dir)")
     parser.add_argument("--dit-dir", type=Path, default=os.environ.get("COSYVOICE_DIT_DIR") or None,
                         help="the released token2wav/ directory (default: COSYVOICE_DIT_DIR)")
+    parser.add_argument("--spark-dir", type=Path, default=os.environ.get("COSYVOICE_SPARK_DIR") or None,
+                        help="a Spark-TTS model directory to serve beside CosyVoice2 (default: COSYVOICE_SPARK_DIR)")
     for kind in ("http", "grpc", "metrics"):
         parser.add_argument(
             f"--triton-{kind}-port", type=int, default=None,
@@ -347,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model_dir.resolve(), args.repo_dir.resolve(), args.device, args.dtype, args.port, ports,
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
+            Path(args.spark_dir).resolve() if args.spark_dir else None,
         )  # fmt: skip
     except (StackError, RenderError, TritonLaunchError) as exc:
         print(f"[stack] error: {exc}", file=sys.stderr)
