@@ -306,19 +306,18 @@ class SparkEngine:
     @torch.inference_mode()
     def _vocode_batch(self, jobs: list[_VocodeJob]) -> list[np.ndarray]:
         device = self.device
-        lengths = torch.tensor([j.semantic_tokens.size for j in jobs], device=device)
-        semantic = torch.zeros(len(jobs), int(lengths.max()), dtype=torch.long, device=device)
-        for row, job in enumerate(jobs):
-            semantic[row, : job.semantic_tokens.size] = torch.from_numpy(job.semantic_tokens.astype(np.int64))
-        global_ = torch.from_numpy(np.stack([j.global_tokens.astype(np.int64) for j in jobs])).to(device)
-        context = torch.cuda.stream(self._vocoder_stream) if self._vocoder_stream is not None else nullcontext()
-        with context:
-            waves = self.bicodec.detokenize(semantic, global_, lengths).float()
-            if self._vocoder_stream is not None:
-                self._vocoder_stream.synchronize()
-        waves_np = waves.cpu().numpy()
+        stream = self._vocoder_stream
+        # everything on the vocoder's stream, the host-to-device copies included (nothing to wait for elsewhere)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            lengths = torch.tensor([j.semantic_tokens.size for j in jobs], device=device)
+            rows = np.zeros((len(jobs), max(j.semantic_tokens.size for j in jobs)), dtype=np.int64)
+            for row, job in enumerate(jobs):
+                rows[row, : job.semantic_tokens.size] = job.semantic_tokens
+            semantic = torch.from_numpy(rows).to(device)
+            global_ = torch.from_numpy(np.stack([j.global_tokens.astype(np.int64) for j in jobs])).to(device)
+            waves = self.bicodec.detokenize(semantic, global_, lengths).float().cpu().numpy()
         hop = self.hop
-        return [waves_np[row, job.emit_start * hop: job.emit_end * hop].copy() for row, job in enumerate(jobs)]
+        return [waves[row, job.emit_start * hop: job.emit_end * hop].copy() for row, job in enumerate(jobs)]
 
     def close(self) -> None:
         self.scheduler.close()

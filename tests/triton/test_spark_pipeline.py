@@ -110,7 +110,8 @@ async def test_spark_refuses_instructions_and_keeps_the_warm_up_rule(both_server
 
 def _tokenize_inputs(wav):
     inputs = []
-    for spec, value in ((contract.REFERENCE_WAV, wav[None]), (contract.REFERENCE_WAV_LEN, np.array([[wav.size]], np.int32))):
+    wav_len = np.array([[wav.size]], np.int32)
+    for spec, value in ((contract.REFERENCE_WAV, wav[None]), (contract.REFERENCE_WAV_LEN, wav_len)):
         tensor = grpcclient.InferInput(spec.name, list(value.shape), spec.triton_dtype)
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
@@ -187,7 +188,8 @@ def test_the_gateway_serves_spark_tts_in_every_format(spark_gateway, response_fo
 def test_streamed_and_offline_spark_pcm_match_through_the_gateway(spark_gateway):
     def pcm(stream):
         return decode(spark_gateway.client().audio.speech.create(
-            model="spark-tts", voice="nova", input=TEXT, response_format="pcm", extra_body={"stream": stream, "seed": 4},
+            model="spark-tts", voice="nova", input=TEXT, response_format="pcm",
+            extra_body={"stream": stream, "seed": 4},
         ).read(), "pcm")[0]
 
     offline, streamed = pcm(False), pcm(True)

@@ -113,7 +113,9 @@ class SparkOrchestratorModel:
         serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
-        synthesis = parse_request(read_inputs(request, contract.INPUTS), self.orchestrator.config)  # type: ignore[arg-type]
+        # parse_request reads only the reference limits, which the Spark config carries too
+        config = self.orchestrator.config
+        synthesis = parse_request(read_inputs(request, contract.INPUTS), config)  # type: ignore[arg-type]
         async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
             out = response({
                 contract.WAVEFORM.name: chunk.waveform.astype(np.float32),

@@ -22,7 +22,8 @@ because the offline and the streaming model are separate processes that share on
 real pipeline's. Each logged request says whether its voice was already prepared (``voice_cached``):
 a cache hit.
 
-Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``, ``sample_rate`` (default 24000). Observations go to
+Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``, ``sample_rate`` (default 24000).
+Observations go to
 ``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
 ``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()``.
 """
@@ -173,7 +174,9 @@ class TritonPythonModel:
             output_tensors=[
                 pb_utils.Tensor("waveform", chunk.astype(np.float32)),
                 pb_utils.Tensor("input_tokens", np.array([input_tokens_for(reference_text, target_text)], np.int32)),
-                pb_utils.Tensor("output_tokens", np.array([output_tokens_for(samples_so_far, self.sample_rate)], np.int32)),
+                pb_utils.Tensor(
+                    "output_tokens", np.array([output_tokens_for(samples_so_far, self.sample_rate)], np.int32)
+                ),
                 pb_utils.Tensor("sample_rate", np.array([self.sample_rate], np.int32)),
             ]
         )
