@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics,
             max_upload_bytes=settings.max_voice_upload_bytes,
             warmup_timeout_s=settings.voice_warmup_timeout_s,
+            catalog=app.state.models,
         )
         logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
         try:

@@ -37,6 +37,13 @@ class ModelCatalog:
             models += [m for m in self._settings.spark_models if m not in models]
         return models
 
+    async def deployed(self) -> list[Pipeline]:
+        """The pipelines to run a voice's warm-up on: CosyVoice2's, and Spark-TTS's when it is deployed (each
+        keeps its own voice cache)."""
+        if self._settings.spark_models and await self._triton.is_deployed(self.spark, self._settings.ready_timeout_s):
+            return [self.default, self.spark]
+        return [self.default]
+
     async def resolve(self, model: str) -> Pipeline:
         """The pipeline to run `model` on; an unknown or undeployed model is OpenAI's `model_not_found`."""
         pipeline = self.pipeline_of(model)

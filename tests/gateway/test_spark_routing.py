@@ -14,6 +14,7 @@ import pytest
 from tests.gateway.audio_checks import decode, dominant_frequency
 from tests.gateway.standin_model.repository import render_standin_repository
 from tests.gateway.standin_model.standin import frequency_for
+from tests.gateway.voice_clips import make_clip, upload
 from triton_repo import contract
 
 pytestmark = pytest.mark.triton
@@ -95,3 +96,12 @@ def test_the_spark_request_goes_to_the_spark_models_with_the_same_voice(spark_ga
     records = [json.loads(line) for line in log][-2:]
     assert [r["model"] for r in records] == [contract.SPARK_OFFLINE_MODEL, contract.OFFLINE_MODEL]
     assert records[0]["voice_id"] == records[1]["voice_id"]
+
+
+def test_a_voice_upload_warms_the_cache_of_each_deployed_model(spark_gateway, both_backend):
+    with spark_gateway.http() as http:
+        created = upload(http, name="Twice", audio=make_clip("wav", 1.5), transcript="Words to warm.")
+    assert created.status_code == 200, created.text
+    log = (both_backend.model_repository.parent / "markers" / "requests.jsonl").read_text().splitlines()
+    prepared = [r for r in map(json.loads, log) if r["outcome"] == "prepared" and r["voice_id"] == created.json()["id"]]
+    assert sorted(r["model"] for r in prepared) == sorted([contract.OFFLINE_MODEL, contract.SPARK_OFFLINE_MODEL])
