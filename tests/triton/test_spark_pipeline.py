@@ -108,6 +108,16 @@ async def test_spark_refuses_instructions_and_keeps_the_warm_up_rule(both_server
     assert waveform.size == 0 and tokens == 0 and rate == 16_000
 
 
+@pytest.mark.parametrize("inputs, message", [
+    (lambda: synthesis_inputs(TEXT, seconds=0.05), "reference_wav_len"),
+    (lambda: synthesis_inputs("word " * (contract.MAX_SEGMENT_TOKENS + 1)), "at most 300"),
+], ids=["short-reference", "long-segment"])
+async def test_spark_refuses_what_the_contract_refuses(both_server, inputs, message):
+    for model in (contract.SPARK_OFFLINE_MODEL, contract.OFFLINE_MODEL):  # the same rules as CosyVoice2's
+        with pytest.raises(Exception, match=rf"\[invalid_input\].*{message}"):
+            await _offline(both_server.grpc_url, model, inputs())
+
+
 def _tokenize_inputs(wav):
     inputs = []
     wav_len = np.array([[wav.size]], np.int32)
