@@ -1,9 +1,10 @@
-# The two commands a new user needs: `make run` (the service) and `make test` (the tests).
+# The commands a new user needs: `make run` (the service; `make weights` first fetches the CosyVoice2 weights),
+# `make demo` (the whole stack on a tiny random model, no weights: its audio is noise) and `make test` (the tests).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv run test clean
+.PHONY: venv run demo weights test clean
 
 venv: $(VENV)/.installed
 
@@ -15,6 +16,13 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 run: venv
 	$(PY) -m triton_repo.stack
+
+demo: venv
+	$(PY) -m triton_repo.stack --demo
+
+# The download stage of the build tool: the ~3 GB the engine reads, into models/CosyVoice2-0.5B (make run's default).
+weights: venv
+	$(PY) -m cosyvoice_build --work-dir models --from download --to download
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -9,8 +9,9 @@ import torch at package import time. The public entry points are resolved lazily
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from cosyvoice2.lazy import lazy_exports
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from cosyvoice2.frontend.prompt import VoicePrompt
@@ -25,16 +26,4 @@ _LAZY: dict[str, str] = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cosyvoice2' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(globals(), _LAZY)

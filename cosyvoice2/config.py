@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from cosyvoice2.flow.config import FlowConfig
 from cosyvoice2.hift.config import HiFTConfig
 from cosyvoice2.layout import TOKENIZER_SUBDIR
-from cosyvoice2.llm.model import LLMConfig
-from cosyvoice2.llm.qwen2 import Qwen2Config
+from cosyvoice2.llm.config import LLMConfig, Qwen2Config
 from cosyvoice2.streaming import ChunkSchedule
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ _DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "fp16": "float16", "flo
 
 @dataclass(frozen=True)
 class StreamingConfig:
-    """Upstream CosyVoice2Model streaming constants (spec §5)."""
+    """Upstream CosyVoice2Model streaming constants (docs/reference/cosyvoice2.md#streaming-schedule)."""
 
     token_hop_len: int = 25  # first hop; equals the flow's training chunk of 25 tokens
     token_max_hop_len: int = 100

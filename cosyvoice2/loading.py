@@ -1,4 +1,5 @@
-"""Load a CosyVoice2 model directory in the official layout (spec §6.1) into a `CosyVoice2` pipeline.
+"""Load a CosyVoice2 model directory in the official layout (docs/reference/cosyvoice2.md#model-directory) into a
+`CosyVoice2` pipeline.
 
 Checkpoints are matched strictly: every key of our modules must be in the file with the same shape and the
 file may hold no other key; errors name the file and the offending keys/shapes. The LLM and the flow are

@@ -1,4 +1,4 @@
-"""CosyVoice2: zero-shot text-to-speech from a voice prompt, offline or streaming (spec §1.1, §5).
+"""CosyVoice2: zero-shot text-to-speech from a voice prompt, offline or streaming (docs/reference/cosyvoice2.md).
 
 Per request: the text is normalized and split into segments (`cosyvoice2.text`); each segment is synthesized
 independently with the same prompt, in order: LLM speech tokens (`cosyvoice2.llm`), then flow + HiFT

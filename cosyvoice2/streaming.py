@@ -1,4 +1,4 @@
-"""Streaming token2wav: the chunk schedule and the per-stream state (spec §5).
+"""Streaming token2wav: the chunk schedule and the per-stream state (docs/reference/cosyvoice2.md#streaming-schedule).
 
 Three layers, each with one job:
 
@@ -270,7 +270,7 @@ class Token2Wav:
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.
 
         Non-final calls use chunk attention and treat the last `pre_lookahead_len` tokens as context only;
-        final calls use full attention, as upstream (§3.7).
+        final calls use full attention, as upstream (docs/reference/cosyvoice2.md#streaming-at-the-flow-level).
         """
         import torch
 

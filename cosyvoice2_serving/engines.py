@@ -216,7 +216,8 @@ def speaker_xvector(encoder: SpeakerEncoder, wav_16k: np.ndarray) -> np.ndarray:
 
 @torch.inference_mode()
 def prompt_tensors(tokens: np.ndarray, xvector: np.ndarray, wav_16k: np.ndarray) -> PromptTensors:
-    """Tokens + x-vector + the 24 kHz mel of the same audio -> 1:2-aligned prompt tensors (spec §1.7-1.8)."""
+    """Tokens + x-vector + the 24 kHz mel of the same audio -> 1:2-aligned prompt tensors
+    (docs/reference/cosyvoice2.md#token-and-mel-alignment)."""
     wav_24k = resample(torch.as_tensor(wav_16k, dtype=torch.float32), REFERENCE_SAMPLE_RATE, MEL_SAMPLE_RATE)
     tokens, mel = align_tokens_and_mel(np.asarray(tokens, dtype=np.int32).reshape(-1), matcha_mel(wav_24k).numpy())
     if tokens.size == 0:

@@ -60,7 +60,8 @@ class SynthesisRequest:
 
 @dataclass(frozen=True)
 class PromptTensors:
-    """What the LLM and token2wav need about a voice (spec §1.9): 1:2-aligned tokens and mel, x-vector."""
+    """What the LLM and token2wav need about a voice (docs/reference/cosyvoice2.md#inputs-per-voice): 1:2-aligned
+    tokens and mel, x-vector."""
 
     speech_tokens: np.ndarray  # int32 (P,), speech ids 0..speech_token_size-1
     mel: np.ndarray  # float32 (2P, 80), 24 kHz prompt mel
@@ -94,7 +95,7 @@ class AudioChunk:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """CosyVoice2's decoding defaults (spec §2.4/2.5); temperature 1 as in the reference."""
+    """CosyVoice2's decoding defaults (docs/reference/cosyvoice2.md#ras-sampling); temperature 1 as in the reference."""
 
     top_k: int = 25
     top_p: float = 0.8

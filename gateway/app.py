@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cosyvoice2.text.segment import approximate_token_count, pipeline_segments
+from gateway.demo import DemoLabel, banner
 from gateway.errors import install_error_handlers
 from gateway.guard import Drain, RequestGuard
 from gateway.metrics import GatewayMetrics
@@ -89,6 +90,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             catalog=app.state.models,
         )
         logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
+        if settings.demo:
+            logger.warning("\n%s", banner(settings.host, settings.port, with_api_key=bool(settings.api_keys)))
         try:
             yield
         finally:
@@ -111,5 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_body_bytes=settings.max_request_bytes,
         retry_after_s=settings.retry_after_s,
     )
-    app.add_middleware(SpeechRequestCounter, metrics=metrics)  # outermost: also counts the guard's refusals
+    app.add_middleware(SpeechRequestCounter, metrics=metrics)  # also counts the guard's refusals
+    if settings.demo:
+        app.add_middleware(DemoLabel)  # outermost: every response, refusals included, says it is the demo
     return app

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from gateway.demo import DEMO_MODEL_ID
 from triton_repo import contract
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -91,6 +92,19 @@ class Settings(BaseSettings):
     stream_by_default: bool = Field(
         True, description="Default of the `stream` extension: relay audio as it is produced (streaming model)."
     )
+
+    demo: bool = Field(
+        False,
+        description="Demo mode (`make demo`: the pipeline runs random weights): label every response "
+        "(X-Demo-Model header), list the demo model id first, print a banner.",
+    )
+
+    @model_validator(mode="after")
+    def _list_the_demo_model(self) -> Settings:
+        # The demo id leads every model list, so a client's model menu says what it is talking to.
+        if self.demo and DEMO_MODEL_ID not in self.served_models:
+            self.served_models = [DEMO_MODEL_ID, *self.served_models]
+        return self
 
     @field_validator("served_models", "spark_models", "api_keys", mode="before")
     @classmethod

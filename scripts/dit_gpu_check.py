@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Speed check of the DiT token2wav at the released size, with random weights (token2wav only, no LLM).
 
 Writes a released-size random `token2wav/` directory (flow.yaml, flow.pt, hift.pt; `--size micro` for a quick CPU
@@ -10,7 +9,7 @@ run), loads it, computes one prompt cache, then measures with `c` concurrent str
 - offline: `offline` of `--tokens` tokens, real-time factor.
 Prints one JSON object.
 
-    PYTHONUNBUFFERED=1 python scripts/dit_gpu_check.py --device cuda --dtype fp32 --concurrency 1 4 16
+    PYTHONUNBUFFERED=1 python -m scripts.dit_gpu_check --device cuda --dtype fp32 --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +25,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cosyvoice2.dit.config import DiTFlowConfig  # noqa: E402
-from cosyvoice2.dit.loading import load_dit_token2wav  # noqa: E402
-from cosyvoice2.dit.testing import MICRO_HIFT, micro_dit_config, write_dit_model  # noqa: E402
-from cosyvoice2.hift import HiFTConfig  # noqa: E402
+from cosyvoice2.dit.config import DiTFlowConfig
+from cosyvoice2.dit.loading import load_dit_token2wav
+from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model
+from cosyvoice2.hift import HiFTConfig
 
 TOKEN_RATE = 25
 

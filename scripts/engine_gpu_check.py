@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Smoke + speed check of the CosyVoice2 engine at the released size, with random weights.
 
 Writes a full-size random model (cosyvoice2.testing.write_full_size_random_model) to a temp dir, loads it
@@ -6,7 +5,7 @@ Writes a full-size random model (cosyvoice2.testing.write_full_size_random_model
 tokens per segment, since random weights never stop sensibly) and prints, per second of generated audio,
 the time spent in the LLM, the flow and HiFT, plus the streaming first-chunk latency.
 
-    PYTHONUNBUFFERED=1 python scripts/engine_gpu_check.py --tokens 250 --dtype bf16 --device cuda
+    PYTHONUNBUFFERED=1 python -m scripts.engine_gpu_check --tokens 250 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations
@@ -23,11 +22,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import cosyvoice2  # noqa: E402
-from cosyvoice2.config import resolve_dtype  # noqa: E402
-from cosyvoice2.testing import write_full_size_random_model  # noqa: E402
+import cosyvoice2
+from cosyvoice2.config import resolve_dtype
+from cosyvoice2.testing import write_full_size_random_model
 
 TEXT = "This sentence only sets the text length; benchmark mode fixes the number of speech tokens."
 TOKENS_PER_SECOND = 25

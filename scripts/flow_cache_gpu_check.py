@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """GPU check of the chunk-cached streaming flow at the released size (random weights, no model files).
 
 For streams of several chunks (one voice; rows at different points batched together), the cached path's mel -
@@ -6,24 +5,20 @@ replayed from CUDA graphs where the call fits a bucket - must equal recomputing 
 non-final chunk (fp32: within 5e-5 absolute here too; bf16 is reported, not checked). Also prints how long
 capturing every step-graph bucket took.
 
-    PYTHONUNBUFFERED=1 python scripts/flow_cache_gpu_check.py --dtype fp32
+    PYTHONUNBUFFERED=1 python -m scripts.flow_cache_gpu_check --dtype fp32
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cosyvoice2.config import resolve_dtype  # noqa: E402
-from cosyvoice2.flow import CausalFlow, FlowConfig  # noqa: E402
-from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment  # noqa: E402
-from cosyvoice2.streaming import ChunkSchedule  # noqa: E402
+from cosyvoice2.config import resolve_dtype
+from cosyvoice2.flow import CausalFlow, FlowConfig
+from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
+from cosyvoice2.streaming import ChunkSchedule
 
 
 def main() -> int:

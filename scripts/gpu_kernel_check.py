@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Compare every fused Triton kernel (`cosyvoice2.kernels.triton_kernels`) with its PyTorch reference, alone
 and inside a small LLM body (fused kernels against the reference path).
 
-    python scripts/gpu_kernel_check.py                                  # on CUDA: eager calls and CUDA-graph replays
-    TRITON_INTERPRET=1 python scripts/gpu_kernel_check.py --device cpu  # Triton's interpreter, small shapes
+    python -m scripts.gpu_kernel_check                                  # on CUDA: eager calls and CUDA-graph replays
+    TRITON_INTERPRET=1 python -m scripts.gpu_kernel_check --device cpu  # Triton's interpreter, small shapes
 
 Prints the max abs difference per kernel, dtype and shape; exits non-zero on any mismatch. Tolerances: the residual
 sum must be bit-exact; normalised and SiLU outputs may differ by about one rounding step of the dtype (fp32 sums and
@@ -15,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import cosyvoice2.kernels  # noqa: E402
-from cosyvoice2.kernels import reference  # noqa: E402
-from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config  # noqa: E402
+import cosyvoice2.kernels
+from cosyvoice2.kernels import reference
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Engine micro-benchmarks at the released size with random weights (no model files): LLM prefill and decode step,
 flow per call, HiFT per call, eager against CUDA graphs, the implied streaming first-chunk latency, and batched
 token2wav (flow + HiFT for many streams' first chunks or many offline utterances in one call).
 
-    PYTHONUNBUFFERED=1 python scripts/gpu_microbench.py --device cuda --dtype bf16 --json bench.json
+    PYTHONUNBUFFERED=1 python -m scripts.gpu_microbench --device cuda --dtype bf16 --json bench.json
 
 Every number is wall-clock per call with a device sync at the end (what a caller waits for), over `--repeats`
 calls after warm-up; tables give p50 / p90 / max in milliseconds.
@@ -14,21 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import cosyvoice2.kernels  # noqa: E402
-from cosyvoice2.config import EngineConfig, resolve_dtype  # noqa: E402
-from cosyvoice2.flow import CausalFlow, FlowConfig  # noqa: E402
-from cosyvoice2.hift import HiFTConfig, HiFTGenerator  # noqa: E402
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams  # noqa: E402
-from cosyvoice2.streaming import FlowPrompt, Token2Wav  # noqa: E402
+import cosyvoice2.kernels
+from cosyvoice2.config import EngineConfig, resolve_dtype
+from cosyvoice2.flow import CausalFlow, FlowConfig
+from cosyvoice2.hift import HiFTConfig, HiFTGenerator
+from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams
+from cosyvoice2.streaming import FlowPrompt, Token2Wav
 
 PROMPT_TOKENS = 150  # prompt speech tokens (6 s of reference audio)
 TEXT_TOKENS = 50  # prompt transcript + target text tokens

@@ -191,8 +191,8 @@ cat <<EOF
 Set-up done. The whole-stack benchmark (released-size random weights are written on the first run):
 
   cd $REPO
-  $PY scripts/stack_bench.py$STUB_ARG --repeat 3
-  $PY scripts/stack_bench.py$STUB_ARG --repeat 3 --render-arg first_hop=15
+  $PY -m scripts.stack_bench$STUB_ARG --repeat 3
+  $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --render-arg first_hop=15
 
 Each run prints and keeps its results in var/stackbench/results/<UTC time>-<settings>/ (summary.md first).
 EOF

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Smoke + speed check of the Spark-TTS engine at the released size, with random weights.
 
 Writes a full-size random model (spark_tts.testing.write_full_size_random_model) to a temp dir (or uses
@@ -10,7 +9,7 @@ number of LLM tokens per request, since random weights never stop sensibly):
 - concurrency N: N requests decoded together on one BatchedDecoder (continuous batching), their stream windows
   vocoded together (StreamPlan + vocode_batch) in one loop: first-piece latency per request, RTF, ms per step.
 
-    PYTHONUNBUFFERED=1 python scripts/spark_gpu_check.py --tokens 250 --concurrency 1 4 16
+    PYTHONUNBUFFERED=1 python -m scripts.spark_gpu_check --tokens 250 --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,13 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cosyvoice2.llm.decode import BatchedDecoder  # noqa: E402
-from spark_tts.engine import SparkTTS  # noqa: E402
-from spark_tts.llm import SparkSampling, spark_request  # noqa: E402
-from spark_tts.streaming import ChunkSchedule, StreamPlan  # noqa: E402
-from spark_tts.testing import write_full_size_random_model, write_tiny_model  # noqa: E402
+from cosyvoice2.llm.decode import BatchedDecoder
+from spark_tts.engine import SparkTTS
+from spark_tts.llm import SparkSampling, spark_request
+from spark_tts.streaming import ChunkSchedule, StreamPlan
+from spark_tts.testing import write_full_size_random_model, write_tiny_model
 
 TEXT = "This sentence only sets the prompt length; benchmark mode fixes the number of generated tokens."
 TOKENS_PER_SECOND = 50

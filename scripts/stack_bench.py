@@ -1,6 +1,6 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
-    python scripts/stack_bench.py --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -57,12 +57,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]
-
-from triton_repo.render import RenderOptions, write_repository  # noqa: E402
-from triton_repo.server import TritonServer, free_port  # noqa: E402
-
+from triton_repo.render import RenderOptions, write_repository
+from triton_repo.server import REPO_ROOT, TritonServer, free_port
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
@@ -71,6 +67,8 @@ REALTIME_FIRST_CHUNK_P90_S = 0.5
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 400
+#: Gateway starts on a new free port after one exited (another process took the port first).
+GATEWAY_START_ATTEMPTS = 3
 
 
 def realistic_ratio(model_dir: Path) -> float:
@@ -533,12 +531,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
         port = 0
         if any(s.target == "gateway" for s in scenarios):
-            port = free_port()
-            env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
-            with open(gateway_log, "ab") as log:
-                gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
-                                           stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-            wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
+            # A port free when chosen may be taken before the gateway binds it (it then exits): a new one.
+            for attempt in range(1, GATEWAY_START_ATTEMPTS + 1):
+                port = free_port()
+                env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
+                with open(gateway_log, "ab") as log:
+                    gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
+                                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                try:
+                    wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
+                    break
+                except RuntimeError:
+                    if gateway.poll() is None or attempt == GATEWAY_START_ATTEMPTS:
+                        raise
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
             # a server that has been up a while has them all, so the levels below measure that state.

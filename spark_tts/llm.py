@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice2.llm.decode import DecodeRequest
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, StaticKVCache
+from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
 from cosyvoice2.llm.sampling import SamplingParams
 
 
@@ -82,7 +82,7 @@ def spark_request(prompt_ids: Sequence[int], sampling: SparkSampling | None = No
     return SparkDecodeRequest(text=tuple(int(i) for i in prompt_ids), sampling=params)
 
 
-class SparkLM(nn.Module):
+class SparkLM(SpeechLM):
     def __init__(self, config: SparkLMConfig) -> None:
         super().__init__()
         self.config = config
@@ -117,11 +117,6 @@ class SparkLM(nn.Module):
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(tokens)
 
-    def hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None,
-               cache: StaticKVCache | None = None, slots: Sequence[int] | torch.Tensor | None = None,
-               kv_len: int | None = None) -> torch.Tensor:
-        return self.body(inputs_embeds, positions, cache, slots, kv_len)
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw logits over the vocabulary, fp32."""
         return self.llm.lm_head(hidden).float()
@@ -132,13 +127,3 @@ class SparkLM(nn.Module):
         scaled = self.logits(hidden) / s.temperature
         kth = scaled.topk(min(s.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
         return F.log_softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: StaticKVCache | None = None, slots: Sequence[int] | torch.Tensor | None = None,
-                kv_len: int | None = None) -> torch.Tensor:
-        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slots, kv_len))
-
-    def new_cache(self, num_slots: int, max_len: int, device: torch.device | str | None = None,
-                  dtype: torch.dtype | None = None) -> StaticKVCache:
-        weight = self.llm.lm_head.weight
-        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)

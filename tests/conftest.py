@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,11 +16,12 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.settings import Settings
-from triton_repo.server import TritonServer, free_port
+from triton_repo.server import TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: Shared reference data lives next to the checkout: <repo root>/../shared.
-SHARED_DIR = REPO_ROOT.parent / "shared"
+#: The parity oracles: micro models (seeded random weights, released file layout) with the upstream
+#: implementation's outputs for fixed inputs; each directory's README lists its arrays and tolerances.
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
 
 TritonFactory = Callable[..., TritonServer]
 
@@ -52,16 +54,28 @@ class IsolatedSettings(Settings):
         return (init_settings,)
 
 
-class RunningGateway:
-    """A real uvicorn server with ``create_app(settings)`` in a background thread."""
+def bound_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a free port. Serving on it (instead of on a port number chosen earlier) leaves no
+    moment in which another process of a busy CI machine could take the port first."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    return sock
 
-    def __init__(self, settings: Settings) -> None:
+
+class RunningGateway:
+    """A real uvicorn server with ``create_app(settings)`` in a background thread, serving on ``sock`` (bound
+    to ``settings.port``) when given."""
+
+    def __init__(self, settings: Settings, sock: socket.socket | None = None) -> None:
         self.settings = settings
         self.app = create_app(settings)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
         )
-        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+        self._sock = sock
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock] if sock else None}, name="gateway", daemon=True
+        )
 
     @property
     def base_url(self) -> str:
@@ -69,7 +83,7 @@ class RunningGateway:
 
     def start(self) -> RunningGateway:
         self._thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # start-up decodes every shipped voice: slow on a loaded machine
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("gateway did not start")
@@ -79,6 +93,8 @@ class RunningGateway:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(10)
+        if self._sock is not None:
+            self._sock.close()
 
     def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
@@ -106,8 +122,9 @@ def gateway_factory(tmp_path_factory) -> Iterator[Callable[..., RunningGateway]]
 
     def start(triton_url: str, **overrides: object) -> RunningGateway:
         overrides.setdefault("uploaded_voices_dir", tmp_path_factory.mktemp("uploaded_voices"))
-        settings = IsolatedSettings(triton_url=triton_url, port=free_port(), log_level="warning", **overrides)
-        gateway = RunningGateway(settings).start()
+        sock = bound_socket()
+        settings = IsolatedSettings(triton_url=triton_url, port=sock.getsockname()[1], log_level="warning", **overrides)
+        gateway = RunningGateway(settings, sock).start()
         running.append(gateway)
         return gateway
 

@@ -30,6 +30,11 @@ class TritonLaunchError(RuntimeError):
     """tritonserver could not be found, started, or did not become ready."""
 
 
+#: How tritonserver (gRPC and HTTP) reports a port another process holds.
+PORT_CONFLICT_MARK = "already in use"
+PORT_CONFLICT_ATTEMPTS = 3
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -86,12 +91,32 @@ class TritonServer:
         return self._proc is not None and self._proc.poll() is not None
 
     def start(self, ready_timeout: float = 120.0) -> TritonServer:
+        """Start and wait until ready. Ports left at 0 are chosen here and kept (a restart reuses them); as a
+        free port may be taken by another process before tritonserver binds it, a start that fails on a port
+        conflict is retried on newly chosen ones (pinned ports are never changed)."""
         if self._proc is not None:
             raise TritonLaunchError("server already started")
-        ts_dir = _pytriton_dir()
-        for attr in ("http_port", "grpc_port", "metrics_port"):
-            if not getattr(self, attr):
+        chosen = [attr for attr in ("http_port", "grpc_port", "metrics_port") if not getattr(self, attr)]
+        for attempt in range(1, PORT_CONFLICT_ATTEMPTS + 1):
+            for attr in chosen:
                 setattr(self, attr, free_port())
+            log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+            try:
+                return self._start_once(ready_timeout)
+            except TritonLaunchError:
+                if not chosen or attempt == PORT_CONFLICT_ATTEMPTS or not self._port_conflict_since(log_start):
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _port_conflict_since(self, offset: int) -> bool:
+        if self.log_path is None or not self.log_path.exists():
+            return False
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return PORT_CONFLICT_MARK in log.read().decode(errors="replace")
+
+    def _start_once(self, ready_timeout: float) -> TritonServer:
+        ts_dir = _pytriton_dir()
         if self._workdir is None:  # a restart (same ports) reuses the backend dir and log
             self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))
         backends = self._workdir / "backends"

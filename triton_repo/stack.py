@@ -6,6 +6,7 @@ front of it, and keep both running.
                                 [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
                                 [--spark-dir models/Spark-TTS-0.5B]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
+    python -m triton_repo.stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
 Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
 for `UNHEALTHY_RESTART_S`, it is restarted on the same ports with exponential back-off; the gateway
@@ -17,28 +18,37 @@ exits, then tritonserver is stopped; a second signal stops at once.
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
 `--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
-CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
+`_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
-variables (its port, voices, ...). When the model directory is missing or empty the build tooling's
-`download` stage fetches it, if that tooling is installed; otherwise the launcher says what to put where.
+variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
+stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
+about 3 GB), the variable that points elsewhere, or the demo.
+
+`--demo` (`make demo`) needs no weights: it writes a tiny random-weight model into `--demo-dir`
+(`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, runs it in benchmark
+mode (random weights never stop by themselves) and starts the gateway with `TTS_DEMO=true`, which labels
+every response and prints the base URL with example calls. Its audio is noise.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from triton_repo.render import MODEL_FILES, TOKEN2WAVS, RenderError, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, free_port
+from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
+from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
+from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer
 from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
@@ -49,35 +59,99 @@ class StackError(RuntimeError):
     pass
 
 
-def ensure_model_dir(model_dir: Path) -> None:
-    """Download the weights into an empty/missing `model_dir` through the build tooling, if present."""
-    if model_dir.is_dir() and any(model_dir.iterdir()):
+def _default_demo_dir() -> Path:
+    """``$XDG_CACHE_HOME/cosyvoice-serve/demo-model``: regenerable, so it lives in the cache, not the checkout."""
+    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache_home) / "cosyvoice-serve" / "demo-model"
+
+
+#: The build tool's download stage writes `<work dir>/<this name>`.
+WEIGHTS_DIRNAME = DEFAULT_MODEL_DIR.name
+#: Speech tokens per text token in the demo: random weights never stop by themselves, benchmark mode makes every
+#: request this long; with the byte-level demo tokenizer it is about the pace of real speech (25 tokens/s).
+DEMO_SPEECH_RATIO = 2.0
+DEMO_SEED = 0
+#: Written last into a demo model directory: marks it as ours (so it may be rewritten) and says what it is.
+DEMO_MARKER = "RANDOM_WEIGHTS.txt"
+
+
+def _shown_python() -> str:
+    """This interpreter as a user would type it (relative inside the checkout: `.venv/bin/python`)."""
+    python = Path(sys.executable)
+    try:
+        return str(python.relative_to(Path.cwd()))
+    except ValueError:
+        return str(python)
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """Refuse a model directory that lacks a file the engine reads, saying how to get the weights.
+
+    Nothing is created or downloaded here (the weights are about 3 GB: fetching them is the user's call)."""
+    problems = model_dir_problems(model_dir)
+    if not problems:
         return
-    if importlib.util.find_spec("cosyvoice_build") is None:
-        raise StackError(
-            f"no model in {model_dir}. Put the official CosyVoice2-0.5B files there "
-            f"({', '.join(MODEL_FILES)}; e.g. `huggingface-cli download FunAudioLLM/CosyVoice2-0.5B "
-            f"--local-dir {model_dir}`) or set COSYVOICE_MODEL_DIR / --model-dir to where they are."
+    if len(problems) == len(REQUIRED_FILES) and all(p.endswith(": missing") for p in problems):
+        what = f"no CosyVoice2 weights in {model_dir} (none of {', '.join(REQUIRED_FILES)})"
+    else:
+        what = f"the CosyVoice2 weights in {model_dir} are incomplete: {'; '.join(problems)}"
+    download = (
+        f"{_shown_python()} -m cosyvoice_build --work-dir {model_dir.parent} --from download --to download"
+    )
+    if model_dir == DEFAULT_MODEL_DIR:
+        get = f"download them (about 3 GB): `make weights` (= `{download}`)"
+    elif model_dir.name == WEIGHTS_DIRNAME:
+        get = f"download them (about 3 GB): `{download}`"
+    else:
+        target = model_dir.parent / WEIGHTS_DIRNAME
+        get = (
+            f"download them (about 3 GB) next to it: `{download}` "
+            f"(writes {target}; then set COSYVOICE_MODEL_DIR={target})"
         )
-    if model_dir.name != "CosyVoice2-0.5B":
+    raise StackError(
+        f"{what}.\n"
+        f"  - {get}\n"
+        f"  - or copy the official CosyVoice2-0.5B files (FunAudioLLM/CosyVoice2-0.5B) into {model_dir}\n"
+        f"  - or set COSYVOICE_MODEL_DIR (or --model-dir) to the directory that holds them\n"
+        f"  - or try the stack without weights: `make demo` (a tiny random model; its audio is noise)"
+    )
+
+
+def ensure_demo_model(demo_dir: Path) -> Path:
+    """The demo's tiny random-weight model in `demo_dir`, written there once (atomically: a directory is
+    either complete or absent, also when two demos start together or one is interrupted)."""
+    if (demo_dir / DEMO_MARKER).is_file() and not model_dir_problems(demo_dir):
+        _log(f"demo model: {demo_dir} (tiny, random weights)")
+        return demo_dir
+    if demo_dir.exists() and any(demo_dir.iterdir()) and not (demo_dir / DEMO_MARKER).is_file():
         raise StackError(
-            f"{model_dir} is empty and the download stage writes <work dir>/CosyVoice2-0.5B: "
-            "point --model-dir at such a directory or fill this one with the official files"
+            f"{demo_dir} is not empty and holds no demo model: point --demo-dir / COSYVOICE_DEMO_DIR elsewhere"
         )
-    print(f"[stack] {model_dir} is empty: downloading the weights (cosyvoice_build download stage)", flush=True)
-    command = [
-        sys.executable,
-        "-m",
-        "cosyvoice_build",
-        "--work-dir",
-        str(model_dir.parent),
-        "--from",
-        "download",
-        "--to",
-        "download",
-    ]
-    if subprocess.run(command, check=False).returncode != 0:  # noqa: S603 - our own module
-        raise StackError(f"downloading the weights failed ({' '.join(command)}); see its output above")
+    try:
+        from cosyvoice2.testing import write_tiny_model  # noqa: PLC0415 - torch, only for the demo
+    except ImportError as exc:
+        raise StackError(f"the demo model is written with torch ({exc}): pip install -e '.[engine]'") from exc
+    _log(f"writing the demo model (tiny, random weights) to {demo_dir}")
+    demo_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{demo_dir.name}.", dir=demo_dir.parent))
+    try:
+        write_tiny_model(staging, seed=DEMO_SEED)
+        (staging / DEMO_MARKER).write_text(
+            "A tiny CosyVoice2 with random weights, written by `python -m triton_repo.stack --demo` for trying the\n"
+            "serving stack without the real weights. Everything it says is noise. Safe to delete.\n",
+            encoding="utf-8",
+        )
+        if demo_dir.exists():
+            shutil.rmtree(demo_dir)  # an empty directory, or a damaged demo model of ours
+        try:
+            staging.rename(demo_dir)
+        except OSError:
+            # another demo finished first: use its model when it is complete
+            if not ((demo_dir / DEMO_MARKER).is_file() and not model_dir_problems(demo_dir)):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return demo_dir
 
 
 @dataclass
@@ -213,8 +287,9 @@ class Supervisor:
     # Gateway --------------------------------------------------------------------------------------
     def _start_gateway(self) -> None:
         # its own process group: Ctrl-C reaches us once, and we drain the gateway ourselves
+        env = {**self.gateway_env, "TTS_TRITON_URL": self.server.grpc_url}  # the ports of the first start
         self.gateway = subprocess.Popen(  # noqa: S603 - our own module
-            [sys.executable, "-m", "gateway"], env=self.gateway_env, start_new_session=True
+            [sys.executable, "-m", "gateway"], env=env, start_new_session=True
         )
         self._gateway_since = time.monotonic()
         _log(f"gateway started (pid {self.gateway.pid})")
@@ -277,9 +352,21 @@ def run_stack(
     benchmark_speech_ratio: float | None = None,
     token2wav: str = "unet",
     dit_dir: Path | None = None,
+    demo_dir: Path | None = None,
     spark_dir: Path | None = None,
 ) -> int:
-    ensure_model_dir(model_dir)
+    """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`)."""
+    gateway_env = dict(os.environ)
+    if demo_dir is not None:
+        if token2wav != "unet":
+            raise StackError("the demo runs its tiny model's own flow: leave --token2wav / COSYVOICE_TOKEN2WAV unset")
+        model_dir = ensure_demo_model(demo_dir)
+        if benchmark_speech_ratio is None:
+            benchmark_speech_ratio = DEMO_SPEECH_RATIO
+        gateway_env["TTS_DEMO"] = "true"
+        _log("DEMO: the pipeline runs random weights, its audio is NOISE; `make run` serves the real model")
+    else:
+        check_model_dir(model_dir)
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
@@ -293,13 +380,10 @@ def run_stack(
         grpc_port=ports.grpc,
         metrics_port=ports.metrics,
     )
-    for attr in ("http_port", "grpc_port", "metrics_port"):  # chosen once: a restart keeps them
-        if not getattr(server, attr):
-            setattr(server, attr, free_port())
-    env = {**os.environ, "TTS_TRITON_URL": server.grpc_url}
+    # Triton ports left at 0 are chosen by the first start (retried on a conflict) and kept by every restart.
     if gateway_port is not None:
-        env["TTS_PORT"] = str(gateway_port)
-    supervisor = Supervisor(server, env, threading.Event())
+        gateway_env["TTS_PORT"] = str(gateway_port)
+    supervisor = Supervisor(server, gateway_env, threading.Event())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: supervisor.on_signal(number))
     try:
@@ -328,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="unet: CosyVoice2's flow; dit: the DiT flow of Step-Audio-2-mini (needs --dit-dir)")
     parser.add_argument("--dit-dir", type=Path, default=os.environ.get("COSYVOICE_DIT_DIR") or None,
                         help="the released token2wav/ directory (default: COSYVOICE_DIT_DIR)")
+    parser.add_argument("--demo", action="store_true",
+                        help="no weights needed: a tiny random model (its audio is noise) for wiring up clients")
+    parser.add_argument("--demo-dir", type=Path, default=os.environ.get("COSYVOICE_DEMO_DIR") or _default_demo_dir(),
+                        help="where the demo model is written once (default: COSYVOICE_DEMO_DIR, else the user cache)")
     parser.add_argument("--spark-dir", type=Path, default=os.environ.get("COSYVOICE_SPARK_DIR") or None,
                         help="a Spark-TTS model directory to serve beside CosyVoice2 (default: COSYVOICE_SPARK_DIR)")
     for kind in ("http", "grpc", "metrics"):
@@ -353,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model_dir.resolve(), args.repo_dir.resolve(), args.device, args.dtype, args.port, ports,
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
+            Path(args.demo_dir).resolve() if args.demo else None,
             Path(args.spark_dir).resolve() if args.spark_dir else None,
         )  # fmt: skip
     except (StackError, RenderError, TritonLaunchError) as exc:

@@ -1,7 +1,8 @@
 """Convert CosyVoice2's ``llm.pt`` + ``CosyVoice-BlankEN`` into a plain Hugging Face ``Qwen2ForCausalLM`` directory.
 
 This is the checkpoint TensorRT-LLM's Qwen converter reads: one extended vocabulary holds text and speech
-(upstream ``yuekai/cosyvoice2_llm`` layout, spec §2.8; see ``vocab_layout``).
+(upstream ``yuekai/cosyvoice2_llm`` layout, docs/reference/cosyvoice2.md#llm-as-a-plain-hugging-face-checkpoint; see
+``vocab_layout``).
 
 Embedding rows come from ``embed_tokens`` (text), ``speech_embedding`` (speech + end ids) and ``llm_embedding``
 (sos, task_id). ``lm_head`` is ``llm_decoder`` on the 6564 speech/end rows and zero elsewhere.

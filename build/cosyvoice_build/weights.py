@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import zipfile
+import shutil
 from pathlib import Path
 from typing import Callable, Protocol
 
 from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.settings import BuildSettings
 
-from cosyvoice2.layout import CHECKPOINT_FILES as TORCH_CHECKPOINTS
-from cosyvoice2.layout import ONNX_FILES as ONNX_MODELS
+from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from cosyvoice2.layout import TOKENIZER_SUBDIR as TOKENIZER_DIR
-
-JSON_FILES = (f"{TOKENIZER_DIR}/config.json", f"{TOKENIZER_DIR}/vocab.json", f"{TOKENIZER_DIR}/tokenizer_config.json")
-TEXT_FILES = (f"{TOKENIZER_DIR}/merges.txt",)
-REQUIRED_FILES = TORCH_CHECKPOINTS + ONNX_MODELS + JSON_FILES + TEXT_FILES
 #: Only what is needed is downloaded: the repository also holds ~1.5 GB we never read (flow.cache.pt,
 #: TorchScript/ONNX exports of the flow, BlankEN's model.safetensors whose weights llm.pt replaces).
 DOWNLOAD_PATTERNS = (*REQUIRED_FILES, "cosyvoice2.yaml", f"{TOKENIZER_DIR}/generation_config.json")
@@ -30,20 +24,7 @@ def verify_model_dir(model_dir: Path) -> None:
     """Raise StageError naming every missing or malformed file the engine needs."""
     if not model_dir.is_dir():
         raise StageError(f"model directory {model_dir} does not exist")
-    problems = []
-    for name in REQUIRED_FILES:
-        path = model_dir / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif path.stat().st_size == 0:
-            problems.append(f"{name}: empty")
-        elif name in TORCH_CHECKPOINTS and not zipfile.is_zipfile(path):
-            problems.append(f"{name}: not a torch.save archive (truncated download?)")
-        elif name in JSON_FILES:
-            try:
-                json.loads(path.read_text(encoding="utf-8"))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                problems.append(f"{name}: invalid JSON ({exc})")
+    problems = model_dir_problems(model_dir)
     if problems:
         raise StageError(f"model directory {model_dir} is incomplete: " + "; ".join(problems))
 
@@ -80,7 +61,15 @@ def fetch_weights(settings: BuildSettings, hubs: dict[str, HubDownload] | None =
     """Make ``settings.weights_dir`` hold verified weights; return it. ``hubs`` replaces the downloaders (tests)."""
     if settings.model_source != "local":
         download: Callable[..., None] = (hubs or HUB_DOWNLOADS)[settings.model_source]
+        created = not settings.weights_dir.exists()
         settings.weights_dir.mkdir(parents=True, exist_ok=True)
-        download(settings.resolved_model_id, settings.model_revision, settings.weights_dir, list(DOWNLOAD_PATTERNS))
+        try:
+            download(settings.resolved_model_id, settings.model_revision, settings.weights_dir, list(DOWNLOAD_PATTERNS))
+        except BaseException:
+            # A failed first download (no network, wrong id) must not leave an empty weights directory behind: the
+            # local stack would take it for a user's directory. Partly downloaded files stay (the hub resumes them).
+            if created and not any(path.is_file() for path in settings.weights_dir.rglob("*")):
+                shutil.rmtree(settings.weights_dir, ignore_errors=True)
+            raise
     verify_model_dir(settings.weights_dir)
     return settings.weights_dir

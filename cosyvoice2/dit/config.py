@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..flow.config import ConformerEncoderShape
+
 # Class names the released flow.yaml instantiates, per section (checked so that a UNet flow.yaml is refused).
 _FLOW_CLASS = "CausalMaskedDiffWithXvec"
 _ENCODER_CLASS = "UpsampleConformerEncoderV2"
@@ -23,21 +25,11 @@ class DiTConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class DiTEncoderConfig:
-    """UpsampleConformerEncoderV2: one width throughout, rel-pos (ESPnet) attention with key bias."""
+class DiTEncoderConfig(ConformerEncoderShape):
+    """UpsampleConformerEncoderV2: the UNet flow encoder's shape, unmasked attention whose keys/values a stream
+    caches."""
 
-    width: int = 512
-    attention_heads: int = 8
-    linear_units: int = 2048
-    num_blocks: int = 6
-    num_up_blocks: int = 4
-    pre_lookahead_len: int = 3
-    upsample_stride: int = 2
     max_positions: int = 5000  # the ESPnet relative-position table: cache + chunk must stay below it
-
-    @property
-    def head_dim(self) -> int:
-        return self.width // self.attention_heads
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ Chunked (`forward_chunk`): one stream's chunk of tokens continues the state in a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,123 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..flow.encoder import LinearEmbedding, PositionwiseFeedForward  # the same layers as the UNet flow's encoder
+from ..flow.encoder import (  # the UNet flow encoder's layers; the DiT encoder runs them chunk by chunk
+    ConformerLayer, LinearEmbedding, PreLookaheadLayer, Upsample1D, relative_positions,
+)
 from .config import DiTEncoderConfig
 
 _EMBED_LN_EPS = 1e-5
-_LAYER_LN_EPS = 1e-12
 _LEAKY_SLOPE = 0.01
 _LOOKAHEAD_CONV2_CONTEXT = 2  # kernel 3, left-padded by 2
-
-
-def relative_positions(keys: int, queries: int, width: int, device: torch.device,
-                       dtype: torch.dtype) -> torch.Tensor:
-    """ESPnet relative-position encodings for the distances that `queries` queries at the end of `keys` keys
-    see: keys - 1 ... -(queries - 1), shape (1, keys + queries - 1, width) (offline, keys = queries: 2T - 1 rows;
-    a chunk needs only its own queries' rows, not the 2 L - 1 rows of the whole table).
-
-    Even channels sin, odd channels cos of distance x 10000^(-2i/width), evaluated in float32 (the values of
-    the reference's table rows, whatever range is taken).
-    """
-    inv_freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32, device=device)
-                         * -(math.log(10000.0) / width))
-    distance = torch.arange(keys - 1, -queries, -1, dtype=torch.float32, device=device)
-    angle = distance[:, None] * inv_freq[None, :]
-    table = torch.empty(keys + queries - 1, width, dtype=torch.float32, device=device)
-    table[:, 0::2] = torch.sin(angle)
-    table[:, 1::2] = torch.cos(angle)
-    return table.unsqueeze(0).to(dtype)
-
-
-class RelPositionAttention(nn.Module):
-    """Multi-head self-attention with learned u/v position biases (Transformer-XL / ESPnet `rel_selfattn`)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.head_dim = heads, width // heads
-        self.linear_q = nn.Linear(width, width)
-        self.linear_k = nn.Linear(width, width)
-        self.linear_v = nn.Linear(width, width)
-        self.linear_out = nn.Linear(width, width)
-        self.linear_pos = nn.Linear(width, width, bias=False)
-        self.pos_bias_u = nn.Parameter(torch.empty(heads, self.head_dim))
-        self.pos_bias_v = nn.Parameter(torch.empty(heads, self.head_dim))
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_mask: Optional[torch.Tensor],
-                cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, W) queries at absolute positions cached .. cached + T - 1; positions (1, L + T - 1, W) for
-        L = cached + T keys (`relative_positions(L, T)`); key_mask (B, 1, 1, L) bool or None; cache (B, H, cached, 2D) keys || values.
-
-        Returns the output (B, T, W) and the new cache (B, H, L, 2D) = [cache || this chunk's keys/values].
-        """
-        batch, length, width = x.shape
-        q = self._heads(self.linear_q(x))
-        k = self._heads(self.linear_k(x))
-        v = self._heads(self.linear_v(x))
-        if cache is not None and cache.shape[2] > 0:
-            cached_k, cached_v = cache.split(self.head_dim, dim=-1)
-            k, v = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
-        new_cache = torch.cat([k, v], dim=-1)
-        keys = k.shape[2]
-        p = self._heads(self.linear_pos(positions))  # (1, H, 2L - 1, D)
-        content = torch.matmul(q + self.pos_bias_u[:, None], k.transpose(-2, -1))
-        by_row = torch.matmul(q + self.pos_bias_v[:, None], p.transpose(-2, -1))  # (B, H, T, L + T - 1)
-        # query i sits at absolute position keys - length + i; table row c holds distance (keys - 1) - c
-        query = torch.arange(length, device=x.device)[:, None]
-        key = torch.arange(keys, device=x.device)[None, :]
-        column = (length - 1) - query + key
-        position = by_row.gather(-1, column.expand(batch, self.heads, length, keys))
-        scores = (content + position) / math.sqrt(self.head_dim)
-        if key_mask is None:
-            weights = torch.softmax(scores, dim=-1)
-        else:
-            hidden = ~key_mask
-            weights = torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, width)
-        return self.linear_out(out), new_cache
-
-
-class ConformerLayer(nn.Module):
-    """Pre-LN attention then feed-forward, both residual (no macaron FFN, no convolution module)."""
-
-    def __init__(self, width: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.self_attn = RelPositionAttention(width, heads)
-        self.feed_forward = PositionwiseFeedForward(width, hidden)
-        self.norm_ff = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
-        self.norm_mha = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, key_mask: Optional[torch.Tensor],
-                cache: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        attended, new_cache = self.self_attn(self.norm_mha(x), positions, key_mask, cache)
-        x = x + attended
-        return x + self.feed_forward(self.norm_ff(x)), new_cache
-
-
-class PreLookaheadLayer(nn.Module):
-    """conv1 (kernel lookahead + 1, reads ahead) -> leaky ReLU -> causal conv2 (kernel 3) -> residual."""
-
-    def __init__(self, width: int, lookahead: int) -> None:
-        super().__init__()
-        self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(width, width, lookahead + 1)
-        self.conv2 = nn.Conv1d(width, width, 3)
-
-
-class Upsample(nn.Module):
-    """Nearest-neighbour repeat by `stride`, then a causal conv (kernel 2 stride + 1, left context 2 stride)."""
-
-    def __init__(self, width: int, stride: int) -> None:
-        super().__init__()
-        self.stride = stride
-        self.conv = nn.Conv1d(width, width, 2 * stride + 1)
-
-    @property
-    def context(self) -> int:
-        return 2 * self.stride
 
 
 @dataclass(frozen=True)
@@ -175,7 +65,7 @@ class UpsampleConformerEncoderV2(nn.Module):
         self.pre_lookahead_layer = PreLookaheadLayer(w, config.pre_lookahead_len)
         self.encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                       for _ in range(config.num_blocks))
-        self.up_layer = Upsample(w, config.upsample_stride)
+        self.up_layer = Upsample1D(w, config.upsample_stride)
         self.up_embed = LinearEmbedding(w)
         self.up_encoders = nn.ModuleList(ConformerLayer(w, config.attention_heads, config.linear_units)
                                          for _ in range(config.num_up_blocks))

@@ -29,7 +29,6 @@ masked, as in `CausalFlow.inference_batch`.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -272,22 +271,10 @@ class CachedFlowRunner:
     def _conformer_layer(layer: ConformerLayer, x: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor,
                          pos_table: torch.Tensor, column: torch.Tensor, visible: torch.Tensor):
         attn = layer.self_attn
-        batch, length, width = x.shape
-        h = layer.norm_mha(x)
-        q = attn._split_heads(attn.linear_q(h))  # (B, N, H, D)
-        k_new = attn._split_heads(attn.linear_k(h)).transpose(1, 2)  # (B, H, N, D)
-        v_new = attn._split_heads(attn.linear_v(h)).transpose(1, 2)
+        q, k_new, v_new = attn.project(layer.norm_mha(x))  # (B, H, N, D)
         k = torch.cat([k_hist, k_new], dim=2)
         v = torch.cat([v_hist, v_new], dim=2)
-        p = attn._split_heads(attn.linear_pos(pos_table)).transpose(1, 2)  # (1, H, 2 total - 1, D)
-        content = torch.matmul((q + attn.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))  # (B, H, N, total)
-        by_row = torch.matmul((q + attn.pos_bias_v).transpose(1, 2), p.transpose(-2, -1))  # (B, H, N, 2 total - 1)
-        position = by_row.gather(-1, column.unsqueeze(1).expand(-1, by_row.size(1), -1, -1))
-        scores = (content + position) / math.sqrt(attn.head_dim)
-        hidden = ~visible
-        weights = torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, width)
-        x = x + attn.linear_out(out)
+        x = x + attn.attend(q, k, v, pos_table, column, visible)
         x = x + layer.feed_forward(layer.norm_ff(x))
         return x, k_new, v_new
 

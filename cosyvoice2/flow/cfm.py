@@ -1,4 +1,5 @@
-"""Conditional flow matching sampler: fixed-noise Euler ODE solve with classifier-free guidance (spec §3.5)."""
+"""Conditional flow matching sampler: fixed-noise Euler ODE solve with classifier-free guidance
+(docs/reference/cosyvoice2.md#conditional-flow-matching)."""
 
 from __future__ import annotations
 

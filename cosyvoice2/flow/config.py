@@ -7,17 +7,28 @@ from typing import Any, Mapping
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
-    """UpsampleConformerEncoder. One width serves the embeddings, conformer layers, lookahead and upsampling."""
+class ConformerEncoderShape:
+    """What both upsampling conformer encoders (the UNet flow's and the DiT's) share. One width serves the
+    embeddings, conformer layers, lookahead and upsampling."""
 
     width: int = 512
     attention_heads: int = 8
     linear_units: int = 2048
     num_blocks: int = 6
     num_up_blocks: int = 4  # fixed upstream, not a constructor argument
-    static_chunk_size: int = 25  # tokens; the up blocks use static_chunk_size * upsample_stride frames
     pre_lookahead_len: int = 3
     upsample_stride: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.width // self.attention_heads
+
+
+@dataclass(frozen=True)
+class EncoderConfig(ConformerEncoderShape):
+    """UpsampleConformerEncoder: chunk-masked attention in streaming mode."""
+
+    static_chunk_size: int = 25  # tokens; the up blocks use static_chunk_size * upsample_stride frames
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""UpsampleConformerEncoder: 25 Hz token embeddings -> 50 Hz hidden states (spec §3.4).
+"""UpsampleConformerEncoder: 25 Hz token embeddings -> 50 Hz hidden states (docs/reference/cosyvoice2.md#encoder).
 
 Key layout follows upstream flow.pt (`embed.out.{0,1}`, `encoders.N.self_attn.linear_q`, ...).
 Rows of different lengths are right-padded and given `lengths`: attention hides the padded keys, the
@@ -22,18 +22,35 @@ _EMBED_LN_EPS = 1e-5
 _LAYER_LN_EPS = 1e-12
 
 
-def relative_position_table(length: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """ESPnet relative encodings for distances length-1 .. -(length-1), shape (1, 2*length-1, dim).
+def relative_positions(keys: int, queries: int, width: int, device: torch.device,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """ESPnet relative-position encodings for the distances that `queries` queries at the end of `keys` keys
+    see: keys - 1 ... -(queries - 1), shape (1, keys + queries - 1, width); offline (keys = queries = T) that is
+    the 2T - 1 rows of the whole table, a chunk needs only its own queries' rows.
 
-    Computed in float32 the way upstream builds its table, so the values match it bit for bit.
+    Even channels sin, odd channels cos of distance x 10000^(-2i/width), evaluated in float32 the way the
+    reference builds its table, so the values match it bit for bit.
     """
-    distance = torch.arange(length - 1, -length, -1, dtype=torch.float32, device=device).unsqueeze(1)
-    inv_freq = torch.exp(
-        torch.arange(0, dim, 2, dtype=torch.float32, device=device) * -(math.log(10000.0) / dim)
-    )
-    angle = distance * inv_freq
+    inv_freq = torch.exp(torch.arange(0, width, 2, dtype=torch.float32, device=device)
+                         * -(math.log(10000.0) / width))
+    distance = torch.arange(keys - 1, -queries, -1, dtype=torch.float32, device=device)
+    angle = distance[:, None] * inv_freq[None, :]
     table = torch.stack([torch.sin(angle), torch.cos(angle)], dim=-1).flatten(1)  # even sin, odd cos
     return table.unsqueeze(0).to(dtype)
+
+
+def relative_position_table(length: int, dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The whole table for `length` positions: distances length-1 .. -(length-1), shape (1, 2*length-1, dim)."""
+    return relative_positions(length, length, dim, device, dtype)
+
+
+def trailing_query_columns(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(queries, keys) index into a `relative_positions(keys, queries)` table for queries that are the last
+    `queries` of `keys` positions: query i sits at keys - queries + i, and table row c holds distance
+    (keys - 1) - c, so [i, j] picks the row of distance (keys - queries + i) - j."""
+    query = torch.arange(queries, device=device)[:, None]
+    key = torch.arange(keys, device=device)[None, :]
+    return (queries - 1) - query + key
 
 
 def _length_mask(lengths: torch.Tensor, length: int) -> torch.Tensor:
@@ -53,8 +70,10 @@ class LinearEmbedding(nn.Module):
         return self.out(x) * self.xscale
 
 
-class RelPositionSelfAttention(nn.Module):
-    """Transformer-XL style self-attention with learned u/v biases (ESPnet `rel_selfattn`)."""
+class RelPositionAttention(nn.Module):
+    """Transformer-XL style self-attention with learned u/v biases (ESPnet `rel_selfattn`), for whole
+    sequences, for chunks that continue a key/value cache, and (`project` + `attend`) for ragged batches whose
+    rows sit at different positions (the cached streaming flow)."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -67,33 +86,46 @@ class RelPositionSelfAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.zeros(heads, self.head_dim))
         self.pos_bias_v = nn.Parameter(torch.zeros(heads, self.head_dim))
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.size(0), x.size(1), self.heads, self.head_dim)
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(x.size(0), x.size(1), self.heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
 
-    @staticmethod
-    def _by_distance(scores: torch.Tensor) -> torch.Tensor:
-        """(.., T, 2T-1) scores per table row -> (.., T, T) where [i, j] is the row for distance i - j."""
-        length = scores.size(-2)
-        steps = torch.arange(length, device=scores.device)
-        column = (length - 1) - steps.unsqueeze(1) + steps.unsqueeze(0)
-        return scores.gather(-1, column.expand(*scores.shape[:-2], length, length))
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, W) -> queries, keys, values, each (B, H, T, D)."""
+        return self._heads(self.linear_q(x)), self._heads(self.linear_k(x)), self._heads(self.linear_v(x))
 
-    def forward(self, x: torch.Tensor, pos_table: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
-        batch, length, width = x.shape
-        q = self._split_heads(self.linear_q(x))  # (B, T, H, D)
-        k = self._split_heads(self.linear_k(x)).transpose(1, 2)
-        v = self._split_heads(self.linear_v(x)).transpose(1, 2)
-        p = self._split_heads(self.linear_pos(pos_table)).transpose(1, 2)  # (1, H, 2T-1, D)
-        content = torch.matmul((q + self.pos_bias_u).transpose(1, 2), k.transpose(-2, -1))
-        position = self._by_distance(torch.matmul((q + self.pos_bias_v).transpose(1, 2), p.transpose(-2, -1)))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               column: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+        """q (B, H, T, D) against k, v (B, H, L, D); positions (1, R, W) a relative-position table and column
+        (T, L) or (B, T, L) the table row of each query/key pair; visible broadcastable to (B, H, T, L) bool or
+        None for all. Returns (B, T, W)."""
+        batch, _, length, _ = q.shape
+        p = self._heads(self.linear_pos(positions))  # (1, H, R, D)
+        content = torch.matmul(q + self.pos_bias_u[:, None], k.transpose(-2, -1))
+        by_row = torch.matmul(q + self.pos_bias_v[:, None], p.transpose(-2, -1))  # (B, H, T, R)
+        column = column.unsqueeze(-3) if column.dim() == 3 else column  # per row: (B, 1, T, L)
+        position = by_row.gather(-1, column.expand(batch, self.heads, length, k.size(2)))
         scores = (content + position) / math.sqrt(self.head_dim)
         if visible is None:
             weights = torch.softmax(scores, dim=-1)
         else:
             hidden = ~visible
             weights = torch.softmax(scores.masked_fill(hidden, -math.inf), dim=-1).masked_fill(hidden, 0.0)
-        out = torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, width)
-        return self.linear_out(out)
+        return self.linear_out(torch.matmul(weights, v).transpose(1, 2).reshape(batch, length, -1))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, visible: Optional[torch.Tensor],
+                cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, W) queries at absolute positions cached .. cached + T - 1; positions (1, L + T - 1, W) for
+        L = cached + T keys (`relative_positions(L, T)`); visible broadcastable to (B, 1, T, L) bool or None;
+        cache (B, H, cached, 2D) keys || values or None.
+
+        Returns the output (B, T, W) and the cache after it (B, H, L, 2D) = [cache || this chunk's keys/values].
+        """
+        q, k, v = self.project(x)
+        if cache is not None and cache.size(2) > 0:
+            cached_k, cached_v = cache.split(self.head_dim, dim=-1)
+            k, v = torch.cat([cached_k, k], dim=2), torch.cat([cached_v, v], dim=2)
+        column = trailing_query_columns(x.size(1), k.size(2), x.device)
+        return self.attend(q, k, v, positions, column, visible), torch.cat([k, v], dim=-1)
 
 
 class PositionwiseFeedForward(nn.Module):
@@ -111,14 +143,18 @@ class ConformerLayer(nn.Module):
 
     def __init__(self, width: int, heads: int, hidden: int) -> None:
         super().__init__()
-        self.self_attn = RelPositionSelfAttention(width, heads)
+        self.self_attn = RelPositionAttention(width, heads)
         self.feed_forward = PositionwiseFeedForward(width, hidden)
         self.norm_ff = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
         self.norm_mha = nn.LayerNorm(width, eps=_LAYER_LN_EPS)
 
-    def forward(self, x: torch.Tensor, pos_table: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.norm_mha(x), pos_table, visible)
-        return x + self.feed_forward(self.norm_ff(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, visible: Optional[torch.Tensor],
+                cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over x (B, T, W); see `RelPositionAttention.forward` for the arguments. Returns the output
+        and the attention's cache after it."""
+        attended, new_cache = self.self_attn(self.norm_mha(x), positions, visible, cache)
+        x = x + attended
+        return x + self.feed_forward(self.norm_ff(x)), new_cache
 
 
 class PreLookaheadLayer(nn.Module):
@@ -152,9 +188,14 @@ class Upsample1D(nn.Module):
         self.stride = stride
         self.conv = nn.Conv1d(width, width, 2 * stride + 1)
 
+    @property
+    def context(self) -> int:
+        """Left context of the causal conv, in upsampled frames."""
+        return 2 * self.stride
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.repeat_interleave(self.stride, dim=2)
-        return self.conv(F.pad(h, (2 * self.stride, 0)))
+        return self.conv(F.pad(h, (self.context, 0)))
 
 
 class UpsampleConformerEncoder(nn.Module):
@@ -200,7 +241,7 @@ class UpsampleConformerEncoder(nn.Module):
         full = torch.full((x.size(0),), length, dtype=torch.long, device=x.device)
         x = self.pre_lookahead_layer(x, context, full if lengths is None else lengths)
         for layer in self.encoders:
-            x = layer(x, pos_table, visible)
+            x, _ = layer(x, pos_table, visible)
 
         x = self.up_layer(x.transpose(1, 2)).transpose(1, 2)
         length = x.size(1)
@@ -210,5 +251,5 @@ class UpsampleConformerEncoder(nn.Module):
         visible = self._visibility(length, cfg.static_chunk_size * cfg.upsample_stride, streaming, up_lengths,
                                    x.device)
         for layer in self.up_encoders:
-            x = layer(x, pos_table, visible)
+            x, _ = layer(x, pos_table, visible)
         return self.after_norm(x)

@@ -1,4 +1,5 @@
-"""Velocity estimator of the CFM: a causal, single-level, Matcha-style 1-D UNet (spec §3.6).
+"""Velocity estimator of the CFM: a causal, single-level, Matcha-style 1-D UNet
+(docs/reference/cosyvoice2.md#estimator).
 
 Key layout follows upstream flow.pt under `decoder.estimator.` (stages `<name>.N.{0,1,2}`, diffusers-style
 `attn1.to_q` / `ff.net.0.proj` names). Only one channel level is supported (released and micro models): the

@@ -1,4 +1,5 @@
-"""CausalFlow: speech tokens (+ prompt tokens/mel, x-vector) -> mel for the new tokens (spec §3.3)."""
+"""CausalFlow: speech tokens (+ prompt tokens/mel, x-vector) -> mel for the new tokens
+(docs/reference/cosyvoice2.md#flow-inference-and-lengths)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Acoustic features of the voice-prompt frontend, each equal to the upstream recipe (spec §1.5-§1.7):
+"""Acoustic features of the voice-prompt frontend, each equal to the upstream recipe
+(docs/reference/cosyvoice2.md#frontend):
 
 - `whisper_log_mel`: 128-bin Whisper log-mel at 16 kHz, input of the speech tokenizer;
 - `speaker_fbank`: Kaldi 80-bin log fbank at 16 kHz minus its time mean, input of CAM++;

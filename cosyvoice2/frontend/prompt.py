@@ -1,8 +1,8 @@
 """Voice prompt: everything CosyVoice2 needs from a reference recording, computed once and storable.
 
-`build_voice_prompt` follows upstream's zero-shot frontend (spec §1.4-§1.8): from the original waveform it
-resamples once to 16 kHz (speech tokens and x-vector) and once to 24 kHz (prompt mel), then trims tokens and
-mel to an exact 1:2 ratio.
+`build_voice_prompt` follows upstream's zero-shot frontend (docs/reference/cosyvoice2.md#frontend): from the
+original waveform it resamples once to 16 kHz (speech tokens and x-vector) and once to 24 kHz (prompt mel), then
+trims tokens and mel to an exact 1:2 ratio.
 """
 
 from __future__ import annotations

@@ -7,50 +7,17 @@ State-dict keys equal ``llm.pt`` exactly: ``llm_embedding.weight`` (row 0 = SOS,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, StaticKVCache
+from cosyvoice2.llm.config import LLMConfig, Qwen2Config
+from cosyvoice2.llm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1
-
-
-@dataclass(frozen=True)
-class LLMConfig:
-    """CosyVoice2 LLM hyper-parameters; defaults are the released CosyVoice2-0.5B values."""
-
-    qwen: Qwen2Config = field(default_factory=Qwen2Config)
-    speech_token_size: int = 6561
-
-    @property
-    def hidden_size(self) -> int:
-        return self.qwen.hidden_size
-
-    @property
-    def num_speech_classes(self) -> int:
-        """Speech ids 0..6560 plus the end ids 6561 (EOS), 6562, 6563 (FILL)."""
-        return self.speech_token_size + 3
-
-    @property
-    def eos_id(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def stop_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
-
-    @classmethod
-    def from_harness(cls, values: Mapping[str, Any]) -> "LLMConfig":
-        """From a dict such as the parity harness's ``llm`` section (``qwen`` = HF Qwen2 config fields).
-        Missing entries keep the released defaults."""
-        defaults = cls()
-        qwen = Qwen2Config.from_dict(values["qwen"]) if "qwen" in values else defaults.qwen
-        return cls(qwen=qwen, speech_token_size=int(values.get("speech_token_size", defaults.speech_token_size)))
 
 
 class Qwen2Encoder(nn.Module):
@@ -65,7 +32,7 @@ def _as_ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Te
     return torch.as_tensor(ids, dtype=torch.long, device=device).reshape(-1)
 
 
-class CosyVoice2LM(nn.Module):
+class CosyVoice2LM(SpeechLM):
     def __init__(self, config: LLMConfig | None = None) -> None:
         super().__init__()
         self.config = config or LLMConfig()
@@ -103,33 +70,6 @@ class CosyVoice2LM(nn.Module):
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.speech_embedding(tokens)
 
-    def hidden(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: StaticKVCache | None = None,
-        slots: Sequence[int] | torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ) -> torch.Tensor:
-        """Last hidden state after the final RMSNorm (see ``Qwen2Model.forward`` for the cache arguments)."""
-        return self.body(inputs_embeds, positions, cache, slots, kv_len)
-
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """log_softmax over the 6564 speech classes, in fp32."""
         return F.log_softmax(self.llm_decoder(hidden).float(), dim=-1)
-
-    def forward(
-        self,
-        inputs_embeds: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: StaticKVCache | None = None,
-        slots: Sequence[int] | torch.Tensor | None = None,
-        kv_len: int | None = None,
-    ) -> torch.Tensor:
-        return self.log_probs(self.hidden(inputs_embeds, positions, cache, slots, kv_len))
-
-    def new_cache(
-        self, num_slots: int, max_len: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> StaticKVCache:
-        weight = self.llm_decoder.weight
-        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)

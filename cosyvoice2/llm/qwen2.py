@@ -26,42 +26,16 @@ fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cosyvoice2.kernels import add_rms_norm, silu_mul
-
-
-@dataclass(frozen=True)
-class Qwen2Config:
-    """Qwen2 body hyper-parameters; defaults are CosyVoice2-0.5B's (``CosyVoice-BlankEN/config.json``)."""
-
-    hidden_size: int = 896
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 14
-    num_key_value_heads: int = 2
-    intermediate_size: int = 4864
-    vocab_size: int = 151936
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Qwen2Config":
-        """Build from an HF-style config dict (unknown fields such as ``attn_implementation`` are ignored)."""
-        if values.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported (CosyVoice2 does not use it)")
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+from cosyvoice2.llm.config import Qwen2Config
 
 
 class StaticKVCache:
@@ -309,3 +283,32 @@ class Qwen2ForCausalLM(nn.Module):
         self.model = Qwen2Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class SpeechLM(nn.Module):
+    """What every speech LM on the batched decoder shares: a Qwen2 `body` (a `Qwen2Model`) whose last hidden
+    state an output head turns into the sampling distribution. Subclasses provide `body`, `llm_decoder` (the
+    head; its weight sets the cache's device and dtype), `config.qwen`, `embed_prefix`, `embed_speech` and
+    `log_probs`."""
+
+    config: Any
+    body: Qwen2Model
+    llm_decoder: nn.Linear
+
+    def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None,
+               cache: StaticKVCache | None = None, slots: Sequence[int] | torch.Tensor | None = None,
+               kv_len: int | None = None) -> torch.Tensor:
+        """Last hidden state after the final norm (see ``Qwen2Model.forward`` for the cache arguments)."""
+        return self.body(inputs_embeds, positions, cache, slots, kv_len)
+
+    def forward(self, inputs_embeds: torch.Tensor, *cache_args: Any, **cache_kwargs: Any) -> torch.Tensor:
+        """``log_probs`` of ``hidden`` (same arguments)."""
+        return self.log_probs(self.hidden(inputs_embeds, *cache_args, **cache_kwargs))
+
+    def new_cache(self, num_slots: int, max_len: int, device: torch.device | str | None = None,
+                  dtype: torch.dtype | None = None) -> StaticKVCache:
+        weight = self.llm_decoder.weight
+        return StaticKVCache(self.config.qwen, num_slots, max_len, device or weight.device, dtype or weight.dtype)

@@ -1,4 +1,6 @@
-"""Test/benchmark helpers: random-weight model directories in the official layout (needs torch)."""
+"""Test, benchmark and demo stand-ins (need torch): random-weight model directories in the official layout
+here; the tiny tokenizer (`tokenizer`), ONNX frontend models (`frontend_models`) and DiT directories (`dit`) in
+the submodules."""
 
 from cosyvoice2.testing.models import tiny_config, write_full_size_random_model, write_model_dir, write_tiny_model
 

@@ -1,4 +1,5 @@
-"""Random-weight CosyVoice2 model directories in the official layout (spec §6.1), for tests and benchmarks.
+"""Random-weight CosyVoice2 model directories in the official layout (docs/reference/cosyvoice2.md#model-directory),
+for tests and benchmarks.
 
 `write_tiny_model` uses the parity harness's micro dimensions (`tiny_config`, written out here so it works
 without the shared data) and seeded random weights drawn by us; the files are read by `cosyvoice2.load`
@@ -25,11 +26,11 @@ from torch import nn
 
 from cosyvoice2.config import QWEN_CONFIG_FILE, TOKENIZER_SUBDIR, EngineConfig
 from cosyvoice2.flow import CausalFlow, EncoderConfig, EstimatorConfig, FlowConfig
-from cosyvoice2.frontend.testing_onnx import write_tiny_frontend_models
+from cosyvoice2.testing.frontend_models import write_tiny_frontend_models
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, LLM_FILE
-from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+from cosyvoice2.testing.tokenizer import write_test_tokenizer
 
 RELEASED_TEXT_VOCAB = 151643  # regular Qwen2 vocabulary entries; <|endoftext|> follows
 

@@ -1,4 +1,5 @@
-"""Text normalization of CosyVoice2's frontend (spec §1.2), pure Python (stdlib + ``inflect``, imported lazily).
+"""Text normalization of CosyVoice2's frontend (docs/reference/cosyvoice2.md#text-normalization-and-segmentation),
+pure Python (stdlib + ``inflect``, imported lazily).
 
 Upstream first runs an optional external normalizer (``ttsfrd`` if installed, else ``wetext``) and then fixed rules.
 We do not depend on either engine: we apply only the fixed rules, i.e. upstream's behaviour when neither is

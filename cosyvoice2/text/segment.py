@@ -1,4 +1,5 @@
-"""Split normalized text into synthesis segments, as CosyVoice2's frontend does (spec §1.2). Pure Python.
+"""Split normalized text into synthesis segments, as CosyVoice2's frontend does
+(docs/reference/cosyvoice2.md#text-normalization-and-segmentation). Pure Python.
 
 ``segment_text`` = upstream ``text_normalize(text, split=True)``: normalize (``normalize.py``), cut into sentences,
 greedily merge sentences into segments of about 60..80 length units, and drop punctuation-only segments.

@@ -11,8 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from transformers import AutoTokenizer
-
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
 
 ADDITIONAL_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -32,6 +30,10 @@ class CosyVoice2Tokenizer:
     """Text -> Qwen2 token ids, as CosyVoice2's frontend computes them."""
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
+        # Imported here, not at module level: the orchestrator imports this module for its special-token names,
+        # and transformers would pull torch into a process that never runs a model.
+        from transformers import AutoTokenizer  # noqa: PLC0415
+
         self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         self._hf.add_special_tokens(
             {

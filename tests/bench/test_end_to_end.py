@@ -17,6 +17,7 @@ import pytest
 
 from tests.bench.wavfiles import write_wav
 from tests.gateway.standin_model.repository import render_standin_repository
+from tests.gateway.standin_model.standin import read_request_log
 from triton_repo.contract import OUTPUT_SAMPLE_RATE
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
 from ttsbench.cli import main
@@ -42,7 +43,7 @@ class Stack:
 
     def produced_samples(self) -> dict[str, int]:
         """Samples the stand-in produced per tag, for requests it completed."""
-        rows = [json.loads(line) for line in (self.marker_dir / "requests.jsonl").read_text().splitlines()]
+        rows = read_request_log(self.marker_dir)
         produced: dict[str, set[int]] = {}
         for row in rows:
             if row["outcome"] == "done":
@@ -51,11 +52,15 @@ class Stack:
         return {tag: samples.pop() for tag, samples in produced.items()}
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+class GatewayExited(RuntimeError):
+    pass
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}")
+            raise GatewayExited(f"gateway exited with {proc.returncode}")
         try:
             if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
                 return
@@ -63,6 +68,28 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None
             pass
         time.sleep(0.1)
     raise RuntimeError("gateway not ready")
+
+
+def _start_gateway(env: dict[str, str], attempts: int = 3) -> tuple[subprocess.Popen, str]:
+    """`python -m gateway` on a free port. The port was free when chosen, but another process may bind it
+    before the gateway does (it then exits): start again on a new one."""
+    for attempt in range(1, attempts + 1):
+        port = free_port()
+        gateway = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env={**env, "TTS_PORT": str(port)}
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, gateway)
+            return gateway, url
+        except GatewayExited:
+            if attempt == attempts:
+                raise
+        except BaseException:
+            gateway.kill()
+            gateway.wait()
+            raise
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +105,10 @@ def stack(triton_server_factory, tmp_path_factory) -> Iterator[Stack]:
     repository = render_standin_repository(root / "models", markers, chunk_count=CHUNK_COUNT, chunk_delay_ms=5)
     triton = triton_server_factory(repository)
 
-    port = free_port()
-    env = dict(os.environ, TTS_TRITON_URL=triton.grpc_url, TTS_HOST="127.0.0.1", TTS_PORT=str(port),
+    env = dict(os.environ, TTS_TRITON_URL=triton.grpc_url, TTS_HOST="127.0.0.1",
                TTS_VOICES_DIR=str(voices), TTS_LOG_LEVEL="warning")
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway"], cwd=REPO_ROOT, env=env)  # noqa: S603
-    url = f"http://127.0.0.1:{port}"
+    gateway, url = _start_gateway(env)
     try:
-        _wait_ready(url, gateway)
         yield Stack(triton, url, markers, voices)
     finally:
         gateway.terminate()

@@ -3,14 +3,13 @@ a short run on the micro parity LLM."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from benchmarks.repetition_control import apply_repetition_penalty, main
+from tests.conftest import FIXTURES_DIR
 
-MICRO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity" / "micro"
+MICRO = FIXTURES_DIR / "parity" / "micro"
 
 
 def test_the_penalty_shrinks_seen_positive_logits_and_grows_seen_negative_ones():

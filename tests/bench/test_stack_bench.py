@@ -1,10 +1,10 @@
-"""scripts/stack_bench.py: its documented options, the per-level measures, the real-time rule, the GPU
+"""`python -m scripts.stack_bench`: its documented options, the per-level measures, the real-time rule, the GPU
 sampler and the results directories (pure parts; the whole run is in test_stack_bench_run.py)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import os
 import re
 import stat
@@ -17,10 +17,7 @@ import pytest
 
 from triton_repo.server import REPO_ROOT
 
-_spec = importlib.util.spec_from_file_location("stack_bench", REPO_ROOT / "scripts" / "stack_bench.py")
-sb = importlib.util.module_from_spec(_spec)
-sys.modules["stack_bench"] = sb  # dataclasses resolve their module by name
-_spec.loader.exec_module(sb)
+sb = importlib.import_module("scripts.stack_bench")
 
 
 def test_docstring_lists_exactly_the_parser_options():

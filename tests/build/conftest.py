@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FIXTURES_DIR
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PARITY_DIR = REPO_ROOT.parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 MICRO_DIR = PARITY_DIR / "micro"
 #: The micro LLM's text vocabulary has 512 rows; 492 regular entries + 3 base specials + CosyVoice2's 17 new
 #: specials make a tokenizer of exactly 512, so speech token 0 lands right after the text rows (as 151663 does
@@ -21,7 +23,7 @@ requires_parity = pytest.mark.skipif(not (MICRO_DIR / "llm.pt").exists(), reason
 
 def write_micro_model_dir(directory: Path) -> Path:
     """llm/flow/hift of the micro model, a tiny BlankEN (tokenizer + Qwen2 config) and placeholder ONNX files."""
-    from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+    from cosyvoice2.testing.tokenizer import write_test_tokenizer
 
     tokenizer_dir = directory / "CosyVoice-BlankEN"
     write_test_tokenizer(tokenizer_dir, base_vocab_size=MICRO_BASE_VOCAB)

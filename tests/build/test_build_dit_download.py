@@ -23,7 +23,7 @@ RELEASED = ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenize
 @pytest.fixture(scope="module")
 def fake_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A hub repository tree: token2wav/ (a micro DiT model + placeholder ONNX files) and files we must not fetch."""
-    from cosyvoice2.dit.testing import write_dit_model
+    from cosyvoice2.testing.dit import write_dit_model
 
     repo = tmp_path_factory.mktemp("Step-Audio-2-mini")
     token2wav = write_dit_model(repo / "token2wav")

@@ -197,7 +197,7 @@ def test_malformed_config_is_reported(micro_model_dir: Path, tmp_path: Path) -> 
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(micro_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+    from cosyvoice2.testing.tokenizer import write_test_tokenizer
 
     model = _broken_copy(micro_model_dir, tmp_path)
     write_test_tokenizer(model / "CosyVoice-BlankEN", base_vocab_size=MICRO_BASE_VOCAB + 10)

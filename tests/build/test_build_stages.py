@@ -118,6 +118,37 @@ def test_incomplete_hub_download_is_reported(tmp_path: Path) -> None:
         weights.fetch_weights(settings, hubs={"modelscope": empty_hub})
 
 
+def test_a_failed_first_download_leaves_no_empty_weights_directory(tmp_path: Path) -> None:
+    def offline_hub(repo_id, revision, local_dir, allow_patterns) -> None:
+        (local_dir / ".cache" / "huggingface").mkdir(parents=True)  # what the hub client creates before failing
+        raise StageError("download of FunAudioLLM/CosyVoice2-0.5B from the Hugging Face hub failed: offline")
+
+    settings = BuildSettings(work_dir=tmp_path, model_source="hf")
+    with pytest.raises(StageError, match="offline"):
+        weights.fetch_weights(settings, hubs={"hf": offline_hub})
+    assert not settings.weights_dir.exists()
+
+
+def test_a_failed_download_keeps_partial_files_and_existing_directories(tmp_path: Path) -> None:
+    def interrupted_hub(repo_id, revision, local_dir, allow_patterns) -> None:
+        (local_dir / "llm.pt").write_bytes(b"partial")
+        raise StageError("connection reset")
+
+    settings = BuildSettings(work_dir=tmp_path, model_source="hf")
+    with pytest.raises(StageError, match="connection reset"):
+        weights.fetch_weights(settings, hubs={"hf": interrupted_hub})
+    assert (settings.weights_dir / "llm.pt").read_bytes() == b"partial"  # the next try resumes from it
+    mine = BuildSettings(work_dir=tmp_path / "mine", model_source="hf")
+    mine.weights_dir.mkdir(parents=True)  # made by the user before the download
+
+    def failing_hub(repo_id, revision, local_dir, allow_patterns) -> None:
+        raise StageError("offline")
+
+    with pytest.raises(StageError, match="offline"):
+        weights.fetch_weights(mine, hubs={"hf": failing_hub})
+    assert mine.weights_dir.is_dir()  # only what the download created is removed
+
+
 def test_modelscope_without_the_package_says_what_to_install(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "modelscope", None)  # import fails as when it is not installed
     with pytest.raises(StageError, match="pip install modelscope"):

@@ -10,11 +10,12 @@ import torch
 from cosyvoice2.dit.config import DiTConfigError, DiTFlowConfig
 from cosyvoice2.dit.flow import DiTFlow
 from cosyvoice2.dit.loading import load_dit_token2wav
-from cosyvoice2.dit.testing import micro_dit_config, write_full_size_layout
+from cosyvoice2.testing.dit import micro_dit_config, write_full_size_layout
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
 from cosyvoice2.loading import CheckpointMismatchError
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity_dit"
+PARITY_DIR = FIXTURES_DIR / "parity_dit"
 # released Step-Audio-2-mini token2wav sizes (docs/engine.md, "DiT token2wav")
 FLOW_KEYS, FLOW_PARAMS = 605, 155_802_352
 HIFT_KEYS, HIFT_PARAMS = 328, 20_821_295

@@ -7,8 +7,6 @@ audio tolerance, then end to end.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,8 +16,9 @@ from cosyvoice2.dit.flow import FlowState
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.dit.token2wav import Chunk, DiTToken2Wav
 from cosyvoice2.hift import SourceNoise
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity_dit"
+PARITY_DIR = FIXTURES_DIR / "parity_dit"
 MICRO_DIR = PARITY_DIR / "micro"
 pytestmark = [
     pytest.mark.parity,

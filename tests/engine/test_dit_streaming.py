@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cosyvoice2.dit.loading import load_dit_token2wav
-from cosyvoice2.dit.testing import write_dit_model
+from cosyvoice2.testing.dit import write_dit_model
 from cosyvoice2.dit.token2wav import Chunk, DiTStreamingConfig, DiTToken2Wav, VoiceCaches
 
 PROMPT_TOKENS = 20

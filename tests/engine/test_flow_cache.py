@@ -9,7 +9,6 @@ voice prefixes shared, failed calls leaving caches untouched, and the memory bud
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ import torch
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
 from cosyvoice2.streaming import ChunkSchedule, Token2Wav
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 MEL_TOL = 5e-5
 
 

@@ -71,7 +71,8 @@ def test_lookahead_context_changes_the_last_frames(flow: CausalFlow) -> None:
 
 
 def test_streaming_rerun_reproduces_earlier_chunks(flow: CausalFlow) -> None:
-    """Re-running a longer prefix with chunk masks reproduces the frames already emitted (spec §3.7)."""
+    """Re-running a longer prefix with chunk masks reproduces the frames already emitted
+    (docs/reference/cosyvoice2.md#streaming-at-the-flow-level)."""
     prompt, first, hop = 10, 15, 25  # first chunk ends on the 25-token grid counted from the prompt start
     inputs = make_inputs(prompt, first + hop + LOOKAHEAD)
     short = dict(inputs, token=inputs["token"][:, : first + LOOKAHEAD])

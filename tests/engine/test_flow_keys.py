@@ -1,4 +1,5 @@
-"""Released CosyVoice2-0.5B flow: module keys and shapes equal the spec's flow.pt list (§3.2)."""
+"""Released CosyVoice2-0.5B flow: module keys and shapes equal the released flow.pt
+(docs/reference/cosyvoice2.md#flow-state-dict)."""
 
 from __future__ import annotations
 

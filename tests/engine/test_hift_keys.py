@@ -1,4 +1,5 @@
-"""Released HiFT configuration: module key names and shapes equal the spec's hift.pt table (spec §4.2)."""
+"""Released HiFT configuration: module key names and shapes equal the released hift.pt
+(docs/reference/cosyvoice2.md#hift-state-dict)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def resblock(prefix: str, channels: int, kernel: int) -> dict[str, tuple[int, ..
 
 
 def spec_key_table() -> dict[str, tuple[int, ...]]:
-    """Spec §4.2 written out for the released model (base 512, f0 cond 512)."""
+    """The released hift.pt written out for the released model (base 512, f0 cond 512)."""
     keys: dict[str, tuple[int, ...]] = {"m_source.l_linear.weight": (1, 9), "m_source.l_linear.bias": (1,)}
     for i in range(5):
         keys |= wn(f"f0_predictor.condnet.{2 * i}", (512, 80 if i == 0 else 512, 3), 512)

@@ -1,11 +1,11 @@
 """Fused Triton kernels (cosyvoice2.kernels) against their PyTorch reference on the CPU, through Triton's
-interpreter: scripts/gpu_kernel_check.py (the same check the GPU run uses) in a subprocess, because the interpreter
-must be switched on before triton is first imported. bf16 is left to the GPU run (the interpreter truncates fp32 to
+interpreter: `python -m scripts.gpu_kernel_check` (the same check the GPU run uses) in a subprocess, because the
+interpreter must be switched on before triton is first imported. bf16 is left to the GPU run (the interpreter truncates fp32 to
 bf16 instead of rounding)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import subprocess
 import sys
@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_kernel_check.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "scripts.gpu_kernel_check"
 
 
 def test_interpreted_kernels_match_reference_alone_and_in_the_model() -> None:
     pytest.importorskip("triton")
-    result = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu"], capture_output=True, text=True,
-                            env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    result = subprocess.run([sys.executable, "-m", SCRIPT, "--device", "cpu"], capture_output=True, text=True,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO_ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert sum(" ok" in line for line in lines) == 2 * (2 * 3 + 1)  # fp32, fp16: 2 shapes x 3 outputs + the model
@@ -28,9 +29,7 @@ def test_interpreted_kernels_match_reference_alone_and_in_the_model() -> None:
 
 
 def test_check_flags_a_difference_of_one_percent() -> None:
-    spec = importlib.util.spec_from_file_location("gpu_kernel_check", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = importlib.import_module(SCRIPT)
     expected = torch.linspace(-4, 4, 50)
     assert not script.mismatch("same", expected.clone(), expected)
     assert script.mismatch("off by 1%", expected * 1.01, expected)

@@ -1,4 +1,5 @@
-"""State-dict keys and shapes of CosyVoice2LM at the released configuration equal the spec's table (§2.1)."""
+"""State-dict keys and shapes of CosyVoice2LM at the released configuration equal the released llm.pt
+(docs/reference/cosyvoice2.md#llm-state-dict)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def released_on_meta(monkeypatch: pytest.MonkeyPatch) -> CosyVoice2LM:
 
 
 def spec_llm_keys() -> dict[str, tuple[int, ...]]:
-    """llm.pt of CosyVoice2-0.5B as listed in cosyvoice2-spec.md §2.1 (295 keys)."""
+    """llm.pt of CosyVoice2-0.5B as listed in docs/reference/cosyvoice2.md#llm-state-dict (295 keys)."""
     keys: dict[str, tuple[int, ...]] = {
         "llm_embedding.weight": (2, 896),
         "llm.model.model.embed_tokens.weight": (151936, 896),
@@ -49,4 +50,5 @@ def test_released_state_dict_matches_spec(released_on_meta: CosyVoice2LM) -> Non
 
 
 def test_released_unique_parameter_count(released_on_meta: CosyVoice2LM) -> None:
-    assert sum(p.numel() for p in released_on_meta.parameters()) == 505_803_812  # spec §7.1 (tied embedding counted once)
+    # docs/reference/cosyvoice2.md#sizes (tied embedding counted once)
+    assert sum(p.numel() for p in released_on_meta.parameters()) == 505_803_812

@@ -1,4 +1,5 @@
-"""Sampling and stop rules of the speech-token decoder (spec §2.4, §2.5), each on logits where the outcome is certain."""
+"""Sampling and stop rules of the speech-token decoder (docs/reference/cosyvoice2.md#decoding-and-stop-rules,
+#ras-sampling), each on logits where the outcome is certain."""
 
 from __future__ import annotations
 

@@ -16,9 +16,10 @@ import cosyvoice2
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.loading import CheckpointMismatchError
 from cosyvoice2.testing import tiny_config
+from tests.conftest import FIXTURES_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-HARNESS_CONFIG = REPO_ROOT.parent / "shared" / "data" / "parity" / "micro" / "harness_config.json"
+HARNESS_CONFIG = FIXTURES_DIR / "parity" / "micro" / "harness_config.json"
 
 
 @pytest.fixture
@@ -84,7 +85,7 @@ def test_blank_en_config_sets_the_qwen_body_without_engine_config(model_copy: Pa
     assert config.flow == EngineConfig().flow  # released default
 
 
-@pytest.mark.skipif(not HARNESS_CONFIG.is_file(), reason="shared parity data not available")
+@pytest.mark.skipif(not HARNESS_CONFIG.is_file(), reason="parity data absent")
 def test_tiny_config_is_the_parity_micro_config() -> None:
     assert tiny_config() == EngineConfig.from_harness(json.loads(HARNESS_CONFIG.read_text()))
 
@@ -120,10 +121,10 @@ def test_package_import_is_torch_free_and_lazy() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT)
 
 
-PARITY_MICRO = REPO_ROOT.parent / "shared" / "data" / "parity" / "micro"
+PARITY_MICRO = FIXTURES_DIR / "parity" / "micro"
 
 
-@pytest.mark.skipif(not PARITY_MICRO.is_dir(), reason="shared parity data not available")
+@pytest.mark.skipif(not PARITY_MICRO.is_dir(), reason="parity data absent")
 @pytest.mark.parametrize("name", ["llm.pt", "flow.pt", "hift.pt"])
 def test_tiny_checkpoints_have_the_official_keys_and_shapes(tiny_model_dir: Path, name: str) -> None:
     # the parity micro files were written by the upstream reference code at the same dimensions

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from cosyvoice2.flow import CausalFlow, FlowConfig
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 pytestmark = [
     pytest.mark.parity,
     pytest.mark.skipif(not (PARITY_DIR / "micro" / "flow.pt").exists(), reason="parity data absent"),

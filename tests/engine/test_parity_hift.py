@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator, SourceNoise
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 pytestmark = [
     pytest.mark.parity,
     pytest.mark.skipif(not (PARITY_DIR / "micro" / "hift.pt").exists(), reason="parity data absent"),

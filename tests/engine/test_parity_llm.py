@@ -4,7 +4,6 @@ equivalence: requests decoded together in slots see the same log-probs as each d
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,8 +18,9 @@ from cosyvoice2.llm import (
     required_seq_len,
     token_limits,
 )
+from tests.conftest import FIXTURES_DIR
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity"
+PARITY_DIR = FIXTURES_DIR / "parity"
 pytestmark = [
     pytest.mark.parity,
     pytest.mark.skipif(not (PARITY_DIR / "micro" / "llm.pt").exists(), reason="parity data absent"),

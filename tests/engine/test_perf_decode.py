@@ -17,7 +17,8 @@ from cosyvoice2.llm.sampling import draw_uniforms, make_generator, ras_draw
 # ---- the vectorised sampler against a naive per-row reference --------------------------------------------------
 def naive_ras(probs: list[float], u: tuple[float, float], history: list[int], top_p: float, top_k: int,
               win: int, tau: float) -> int:
-    """RAS as the spec words it, in float64 Python: nucleus inverse-CDF draw, then the repetition fallback."""
+    """RAS as docs/reference/cosyvoice2.md#ras-sampling words it, in float64 Python: nucleus inverse-CDF draw, then
+    the repetition fallback."""
     order = sorted(range(len(probs)), key=lambda i: -probs[i])  # Python's sort is stable
     kept, mass = [], 0.0
     for rank, i in enumerate(order):

@@ -1,6 +1,7 @@
 """End-to-end CosyVoice2 on the tiny random model: offline/streaming lengths, seeds, segments, benchmark mode.
 
-Length rule (offline, spec §3.3/§5): each text segment with N generated speech tokens gives exactly
+Length rule (offline, docs/reference/cosyvoice2.md#flow-inference-and-lengths): each text segment with N generated
+speech tokens gives exactly
 480 x 2 x N samples (the final flow call pads the 3-token lookahead, so every token gets its 2 mel frames);
 a request's audio is the concatenation of its segments. Streaming yields the same total per segment.
 """

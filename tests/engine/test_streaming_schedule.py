@@ -1,4 +1,4 @@
-"""The chunk schedule object on its own (spec §5): pure arithmetic, no model."""
+"""The chunk schedule object on its own (docs/reference/cosyvoice2.md#streaming-schedule): pure arithmetic, no model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from cosyvoice2.streaming import Chunk, ChunkSchedule
 
 
 def test_spec_worked_example_aligned_prompt_needs_28_tokens() -> None:
-    # spec §3.3: P = 75 prompt tokens -> pad 0, the first chunk needs 25 + 3 tokens
+    # docs/reference/cosyvoice2.md#flow-inference-and-lengths: P = 75 prompt tokens -> pad 0, the first chunk needs 25
+    # + 3 tokens
     schedule = ChunkSchedule(prompt_tokens=75)
     assert schedule.prompt_pad == 0
     assert schedule.next_chunk(0, 0, available=27, finished=False) is None

@@ -1,4 +1,5 @@
-"""Streaming token2wav on the tiny model: lengths, schedule, seamless joins, state isolation (spec §5).
+"""Streaming token2wav on the tiny model: lengths, schedule, seamless joins, state isolation
+(docs/reference/cosyvoice2.md#streaming-schedule).
 
 Seamlessness is measured against a *seamless reference*: one HiFT decode of the whole mel the stream should
 produce (one chunk-masked flow call over the non-final part + the full-attention final call, computed here
@@ -71,7 +72,8 @@ def recorded(tiny_engine, tiny_prompt_unaligned):
 
 
 def expected_chunk_lengths(prompt_tokens: int, n_tokens: int) -> list[int]:
-    """Spec §5 arithmetic, written out independently of ChunkSchedule."""
+    """The reference schedule's arithmetic (docs/reference/cosyvoice2.md#streaming-schedule), written out
+    independently of ChunkSchedule."""
     hop = 25 + (-prompt_tokens) % 25
     base, start, lengths = 25, 0, []
     while n_tokens - start >= hop + 3:

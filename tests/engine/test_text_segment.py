@@ -1,4 +1,5 @@
-"""Text normalization and segmentation rules (spec §1.2). Expected values are derived by hand from the rules."""
+"""Text normalization and segmentation rules (docs/reference/cosyvoice2.md#text-normalization-and-segmentation).
+Expected values are derived by hand from the rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""CosyVoice2 tokenizer: special-token ids (spec §1.3) and plain encoding without BOS/EOS."""
+"""CosyVoice2 tokenizer: special-token ids (docs/reference/cosyvoice2.md#text-tokenizer-and-special-tokens) and plain
+encoding without BOS/EOS."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+from cosyvoice2.testing.tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS, CosyVoice2Tokenizer
 
 RELEASED_IDS = {

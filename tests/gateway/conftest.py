@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ import pytest
 # tests/triton runs it in front of the real pipeline. Re-exported for the tests that import it from here.
 from tests.conftest import IsolatedSettings, RunningGateway  # noqa: F401
 from tests.gateway.standin_model.repository import render_standin_repository
+from tests.gateway.standin_model.standin import read_request_log
 from triton_repo.server import TritonServer
 
 
@@ -32,10 +32,7 @@ class StandinBackend:
     marker_dir: Path
 
     def requests(self) -> list[dict]:
-        log = self.marker_dir / "requests.jsonl"
-        if not log.exists():
-            return []
-        return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        return read_request_log(self.marker_dir)
 
     def requests_tagged(self, tag: str) -> list[dict]:
         return [r for r in self.requests() if r["tag"] == tag]

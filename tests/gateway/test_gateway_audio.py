@@ -211,4 +211,4 @@ async def test_concurrent_requests_each_get_their_own_audio(gateway, standin_bac
         assert samples.size / rate == pytest.approx(produced_seconds(standin_backend, tag), abs=1e-6)
         segment_text = standin_backend.requests_tagged(tag)[0]["target_text"]
         assert dominant_frequency(samples, rate) == pytest.approx(frequency_for(segment_text), abs=8)
-    assert await async_wait_for(lambda: gateway.metric("tts_in_flight_requests") == 0, timeout=5)
+    assert await async_wait_for(lambda: gateway.metric("tts_in_flight_requests") == 0, timeout=30)

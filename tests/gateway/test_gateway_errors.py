@@ -172,6 +172,6 @@ async def test_in_flight_limit_answers_429_with_retry_after(single_slot_gateway,
         standin_backend.release("zqlimit")
         async for _ in body:
             pass
-    assert await async_wait_for(lambda: single_slot_gateway.metric("tts_in_flight_requests") == 0, timeout=5)
+    assert await async_wait_for(lambda: single_slot_gateway.metric("tts_in_flight_requests") == 0, timeout=30)
     audio = await client.audio.speech.create(model="tts-1", input="Third.", voice="alloy", response_format="pcm")
     assert len(audio.content) > 0

@@ -20,10 +20,11 @@ async def test_client_disconnect_cancels_the_triton_request(gateway, standin_bac
         assert await body.__anext__()
         assert await async_wait_for(standin_backend.marker("zqdisconnect", "holding").exists, timeout=10)
         assert gateway.metric("tts_in_flight_requests") >= 1
-    # Leaving the block closes the connection mid-stream; the model must see the cancellation.
-    assert await async_wait_for(standin_backend.marker("zqdisconnect", "cancelled").exists, timeout=1.0)
+    # Leaving the block closes the connection mid-stream; the model must see the cancellation (well before its
+    # hold would time out and fail the request instead; a loaded CI machine may take seconds to pass it on).
+    assert await async_wait_for(standin_backend.marker("zqdisconnect", "cancelled").exists, timeout=15)
     assert [r["outcome"] for r in standin_backend.requests_tagged("zqdisconnect")] == ["cancelled"]
-    assert await async_wait_for(lambda: gateway.metric("tts_in_flight_requests") == 0, timeout=5)
+    assert await async_wait_for(lambda: gateway.metric("tts_in_flight_requests") == 0, timeout=30)
 
 
 def test_health_is_public_and_ready_checks_both_models(gateway):
@@ -56,6 +57,6 @@ def test_gateway_recovers_when_triton_restarts_on_the_same_ports(
 
     backend.server.start()  # same ports
     with gateway.http() as http:
-        assert wait_for(lambda: http.get("/ready").status_code == 200, timeout=15, interval=0.1)
+        assert wait_for(lambda: http.get("/ready").status_code == 200, timeout=60, interval=0.1)
     audio = client.audio.speech.create(model="tts-1", input="After.", voice="alloy", response_format="pcm")
     assert len(audio.content) > 0

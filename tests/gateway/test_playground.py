@@ -61,6 +61,30 @@ def wait_text(driver, element_id: str, predicate, timeout: float = 30.0) -> str:
     return seen["text"]
 
 
+def record_texts(driver, element_id: str) -> None:
+    """Keep every text the element shows from now on (`shown_texts`): a state that lasts less than a poll of a
+    loaded machine (the "playing" of a sub-second clip) is still seen."""
+    driver.execute_script(
+        "const element = document.getElementById(arguments[0]); window.__shown = [element.textContent];"
+        "new MutationObserver(() => window.__shown.push(element.textContent))"
+        ".observe(element, {childList: true, characterData: true, subtree: true});",
+        element_id,
+    )
+
+
+def shown_texts(driver) -> list[str]:
+    return driver.execute_script("return window.__shown;")
+
+
+def wait_shown(driver, text: str, timeout: float = 30.0) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.02).until(lambda d: text in shown_texts(d))
+    except Exception as exc:  # selenium's TimeoutException: say what was shown
+        raise AssertionError(f"{text!r} never shown; shown {shown_texts(driver)!r}") from exc
+
+
 def test_playground_uploads_a_voice_speaks_live_and_shows_the_first_chunk_time(gateway, standin_backend, browser,
                                                                               tmp_path):
     from selenium.webdriver.support.ui import Select
@@ -88,13 +112,16 @@ def test_playground_uploads_a_voice_speaks_live_and_shows_the_first_chunk_time(g
         "const s = document.getElementById('speed'); s.value = '1.5'; s.dispatchEvent(new Event('input'));"
     )
     browser.find_element("id", "instructions").send_keys("Cheerful.")
+    record_texts(browser, "status")
     clicked = time.monotonic()
     browser.find_element("id", "speak").click()
-    wait_text(browser, "status", lambda status: status == "playing")
+    wait_shown(browser, "playing")
     waited_ms = (time.monotonic() - clicked) * 1000
     first_chunk = wait_text(browser, "first-chunk", lambda shown: re.fullmatch(r"\d+ ms", shown))
     assert 0 < int(first_chunk.split()[0]) <= waited_ms  # measured by the page, inside the wait it caused
-    wait_text(browser, "status", lambda status: status == "done")
+    wait_shown(browser, "done")
+    shown = shown_texts(browser)
+    assert shown.index("requesting…") < shown.index("playing") < shown.index("done"), shown
     screenshot = tmp_path / "playground.png"
     browser.save_screenshot(str(screenshot))
     assert screenshot.stat().st_size > 10_000
@@ -134,3 +161,14 @@ def test_playground_is_served_without_a_key(standin_backend, gateway_factory):
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'id="speak"' in page.text
         assert http.get("/v1/audio/voices").status_code == 401  # what the page calls still needs the key
+
+
+def test_the_playground_says_when_the_server_is_the_demo(gateway, standin_backend, gateway_factory, browser):
+    demo = gateway_factory(standin_backend.server.grpc_url, demo=True)
+    browser.get(f"{demo.base_url}/playground")
+    wait_text(browser, "voice", lambda text: "amy" in text.split())
+    banner = browser.find_element("id", "demo-banner")
+    assert banner.is_displayed() and "random weights" in banner.text
+    browser.get(f"{gateway.base_url}/playground")
+    wait_text(browser, "voice", lambda text: "amy" in text.split())
+    assert not browser.find_element("id", "demo-banner").is_displayed()

@@ -18,8 +18,8 @@ import pytest
 from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import Voice, voice_id
 from gateway.settings import REPO_ROOT
+from tests.conftest import bound_socket
 from tests.gateway.voice_clips import make_clip, upload
-from triton_repo.server import free_port
 
 pytestmark = pytest.mark.triton
 
@@ -130,9 +130,14 @@ async def test_concurrent_uploads_are_all_kept_and_names_stay_unique(standin_bac
 def test_upload_while_triton_is_down_is_kept_and_prepared_by_the_first_speech(
     standin_backend, gateway_factory, tmp_path
 ):
-    offline = gateway_factory(f"127.0.0.1:{free_port()}", uploaded_voices_dir=tmp_path, voice_warmup_timeout_s=5)
-    with offline.http() as http:
-        created = upload(http, name="Patient", audio=make_clip("webm", 1.7), transcript="Waiting words.")
+    # Triton is "down" at a port held (bound, never listening) for the test: refused, and no other process
+    # (another test's tritonserver) can start serving there meanwhile.
+    with bound_socket() as nobody:
+        offline = gateway_factory(
+            f"127.0.0.1:{nobody.getsockname()[1]}", uploaded_voices_dir=tmp_path, voice_warmup_timeout_s=5
+        )
+        with offline.http() as http:
+            created = upload(http, name="Patient", audio=make_clip("webm", 1.7), transcript="Waiting words.")
     assert created.status_code == 200, created.text
     assert offline.metric("tts_voice_warmups_total", {"outcome": "failed"}) == 1
     assert offline.metric("tts_voice_warmups_total", {"outcome": "ok"}) == 0

@@ -14,7 +14,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_repo.server import REPO_ROOT, free_port
+from triton_repo.server import PORT_CONFLICT_MARK, REPO_ROOT, free_port
+
+#: Starts on fresh ports after a port conflict before giving up.
+PORT_CONFLICT_ATTEMPTS = 3
 
 #: Loading the tiny pipeline on a busy 2-core machine takes tens of seconds.
 START_TIMEOUT_S = 300.0
@@ -101,6 +104,29 @@ class StackProcess:
         return self.work_dir / "stack.log"
 
     def start(self) -> StackProcess:
+        """Start and wait for the gateway's /ready. Its ports were free when chosen, but another process may
+        bind one before the stack does (the gateway would then be restarted on it forever): a start that fails
+        with a port conflict in its log is retried on newly chosen ports."""
+        for attempt in range(1, PORT_CONFLICT_ATTEMPTS + 1):
+            log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+            self._launch()
+            if self.wait_ready(START_TIMEOUT_S, give_up_on_port_conflict_since=log_start) is not None:
+                return self
+            conflict = PORT_CONFLICT_MARK in self._log_since(log_start)
+            log = self.log_tail()
+            self.stop()
+            if not conflict or attempt == PORT_CONFLICT_ATTEMPTS:
+                raise RuntimeError(f"the stack did not become ready; log tail:\n{log}")
+            for name in ("gateway_port", "http_port", "grpc_port", "metrics_port"):
+                setattr(self, name, free_port())
+        raise AssertionError("unreachable")
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
+
+    def _launch(self) -> None:
         env = {
             **os.environ,
             "PYTHONPATH": str(REPO_ROOT),
@@ -117,20 +143,19 @@ class StackProcess:
                  "--repo-dir", str(self.work_dir / "repo"), *self.extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
-        if self.wait_ready(START_TIMEOUT_S) is None:
-            log = self.log_tail()
-            self.stop()
-            raise RuntimeError(f"the stack did not become ready; log tail:\n{log}")
-        return self
 
-    def wait_ready(self, timeout: float) -> float | None:
-        """Seconds until the gateway's /ready said 200 (None: it did not within ``timeout``)."""
+    def wait_ready(self, timeout: float, give_up_on_port_conflict_since: int | None = None) -> float | None:
+        """Seconds until the gateway's /ready said 200 (None: it did not within ``timeout``, or the stack
+        exited, or, with ``give_up_on_port_conflict_since``, its log reported a port conflict after that offset)."""
         started = time.monotonic()
         while time.monotonic() - started < timeout:
             if self.proc is not None and self.proc.poll() is not None:
                 return None
             if http_status(f"{self.url}/ready") == 200:
                 return time.monotonic() - started
+            if give_up_on_port_conflict_since is not None and self.log_path.exists():
+                if PORT_CONFLICT_MARK in self._log_since(give_up_on_port_conflict_since):
+                    return None
             time.sleep(0.2)
         return None
 

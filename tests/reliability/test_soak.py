@@ -10,7 +10,8 @@ import pytest
 
 from tests.reliability.soak import soak
 
-pytestmark = pytest.mark.triton
+#: The first test here starts the shared stack (up to START_TIMEOUT_S) before its own work.
+pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]
 
 CONCURRENCY = 6
 REQUESTS = 24

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cosyvoice2.dit.loading import load_dit_token2wav
-from cosyvoice2.dit.testing import write_dit_model
+from cosyvoice2.testing.dit import write_dit_model
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2_serving.engines import DiTBatchedToken2Wav
 from cosyvoice2_serving.errors import InvalidInput

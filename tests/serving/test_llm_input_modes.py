@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cosyvoice2.frontend.llm_prompt import VoiceMode, instruction_text, llm_prompt
-from cosyvoice2.text.testing_tokenizer import write_test_tokenizer
+from cosyvoice2.testing.tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.orchestrator import Orchestrator, OrchestratorConfig, PromptTensors, SynthesisRequest, parse_request

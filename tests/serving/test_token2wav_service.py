@@ -25,11 +25,13 @@ class FakeEngine:
         self.calls: list[list[str]] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = 0  # calls that reached run(), held by the gate or not
 
     def open(self, prompt, seed):
         return {"tokens": [], "id": None}
 
     def run(self, work):
+        self.entered += 1
         self.gate.wait()
         self.calls.append([len(w.state["tokens"]) for w in work])
         out = []
@@ -180,7 +182,13 @@ async def test_first_chunks_run_before_later_chunks_unless_those_waited_too_long
             engine.calls.clear()
             engine.gate.clear()  # the worker blocks in the next call: everything below queues up
             blocker = asyncio.create_task(service.process("blocker", np.arange(3), PROMPT, chunk(0, 3)))
-            await asyncio.sleep(0.05)
+            # the worker thread must hold the blocker's call before the others queue (a fixed sleep is not
+            # enough when a loaded machine schedules that thread late: it would batch them with the blocker)
+            for _ in range(3000):
+                if engine.entered == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert engine.entered == 2
             later = asyncio.create_task(service.process("playing", np.arange(5, 10), None, chunk(5, 10)))
             await asyncio.sleep(0.01)
             first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))

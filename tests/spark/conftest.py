@@ -3,13 +3,13 @@ runtime's outputs for it (``parity_spark``; its README gives the inputs and tole
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-PARITY_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "parity_spark"
+from tests.conftest import FIXTURES_DIR
+
+PARITY_DIR = FIXTURES_DIR / "parity_spark"
 MICRO_DIR = PARITY_DIR / "micro"
 DUMP_FILE = PARITY_DIR / "micro_dump_seed1234.npz"
 

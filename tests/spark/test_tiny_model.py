@@ -89,13 +89,9 @@ def test_benchmark_mode_yields_exactly_the_fixed_count(tiny: SparkTTS) -> None:
 
 def test_gpu_check_script_reports_every_measurement() -> None:
     """The speed-check script runs end to end (tiny model, CPU); its numbers are not asserted, its counts are."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
 
-    path = Path(__file__).resolve().parents[2] / "scripts" / "spark_gpu_check.py"
-    spec = importlib.util.spec_from_file_location("spark_gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("scripts.spark_gpu_check")
     report = module.main(["--tiny", "--device", "cpu", "--dtype", "fp32", "--tokens", "30", "--concurrency", "2",
                           "--reference-seconds", "1", "--first-chunk-tokens", "10"])
     assert report["offline_c1"]["audio_s"] == report["stream_c1"]["audio_s"] == 30 / 50

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,12 +126,18 @@ async def wait_metrics(pipeline, predicate, timeout=30.0):
     return pipeline.metrics()
 
 
+#: How long the metrics must stay unchanged to count as settled. Components push a change at once and then at
+#: most every 100 ms, but on a loaded CI machine a publisher thread can wait for the CPU well beyond that.
+SETTLE_S = 1.2
+
+
 async def settled_metrics(pipeline):
-    """Metrics once every component has published its latest values (they are pushed every 100 ms)."""
-    previous = pipeline.metrics()
+    """Metrics once every component has published its latest values (unchanged for `SETTLE_S`)."""
+    previous, since = pipeline.metrics(), time.monotonic()
     while True:
         await asyncio.sleep(0.3)
         current = pipeline.metrics()
-        if current == previous:
+        if current != previous:
+            previous, since = current, time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S:
             return current
-        previous = current

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as aio
 
-from cosyvoice2.dit.testing import write_dit_model
+from cosyvoice2.testing.dit import write_dit_model
 from tests.gateway.audio_checks import decode
 from tests.triton.conftest import FIRST_HOP, Pipeline, SAMPLES_PER_TOKEN, stream, synthesis_inputs, wait_metrics
 from triton_repo import contract

@@ -235,7 +235,7 @@ def test_a_delivery_schedule_round_trips_through_the_llm_tensors_and_bad_ones_ar
 
 
 def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_dir, tmp_path, capsys):
-    from cosyvoice2.dit.testing import write_dit_model
+    from cosyvoice2.testing.dit import write_dit_model
 
     dit_dir = write_dit_model(tmp_path / "dit")
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", token2wav="dit",
@@ -253,7 +253,7 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
 
 
 def test_a_dit_flow_that_cannot_take_the_llms_tokens_or_chunks_is_refused(tiny_model_dir, tmp_path):
-    from cosyvoice2.dit.testing import micro_dit_config, write_dit_model
+    from cosyvoice2.testing.dit import micro_dit_config, write_dit_model
 
     micro = micro_dit_config()
     small_vocab = write_dit_model(tmp_path / "vocab", replace(micro, vocab_size=4096))

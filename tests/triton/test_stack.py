@@ -1,4 +1,5 @@
-"""The local-stack launcher: clear message without weights, and a real start/stop on the tiny model."""
+"""The local-stack launcher: what to do without weights (through the real entry point), the demo model cache,
+and a real start/stop on the tiny model."""
 
 from __future__ import annotations
 
@@ -6,20 +7,82 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
-from triton_repo.server import REPO_ROOT, free_port
-from triton_repo.stack import StackError, ensure_model_dir, main
+from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
+from tests.reliability.stack_rig import StackProcess
+from triton_repo.server import REPO_ROOT
+from triton_repo.stack import DEMO_MARKER, StackError, ensure_demo_model, main
 
 pytestmark = pytest.mark.triton
 
 
-def test_an_empty_model_dir_with_an_unusual_name_gets_instructions(tmp_path):
-    with pytest.raises(StackError, match="CosyVoice2-0.5B"):
-        ensure_model_dir(tmp_path / "somewhere")
+def _stack(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """`python -m triton_repo.stack` as `make run` starts it, in its own process (a developer's COSYVOICE_*
+    variables left out: only `env` sets them)."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_")}
+    environment = {**inherited, "PYTHONPATH": str(REPO_ROOT), **env}
+    return subprocess.run(
+        [sys.executable, "-m", "triton_repo.stack", *args], cwd=REPO_ROOT, env=environment,
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _says_what_to_do(stderr: str, model_dir) -> None:
+    assert f"no CosyVoice2 weights in {model_dir}" in stderr or f"weights in {model_dir} are incomplete" in stderr
+    assert "-m cosyvoice_build --work-dir" in stderr and "--from download --to download" in stderr
+    assert "COSYVOICE_MODEL_DIR" in stderr and "make demo" in stderr
+
+
+def test_missing_weights_say_what_to_do_and_create_nothing(tmp_path):
+    model_dir = tmp_path / "models" / "CosyVoice2-0.5B"
+    done = _stack("--repo-dir", str(tmp_path / "var" / "repo"), COSYVOICE_MODEL_DIR=str(model_dir))
+    assert done.returncode == 2, done.stderr
+    _says_what_to_do(done.stderr, model_dir)
+    assert f"--work-dir {model_dir.parent} " in done.stderr  # the download lands exactly where it is looked for
+    for name in REQUIRED_FILES:
+        assert name in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no model directory, no rendered repository, no log
+
+
+def test_incomplete_weights_name_each_missing_file(tmp_path):
+    model_dir = tmp_path / "my-weights"
+    (model_dir / "CosyVoice-BlankEN").mkdir(parents=True)
+    (model_dir / "llm.pt").write_bytes(b"\0" * 32)  # a truncated download
+    for name in REQUIRED_FILES[1:4]:
+        (model_dir / name).write_bytes(b"x")
+    done = _stack("--model-dir", str(model_dir), "--repo-dir", str(tmp_path / "repo"))
+    assert done.returncode == 2, done.stderr
+    _says_what_to_do(done.stderr, model_dir)
+    assert "llm.pt: not a torch.save archive" in done.stderr
+    for name in REQUIRED_FILES[4:]:
+        assert f"{name}: missing" in done.stderr
+    for name in REQUIRED_FILES[1:4]:
+        assert f"{name}: missing" not in done.stderr
+    # the download stage writes <work dir>/CosyVoice2-0.5B: the message says so and which variable to set then
+    assert f"COSYVOICE_MODEL_DIR={tmp_path / 'CosyVoice2-0.5B'}" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-weights"]
+
+
+def test_the_demo_model_is_written_once_and_only_where_it_may(tmp_path):
+    demo_dir = tmp_path / "cache" / "demo-model"
+    assert ensure_demo_model(demo_dir) == demo_dir
+    assert model_dir_problems(demo_dir) == [] and (demo_dir / DEMO_MARKER).is_file()
+    assert [p.name for p in demo_dir.parent.iterdir()] == ["demo-model"]  # no staging directory left
+    written = {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")}
+    ensure_demo_model(demo_dir)
+    assert {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")} == written  # cached: not written again
+    (demo_dir / "flow.pt").unlink()  # damaged: ours, so it is rewritten
+    ensure_demo_model(demo_dir)
+    assert model_dir_problems(demo_dir) == []
+    foreign = tmp_path / "photos"
+    foreign.mkdir()
+    (foreign / "holiday.jpg").write_bytes(b"jpeg")
+    with pytest.raises(StackError, match="holds no demo model"):
+        ensure_demo_model(foreign)
+    assert [p.name for p in foreign.iterdir()] == ["holiday.jpg"]
 
 
 def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_directory(
@@ -40,29 +103,16 @@ def test_a_spark_dir_comes_from_the_environment_and_is_checked(tiny_model_dir, t
     assert "--spark-dir" in capsys.readouterr().err and not (tmp_path / "repo").exists()
 
 
+@pytest.mark.timeout(1200)  # the whole stack: its start (up to START_TIMEOUT_S, again after a port conflict)
 def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
-    port = free_port()
-    env = {**os.environ, "TTS_PORT": str(port), "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "triton_repo.stack", "--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo")],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    # the rig picks free ports and starts again on new ones if another process took one first
+    stack = StackProcess(tiny_model_dir, tmp_path)
     try:
-        deadline = time.monotonic() + 300
-        ready = False
-        while time.monotonic() < deadline and proc.poll() is None and not ready:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2) as response:
-                    ready = response.status == 200
-            except OSError:
-                time.sleep(0.5)
-        assert ready, proc.stdout.read() if proc.poll() is not None else "gateway never became ready"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
-        output = proc.stdout.read()
-        assert "[stack] stopping" in output
+        stack.start()
+        stack.proc.send_signal(signal.SIGINT)
+        assert stack.proc.wait(120) == 0
+        assert "[stack] stopping" in stack.log_path.read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stack.stop()
     with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        urllib.request.urlopen(f"{stack.url}/health", timeout=2)

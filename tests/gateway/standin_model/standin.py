@@ -25,7 +25,9 @@ a cache hit.
 Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``, ``sample_rate`` (default 24000).
 Observations go to
 ``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
-``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()``.
+``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()`` (made after
+its line in ``requests.jsonl``, so a test that saw the marker finds the record). Read the log with
+``read_request_log``: it skips a last line still being written.
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ def input_tokens_for(reference_text: str, target_text: str) -> int:
 
 def output_tokens_for(samples: int, sample_rate: int = SAMPLE_RATE) -> int:
     return samples // (sample_rate // 25)
+
+
+def read_request_log(marker_dir: Path) -> list[dict[str, Any]]:
+    """The finished requests logged so far (a last line without its newline is still being written: skipped)."""
+    log = marker_dir / "requests.jsonl"
+    if not log.exists():
+        return []
+    complete = log.read_text(encoding="utf-8").rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def voice_cache_entry(marker_dir: Path, voice_id: str) -> Path:
@@ -203,8 +214,8 @@ class TritonPythonModel:
             try:
                 await self._hold(request, info["tag"])
             except asyncio.CancelledError:
-                self._mark(info["tag"], "cancelled")
                 self._log(info, "cancelled", 0)
+                self._mark(info["tag"], "cancelled")  # after the record: whoever sees the marker finds it
                 return pb_utils.InferenceResponse(error=pb_utils.TritonError("cancelled"))
             except StandinFailure as exc:
                 self._log(info, "failed", 0)
@@ -252,8 +263,8 @@ class TritonPythonModel:
                 else:
                     sender.send(response)
         except asyncio.CancelledError:
-            self._mark(info["tag"], "cancelled")
             self._log(info, "cancelled", sent)
+            self._mark(info["tag"], "cancelled")  # after the record: whoever sees the marker finds it
             sender.send(flags=final)
             return
         except StandinFailure as exc:
@@ -285,5 +296,12 @@ class TritonPythonModel:
             output_tokens=output_tokens_for(samples, self.sample_rate),
             pid=os.getpid(),
         )
-        with open(self.marker_dir / "requests.jsonl", "a", encoding="utf-8") as log:
-            log.write(json.dumps(record) + "\n")
+        # One write(2) of the whole line on an O_APPEND descriptor: the offline and the streaming model (two
+        # processes) append to one file while tests read it, so a line must never be split across writes
+        # (readers also skip a last line without its newline, which a read racing the write can see).
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        fd = os.open(self.marker_dir / "requests.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from .onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
+from cosyvoice2.frontend.onnx_models import CAMPPLUS_FILE, SPEECH_TOKENIZER_FILE
 
 XVECTOR_DIM = 192
 FBANK_DIM = 80

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 
+from cosyvoice2.dit.config import DiTEncoderConfig, DiTEstimatorConfig, DiTFlowConfig
+from cosyvoice2.dit.flow import DiTFlow
+from cosyvoice2.dit.layout import DIT_FLOW_CONFIG, DIT_FLOW_FILE, DIT_HIFT_CONFIG, DIT_HIFT_FILE
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
 from cosyvoice2.loading import _meta_without_init
 from cosyvoice2.testing.models import _hift_overrides, randomize_
-
-from .config import DiTEncoderConfig, DiTEstimatorConfig, DiTFlowConfig
-from .flow import DiTFlow
-from .layout import DIT_FLOW_CONFIG, DIT_FLOW_FILE, DIT_HIFT_CONFIG, DIT_HIFT_FILE
 
 
 def micro_dit_config() -> DiTFlowConfig:
