@@ -1,5 +1,5 @@
 """The data the serving processes hand each other: one module, so every component (orchestrator, voice prompt,
-LLM, token2wav, their Triton adapters and tensor conversions) speaks of the same types.
+LLM, token2wav, their Triton adapters and tensor conversions; Spark-TTS's alike) speaks of the same types.
 
 The gateway-facing types (`SpeechRequest`, `SpeechChunk`) are the pipeline contract's (`pipeline_contract`).
 numpy only.
@@ -37,3 +37,22 @@ class LLMRequest:
     # Cumulative token counts at which the orchestrator needs the tokens decoded so far (the streaming
     # schedule's chunk boundaries; empty: only at the end). An LLM that can buffer answers only there.
     deliver_at: tuple[int, ...] | None = None
+
+
+# -- Spark-TTS (`cosyvoice2_serving.spark`) ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SparkVoicePrompt:
+    """A Spark voice: what the audio tokenizer computes once per voice id."""
+
+    global_tokens: np.ndarray  # int32 [32]
+    semantic_tokens: np.ndarray  # int32 [frames], 50 per second of reference
+
+
+@dataclass(frozen=True)
+class SparkLLMRequest:
+    """Inputs of one Spark LLM sequence."""
+
+    prompt_ids: np.ndarray  # int32, the whole prompt
+    max_new_tokens: int
+    seed: int
+    deliver_at: tuple[int, ...] | None  # token counts at which the caller needs its tokens; () = only the end

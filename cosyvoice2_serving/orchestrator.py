@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
@@ -185,10 +186,8 @@ class Orchestrator:
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
         request_id = new_request_id()
-        self.stats.add("orchestrator_requests_total")
-        self.stats.add("orchestrator_active_requests")
         run = _Run(request_id, self.clients)
-        try:
+        async with accounted(self.stats, run.release):
             prompt = await self.clients.voice_prompt(request)
             if not request.target_text:
                 # Contract: empty target text only computes and caches the voice prompt (voice upload
@@ -225,17 +224,6 @@ class Orchestrator:
             else:
                 audio = await run.token2wav(tokens, prompt, None, llm_request.seed)
             yield SpeechChunk(audio, input_tokens, len(tokens), final=True)
-        except asyncio.CancelledError:
-            self.stats.add("orchestrator_cancelled_total")
-            raise
-        except BaseException:
-            self.stats.add("orchestrator_failed_total")
-            raise
-        finally:
-            try:
-                await run.release()
-            finally:
-                self.stats.add("orchestrator_active_requests", -1)
 
     def _speech_tokens(self, ids: list[int]) -> tuple[list[int], bool]:
         """LLM ids -> (speech tokens before the first non-speech id, whether such an id ended the utterance).
@@ -286,6 +274,27 @@ class _Run:
                 await asyncio.wait_for(asyncio.shield(cleanup), RELEASE_TIMEOUT_S)
             except asyncio.TimeoutError:
                 logger.warning("request %s: releasing its LLM/token2wav state timed out", self.request_id)
+
+
+@asynccontextmanager
+async def accounted(stats: Stats, release: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
+    """One request's run in the orchestrator counters (requests, active; cancelled or failed by how it ended).
+    However it ends, `release` frees what it holds downstream before it stops counting as active."""
+    stats.add("orchestrator_requests_total")
+    stats.add("orchestrator_active_requests")
+    try:
+        yield
+    except asyncio.CancelledError:
+        stats.add("orchestrator_cancelled_total")
+        raise
+    except BaseException:  # an error, or the consumer closing the stream early (GeneratorExit)
+        stats.add("orchestrator_failed_total")
+        raise
+    finally:
+        try:
+            await release()
+        finally:
+            stats.add("orchestrator_active_requests", -1)
 
 
 async def run_until_cancelled(

@@ -17,6 +17,7 @@ from gateway.errors import install_error_handlers
 from gateway.guard import Drain, RequestGuard
 from gateway.metrics import GatewayMetrics
 from gateway.routes import audio_models, captions, health, models, playground, speech, voices
+from gateway.services.models import ModelCatalog
 from gateway.services.speech import SpeechService
 from gateway.services.voice_library import VoiceLibrary
 from gateway.services.voice_store import VoiceStore
@@ -77,7 +78,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retry_after_s=settings.retry_after_s,
         )
         app.state.triton = triton
-        app.state.speech_service = SpeechService(settings, registry, triton, metrics, segmenter)
+        app.state.models = ModelCatalog(settings, triton)
+        app.state.speech_service = SpeechService(settings, registry, triton, metrics, segmenter, app.state.models)
         app.state.voice_library = VoiceLibrary(
             registry,
             store,
@@ -85,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics,
             max_upload_bytes=settings.max_voice_upload_bytes,
             warmup_timeout_s=settings.voice_warmup_timeout_s,
+            catalog=app.state.models,
         )
         logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
         if settings.demo:

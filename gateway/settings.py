@@ -51,6 +51,12 @@ class Settings(BaseSettings):
         default_factory=lambda: ["tts-1", "tts-1-hd", "gpt-4o-mini-tts", "cosyvoice2"],
         description="Model ids accepted in `model` and listed by /v1/models (all run the same pipeline).",
     )
+    spark_models: CommaList = Field(
+        default_factory=lambda: ["spark-tts"],
+        description="Model ids that run Spark-TTS; accepted and listed by /v1/models while Triton has it loaded.",
+    )
+    spark_offline_model: str = Field(contract.SPARK_OFFLINE_MODEL, description="Spark-TTS whole-segment model.")
+    spark_streaming_model: str = Field(contract.SPARK_STREAMING_MODEL, description="Spark-TTS streaming model.")
 
     voices_dir: Path = Field(REPO_ROOT / "ref_audios", description="Reference voices: <name>.<audio> + <name>.txt.")
     voice_aliases: dict[str, str] = Field(
@@ -100,7 +106,7 @@ class Settings(BaseSettings):
             self.served_models = [DEMO_MODEL_ID, *self.served_models]
         return self
 
-    @field_validator("served_models", "api_keys", mode="before")
+    @field_validator("served_models", "spark_models", "api_keys", mode="before")
     @classmethod
     def _split_comma_list(cls, value: object) -> object:
         if isinstance(value, str):

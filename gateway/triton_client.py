@@ -53,8 +53,25 @@ class SegmentRequest(contract.SpeechRequest):
     request_id: str
 
 
+@dataclass(frozen=True)
+class Pipeline:
+    """The two Triton models of one speech model (same contract): CosyVoice2's or Spark-TTS's."""
+
+    offline: str
+    streaming: str
+
+
 def _requested_outputs() -> list[InferRequestedOutput]:
     return [InferRequestedOutput(spec.name) for spec in contract.OUTPUTS]
+
+
+def _decode(result: object, final: bool) -> contract.SpeechChunk:
+    """A response through the contract's codec; one that breaks the contract (audio without its rate) fails the
+    synthesis, it is not the client's fault."""
+    try:
+        return contract.decode_response(result.as_numpy, final)  # type: ignore[attr-defined]
+    except contract.ContractViolation as exc:
+        raise SynthesisFailed(f"Synthesis failed: the pipeline's response breaks the contract: {exc}") from exc
 
 
 def _is_final(result: object) -> bool:
@@ -90,33 +107,42 @@ class TritonClient:
         self, url: str, offline_model: str, streaming_model: str, *, timeout_s: float, retry_after_s: int
     ) -> None:
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
-        self._offline_model = offline_model
-        self._streaming_model = streaming_model
+        self.pipeline = Pipeline(offline_model, streaming_model)  # the default: CosyVoice2's
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
 
     async def close(self) -> None:
         await self._client.close()
 
+    async def is_deployed(self, pipeline: Pipeline, timeout_s: float) -> bool:
+        """Whether Triton has both models of `pipeline` loaded and ready (False when Triton is unreachable)."""
+        try:
+            for model in (pipeline.offline, pipeline.streaming):
+                if not await self._client.is_model_ready(model, client_timeout=timeout_s):
+                    return False
+        except (InferenceServerException, grpc.RpcError):
+            return False
+        return True
+
     async def check_ready(self, timeout_s: float) -> None:
-        """Raise BackendUnavailable unless Triton and both pipeline models are ready."""
+        """Raise BackendUnavailable unless Triton and both models of the default pipeline are ready."""
         try:
             if not await self._client.is_server_ready(client_timeout=timeout_s):
                 raise BackendUnavailable("Triton is not ready.", retry_after=self._retry_after_s)
-            for model in (self._offline_model, self._streaming_model):
+            for model in (self.pipeline.offline, self.pipeline.streaming):
                 if not await self._client.is_model_ready(model, client_timeout=timeout_s):
                     raise BackendUnavailable(f"Model '{model}' is not ready.", retry_after=self._retry_after_s)
         except (InferenceServerException, grpc.RpcError) as exc:
             raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
 
     async def synthesize_offline(
-        self, request: SegmentRequest, *, timeout_s: float | None = None
+        self, request: SegmentRequest, *, timeout_s: float | None = None, pipeline: Pipeline | None = None
     ) -> contract.SpeechChunk:
-        """One unary request on the offline model: the whole waveform of one segment (with empty
-        ``target_text``: only the voice prompt is computed and cached, per the contract)."""
+        """One unary request on the offline model (of `pipeline`, default CosyVoice2's): the whole waveform of one
+        segment (with empty ``target_text``: only the voice prompt is computed and cached, per the contract)."""
         try:
             result = await self._client.infer(
-                self._offline_model,
+                (pipeline or self.pipeline).offline,
                 contract.grpc_inputs(request),
                 outputs=_requested_outputs(),
                 request_id=request.request_id,
@@ -124,9 +150,11 @@ class TritonClient:
             )
         except (InferenceServerException, grpc.RpcError) as exc:
             raise _from_exception(exc, self._retry_after_s) from exc
-        return contract.decode_response(result.as_numpy, final=True)
+        return _decode(result, final=True)
 
-    async def synthesize_stream(self, request: SegmentRequest) -> AsyncIterator[contract.SpeechChunk]:
+    async def synthesize_stream(
+        self, request: SegmentRequest, pipeline: Pipeline | None = None
+    ) -> AsyncIterator[contract.SpeechChunk]:
         """The decoupled model's chunks for one segment, in order.
 
         The request stream is half-closed right after the request, so the call ends by itself after
@@ -137,7 +165,7 @@ class TritonClient:
 
         async def one_request() -> AsyncIterator[dict[str, object]]:
             yield {
-                "model_name": self._streaming_model,
+                "model_name": (pipeline or self.pipeline).streaming,
                 "inputs": contract.grpc_inputs(request),
                 "outputs": _requested_outputs(),
                 "request_id": request.request_id,
@@ -151,7 +179,7 @@ class TritonClient:
                 if error is not None:
                     raise _from_exception(error, self._retry_after_s)
                 final_seen = _is_final(result)
-                yield contract.decode_response(result.as_numpy, final_seen)
+                yield _decode(result, final_seen)
             ended = True
             if not final_seen:
                 raise SynthesisFailed("The speech stream ended without its final response.")

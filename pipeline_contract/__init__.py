@@ -27,12 +27,17 @@ import numpy as np
 
 OFFLINE_MODEL = "cosyvoice2"
 STREAMING_MODEL = "cosyvoice2_stream"
+#: The Spark-TTS pipeline, rendered beside CosyVoice2 when a Spark model directory is given: the same inputs and
+#: outputs, 16 kHz audio (the `sample_rate` output says so).
+SPARK_OFFLINE_MODEL = "spark_tts"
+SPARK_STREAMING_MODEL = "spark_tts_stream"
 
 #: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
 #: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
 MAX_SEGMENT_TOKENS = 300
 
-#: Reference audio must be 16 kHz mono; the waveform the pipeline returns is 24 kHz mono.
+#: Reference audio must be 16 kHz mono. CosyVoice2 returns 24 kHz mono, the rate the gateway serves (every
+#: response also states its rate in `sample_rate`; the gateway resamples other rates to this one).
 REFERENCE_SAMPLE_RATE = 16_000
 OUTPUT_SAMPLE_RATE = 24_000
 
@@ -86,12 +91,15 @@ INPUTS: tuple[TensorSpec, ...] = (
 )  # fmt: skip
 
 # Outputs --------------------------------------------------------------------------------------
-WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # 24 kHz mono float32 samples (may be empty)
+WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # mono float32 samples at `sample_rate` (may be empty)
 #: Usage, cumulative for the request so far; the final response holds the totals.
 INPUT_TOKENS = TensorSpec("input_tokens", "INT32", (1,))  # text tokens the LLM read (prompt text + target)
 OUTPUT_TOKENS = TensorSpec("output_tokens", "INT32", (1,))  # speech tokens the LLM generated
 
-OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS)
+#: The rate of `waveform` in Hz, in every response: 24000 (CosyVoice2), 16000 (Spark-TTS).
+SAMPLE_RATE = TensorSpec("sample_rate", "INT32", (1,))
+
+OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS, SAMPLE_RATE)
 
 #: Error messages raised by pipeline models start with one of these tags so the gateway can map
 #: them to HTTP statuses without parsing free text (Triton's gRPC status codes are coarse).
@@ -126,7 +134,8 @@ MAX_REFERENCE_SAMPLES = 30 * REFERENCE_SAMPLE_RATE
 
 
 class ContractViolation(ValueError):
-    """A request that breaks the contract; the pipeline answers it as ``ERROR_INVALID_INPUT``."""
+    """Tensors that break the contract: a request's (the pipeline answers it as ``ERROR_INVALID_INPUT``) or a
+    response's (the client's call fails)."""
 
 
 @dataclass(frozen=True)
@@ -143,12 +152,13 @@ class SpeechRequest:
 
 @dataclass(frozen=True)
 class SpeechChunk:
-    """One response: the next waveform piece and the usage so far."""
+    """One response: the next waveform piece, its rate and the usage so far."""
 
-    waveform: np.ndarray  # float32, OUTPUT_SAMPLE_RATE mono; may be empty
+    waveform: np.ndarray  # float32 mono at `sample_rate`; may be empty
     input_tokens: int  # cumulative for the request
     output_tokens: int  # cumulative for the request
     final: bool  # the last response of the request (for the streaming model: sent with the FINAL flag)
+    sample_rate: int = OUTPUT_SAMPLE_RATE  # Hz of `waveform`: CosyVoice2's 24 kHz unless the pipeline says otherwise
 
 
 def _text(value: str) -> np.ndarray:
@@ -238,21 +248,30 @@ def encode_response(chunk: SpeechChunk) -> dict[str, np.ndarray]:
         WAVEFORM.name: np.asarray(chunk.waveform, dtype=np.float32).reshape(-1),
         INPUT_TOKENS.name: np.array([chunk.input_tokens], dtype=np.int32),
         OUTPUT_TOKENS.name: np.array([chunk.output_tokens], dtype=np.int32),
+        SAMPLE_RATE.name: np.array([chunk.sample_rate], dtype=np.int32),
     }
 
 
 def decode_response(as_numpy: Callable[[str], np.ndarray | None], final: bool) -> SpeechChunk:
     """One response from its output tensors (``as_numpy(name)``, None for an absent one, as tritonclient's
-    results give them); a flag-only response (no tensors) is an empty chunk with zero usage."""
+    results give them); a flag-only response (no tensors) is an empty chunk with zero usage. Audio without a
+    positive ``sample_rate`` is a ``ContractViolation``: its rate would be a guess."""
 
     def first_int(spec: TensorSpec) -> int:
         value = as_numpy(spec.name)
         return int(value.reshape(-1)[0]) if value is not None and value.size else 0
 
     waveform = as_numpy(WAVEFORM.name)
+    samples = np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False)
+    sample_rate = first_int(SAMPLE_RATE)
+    if sample_rate <= 0:
+        if samples.size:
+            raise ContractViolation(f"a response holds {samples.size} samples but no positive sample_rate")
+        sample_rate = OUTPUT_SAMPLE_RATE  # nothing to play: any rate will do
     return SpeechChunk(
-        waveform=np.zeros(0, np.float32) if waveform is None else waveform.reshape(-1).astype(np.float32, copy=False),
+        waveform=samples,
         input_tokens=first_int(INPUT_TOKENS),
         output_tokens=first_int(OUTPUT_TOKENS),
         final=final,
+        sample_rate=sample_rate,
     )

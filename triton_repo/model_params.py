@@ -26,6 +26,7 @@ from typing import Any, Mapping, TypeVar
 
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import StreamScheduleParams
+from spark_tts.streaming import ChunkSchedule
 
 
 class ParameterError(ValueError):
@@ -218,12 +219,18 @@ class _TorchModelParams(ModelParams):
 
 
 @dataclass(frozen=True)
-class LLMParams(_TorchModelParams):
-    """The PyTorch LLM (`adapters.llm.LLMHandler`)."""
+class _DecoderParams(_TorchModelParams):
+    """A PyTorch LLM on our batched decoder under continuous batching: its capacity."""
 
     max_batch: int  # sequences decoded together (KV slots)
     max_seq_len: int  # prompt + generated tokens per sequence
     max_waiting: int  # requests queued beyond the slots before [overloaded]
+
+
+@dataclass(frozen=True)
+class LLMParams(_DecoderParams):
+    """The PyTorch LLM (`adapters.llm.LLMHandler`)."""
+
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
 
 
@@ -262,7 +269,8 @@ class EngineParams(ModelParams):
 
 @dataclass(frozen=True)
 class AudioModelParams(ModelParams):
-    """`audio_tokenizer` and `speaker_embedding` (`adapters.audio_features`)."""
+    """`audio_tokenizer` and `speaker_embedding` (`adapters.audio_features`); `spark_audio_tokenizer`
+    (`adapters.spark`, `model_dir` the Spark-TTS directory)."""
 
     model_dir: Path
     device: str
@@ -270,6 +278,24 @@ class AudioModelParams(ModelParams):
 
 @dataclass(frozen=True)
 class VoicePromptParams(ModelParams):
-    """`voice_prompt` (`adapters.voice_prompt`)."""
+    """`voice_prompt` (`adapters.voice_prompt`) and `spark_voice_prompt` (`adapters.spark`)."""
 
     cache_capacity: int  # voices kept
+
+
+# -- Spark-TTS (`triton_repo.spark_render`): `model_dir` is the Spark-TTS directory --------------------------------
+@dataclass(frozen=True)
+class SparkOrchestratorParams(ModelParams):
+    """`spark_tts` / `spark_tts_stream` (`adapters.spark.SparkOrchestratorModel`)."""
+
+    model_dir: Path
+    sample_rate: int  # Hz of the waveform the engine vocodes, stated in every response
+    max_new_tokens: int  # LLM tokens per segment
+    max_seq_len: int  # the LLM's prompt + generated tokens per sequence
+    max_target_text_tokens: int
+    schedule: ChunkSchedule  # the stream's piece sizes (first_chunk_tokens, scale, max_chunk_tokens)
+
+
+@dataclass(frozen=True)
+class SparkEngineParams(_DecoderParams):
+    """`spark_engine` (`adapters.spark.SparkEngineModel`): the Spark LLM and BiCodec's decoder in one process."""

@@ -4,14 +4,16 @@
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
         [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token] \
-        [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav] \
+        [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav] [--spark-dir models/Spark-TTS-0.5B] \
         [--token2wav-gpus 1,2,3 --token2wav-instances-per-gpu 2]  # --layout disaggregated
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
-switching between offline and streaming never needs a re-render. Every option is checked before
-anything is written; the result is validated (no unresolved placeholder, every config parses as
-Triton's ModelConfig, values consistent); the same options give byte-identical output, and
-re-rendering replaces a previously rendered repository atomically (other directories are refused).
+switching between offline and streaming never needs a re-render. With `--spark-dir` the Spark-TTS models
+(`spark_tts`, `spark_tts_stream` and their internal models, `triton_repo.spark_render`) are rendered beside
+them. Every option is checked before anything is written; the result is validated (no unresolved
+placeholder, every config parses as Triton's ModelConfig, values consistent); the same options give
+byte-identical output, and re-rendering replaces a previously rendered repository atomically (other
+directories are refused).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from cosyvoice2_serving.schedule import StreamScheduleParams
 from cosyvoice2_serving.token2wav import T2W_SCHEDULING
 import pipeline_contract as contract
 from triton_repo import internal_io as io
+from triton_repo import spark_render
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.model_params import (
     AudioModelParams,
@@ -51,6 +54,7 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
+from triton_repo.spark_render import SparkRenderOptions
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
@@ -72,7 +76,10 @@ ENGINE_MODEL = "engine"
 #: The engine's logits type the per-request embedding bias (float32) needs: trtllm-build --logits_dtype float32.
 LOGITS_DTYPE = "float32"
 #: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process.
-SCALABLE = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding")
+SCALABLE = (
+    contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding",
+    *spark_render.SCALABLE,
+)  # fmt: skip
 #: The GPU of the LLM in the disaggregated layout (TensorRT-LLM's `gpu_device_ids`, the PyTorch LLM's instance group).
 LLM_GPU = 0
 #: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
@@ -140,6 +147,8 @@ class RenderOptions:
     # Rehearse the disaggregated GPU placement on a machine without GPUs (tests, CI): every GPU instance group
     # renders as a CPU one and every device as cpu; the models, replicas and routing stay those of the GPU render.
     gpu_emulation: bool = False
+    # Spark-TTS beside CosyVoice2 (`--spark-dir`); None: CosyVoice2 only
+    spark: SparkRenderOptions | None = None
 
     def __post_init__(self) -> None:
         # The one place that fills in what was left open, for the command line, the library call and the stack alike.
@@ -278,6 +287,7 @@ def check_options(opts: RenderOptions) -> None:
             errors.append(f"--instances {model}={count}: the count must be >= 1")
     if opts.llm_backend == "tensorrt_llm":
         errors += _check_trtllm(opts)
+    errors += spark_render.check(opts)
     if errors:
         raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
 
@@ -515,6 +525,7 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
                 parameters=_parameters(token2wav_params(opts, name)),
             )
             files[f"{name}/1/model.py"] = _python_model("token2wav")
+    files.update(spark_render.files(opts))
     files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
     return files
 
@@ -558,7 +569,7 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
 def expected_models(opts: RenderOptions) -> set[str]:
     internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
-    return frontend | internal
+    return frontend | internal | (spark_render.MODELS if opts.spark is not None else set())
 
 
 def llm_params(opts: RenderOptions) -> LLMParams:
@@ -644,7 +655,10 @@ def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
 def _options_record(opts: RenderOptions) -> dict[str, object]:
     record = asdict(opts)
     record.pop("out")
-    return {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+    record = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+    if opts.spark is not None:
+        record["spark"] = {**record["spark"], "model_dir": str(opts.spark.model_dir.resolve())}
+    return record
 
 
 def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:
@@ -694,7 +708,8 @@ def validate_repository(repo: Path, expected: set[str]) -> None:
             errors.append(f"{repo / name}: missing version directory 1/")
         if config.backend == "python" and not (repo / name / "1" / "model.py").is_file():
             errors.append(f"{repo / name}/1/model.py missing")
-        if (name in ("llm", ENGINE_MODEL) or name.startswith("token2wav")) and (
+        single = name in ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE) or name.startswith("token2wav")
+        if single and (
             len(config.instance_group) != 1 or any(g.count != 1 or len(g.gpus) > 1 for g in config.instance_group)
         ):
             errors.append(f"{path}: {name} must have exactly one instance")
@@ -869,6 +884,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--benchmark-speech-ratio", type=float, default=None, metavar="R",
         help="benchmarks on random weights only: every request generates round(R x text tokens) speech tokens",
     )  # fmt: skip
+    spark = SparkRenderOptions(model_dir=Path())
+    parser.add_argument("--spark-dir", type=Path, help="a Spark-TTS model directory: render the spark_tts models too")
+    parser.add_argument("--spark-max-new-tokens", type=int, default=spark.max_new_tokens,
+                        help="Spark LLM tokens per segment (50 per second of audio)")
+    parser.add_argument("--spark-first-chunk", type=int, default=spark.first_chunk_tokens,
+                        help="Spark streaming: tokens in the first piece")
+    parser.add_argument("--spark-chunk-scale", type=float, default=spark.chunk_scale,
+                        help="Spark streaming: growth of each next piece")
+    parser.add_argument("--spark-max-seq-len", type=int, default=spark.max_seq_len,
+                        help="Spark LLM prompt + generated tokens per sequence")
     parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
     parser.add_argument(
         "--repetition-penalty", type=float, default=defaults.repetition_penalty,
@@ -904,6 +929,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 token2wav_gpus=parse_gpus(args.token2wav_gpus) if args.token2wav_gpus is not None else None,
                 token2wav_instances_per_gpu=args.token2wav_instances_per_gpu,
                 gpu_emulation=args.gpu_emulation,
+                spark=None if args.spark_dir is None else SparkRenderOptions(
+                    model_dir=args.spark_dir, max_new_tokens=args.spark_max_new_tokens,
+                    first_chunk_tokens=args.spark_first_chunk, chunk_scale=args.spark_chunk_scale,
+                    max_seq_len=args.spark_max_seq_len,
+                ),
             )
         )
     except RenderError as exc:

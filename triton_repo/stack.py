@@ -4,6 +4,7 @@ front of it, and keep both running.
 
     python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
                                 [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
+                                [--spark-dir models/Spark-TTS-0.5B]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
     python -m triton_repo.stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
@@ -16,7 +17,9 @@ exits, then tritonserver is stopped; a second signal stops at once.
 
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
-`--token2wav` / `--dit-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
+`--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
+`_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
 stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
@@ -46,6 +49,7 @@ from typing import Sequence
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer
+from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
 DEFAULT_REPO_DIR = REPO_ROOT / "var" / "triton_repo"
@@ -349,6 +353,7 @@ def run_stack(
     token2wav: str = "unet",
     dit_dir: Path | None = None,
     demo_dir: Path | None = None,
+    spark_dir: Path | None = None,
 ) -> int:
     """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`)."""
     gateway_env = dict(os.environ)
@@ -364,7 +369,7 @@ def run_stack(
         check_model_dir(model_dir)
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
-        token2wav=token2wav, dit_dir=dit_dir,
+        token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
     )
     repo = write_repository(options)
     _log(f"rendered {repo}; starting tritonserver (loading models takes a while)")
@@ -411,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="no weights needed: a tiny random model (its audio is noise) for wiring up clients")
     parser.add_argument("--demo-dir", type=Path, default=os.environ.get("COSYVOICE_DEMO_DIR") or _default_demo_dir(),
                         help="where the demo model is written once (default: COSYVOICE_DEMO_DIR, else the user cache)")
+    parser.add_argument("--spark-dir", type=Path, default=os.environ.get("COSYVOICE_SPARK_DIR") or None,
+                        help="a Spark-TTS model directory to serve beside CosyVoice2 (default: COSYVOICE_SPARK_DIR)")
     for kind in ("http", "grpc", "metrics"):
         parser.add_argument(
             f"--triton-{kind}-port", type=int, default=None,
@@ -435,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,
+            Path(args.spark_dir).resolve() if args.spark_dir else None,
         )  # fmt: skip
     except (StackError, RenderError, TritonLaunchError) as exc:
         print(f"[stack] error: {exc}", file=sys.stderr)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from gateway.dependencies import SettingsDep
+from gateway.dependencies import ModelCatalogDep
 from gateway.schemas import AudioModel, AudioModelList
 
 router = APIRouter()
 
 
 @router.get("/v1/audio/models")
-async def list_audio_models(settings: SettingsDep) -> AudioModelList:
-    return AudioModelList(models=[AudioModel(id=model, name=model) for model in settings.served_models])
+async def list_audio_models(catalog: ModelCatalogDep) -> AudioModelList:
+    return AudioModelList(models=[AudioModel(id=model, name=model) for model in await catalog.listed()])

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from gateway.dependencies import SettingsDep
+from gateway.dependencies import ModelCatalogDep
 from gateway.errors import ModelNotFound
 from gateway.schemas import ModelCard, ModelList
 
@@ -16,12 +16,12 @@ def _card(request: Request, model_id: str) -> ModelCard:
 
 
 @router.get("/v1/models")
-async def list_models(request: Request, settings: SettingsDep) -> ModelList:
-    return ModelList(data=[_card(request, m) for m in settings.served_models])
+async def list_models(request: Request, catalog: ModelCatalogDep) -> ModelList:
+    return ModelList(data=[_card(request, m) for m in await catalog.listed()])
 
 
 @router.get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, request: Request, settings: SettingsDep) -> ModelCard:
-    if model_id not in settings.served_models:
+async def get_model(model_id: str, request: Request, catalog: ModelCatalogDep) -> ModelCard:
+    if model_id not in await catalog.listed():
         raise ModelNotFound(f"The model '{model_id}' does not exist.", param="model")
     return _card(request, model_id)

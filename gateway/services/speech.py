@@ -11,19 +11,23 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from gateway.errors import ApiError, InvalidRequest, ModelNotFound, TooManyRequests
+import numpy as np
+
+from gateway.errors import ApiError, InvalidRequest, ModelNotFound, SynthesisFailed, TooManyRequests
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import Caption, CaptionedSpeech, ResponseFormat, SpeechRequest, Usage
 from gateway.services.audio_encoding import MEDIA_TYPES, create_encoder
+from gateway.services.models import ModelCatalog
+from gateway.services.resampling import StreamResampler
 from gateway.services.voices import Voice, VoiceRegistry
 from gateway.settings import Settings
-from gateway.triton_client import SegmentRequest, TritonClient
+from gateway.triton_client import Pipeline, SegmentRequest, TritonClient
 from pipeline_contract import OUTPUT_SAMPLE_RATE, SpeechChunk
 
 logger = logging.getLogger(__name__)
 
 SSE_MEDIA_TYPE = "text/event-stream"
-#: ``sample_rate`` is a common peer extension; we only produce the native 24 kHz.
+#: ``sample_rate`` is a common peer extension; every model is served at 24 kHz (Spark-TTS's 16 kHz is resampled).
 SUPPORTED_SAMPLE_RATES = (OUTPUT_SAMPLE_RATE,)
 
 Segmenter = Callable[[str], list[str]]
@@ -79,6 +83,7 @@ class SpeechPlan:
     characters: int
     captions: bool = False  # speech.caption SSE events (docs/gateway.md#captions)
     instructions: str | None = None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
+    pipeline: Pipeline | None = None  # the Triton models of `model` (None: the default, CosyVoice2's)
 
 
 @dataclass
@@ -142,6 +147,29 @@ class CompleteSpeech:
     content: bytes
 
 
+class _OutputRate:
+    """A segment's chunks at the gateway's rate (`OUTPUT_SAMPLE_RATE`): chunks at another rate go through one
+    `StreamResampler`, whose tail comes out with the segment's final chunk."""
+
+    def __init__(self) -> None:
+        self._resampler: StreamResampler | None = None
+
+    def __call__(self, chunk: SpeechChunk) -> SpeechChunk:
+        if chunk.sample_rate == OUTPUT_SAMPLE_RATE and self._resampler is None:
+            return chunk
+        if self._resampler is None:
+            self._resampler = StreamResampler(chunk.sample_rate, OUTPUT_SAMPLE_RATE)
+        elif chunk.waveform.size and chunk.sample_rate != self._resampler.source_rate:
+            raise SynthesisFailed(
+                f"Synthesis failed: the stream changed its sample rate ({self._resampler.source_rate} -> "
+                f"{chunk.sample_rate} Hz)."
+            )
+        samples = self._resampler.push(chunk.waveform)
+        if chunk.final:
+            samples = np.concatenate([samples, self._resampler.finish()])
+        return replace(chunk, waveform=samples, sample_rate=OUTPUT_SAMPLE_RATE)
+
+
 def _sse_event(payload: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
@@ -154,8 +182,10 @@ class SpeechService:
         triton: TritonClient,
         metrics: GatewayMetrics,
         segmenter: Segmenter,
+        catalog: ModelCatalog | None = None,
     ) -> None:
         self._settings = settings
+        self._catalog = catalog or ModelCatalog(settings, triton)
         self._voices = voices
         self._triton = triton
         self._metrics = metrics
@@ -165,7 +195,7 @@ class SpeechService:
     # Validation ----------------------------------------------------------------------------------
     def plan(self, request: SpeechRequest, request_id: str) -> SpeechPlan:
         """Everything that can be refused before synthesis starts (beyond the schema)."""
-        if request.model not in self._settings.served_models:
+        if not self._catalog.is_known(request.model):
             raise ModelNotFound(f"The model '{request.model}' does not exist.", param="model")
         sample_rate = (request.model_extra or {}).get("sample_rate")
         if sample_rate is not None and sample_rate not in SUPPORTED_SAMPLE_RATES:
@@ -213,6 +243,7 @@ class SpeechService:
         Raises ApiError for anything that goes wrong before the first audio chunk.
         """
         plan = self.plan(request, request_id)
+        plan.pipeline = await self._catalog.resolve(plan.model)
         body = self._run(plan, self._limiter.acquire())
         media_type = SSE_MEDIA_TYPE if plan.sse else MEDIA_TYPES[plan.response_format]
         try:
@@ -229,6 +260,7 @@ class SpeechService:
         """The complete file (offline model, exact headers) with one caption per segment."""
         plain = request.model_copy(update={"captions": False, "stream_format": "audio"})  # the route's own mode
         plan = replace(self.plan(plain, request_id), stream=False, sse=False, captions=True)
+        plan.pipeline = await self._catalog.resolve(plan.model)
         progress = _Progress()
         body = self._run(plan, self._limiter.acquire(), progress)
         try:
@@ -322,13 +354,15 @@ class SpeechService:
                 instruction=plan.instructions or "",
             )
             last: SpeechChunk | None = None
+            to_output = _OutputRate()  # one per segment: its stream's filter state, flushed with its last chunk
             if plan.stream:
-                async with aclosing(self._triton.synthesize_stream(segment)) as chunks:
+                async with aclosing(self._triton.synthesize_stream(segment, plan.pipeline)) as chunks:
                     async for chunk in chunks:
-                        last = self._account(progress, chunk)
-                        yield chunk
+                        last = self._account(progress, to_output(chunk))
+                        yield last
             else:
-                last = self._account(progress, await self._triton.synthesize_offline(segment))
+                chunk = await self._triton.synthesize_offline(segment, pipeline=plan.pipeline)
+                last = self._account(progress, to_output(chunk))
                 yield last
             if last is not None:  # usage outputs are cumulative per segment request
                 progress.input_tokens += last.input_tokens

@@ -2,7 +2,8 @@
 
 An upload is checked (name, transcript, audio), converted once to 16 kHz mono, stored (see
 VoiceStore), registered, and then its voice prompt is computed through Triton with an empty
-``target_text`` (the contract's warm-up rule), so the first speech request finds it cached. If Triton
+``target_text`` (the contract's warm-up rule) by every deployed model (CosyVoice2, and Spark-TTS when loaded:
+each keeps its own voice cache), so the first speech request finds it cached. If Triton
 cannot do that now the voice is kept anyway (``warm=false`` in the log, ``tts_voice_warmups_total
 {outcome="failed"}``); the first speech request then computes the prompt.
 """
@@ -24,6 +25,7 @@ import numpy as np
 
 from gateway.errors import ApiError, Conflict, Forbidden, InvalidRequest, VoiceNotFound
 from gateway.metrics import GatewayMetrics
+from gateway.services.models import ModelCatalog
 from gateway.services.voice_store import NameTaken, VoiceExists, VoiceStore
 from gateway.services.voices import Voice, VoiceRegistry, decode_to_reference, voice_id
 from gateway.settings import OPENAI_VOICE_NAMES
@@ -147,7 +149,9 @@ class VoiceLibrary:
         *,
         max_upload_bytes: int,
         warmup_timeout_s: float,
+        catalog: ModelCatalog | None = None,
     ) -> None:
+        self._catalog = catalog  # which pipelines an upload warms (None: the default one only)
         self._registry = registry
         self._store = store
         self._triton = triton
@@ -261,19 +265,25 @@ class VoiceLibrary:
         )
 
     async def _warm(self, voice: Voice) -> bool:
-        """Have the pipeline compute and cache the voice prompt now (empty target text)."""
-        request = SegmentRequest(
-            request_id=f"voice-warmup-{uuid.uuid4().hex}",
-            voice_id=voice.id,
-            reference_wav=voice.samples,
-            reference_text=voice.transcript,
-            target_text="",
-        )
-        try:
-            await self._triton.synthesize_offline(request, timeout_s=self._warmup_timeout_s)
-        except ApiError as exc:
-            logger.warning("voice %s stored but not warmed (%s %s): %s", voice.id, exc.status, exc.code, exc.message)
-            self._metrics.voice_warmups.labels("failed").inc()
-            return False
-        self._metrics.voice_warmups.labels("ok").inc()
-        return True
+        """Have every deployed pipeline compute and cache the voice's prompt now (empty target text); each model
+        keeps its own voice cache (a CosyVoice2 prompt is not a Spark-TTS one)."""
+        pipelines = await self._catalog.deployed() if self._catalog is not None else [None]
+        warm = True
+        for pipeline in pipelines:
+            request = SegmentRequest(
+                request_id=f"voice-warmup-{uuid.uuid4().hex}",
+                voice_id=voice.id,
+                reference_wav=voice.samples,
+                reference_text=voice.transcript,
+                target_text="",
+            )
+            try:
+                await self._triton.synthesize_offline(request, timeout_s=self._warmup_timeout_s, pipeline=pipeline)
+            except ApiError as exc:
+                logger.warning("voice %s stored but not warmed (%s %s): %s", voice.id, exc.status, exc.code,
+                               exc.message)
+                self._metrics.voice_warmups.labels("failed").inc()
+                warm = False
+                continue
+            self._metrics.voice_warmups.labels("ok").inc()
+        return warm

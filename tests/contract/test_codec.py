@@ -71,18 +71,33 @@ def test_a_reference_longer_than_the_limit_is_refused():
         contract.decode_request(contract.encode_request(_request(reference_wav=long)))
 
 
-def test_responses_survive_encoding_and_decoding():
-    chunk = contract.SpeechChunk(np.arange(5, dtype=np.float32), input_tokens=12, output_tokens=40, final=True)
+@pytest.mark.parametrize("sample_rate", [contract.OUTPUT_SAMPLE_RATE, 16_000])
+def test_responses_survive_encoding_and_decoding(sample_rate):
+    chunk = contract.SpeechChunk(
+        np.arange(5, dtype=np.float32), input_tokens=12, output_tokens=40, final=True, sample_rate=sample_rate
+    )
     arrays = contract.encode_response(chunk)
-    assert set(arrays) == {spec.name for spec in contract.OUTPUTS}
+    specs = {spec.name: spec for spec in contract.OUTPUTS}
+    assert set(arrays) == set(specs)
+    for name, value in arrays.items():
+        assert value.dtype == np.dtype(specs[name].numpy_dtype), name
     decoded = contract.decode_response(arrays.get, final=True)
     np.testing.assert_array_equal(decoded.waveform, chunk.waveform)
     assert (decoded.input_tokens, decoded.output_tokens, decoded.final) == (12, 40, True)
+    assert decoded.sample_rate == sample_rate
 
 
 def test_a_flag_only_response_is_an_empty_chunk_without_usage():
     decoded = contract.decode_response({}.get, final=True)
     assert decoded.waveform.size == 0 and (decoded.input_tokens, decoded.output_tokens, decoded.final) == (0, 0, True)
+
+
+@pytest.mark.parametrize("rate", [None, np.array([0], np.int32)])
+def test_audio_without_its_sample_rate_is_a_violation(rate):
+    arrays = {**contract.encode_response(contract.SpeechChunk(np.ones(4, np.float32), 1, 2, final=False)),
+              contract.SAMPLE_RATE.name: rate}  # fmt: skip
+    with pytest.raises(contract.ContractViolation, match="sample_rate"):
+        contract.decode_response(arrays.get, final=False)
 
 
 def test_the_contract_imports_nothing_of_ours():

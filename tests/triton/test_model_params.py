@@ -19,10 +19,16 @@ from triton_repo.model_params import (
     LLMParams,
     OrchestratorParams,
     ParameterError,
+    SparkEngineParams,
+    SparkOrchestratorParams,
     Token2WavParams,
     VoicePromptParams,
 )
+from spark_tts.streaming import ChunkSchedule
+from spark_tts.testing import write_tiny_model
+from triton_repo import spark_render
 from triton_repo.render import MARKER, RenderOptions, main, render_repository, write_repository
+from triton_repo.spark_render import SparkRenderOptions
 from tests.triton.test_render import parameters, parsed_configs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
 
@@ -36,6 +42,11 @@ ADAPTER_PARAMS = {
     "engine": EngineParams,
     "llm": LLMParams,
     "token2wav": Token2WavParams,
+    contract.SPARK_OFFLINE_MODEL: SparkOrchestratorParams,
+    contract.SPARK_STREAMING_MODEL: SparkOrchestratorParams,
+    spark_render.VOICE_PROMPT: VoicePromptParams,
+    spark_render.AUDIO_TOKENIZER: AudioModelParams,
+    spark_render.ENGINE: SparkEngineParams,
 }
 
 
@@ -197,3 +208,31 @@ def test_the_command_line_the_library_call_and_the_options_default_to_the_same_d
     render_repository(tmp_path / "lib", tiny_model_dir, layout="disaggregated")
     cli, lib = (json.loads((tmp_path / name / MARKER).read_text()) for name in ("cli", "lib"))
     assert cli == lib and cli["device"] == "cuda"
+
+
+@pytest.mark.parametrize(
+    "layout, device", [("colocated", "cpu"), ("disaggregated", "cuda:0")], ids=["colocated", "disaggregated"]
+)
+def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, layout, device):
+    spark_dir = write_tiny_model(tmp_path / "spark", seed=1)
+    spark = SparkRenderOptions(spark_dir, max_new_tokens=99, first_chunk_tokens=7, chunk_scale=1.5, max_seq_len=999)
+    opts = RenderOptions(
+        model_dir=tiny_model_dir, out=tmp_path / "repo", voice_cache=5, max_batch=3, spark=spark, layout=layout
+    )
+    configs = parsed_configs(write_repository(opts))
+    read = {name: ADAPTER_PARAMS[name].from_parameters(parameters(configs[name]), name) for name in spark_render.MODELS}
+    for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL):
+        assert read[name] == SparkOrchestratorParams(
+            spark_dir.resolve(), sample_rate=16_000, max_new_tokens=99, max_seq_len=999,
+            max_target_text_tokens=opts.max_target_text_tokens, schedule=ChunkSchedule(7, 1.5, spark.max_chunk_tokens),
+        )  # fmt: skip
+    assert read[spark_render.VOICE_PROMPT] == VoicePromptParams(5)
+    # the Spark models keep CPU-kind instance groups in every layout: their device is the rendered one
+    assert read[spark_render.AUDIO_TOKENIZER] == AudioModelParams(spark_dir.resolve(), device)
+    assert read[spark_render.ENGINE] == SparkEngineParams(
+        spark_dir.resolve(), device, "fp32", max_batch=3, max_seq_len=999, max_waiting=opts.max_waiting
+    )
+    # the stream's schedule is checked by its own class when read back
+    bad = {**parameters(configs[contract.SPARK_STREAMING_MODEL]), "scale": "0.5"}
+    with pytest.raises(ParameterError, match=f"^{contract.SPARK_STREAMING_MODEL}: .*scale >= 1"):
+        SparkOrchestratorParams.from_parameters(bad, contract.SPARK_STREAMING_MODEL)

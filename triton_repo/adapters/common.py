@@ -20,9 +20,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from cosyvoice2_serving.errors import RemoteError
-from cosyvoice2_serving.orchestrator import run_until_cancelled
+from cosyvoice2_serving.orchestrator import parse_request, run_until_cancelled
 from cosyvoice2_serving.stats import Stats
-from pipeline_contract import TensorSpec
+import pipeline_contract as contract
+from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
 
 logger = logging.getLogger("cosyvoice2.triton")
 
@@ -241,6 +242,28 @@ async def bls_one(
     if len(responses) != 1:
         raise RemoteError(f"{model} sent {len(responses)} responses where one was expected")
     return responses[0]
+
+
+class PipelineEntryModel:
+    """A pipeline's entry model (`cosyvoice2`/`cosyvoice2_stream`, `spark_tts`/`spark_tts_stream`): each request is
+    decoded by the contract's codec, run by the orchestrator, and every chunk is encoded by the codec. A subclass's
+    `initialize` sets `orchestrator` and `streaming` (whether the model is decoupled)."""
+
+    orchestrator: Any  # has `synthesize(SpeechRequest, streaming) -> AsyncIterator[SpeechChunk]`
+    streaming: bool
+
+    async def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle)
+
+    async def _handle(self, request: Any, sender: Any) -> None:
+        synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
+        chunk: SpeechChunk
+        async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
+            # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
+            sender.send(response(contract.encode_response(chunk)), flags=FINAL if chunk.final else 0)
+
+    def finalize(self) -> None:
+        release_bls_streams()
 
 
 class MetricsExporter:

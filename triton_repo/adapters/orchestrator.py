@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -18,7 +18,6 @@ from cosyvoice2_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
     SamplingConfig,
-    parse_request,
 )
 from cosyvoice2_serving.replicas import StickyRouter
 from cosyvoice2_serving.stats import Stats
@@ -26,17 +25,13 @@ import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.model_params import InternalModels, OrchestratorParams
 from triton_repo.adapters.common import (
-    FINAL,
     MetricsExporter,
+    PipelineEntryModel,
     bls,
     bls_one,
     bls_stream,
     is_decoupled,
     model_params,
-    read_inputs,
-    release_bls_streams,
-    response,
-    serve,
 )
 
 
@@ -109,7 +104,7 @@ class TritonClients:
         return out[io.WAVEFORM.name]
 
 
-class TritonPythonModel:
+class TritonPythonModel(PipelineEntryModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = OrchestratorParams.from_parameters(model_params(args), args["model_name"])
         engine = EngineConfig.for_model_dir(params.model_dir)
@@ -134,15 +129,3 @@ class TritonPythonModel:
         self.metrics = MetricsExporter(args["model_name"], self.stats)
         clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty)
         self.orchestrator = Orchestrator(config, tokenizer, clients, self.stats)
-
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
-
-    async def _handle(self, request: Any, sender: Any) -> None:
-        synthesis = parse_request(read_inputs(request, contract.INPUTS))
-        async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
-            # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
-            sender.send(response(contract.encode_response(chunk)), flags=FINAL if chunk.final else 0)
-
-    def finalize(self) -> None:
-        release_bls_streams()

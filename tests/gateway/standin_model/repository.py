@@ -32,11 +32,15 @@ def _config(name: str, decoupled: bool, parameters: dict[str, str]) -> str:
 
 
 def render_standin_repository(
-    destination: Path, marker_dir: Path, *, chunk_count: int = 4, chunk_delay_ms: int = 20
+    destination: Path, marker_dir: Path, *, chunk_count: int = 4, chunk_delay_ms: int = 20,
+    models: tuple[str, str] = (contract.OFFLINE_MODEL, contract.STREAMING_MODEL),
+    sample_rate: int = contract.OUTPUT_SAMPLE_RATE,
 ) -> Path:
-    """Both contract models (offline + decoupled streaming) backed by the stand-in."""
-    parameters = {"chunk_count": str(chunk_count), "chunk_delay_ms": str(chunk_delay_ms), "marker_dir": str(marker_dir)}
-    for name, decoupled in ((contract.OFFLINE_MODEL, False), (contract.STREAMING_MODEL, True)):
+    """Both contract models (offline + decoupled streaming, named by `models`) backed by the stand-in; its audio
+    is at `sample_rate` (16000 with the Spark model names stands in for Spark-TTS)."""
+    parameters = {"chunk_count": str(chunk_count), "chunk_delay_ms": str(chunk_delay_ms), "marker_dir": str(marker_dir),
+                  "sample_rate": str(sample_rate)}
+    for name, decoupled in ((models[0], False), (models[1], True)):
         version = destination / name / "1"
         version.mkdir(parents=True, exist_ok=True)
         (version / "model.py").write_text(_MODEL_PY.format(source=str(STANDIN_SOURCE)))

@@ -22,7 +22,8 @@ because the offline and the streaming model are separate processes that share on
 real pipeline's. Each logged request says whether its voice was already prepared (``voice_cached``):
 a cache hit.
 
-Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``. Observations go to
+Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``, ``sample_rate`` (default 24000).
+Observations go to
 ``<marker_dir>``: ``requests.jsonl`` (one line per finished request with usage and outcome),
 ``<tag>.holding`` while holding, ``<tag>.cancelled`` when the request saw ``is_cancelled()`` (made after
 its line in ``requests.jsonl``, so a test that saw the marker finds the record). Read the log with
@@ -48,8 +49,6 @@ import pipeline_contract as contract
 SAMPLE_RATE = 24_000
 SECONDS_PER_CHAR = 0.02
 MIN_SECONDS = 0.25
-#: CosyVoice2's speech tokens are 25 Hz.
-SAMPLES_PER_TOKEN = SAMPLE_RATE // 25
 HOLD_TIMEOUT_S = 30.0
 
 
@@ -58,14 +57,15 @@ def frequency_for(text: str) -> float:
     return 200.0 + (zlib.crc32(text.encode("utf-8")) % 16) * 25.0
 
 
-def samples_for(text: str) -> int:
-    """Whole speech tokens, as the real pipeline produces (960 samples per token)."""
-    tokens = round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * SAMPLE_RATE / SAMPLES_PER_TOKEN)
-    return tokens * SAMPLES_PER_TOKEN
+def samples_for(text: str, sample_rate: int = SAMPLE_RATE) -> int:
+    """Whole speech tokens, as the real pipeline produces (CosyVoice2's are 25 Hz: 960 samples at 24 kHz)."""
+    per_token = sample_rate // 25
+    tokens = round(max(MIN_SECONDS, SECONDS_PER_CHAR * len(text)) * sample_rate / per_token)
+    return tokens * per_token
 
 
-def waveform_for(text: str) -> np.ndarray:
-    t = np.arange(samples_for(text), dtype=np.float64) / SAMPLE_RATE
+def waveform_for(text: str, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    t = np.arange(samples_for(text, sample_rate), dtype=np.float64) / sample_rate
     return (0.5 * np.sin(2 * np.pi * frequency_for(text) * t)).astype(np.float32)
 
 
@@ -74,8 +74,8 @@ def input_tokens_for(reference_text: str, target_text: str) -> int:
     return len(reference_text.split()) + len(target_text.split())
 
 
-def output_tokens_for(samples: int) -> int:
-    return samples // SAMPLES_PER_TOKEN
+def output_tokens_for(samples: int, sample_rate: int = SAMPLE_RATE) -> int:
+    return samples // (sample_rate // 25)
 
 
 def read_request_log(marker_dir: Path) -> list[dict[str, Any]]:
@@ -112,6 +112,8 @@ class TritonPythonModel:
         self.chunk_count = int(params.get("chunk_count", "4"))
         self.chunk_delay_s = int(params.get("chunk_delay_ms", "20")) / 1000
         self.marker_dir = Path(params["marker_dir"])
+        # the rate of the waveform, stated in every response's `sample_rate` (a 16 kHz stand-in plays Spark-TTS)
+        self.sample_rate = int(params.get("sample_rate", str(SAMPLE_RATE)))
         (self.marker_dir / "voice_cache").mkdir(parents=True, exist_ok=True)
 
     async def execute(self, requests: list[Any]) -> list[Any] | None:
@@ -186,7 +188,11 @@ class TritonPythonModel:
     def _response(self, chunk: np.ndarray, reference_text: str, target_text: str, samples_so_far: int) -> Any:
         tensors = contract.encode_response(
             contract.SpeechChunk(
-                chunk, input_tokens_for(reference_text, target_text), output_tokens_for(samples_so_far), final=False
+                chunk,
+                input_tokens_for(reference_text, target_text),
+                output_tokens_for(samples_so_far, self.sample_rate),
+                final=False,
+                sample_rate=self.sample_rate,
             )
         )
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in tensors.items()])
@@ -218,7 +224,7 @@ class TritonPythonModel:
             except StandinFailure as exc:
                 self._log(info, "failed", 0)
                 return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc)))
-        wave = waveform_for(info["target_text"])
+        wave = waveform_for(info["target_text"], self.sample_rate)
         self._log(info, "done", wave.size)
         return self._response(wave, self._prompt_text(info), info["target_text"], wave.size)
 
@@ -238,7 +244,7 @@ class TritonPythonModel:
             self._log(info, "failed", 0)
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(error)), flags=final)
             return
-        wave = waveform_for(info["target_text"])
+        wave = waveform_for(info["target_text"], self.sample_rate)
         chunks = np.array_split(wave, self.chunk_count)
         sent = 0
         try:
@@ -290,7 +296,7 @@ class TritonPythonModel:
             outcome=outcome,
             samples=samples,
             input_tokens=input_tokens_for(self._prompt_text(info), info["target_text"]) if info["target_text"] else 0,
-            output_tokens=output_tokens_for(samples),
+            output_tokens=output_tokens_for(samples, self.sample_rate),
             pid=os.getpid(),
         )
         # One write(2) of the whole line on an O_APPEND descriptor: the offline and the streaming model (two

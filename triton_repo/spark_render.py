@@ -1,0 +1,153 @@
+"""The Spark-TTS models of the rendered repository (`render --spark-dir DIR`), beside CosyVoice2's.
+
+| model | what |
+|---|---|
+| `spark_tts` / `spark_tts_stream` | the pipeline contract (offline / decoupled), 16 kHz `waveform` + `sample_rate` |
+| `spark_voice_prompt` | the voice cache (LRU by voice id) in front of the audio tokenizer |
+| `spark_audio_tokenizer` | wav2vec2 + BiCodec encoder, dynamically batched, masked (solo tokens in any batch) |
+| `spark_engine` | the LLM (our batched decoder, continuous batching) and BiCodec's decoder in one process |
+
+Without `--spark-dir` nothing here is rendered and the CosyVoice2 repository is unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spark_tts.engine import SAMPLE_RATE
+from spark_tts.errors import SparkModelError
+from spark_tts.llm import SparkSampling
+from spark_tts.loading import check_model_dir
+from spark_tts.streaming import ChunkSchedule
+import pipeline_contract as contract
+from triton_repo import spark_io as io
+from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
+
+if TYPE_CHECKING:
+    from triton_repo.render import RenderOptions
+
+VOICE_PROMPT = "spark_voice_prompt"
+AUDIO_TOKENIZER = "spark_audio_tokenizer"
+ENGINE = "spark_engine"
+MODELS = frozenset(
+    {contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, VOICE_PROMPT, AUDIO_TOKENIZER, ENGINE}
+)
+#: Models whose instance count may be chosen (the engine keeps the sequences and must stay one process).
+SCALABLE = (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, VOICE_PROMPT, AUDIO_TOKENIZER)
+SINGLE_INSTANCE = (ENGINE,)
+_SCHEDULE = ChunkSchedule()
+
+
+@dataclass(frozen=True)
+class SparkRenderOptions:
+    """The Spark part of a render (`RenderOptions.spark`); defaults are the served runtime's."""
+
+    model_dir: Path  # the released layout (SparkAudio/Spark-TTS-0.5B)
+    max_new_tokens: int = SparkSampling().max_new_tokens  # 512 = 10.24 s per segment
+    first_chunk_tokens: int = _SCHEDULE.first_chunk_tokens
+    chunk_scale: float = _SCHEDULE.scale
+    max_chunk_tokens: int = _SCHEDULE.max_chunk_tokens
+    # prompt + generated tokens per sequence: a 10 s reference (500 tokens) + 200 text tokens + 512 fit in 2048
+    max_seq_len: int = 2048
+
+
+def check(opts: RenderOptions) -> list[str]:
+    spark = opts.spark
+    if spark is None:
+        return []
+    errors = []
+    try:
+        check_model_dir(spark.model_dir)
+    except SparkModelError as exc:
+        errors.append(f"--spark-dir: {exc}")
+    for name, value, low in (
+        ("--spark-max-new-tokens", spark.max_new_tokens, 1), ("--spark-first-chunk", spark.first_chunk_tokens, 1),
+        ("--spark-max-seq-len", spark.max_seq_len, 64),
+    ):  # fmt: skip
+        if value < low:
+            errors.append(f"{name} must be >= {low}, got {value}")
+    if spark.chunk_scale < 1:
+        errors.append(f"--spark-chunk-scale must be >= 1, got {spark.chunk_scale}")
+    if spark.max_chunk_tokens < spark.first_chunk_tokens:
+        errors.append(f"--spark-max-chunk {spark.max_chunk_tokens} is below --spark-first-chunk "
+                      f"{spark.first_chunk_tokens}")
+    return errors
+
+
+def files(opts: RenderOptions) -> dict[str, str]:
+    """Relative path -> content of the Spark models (empty without `opts.spark`)."""
+    # noqa: PLC0415 - render imports this module
+    from triton_repo.render import _fill, _parameters, _python_model, instance_group  # noqa: PLC0415
+
+    spark = opts.spark
+    if spark is None:
+        return {}
+    out: dict[str, str] = {}
+    for name, decoupled, description in (
+        (contract.SPARK_OFFLINE_MODEL, "false", "Spark-TTS offline pipeline: one response, the whole 16 kHz waveform."),
+        (contract.SPARK_STREAMING_MODEL, "true", "Spark-TTS streaming pipeline: 16 kHz chunks that concatenate to "
+                                                 "the offline waveform; FINAL rides on the last one."),
+    ):  # fmt: skip
+        out[f"{name}/config.pbtxt"] = _fill(
+            "orchestrator.pbtxt", name=name, description=description, decoupled=decoupled,
+            inputs=contract.pbtxt_io_block("input", contract.INPUTS),
+            outputs=contract.pbtxt_io_block("output", contract.OUTPUTS),
+            instances=opts.instances_of(name), parameters=_parameters(orchestrator_params(opts)),
+        )  # fmt: skip
+        out[f"{name}/1/model.py"] = _python_model("spark", "SparkOrchestratorModel")
+    out[f"{VOICE_PROMPT}/config.pbtxt"] = _fill(
+        "spark_voice_prompt.pbtxt", name=VOICE_PROMPT,
+        inputs=contract.pbtxt_io_block("input", io.SPARK_VOICE_PROMPT_INPUTS),
+        outputs=contract.pbtxt_io_block("output", io.VOICE_TOKENS),
+        instances=opts.instances_of(VOICE_PROMPT), parameters=_parameters(VoicePromptParams(opts.voice_cache)),
+    )  # fmt: skip
+    out[f"{VOICE_PROMPT}/1/model.py"] = _python_model("spark", "SparkVoicePromptModel")
+    out[f"{AUDIO_TOKENIZER}/config.pbtxt"] = _fill(
+        "audio_model.pbtxt", name=AUDIO_TOKENIZER,
+        description="Spark audio tokenizer (wav2vec2 + BiCodec encoder): global and semantic tokens of 16 kHz "
+                    "audio; a dynamic batch runs as one masked forward.",
+        max_batch=opts.audio_max_batch, max_queue_delay_us=opts.max_queue_delay_us,
+        inputs=contract.pbtxt_io_block("input", io.SPARK_AUDIO_INPUTS),
+        outputs=contract.pbtxt_io_block("output", io.VOICE_TOKENS),
+        instance_group=instance_group(opts, AUDIO_TOKENIZER, opts.instances_of(AUDIO_TOKENIZER)),
+        parameters=_parameters(AudioModelParams(spark.model_dir.resolve(), opts.device_of(AUDIO_TOKENIZER))),
+    )  # fmt: skip
+    out[f"{AUDIO_TOKENIZER}/1/model.py"] = _python_model("spark", "SparkAudioTokenizerModel")
+    out[f"{ENGINE}/config.pbtxt"] = _fill(
+        "spark_engine.pbtxt", name=ENGINE,
+        inputs=contract.pbtxt_io_block("input", io.ENGINE_INPUTS),
+        outputs=contract.pbtxt_io_block("output", io.ENGINE_OUTPUTS),
+        parameters=_parameters(engine_params(opts)),
+    )  # fmt: skip
+    out[f"{ENGINE}/1/model.py"] = _python_model("spark", "SparkEngineModel")
+    return out
+
+
+def orchestrator_params(opts: RenderOptions) -> SparkOrchestratorParams:
+    """Parameters of both Spark pipeline models (`adapters.spark.SparkOrchestratorModel`)."""
+    spark = opts.spark
+    assert spark is not None
+    return SparkOrchestratorParams(
+        model_dir=spark.model_dir.resolve(),
+        sample_rate=SAMPLE_RATE,
+        max_new_tokens=spark.max_new_tokens,
+        max_seq_len=spark.max_seq_len,
+        max_target_text_tokens=opts.max_target_text_tokens,
+        schedule=ChunkSchedule(spark.first_chunk_tokens, spark.chunk_scale, spark.max_chunk_tokens),
+    )
+
+
+def engine_params(opts: RenderOptions) -> SparkEngineParams:
+    """Parameters of `spark_engine` (`adapters.spark.SparkEngineModel`)."""
+    spark = opts.spark
+    assert spark is not None
+    return SparkEngineParams(
+        model_dir=spark.model_dir.resolve(),
+        device=opts.device_of(ENGINE),
+        dtype=opts.dtype,
+        max_batch=opts.max_batch,
+        max_seq_len=spark.max_seq_len,
+        max_waiting=opts.max_waiting,
+    )
