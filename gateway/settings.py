@@ -13,7 +13,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 import pipeline_contract as contract
 from gateway.demo import DEMO_MODEL_ID
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The voices shipped with the project (`ref_audios/` at the repository root); also tts-bench's default.
+SHIPPED_VOICES_DIR = Path(__file__).resolve().parent.parent / "ref_audios"
 
 #: OpenAI's voice names; each maps to one of the shipped reference voices unless configured.
 OPENAI_VOICE_NAMES = (
@@ -58,7 +59,7 @@ class Settings(BaseSettings):
     spark_offline_model: str = Field(contract.SPARK_OFFLINE_MODEL, description="Spark-TTS whole-segment model.")
     spark_streaming_model: str = Field(contract.SPARK_STREAMING_MODEL, description="Spark-TTS streaming model.")
 
-    voices_dir: Path = Field(REPO_ROOT / "ref_audios", description="Reference voices: <name>.<audio> + <name>.txt.")
+    voices_dir: Path = Field(SHIPPED_VOICES_DIR, description="Reference voices: <name>.<audio> + <name>.txt.")
     voice_aliases: dict[str, str] = Field(
         default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES),
         description="OpenAI voice name -> reference voice name (JSON object).",

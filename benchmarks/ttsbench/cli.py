@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.settings import SHIPPED_VOICES_DIR
 from ttsbench.inputs import (
     SEED_TTS_DATASET,
     SEED_TTS_DEFAULT_SPLIT,
@@ -27,7 +28,6 @@ from ttsbench.sentences import SENTENCES
 from ttsbench.targets import GatewayTarget, TritonTarget
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
-DEFAULT_VOICES_DIR = Path(__file__).resolve().parents[2] / "ref_audios"  # the gateway's default too
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--seed-tts", nargs="?", const=SEED_TTS_DATASET, metavar="NAME_OR_DIR",
                         help=f"the upstream set {SEED_TTS_DATASET} from the local HF cache or a directory (needs `datasets`)")
     inputs.add_argument("--split", default=SEED_TTS_DEFAULT_SPLIT, help="split of --seed-tts")
-    inputs.add_argument("--voices-dir", type=Path, default=DEFAULT_VOICES_DIR,
+    inputs.add_argument("--voices-dir", type=Path, default=SHIPPED_VOICES_DIR,
                         help="reference voices of the default set: <name>.<audio> + <name>.txt")
     inputs.add_argument("--limit", type=int, help="use only the first N inputs")
 

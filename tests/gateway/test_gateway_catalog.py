@@ -8,7 +8,7 @@ import pytest
 
 from gateway.errors import VoiceNotFound
 from gateway.services.voices import VoiceRegistry
-from gateway.settings import REPO_ROOT
+from triton_repo.server import REPO_ROOT
 from tests.gateway.conftest import IsolatedSettings
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.settings import REPO_ROOT, Settings
+from gateway.settings import Settings
+from triton_repo.server import REPO_ROOT
 
 
 def test_readme_settings_table_lists_every_setting():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.settings import REPO_ROOT
+from triton_repo.server import REPO_ROOT
 from tests.gateway.conftest import async_wait_for
 
 pytestmark = pytest.mark.triton

@@ -17,7 +17,7 @@ import pytest
 
 from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import Voice, voice_id
-from gateway.settings import REPO_ROOT
+from triton_repo.server import REPO_ROOT
 from tests.conftest import bound_socket
 from tests.gateway.voice_clips import make_clip, upload
 
