@@ -1,6 +1,6 @@
 """Tensors of the repository's internal models, and the numpy conversions on both sides of each call.
 
-`contract.py` is the gateway-facing interface; this module is the orchestrator <-> internal-model one.
+`pipeline_contract` is the gateway-facing interface; this module is the orchestrator <-> internal-model one.
 The config templates render their io blocks from these specs, and the Triton adapters convert with
 the functions below, so a tensor name or shape exists in exactly one place. numpy only (no Triton).
 
