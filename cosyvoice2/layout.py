@@ -31,6 +31,18 @@ TOKENIZER_TEXT_FILES = (f"{TOKENIZER_SUBDIR}/merges.txt",)
 REQUIRED_FILES = (*CHECKPOINT_FILES, *ONNX_FILES, *TOKENIZER_JSON_FILES, *TOKENIZER_TEXT_FILES)
 
 
+def file_problem(path: Path, checkpoint: bool = False) -> str | None:
+    """What is wrong with one downloaded file (missing, empty, or - for a checkpoint - not a torch.save zip
+    archive, the sign of a truncated download), or None. Shared by every model directory check."""
+    if not path.is_file():
+        return "missing"
+    if path.stat().st_size == 0:
+        return "empty"
+    if checkpoint and not zipfile.is_zipfile(path):
+        return "not a torch.save archive (truncated download?)"
+    return None
+
+
 def model_dir_problems(model_dir: Path) -> list[str]:
     """One line per required file that is missing or malformed (empty list: the directory is complete).
 
@@ -42,12 +54,9 @@ def model_dir_problems(model_dir: Path) -> list[str]:
     problems = []
     for name in REQUIRED_FILES:
         path = model_dir / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif path.stat().st_size == 0:
-            problems.append(f"{name}: empty")
-        elif name in CHECKPOINT_FILES and not zipfile.is_zipfile(path):
-            problems.append(f"{name}: not a torch.save archive (truncated download?)")
+        problem = file_problem(path, checkpoint=name in CHECKPOINT_FILES)
+        if problem:
+            problems.append(f"{name}: {problem}")
         elif name in TOKENIZER_JSON_FILES:
             try:
                 json.loads(path.read_text(encoding="utf-8"))

@@ -7,7 +7,6 @@ checkpoints are torch.save archives, `flow.yaml` describes a DiT flow this engin
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 from cosyvoice_build.pipeline import StageError
@@ -16,6 +15,7 @@ from cosyvoice_build.weights import HUB_DOWNLOADS, HubDownload
 
 from cosyvoice2.dit.config import DiTConfigError, DiTFlowConfig
 from cosyvoice2.dit.layout import DIT_FLOW_CONFIG, DIT_FLOW_FILE, DIT_HF_SUBFOLDER, DIT_HIFT_FILE, DIT_RELEASED_FILES
+from cosyvoice2.layout import file_problem
 
 DIT_DOWNLOAD_PATTERNS = tuple(f"{DIT_HF_SUBFOLDER}/{name}" for name in DIT_RELEASED_FILES)
 _CHECKPOINTS = (DIT_FLOW_FILE, DIT_HIFT_FILE)
@@ -28,12 +28,9 @@ def verify_dit_dir(directory: Path) -> None:
     problems = []
     for name in DIT_RELEASED_FILES:
         path = directory / name
-        if not path.is_file():
-            problems.append(f"{name}: missing")
-        elif path.stat().st_size == 0:
-            problems.append(f"{name}: empty")
-        elif name in _CHECKPOINTS and not zipfile.is_zipfile(path):
-            problems.append(f"{name}: not a torch.save archive (truncated download?)")
+        problem = file_problem(path, checkpoint=name in _CHECKPOINTS)
+        if problem:
+            problems.append(f"{name}: {problem}")
         elif name == DIT_FLOW_CONFIG:
             try:
                 DiTFlowConfig.from_flow_yaml(path)
