@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import batch_bucket, round_up
+from ..graph_buckets import ReplayOrder, batch_bucket, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -276,6 +276,7 @@ class HiFTGraphs:
         self._captured: dict[tuple, _CapturedVocode] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
+        self._order = ReplayOrder()  # token2wav workers on several CUDA streams share these graphs
 
     def pad(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
             sine_noise: torch.Tensor, cache_source: torch.Tensor,
@@ -303,11 +304,14 @@ class HiFTGraphs:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
+            self._order.wait(speech_feat.device)
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
             audio, source = captured.outputs
-            return audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
+            audio, source = audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
+            self._order.record(speech_feat.device)
+            return audio, source
 
 
 def _periodic_hann(n: int) -> torch.Tensor:
