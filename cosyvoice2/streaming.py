@@ -260,6 +260,7 @@ class Token2Wav(FlowAndVocoder):
         self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
+        self.hift_graphs = None  # None: the HiFT module's own CUDA graphs (a `lane` has its own)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame)
         self.config = config
 
@@ -270,8 +271,12 @@ class Token2Wav(FlowAndVocoder):
         its tensors are handed over (`Token2WavStream.tensors`)."""
         from cosyvoice2.flow.cached import CachedFlowRunner
 
+        from cosyvoice2.hift.generator import HiFTGraphs
+
         other = copy.copy(self)
         other.cached = CachedFlowRunner(self.flow, graphs=self.cached.graphs is not None)
+        # HiFT graphs of its own too: shared ones would make this lane's replays wait for the other's
+        other.hift_graphs = HiFTGraphs(self.hift) if self.hift.cuda_graphs is not None else None
         return other
 
     @property
@@ -384,7 +389,7 @@ class Token2Wav(FlowAndVocoder):
         """(1, 80, M_i) mels -> [(audio (480 M_i,), source (1, 1, 480 M_i))] in one HiFT forward; each row's
         noise is drawn from its own generator for its own length, exactly as a call alone draws it."""
         noises = [self.hift.draw_noise(1, mel.shape[2], generator) for mel, generator in zip(mels, generators)]
-        return self.hift.inference_batch(mels, cache_sources, noises)
+        return self.hift.inference_batch(mels, cache_sources, noises, graphs=self.hift_graphs)
 
     def vocode(self, mel: "torch.Tensor", cache_source: "torch.Tensor | None",
                generator: "torch.Generator") -> "tuple[torch.Tensor, torch.Tensor]":

@@ -192,12 +192,14 @@ class HiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def inference_batch(self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None],
-                        noises: Sequence[SourceNoise]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        noises: Sequence[SourceNoise],
+                        graphs: "HiFTGraphs | None" = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Several independent calls in one forward: mel (1, 80, M_i), its cache source (1, 1, S_i) or None and
         its noise (drawn for M_i frames, as a call alone would draw it) -> [(audio (480 M_i,), source (1, 1, 480 M_i))].
 
         Rows are right-padded to the longest and masked (see above), so each result equals `inference` of that
-        row alone.
+        row alone. `graphs`: a caller's own set of CUDA graphs instead of the module's (`cuda_graphs`), so that
+        workers on different CUDA streams never wait for each other's replays.
         """
         spf = self.config.samples_per_frame
         frames = [mel.shape[2] for mel in mels]
@@ -215,12 +217,14 @@ class HiFTGenerator(nn.Module):
             torch.cat([F.pad(n.sine_noise, (0, 0, 0, longest * spf - n.sine_noise.shape[1])) for n in noises]),
             torch.cat([F.pad(c, (0, cache_len - c.shape[2])) for c in caches]),
             lengths([c.shape[2] for c in caches]),
+            graphs=graphs,
         )
         return [(audio[i, : m * spf], source[i : i + 1, :, : m * spf]) for i, m in enumerate(frames)]
 
-    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs is not None and inputs[0].is_cuda:
-            return self.cuda_graphs.run(*inputs)
+    def _run(self, *inputs: torch.Tensor, graphs: "HiFTGraphs | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = graphs or self.cuda_graphs
+        if graphs is not None and inputs[0].is_cuda:
+            return graphs.run(*inputs)
         return self.vocode(*inputs)
 
     def vocode(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
