@@ -465,11 +465,7 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
             timings["warmup_s"] = round(time.monotonic() - phase, 1)
             figures["warmup"] = asdict(warm)
 
-            measure_s = args.minutes * 60
-            if budget_end is not None:
-                fits = budget_end - time.monotonic() - STOP_RESERVE_S - STRAGGLER_S
-                if fits < measure_s:
-                    measure_s, figures["shortened"] = max(0.0, fits), True
+            measure_s, figures["shortened"] = fit_run(args.minutes * 60, budget_end, time.monotonic())
             run_began = time.monotonic()
             samples.append(memory_sample(stack, gpu, "warm", 0.0, 0))
 
@@ -518,6 +514,15 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
     if gpu is not None and gpu.source is None:  # (then every sample lacks it: said once)
         problems.append("--device cuda but neither NVML nor nvidia-smi could read the GPU's memory")
     return figures
+
+
+def fit_run(asked_s: float, budget_end: float | None, now: float) -> tuple[float, bool]:
+    """(seconds of measured run, whether shortened): what was asked, or what still fits before the budget's end
+    once the last requests have had STRAGGLER_S to finish and the stack STOP_RESERVE_S to settle and stop."""
+    if budget_end is None:
+        return asked_s, False
+    fits = budget_end - now - STOP_RESERVE_S - STRAGGLER_S
+    return (asked_s, False) if fits >= asked_s else (max(0.0, fits), True)
 
 
 def _tail(log: Path, lines: int = 80) -> str:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.reliability.soak import MIB, memory_summary, missing_samples, soak
+from tests.reliability.soak import MIB, STOP_RESERVE_S, STRAGGLER_S, fit_run, memory_summary, missing_samples, soak
 from tests.reliability.soak import main as soak_main
 from triton_repo.server import REPO_ROOT, free_port
 
@@ -79,6 +79,14 @@ def test_memory_summary_measures_growth_from_the_warm_sample():
     assert summary["gateway_rss"] == {"after_start_up": 50.0, "start": 100.0, "end": 120.0, "max": 130.0, "growth": 20.0}
     assert summary["gpu_used"] == {"after_start_up": None, "start": 4.0, "end": 5.0, "max": 6.0, "growth": 1.0}
     assert memory_summary([_sample("warm"), _sample("end")])["gpu_used"] is None
+
+
+def test_a_wall_budget_shortens_the_run_to_what_fits():
+    tail = STOP_RESERVE_S + STRAGGLER_S
+    assert fit_run(600.0, None, 100.0) == (600.0, False)
+    assert fit_run(300.0, 100.0 + 590.0, 100.0) == (300.0, False)  # 590 s left: a 300 s run and its tail fit
+    assert fit_run(600.0, 100.0 + 590.0, 100.0) == (590.0 - tail, True)
+    assert fit_run(600.0, 100.0 + 10.0, 100.0) == (0.0, True)
 
 
 def test_a_lost_response_makes_the_soak_fail():
