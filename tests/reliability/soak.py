@@ -58,8 +58,9 @@ VOICES = ("alloy", "amy", "ben", "coral")
 SLICE_S = 30.0
 #: With a wall budget, new requests stop this long before the hard deadline so the ones in flight can finish...
 STRAGGLER_S = 20.0
-#: ...which is this long before the budget ends: time for the gauges to settle and the stack to stop.
-STOP_RESERVE_S = 20.0
+#: ...which is this long before the budget ends: time for the gauges to settle (SETTLE_S) and the stack to stop
+#: (the gateway and tritonserver are each given 10 s before they are killed).
+STOP_RESERVE_S = 25.0
 #: The pipeline publishes its gauges every 100 ms; the gateway's drop as each response ends.
 SETTLE_S = 5.0
 MIB = 2**20
