@@ -275,7 +275,11 @@ def missing_samples(samples: list[dict[str, Any]], gpu_expected: bool) -> list[s
     return problems
 
 
-MEMORY_ROWS = (("gateway RSS", "gateway_rss"), ("tritonserver RSS (with stubs)", "triton_rss"), ("GPU used", "gpu_used"))
+MEMORY_ROWS = (
+    ("gateway RSS", "gateway_rss"),
+    ("tritonserver RSS (with stubs)", "triton_rss"),
+    ("GPU used", "gpu_used"),
+)
 
 
 def memory_summary(samples: list[dict[str, Any]]) -> dict[str, dict[str, float] | None]:
@@ -306,15 +310,16 @@ def memory_summary(samples: list[dict[str, Any]]) -> dict[str, dict[str, float] 
 
 def table(figures: dict[str, Any]) -> str:
     """The printed summary: counts, timings and the memory table (MiB)."""
-    r = figures["totals"]
+    r, t = figures["totals"], figures["timings"]
     lines = [
         f"soak: {figures['concurrency']} streams, {figures['measured_s']:.0f} s measured"
         + (f" (asked {figures['asked_s']:.0f} s, shortened to fit the wall budget)" if figures["shortened"] else ""),
-        f"start-up {figures['timings'].get('startup_s', 0):.1f} s, warm-up {figures['timings'].get('warmup_s', 0):.1f} s,"
-        f" whole command {figures['timings'].get('total_s', 0):.1f} s",
+        f"start-up {t.get('startup_s', 0):.1f} s, warm-up {t.get('warmup_s', 0):.1f} s, whole command "
+        f"{t.get('total_s', 0):.1f} s",
         f"requests {r['requests']}: ok {r['ok']}, lost {r['lost']}, truncated {r['truncated']}, unfinished "
         f"{r['unfinished']}, refused (429) {r['refused_429']}; audio {r['audio_seconds']:.0f} s",
-        f"in flight at the end: gateway {figures['gateway_in_flight_after']}, pipeline {figures['pipeline_active_after']}",
+        f"in flight at the end: gateway {figures.get('gateway_in_flight_after', 'n/a')}, pipeline "
+        f"{figures.get('pipeline_active_after', 'n/a')}",
         "",
         "| memory (MiB) | after start-up | after warm-up | end | max | growth after warm-up |",
         "|---|---|---|---|---|---|",
@@ -419,41 +424,43 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
         gpu = GpuMemory()
         figures["gpu_source"] = gpu.source
     in_flight_limit = {"TTS_MAX_IN_FLIGHT": str(args.concurrency)}  # every stream admitted: none refused with 429
-    stopper: Callable[[], object]
+    bench = None  # the rendered stack, once there is one (its logs go into a failed run's report)
+    stopper: Callable[[], object] = lambda: None
+    report = SoakReport()
     with tempfile.TemporaryDirectory(prefix="soak-") as scratch:
-        phase = time.monotonic()
-        if rendered:
-            from scripts.bench_stack import BenchStack, ensure_model_dir, render_stack
-
-            args.work.mkdir(parents=True, exist_ok=True)
-            model_dir = ensure_model_dir(args.work, args.model_dir)
-            timings["weights_s"] = round(time.monotonic() - phase, 1)
-            phase = time.monotonic()
-            _, repo = render_stack(
-                work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-                max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio,
-                render_args=args.render_arg,
-            )  # fmt: skip
-            timings["render_s"] = round(time.monotonic() - phase, 1)
-            bench = BenchStack(repo, args.work, stub_env=args.stub_env, gateway_env=in_flight_limit)
-            stack: ObservedStack = RenderedStack(bench)
-            stopper = bench.stop
-        else:
-            from cosyvoice2.testing import write_tiny_model
-            from tests.reliability.stack_rig import SPEECH_RATIO, StackProcess
-
-            work = Path(scratch)
-            process = StackProcess(write_tiny_model(work / "tiny"), work, extra_env=in_flight_limit,
-                                   extra_args=SPEECH_RATIO)  # fmt: skip
-            stack, stopper = process, process.stop
         try:
             phase = time.monotonic()
             if rendered:
-                bench.start_triton(ready_timeout=_left(budget_end, STOP_RESERVE_S, default=900.0))
+                from scripts.bench_stack import TRITON_READY_TIMEOUT_S, BenchStack, ensure_model_dir, render_stack
+
+                args.work.mkdir(parents=True, exist_ok=True)
+                model_dir = ensure_model_dir(args.work, args.model_dir)
+                timings["weights_s"] = round(time.monotonic() - phase, 1)
+                phase = time.monotonic()
+                _, repo = render_stack(
+                    work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype,
+                    max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                    benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
+                )  # fmt: skip
+                timings["render_s"] = round(time.monotonic() - phase, 1)
+                bench = BenchStack(repo, args.work, stub_env=args.stub_env, gateway_env=in_flight_limit)
+                stack: ObservedStack = RenderedStack(bench)
+                stopper = bench.stop
+                phase = time.monotonic()
+                ready_timeout = _left(budget_end, STOP_RESERVE_S, default=TRITON_READY_TIMEOUT_S)
+                bench.start_triton(ready_timeout=ready_timeout)
                 timings["triton_ready_s"] = round(time.monotonic() - phase, 1)
+                phase = time.monotonic()
                 bench.start_gateway()
-                timings["gateway_ready_s"] = round(time.monotonic() - phase - timings["triton_ready_s"], 1)
+                timings["gateway_ready_s"] = round(time.monotonic() - phase, 1)
             else:
+                from cosyvoice2.testing import write_tiny_model
+                from tests.reliability.stack_rig import SPEECH_RATIO, StackProcess
+
+                work = Path(scratch)
+                process = StackProcess(write_tiny_model(work / "tiny"), work, extra_env=in_flight_limit,
+                                       extra_args=SPEECH_RATIO)  # fmt: skip
+                stack, stopper = process, process.stop
                 process.start()
             timings["startup_s"] = round(time.monotonic() - began, 1)
             print(f"stack ready after {timings['startup_s']} s", flush=True)
@@ -473,11 +480,11 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
             def on_slice(part: SoakReport) -> None:
                 samples.append(memory_sample(stack, gpu, "slice", time.monotonic() - run_began, part.requests))
 
-            report = SoakReport()
             if measure_s > 0:
                 report = asyncio.run(soak(stack.url, concurrency=args.concurrency, seconds=measure_s, seed=1,
                                           deadline=hard_deadline, on_slice=on_slice, slice_s=args.slice_s))  # fmt: skip
             figures["measured_s"] = round(time.monotonic() - run_began, 1)
+            figures["measured"] = asdict(report)
             settle = time.monotonic() + SETTLE_S
             while time.monotonic() < settle and (stack.gateway_metric("tts_in_flight_requests")
                                                  or stack.triton_active_requests()):  # fmt: skip
@@ -485,12 +492,10 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
             figures["gateway_in_flight_after"] = stack.gateway_metric("tts_in_flight_requests")
             figures["pipeline_active_after"] = stack.triton_active_requests()
             samples.append(memory_sample(stack, gpu, "end", time.monotonic() - run_began, report.requests))
-            figures["measured"] = asdict(report)
         except Exception as exc:  # the report still says how far it got, and the run fails
             figures["problems"].append(f"{type(exc).__name__}: {exc}")
-            if rendered:
+            if bench is not None:
                 figures["log_tails"] = {"tritonserver": bench.server.log_tail(80), "gateway": _tail(bench.gateway_log)}
-            report = SoakReport()
         finally:
             stop_began = time.monotonic()
             stopper()
@@ -498,8 +503,8 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
     timings["total_s"] = round(time.monotonic() - began, 1)
 
     warm_report = SoakReport(**figures.get("warmup", {}))
-    totals = {k: getattr(warm_report, k) + getattr(report, k)
-              for k in ("requests", "ok", "lost", "truncated", "unfinished", "refused_429", "audio_seconds")}  # fmt: skip
+    counted = ("requests", "ok", "lost", "truncated", "unfinished", "refused_429", "audio_seconds")
+    totals = {k: getattr(warm_report, k) + getattr(report, k) for k in counted}
     figures["totals"] = totals
     figures["memory"] = memory_summary(samples)
     problems = figures["problems"]
@@ -508,8 +513,8 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
                         + "; ".join(sorted(set(warm_report.failures + report.failures)))[:2000])  # fmt: skip
     if figures.get("gateway_in_flight_after") or figures.get("pipeline_active_after"):
         problems.append("requests still in flight at the end")
-    if "measured" in figures and figures["measured_s"] <= 0:
-        problems.append("no time left for a measured run within the wall budget")
+    if "measured" in figures and not figures["measured"]["requests"]:
+        problems.append("the measured run sent no request: the wall budget left no time for it")
     if samples:
         problems += missing_samples(samples, gpu_expected=gpu is not None and gpu.source is not None)
     if gpu is not None and gpu.source is None:  # (then every sample lacks it: said once)

@@ -64,19 +64,28 @@ def test_missing_memory_samples_are_named():
     assert missing_samples(whole, gpu_expected=True) == [f"{p} sample at 0.0 s: no GPU memory reading"
                                                          for p in ("started", "warm", "slice", "end")]  # fmt: skip
     no_gateway = [*whole[:2], _sample("slice", gateway=0), whole[3]]
-    assert missing_samples(no_gateway, gpu_expected=False) == ["slice sample at 0.0 s: no gateway RSS (process not found)"]
+    assert missing_samples(no_gateway, gpu_expected=False) == [
+        "slice sample at 0.0 s: no gateway RSS (process not found)"
+    ]
     no_triton = [*whole[:3], _sample("end", triton=0, processes=0)]
-    assert missing_samples(no_triton, gpu_expected=False) == ["end sample at 0.0 s: no tritonserver RSS (process not found)"]
+    assert missing_samples(no_triton, gpu_expected=False) == [
+        "end sample at 0.0 s: no tritonserver RSS (process not found)"
+    ]
     stub_gone = [*whole[:2], _sample("slice", processes=2), whole[3]]
     assert "a python stub is missing" in missing_samples(stub_gone, gpu_expected=False)[0]
     assert "memory samples after warm-up" in missing_samples(whole[:2], gpu_expected=False)[0]
 
 
 def test_memory_summary_measures_growth_from_the_warm_sample():
-    samples = [_sample("started", gateway=50 * MIB), _sample("warm", gateway=100 * MIB, gpu=[MIB, 3 * MIB]),
-               _sample("slice", gateway=130 * MIB, gpu=[MIB, 5 * MIB]), _sample("end", gateway=120 * MIB, gpu=[MIB, 4 * MIB])]  # fmt: skip
+    samples = [
+        _sample("started", gateway=50 * MIB),
+        _sample("warm", gateway=100 * MIB, gpu=[MIB, 3 * MIB]),
+        _sample("slice", gateway=130 * MIB, gpu=[MIB, 5 * MIB]),
+        _sample("end", gateway=120 * MIB, gpu=[MIB, 4 * MIB]),
+    ]
     summary = memory_summary(samples)
-    assert summary["gateway_rss"] == {"after_start_up": 50.0, "start": 100.0, "end": 120.0, "max": 130.0, "growth": 20.0}
+    expected = {"after_start_up": 50.0, "start": 100.0, "end": 120.0, "max": 130.0, "growth": 20.0}
+    assert summary["gateway_rss"] == expected
     assert summary["gpu_used"] == {"after_start_up": None, "start": 4.0, "end": 5.0, "max": 6.0, "growth": 1.0}
     assert memory_summary([_sample("warm"), _sample("end")])["gpu_used"] is None
 
@@ -137,3 +146,18 @@ def test_the_full_size_path_soaks_the_rendered_stack_and_samples_every_process(t
     assert not figures["shortened"] and figures["measured_s"] >= 24
     assert f"start-up {timings['startup_s']:.1f} s" in done.stdout
     assert "| tritonserver RSS (with stubs) |" in done.stdout and "verdict: PASS" in done.stdout
+
+
+def test_a_stack_that_does_not_start_fails_the_soak_with_a_report(tmp_path):
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    report_path = tmp_path / "report.json"
+    command = [sys.executable, "-m", "tests.reliability.soak", "--full-size", "--model-dir", str(empty),
+               "--device", "cpu", "--dtype", "fp32", "--benchmark-speech-ratio", "2", "--work", str(tmp_path / "work"),
+               "--report", str(report_path)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(report_path.read_text())
+    assert len(figures["problems"]) == 1 and "lacks llm.pt" in figures["problems"][0]
+    assert figures["samples"] == [] and figures["totals"]["requests"] == 0
+    assert "verdict: FAIL: RenderError" in done.stdout
