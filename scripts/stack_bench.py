@@ -57,30 +57,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from triton_repo.render import RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from scripts.bench_stack import SPEECH_TOKENS_PER_CHAR, BenchStack, ensure_model_dir, render_stack
+from triton_repo.server import REPO_ROOT, TritonServer
 from ttsbench.cli import concurrency_list
 
-SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
 REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 400
-#: Gateway starts on a new free port after one exited (another process took the port first).
-GATEWAY_START_ATTEMPTS = 3
-
-
-def realistic_ratio(model_dir: Path) -> float:
-    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer
-    (the random full-size model ships a tiny tokenizer with many more tokens per character than Qwen's)."""
-    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-    from ttsbench.sentences import SENTENCES
-
-    tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
-    chars = sum(len(s) for s in SENTENCES)
-    return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
 
 
 @dataclass(frozen=True)
@@ -149,6 +135,18 @@ def visible_gpu_indices(environ: dict[str, str]) -> list[int] | None:
     return [int(part) for part in value.split(",")]
 
 
+def nvml_handles(indices: Sequence[int] | None) -> tuple[Any, list[Any]] | None:
+    """(pynvml, a handle per GPU in ``indices`` or per GPU when None), or None when NVML is not there."""
+    try:
+        import pynvml  # noqa: PLC0415 - optional
+
+        pynvml.nvmlInit()
+        chosen = indices if indices is not None else range(pynvml.nvmlDeviceGetCount())
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in chosen]
+    except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
+        return None
+
+
 class GpuSampler:
     """Utilization (percent of the time a kernel ran) of the visible GPUs every 200 ms, in a background thread.
 
@@ -187,14 +185,10 @@ class GpuSampler:
         return self
 
     def _nvml_poller(self) -> Callable[[], list[float]] | None:
-        try:
-            import pynvml  # noqa: PLC0415 - optional
-
-            pynvml.nvmlInit()
-            indices = self.indices if self.indices is not None else range(pynvml.nvmlDeviceGetCount())
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-        except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
+        nvml = nvml_handles(self.indices)
+        if nvml is None:
             return None
+        pynvml, handles = nvml
         return lambda: [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
 
     def _run_nvml(self, poll: Callable[[], list[float]]) -> None:
@@ -230,6 +224,42 @@ class GpuSampler:
         return busy_share(self.samples, window)
 
 
+class GpuMemory:
+    """Memory in use (bytes) on each visible GPU, read when asked: NVML through `pynvml` when it imports and
+    initializes, else one `nvidia-smi` call per reading; with neither (or a reading that fails), ``source`` is
+    None and ``used`` returns None. Used memory counts every process on the GPU, as `nvidia-smi` shows it."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self.indices = visible_gpu_indices(dict(os.environ) if environ is None else environ)
+        self.source: str | None = None
+        self._read: Callable[[], list[int]] | None = None
+        nvml = nvml_handles(self.indices)
+        if nvml is not None:
+            pynvml, handles = nvml
+            self.source, self._read = "nvml", lambda: [int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles]
+        elif (smi := shutil.which("nvidia-smi")) is not None:
+            command = [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+            if self.indices is not None:
+                command.append(f"--id={','.join(map(str, self.indices))}")
+            self.source, self._read = "nvidia-smi", lambda: self._smi(command)
+        if self.source is not None and self.used() is None:  # e.g. nvidia-smi without a driver
+            self.source, self._read = None, None
+
+    @staticmethod
+    def _smi(command: list[str]) -> list[int]:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout  # noqa: S603
+        return [int(float(line)) * 2**20 for line in out.split()]  # MiB
+
+    def used(self) -> list[int] | None:
+        if self._read is None:
+            return None
+        try:
+            values = self._read()
+        except Exception:  # noqa: BLE001 - a failed read is a missing sample, which the caller reports
+            return None
+        return values or None
+
+
 def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] | None) -> float | None:
     """Mean GPU utilization (0..1) over the samples inside ``window`` (start, end); None when there are none."""
     if window is None:
@@ -240,21 +270,6 @@ def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] |
 
 
 # One level -------------------------------------------------------------------------------------------
-
-
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
 def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
@@ -483,34 +498,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels_dir = out_dir / "levels"
     levels_dir.mkdir()
     print(f"results: {out_dir}", flush=True)
-    model_dir = args.model_dir
-    if model_dir is None:
-        model_dir = args.work / "model"
-        if not (model_dir / "llm.pt").exists():
-            from cosyvoice2.testing import write_full_size_random_model
-
-            started = time.perf_counter()
-            write_full_size_random_model(model_dir)
-            print(f"wrote random full-size weights in {time.perf_counter() - started:.0f} s", flush=True)
-    ratio = args.benchmark_speech_ratio
-    if ratio is None:
-        ratio = realistic_ratio(model_dir)
-        print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
-    extra: dict[str, Any] = {}
-    for item in args.render_arg:
-        key, _, value = item.partition("=")
-        extra[key] = int(value) if value.lstrip("-").isdigit() else value
-    options = RenderOptions(
-        model_dir=model_dir, out=args.work / "repo", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, **extra,
+    model_dir = ensure_model_dir(args.work, args.model_dir)
+    options, repo = render_stack(
+        work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+        max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
     )  # fmt: skip
-    repo = write_repository(options)
 
-    server_log, gateway_log = args.work / "tritonserver.log", args.work / "gateway.log"
-    for log in (server_log, gateway_log):  # this invocation's lines only
-        log.unlink(missing_ok=True)
-    server = TritonServer(model_repository=repo, log_path=server_log, env_prefix=args.stub_env or Path(sys.prefix))
-    gateway: subprocess.Popen | None = None
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env)
+    server = stack.server
     sampler = GpuSampler()
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
@@ -523,24 +518,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages: dict[str, Any] = {"render": document["render"]}
     started = time.perf_counter()
     try:
-        server.start(ready_timeout=900)
+        stack.start_triton()
         document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
         print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
-        port = 0
         if any(s.target == "gateway" for s in scenarios):
-            # A port free when chosen may be taken before the gateway binds it (it then exits): a new one.
-            for attempt in range(1, GATEWAY_START_ATTEMPTS + 1):
-                port = free_port()
-                env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
-                with open(gateway_log, "ab") as log:
-                    gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
-                                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-                try:
-                    wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
-                    break
-                except RuntimeError:
-                    if gateway.poll() is None or attempt == GATEWAY_START_ATTEMPTS:
-                        raise
+            stack.start_gateway()
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
             # a server that has been up a while has them all, so the levels below measure that state.
@@ -554,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
         for run in range(1, args.repeat + 1):
             for scenario in scenarios:
-                url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
+                url = server.grpc_url if scenario.target == "triton" else stack.gateway_url
                 for concurrency in getattr(args, scenario.levels_option):
                     name = f"{scenario.name}-c{concurrency}-r{run}"
                     before = triton_metrics(server)
@@ -573,15 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         sampler.stop()
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-        server.cleanup()
-        copy_tail(server_log, out_dir / "tritonserver_tail.log")
-        copy_tail(gateway_log, out_dir / "gateway_tail.log")
+        stack.stop()
+        copy_tail(stack.server_log, out_dir / "tritonserver_tail.log")
+        copy_tail(stack.gateway_log, out_dir / "gateway_tail.log")
         realtime = realtime_streams(rows)
         document["realtime_streams_per_gpu"] = realtime
         document["realtime_rule"] = {"scenario": REALTIME_SCENARIO, "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,

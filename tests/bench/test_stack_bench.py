@@ -164,6 +164,31 @@ def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
     assert os.path.exists(fake)
 
 
+def test_gpu_memory_without_a_gpu_is_none(monkeypatch, tmp_path):
+    _only_path(monkeypatch, tmp_path)
+    memory = sb.GpuMemory()
+    assert memory.source is None and memory.used() is None
+
+
+def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    log = tmp_path / "args"
+    used = tmp_path / "used"  # MiB per GPU, one line each: the fake prints what the test wrote last
+    used.write_text("1000\n2500\n")
+    fake.write_text(f"#!/bin/sh\nPATH=/usr/bin:/bin\necho \"$@\" > {log}\ncat {used}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    _only_path(monkeypatch, tmp_path)
+    memory = sb.GpuMemory(environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert memory.source == "nvidia-smi"
+    assert memory.used() == [1000 * 2**20, 2500 * 2**20]
+    used.write_text("1200\n2500\n")
+    assert memory.used() == [1200 * 2**20, 2500 * 2**20]
+    args = log.read_text().split()
+    assert "--query-gpu=memory.used" in args and "--format=csv,noheader,nounits" in args and "--id=0,1" in args
+    used.write_text("[N/A]\n")
+    assert memory.used() is None  # a failed reading is a missing sample, never a made-up one
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--only", "triton-stream,nope"], "unknown scenario(s) nope"),
     (["--stub-env", "/nonexistent/env"], "is not a Python environment"),
