@@ -8,11 +8,12 @@ start it this way, so both measure the same stack.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,18 +40,40 @@ def realistic_ratio(model_dir: Path) -> float:
     return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
 
 
+def random_weights(path: Path, write: Callable[[Path], Any], what: str) -> Path:
+    """`path`, holding random weights `write` puts there on the first use. They are written into a sibling
+    `.partial` directory renamed when complete: an interrupted write is never taken for a model, it is redone."""
+    if path.is_dir():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    started = time.perf_counter()
+    write(partial)
+    partial.rename(path)
+    print(f"wrote random full-size {what} weights to {path} in {time.perf_counter() - started:.0f} s", flush=True)
+    return path
+
+
+def write_random_model(path: Path) -> None:
+    from cosyvoice2.testing import write_full_size_random_model  # noqa: PLC0415 - only when no --model-dir
+
+    write_full_size_random_model(path)
+
+
+def write_random_dit(path: Path) -> None:
+    from cosyvoice2.testing.dit import write_full_size_random_dit  # noqa: PLC0415 - only when no --dit-dir
+
+    write_full_size_random_dit(path)
+
+
 def ensure_model_dir(work: Path, model_dir: Path | None) -> Path:
     """``model_dir`` as given, else released-size random weights under WORK/model (written once, then reused)."""
-    if model_dir is not None:
-        return model_dir
-    model_dir = work / "model"
-    if not (model_dir / "llm.pt").exists():
-        from cosyvoice2.testing import write_full_size_random_model
+    return model_dir or random_weights(work / "model", write_random_model, "CosyVoice2")
 
-        started = time.perf_counter()
-        write_full_size_random_model(model_dir)
-        print(f"wrote random full-size weights in {time.perf_counter() - started:.0f} s", flush=True)
-    return model_dir
+
+def ensure_dit_dir(work: Path, dit_dir: Path | None) -> Path:
+    """``dit_dir`` as given, else a released-size random DiT token2wav under WORK/dit (written once, then reused)."""
+    return dit_dir or random_weights(work / "dit", write_random_dit, "DiT token2wav")
 
 
 def render_fields(items: Sequence[str]) -> dict[str, Any]:
@@ -64,7 +87,8 @@ def render_fields(items: Sequence[str]) -> dict[str, Any]:
 
 def render_stack(
     *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int, max_seq_len: int,
-    benchmark_speech_ratio: float | None, render_args: Sequence[str] = (),
+    benchmark_speech_ratio: float | None, render_args: Sequence[str] = (), token2wav: str = "unet",
+    dit_dir: Path | None = None,
 ) -> tuple[RenderOptions, Path]:  # fmt: skip
     """Render WORK/repo. A ``benchmark_speech_ratio`` of None picks the realistic one for this model's tokenizer;
     0 turns benchmark mode off (real weights stop by themselves)."""
@@ -74,7 +98,8 @@ def render_stack(
         print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
     options = RenderOptions(
         model_dir=model_dir, out=work / "repo", device=device, dtype=dtype, max_batch=max_batch,
-        max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, **render_fields(render_args),
+        max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, token2wav=token2wav, dit_dir=dit_dir,
+        **render_fields(render_args),
     )  # fmt: skip
     return options, write_repository(options)
 

@@ -1,25 +1,33 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
     python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
 Without `--model-dir` it writes released-size random weights once (`cosyvoice2.testing`), which is why
 `--benchmark-speech-ratio` exists: random weights stop at random, so the stack is rendered to generate a fixed,
-realistic number of speech tokens per text token. Each level (scenario x concurrency x run) is one `tts-bench`
-run; around it the Triton metrics are read (their deltas give the per-stage breakdown: LLM prefill and step,
-token2wav call) and the GPU's utilization is sampled every 200 ms (NVML through `pynvml` when importable,
-else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99, playback stalls, audio
-seconds per wall second and the GPU busy share; at the end the real-time streams per GPU: the highest
-`triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error, in
-every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out):
-summary.md (the tables), results.json (every level's measures), stages.json, levels/*.json (the raw
-`tts-bench` documents) and the tails of the tritonserver and gateway logs.
+realistic number of speech tokens per text token. `--token2wav dit` renders the stack with the DiT token2wav
+(docs/engine.md) instead of CosyVoice2's UNet flow; without `--dit-dir` it likewise writes a released-size random
+DiT directory once (`cosyvoice2.testing.dit`, WORK/dit). Random weights are written into a sibling `.partial`
+directory that is renamed when complete, so an interrupted write is redone, never taken for a model.
+
+Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (their
+deltas give the per-stage breakdown: LLM prefill and step, token2wav call) and the GPU's utilization is sampled
+every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports
+first chunk p50/p90/p99, playback stalls, audio seconds per wall second and the GPU busy share; at the end the
+real-time streams per GPU: the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no
+stream stalling and no error, in every run. Every invocation writes a fresh directory
+WORK/results/<UTC time>-<settings>/ (or under --out; the settings name the token2wav, e.g. cuda-bf16-b32-dit-r3,
+and the summary says it too): summary.md (the tables), results.json (every level's measures), stages.json,
+levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
 
 Options:
   --work DIR                    models, rendered repository and logs (default var/stackbench)
   --out DIR                     parent of the fresh results directories (default WORK/results)
   --model-dir DIR               real or random weights (default: released-size random weights under WORK)
+  --token2wav NAME              unet (CosyVoice2's flow) or dit (the DiT flow) (default unet)
+  --dit-dir DIR                 DiT token2wav directory, --token2wav dit only (default: released-size random under WORK)
   --device {cpu,cuda}           where the engine runs (default cuda)
   --dtype NAME                  LLM and flow dtype (default bf16)
   --max-batch N                 LLM batch slots (default 32)
@@ -57,7 +65,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_stack import SPEECH_TOKENS_PER_CHAR, BenchStack, ensure_model_dir, render_stack
+from cosyvoice2.dit.loading import check_dit_dir
+from scripts.bench_stack import SPEECH_TOKENS_PER_CHAR, BenchStack, ensure_dit_dir, ensure_model_dir, render_stack
+from triton_repo.render import TOKEN2WAVS
 from triton_repo.server import REPO_ROOT, TritonServer
 from ttsbench.cli import concurrency_list
 
@@ -67,6 +77,8 @@ REALTIME_FIRST_CHUNK_P90_S = 0.5
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 400
+#: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
+OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir"}
 
 
 @dataclass(frozen=True)
@@ -377,13 +389,15 @@ def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
     return text
 
 
-def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None) -> str:
-    """The summary: one table row per scenario and concurrency, each cell all runs' values and their spread."""
+def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str) -> str:
+    """The summary: the token2wav it measured, then one table row per scenario and concurrency, each cell all
+    runs' values and their spread."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
-    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [f"# {title}", "", f"token2wav: **{token2wav}**", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for (scenario, concurrency), runs in groups.items():
         runs = sorted(runs, key=lambda r: r["run"])
         counts = f"{sum(r['requests'] for r in runs)} ({sum(r['errors'] for r in runs)})"
@@ -409,7 +423,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
 
 def settings_slug(args: argparse.Namespace) -> str:
     """A short, file-name-safe description of the settings that change the numbers."""
-    parts = [args.device, args.dtype, f"b{args.max_batch}"]
+    parts = [args.device, args.dtype, f"b{args.max_batch}", args.token2wav]  # UNet and DiT runs never share a name
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
@@ -451,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "var" / "stackbench")
     parser.add_argument("--out", type=Path, help="parent of the fresh results directories (default: WORK/results)")
     parser.add_argument("--model-dir", type=Path, help="default: released-size random weights under WORK")
+    parser.add_argument("--token2wav", default="unet", choices=TOKEN2WAVS,
+                        help="which flow + HiFT turns speech tokens into audio: unet (CosyVoice2's) or dit")
+    parser.add_argument("--dit-dir", type=Path,
+                        help="DiT token2wav directory (--token2wav dit; default: released-size random weights under "
+                             "WORK/dit)")
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -492,6 +511,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"stack_bench: unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
         raise SystemExit(f"stack_bench: {args.stub_env} is not a Python environment (no bin/python3)")
+    for item in args.render_arg:
+        if (field := item.partition("=")[0]) in OWN_OPTIONS:
+            raise SystemExit(f"stack_bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
+                             "(the results are named after it)")
+    if args.dit_dir is not None:
+        if args.token2wav != "dit":
+            raise SystemExit("stack_bench: --dit-dir is only used with --token2wav dit")
+        try:
+            check_dit_dir(args.dit_dir)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"stack_bench: --dit-dir: {exc}") from None
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
@@ -499,9 +529,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels_dir.mkdir()
     print(f"results: {out_dir}", flush=True)
     model_dir = ensure_model_dir(args.work, args.model_dir)
+    dit_dir = ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None
+    token2wav = args.token2wav if dit_dir is None else f"{args.token2wav} ({dit_dir})"
+    print(f"token2wav: {token2wav}", flush=True)
     options, repo = render_stack(
         work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
+        token2wav=args.token2wav, dit_dir=dit_dir,
     )  # fmt: skip
 
     stack = BenchStack(repo, args.work, stub_env=args.stub_env)
@@ -510,6 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
+        "token2wav": args.token2wav,
+        "dit_dir": None if dit_dir is None else str(dit_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
@@ -564,7 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime)
+        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav)
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)

@@ -182,6 +182,7 @@ def test_separate_stub_environment_has_numpy_below_2(runs):
     assert f"+ {stub}/bin/python3 -c " in output  # the imports are checked with the stubs' interpreter
     assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3" in output
     assert f"-m tests.reliability.soak --full-size --device cuda --stub-env {stub} --concurrency 64" in output
+    assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3 --token2wav dit" in output
     main_install = pip_installs(output)[0]
     assert f"{REPO_ROOT}[engine,bench]" in main_install  # not the triton extra: it would pull numpy < 2 in
     assert not stub.exists()  # a dry run creates nothing
