@@ -327,8 +327,10 @@ class Token2Wav(FlowAndVocoder):
         with self.book.lock:
             self.book.nbytes -= nbytes
 
-    def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
+    def mels(self, calls: Sequence[FlowCall],
+             between_steps: "Callable[[], None] | None" = None) -> "list[torch.Tensor]":
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.
+        `between_steps`: called before each Euler step of the cached calls (`CachedFlowRunner.run_pending`).
 
         Non-final calls use chunk attention and treat the last `pre_lookahead_len` tokens as context only;
         final calls use full attention, as upstream (docs/reference/cosyvoice2.md#streaming-at-the-flow-level).
@@ -338,7 +340,7 @@ class Token2Wav(FlowAndVocoder):
         out: "list[torch.Tensor | None]" = [None] * len(calls)
         cached = [i for i, call in enumerate(calls) if call.cache is not None]
         if cached:
-            for i, mel in zip(cached, self._cached_mels([calls[i] for i in cached])):
+            for i, mel in zip(cached, self._cached_mels([calls[i] for i in cached], between_steps)):
                 out[i] = mel
         for final in (False, True):
             rows = [i for i, call in enumerate(calls) if call.final == final and call.cache is None]
@@ -370,11 +372,12 @@ class Token2Wav(FlowAndVocoder):
         return CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
                          stop=offset + call.stop, final=call.final, keep=not call.final, emit_from=offset + call.start)
 
-    def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
+    def _cached_mels(self, calls: Sequence[FlowCall],
+                     between_steps: "Callable[[], None] | None" = None) -> "list[torch.Tensor]":
         """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
         import torch
 
-        mels, updates = self.cached.run_pending([self._cached_row(call) for call in calls])
+        mels, updates = self.cached.run_pending([self._cached_row(call) for call in calls], between_steps)
         for call, update in zip(calls, updates):
             assert call.cache is not None
             call.cache.pending = update
@@ -396,19 +399,22 @@ class Token2Wav(FlowAndVocoder):
         """`vocode_batch` of one call."""
         return self.vocode_batch([mel], [cache_source], [generator])[0]
 
-    def run_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]") -> list[np.ndarray]:
+    def run_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
+                   between_steps: "Callable[[], None] | None" = None) -> list[np.ndarray]:
         """Run the next chunk of each of several streams (one chunk per stream) in one batched flow + HiFT pass.
 
         Each chunk must continue its stream (start where the last one stopped, its tokens already added). A call
         that raises leaves every stream as it was (tokens, caches and generator state), so its chunks can be
-        retried one by one.
+        retried one by one. `between_steps` is called before each Euler step of the chunks that run over flow
+        caches: a scheduler may run a call of OTHER streams' chunks there (never of these streams).
         """
         streams = [stream for stream, _ in work]
         if len({id(stream) for stream in streams}) != len(streams):
             raise ValueError("run_chunks takes at most one chunk per stream")
         for stream, chunk in work:
             stream.check_next(chunk)
-        return self._vocode_and_emit(work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work]))
+        return self._vocode_and_emit(
+            work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work], between_steps))
 
     def _vocode_and_emit(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
                          mels: "Callable[[], list[torch.Tensor]]") -> list[np.ndarray]:

@@ -106,8 +106,8 @@ class StreamToken2Wav(_OnStream, Generic[S]):
     def open(self, prompt: PromptTensors, seed: int | None) -> S:
         return self._call(self._target.open, prompt, seed)
 
-    def run(self, work: Sequence[Work[S]]) -> list[np.ndarray | Exception]:
-        results = self._call(self._target.run, work)
+    def run(self, work: Sequence[Work[S]], **hooks: Any) -> list[np.ndarray | Exception]:
+        results = self._call(self._target.run, work, **hooks)
         if self.hand_over_to is not None:
             for item, result in zip(work, results):
                 if item.chunk is not None and not item.chunk.final and not isinstance(result, Exception):

@@ -17,7 +17,7 @@ import copy
 import time
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -95,12 +95,16 @@ class _BatchedStreams:
 
     engine: Any
     vocab_size: int
+    #: whether `run` takes `between_steps` (a scheduler's hook before each Euler step of the call)
+    runs_between_steps = False
 
-    def run(self, work: Sequence[Work[Any]]) -> list[np.ndarray | Exception]:
+    def run(self, work: Sequence[Work[Any]],
+            between_steps: Callable[[], None] | None = None) -> list[np.ndarray | Exception]:
         jobs = [self._job(item) for item in work]
         ready = [job for job in jobs if not isinstance(job, Exception)]
+        hook = {} if between_steps is None else {"between_steps": between_steps}
         try:
-            audio = iter(self.engine.run_chunks(ready))
+            audio = iter(self.engine.run_chunks(ready, **hook))
             return [job if isinstance(job, Exception) else next(audio) for job in jobs]
         except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
             return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
@@ -139,6 +143,8 @@ class BatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
+
+    runs_between_steps = True
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
                  flow_cache: str = "exact", flow_cache_gb: float | None = None):

@@ -23,6 +23,11 @@ First chunks go first: while any stream waits for its first chunk, a call runs o
 jobs that have waited `max_defer_s`); in step mode first chunks are admitted before later chunks, and a job
 that has waited `max_defer_s` before both.
 
+With `first_chunks_between_steps` (call scheduling, one worker, an engine whose `run` takes `between_steps`),
+a call of later chunks checks before each of its Euler steps whether first chunks wait, and runs them there as
+a call of their own: a new stream waits for one estimator step of a running call, not for all of it, while
+the call's own rows keep the lock-step cost of a whole call (no per-row step indices as in step mode).
+
 With a `first_chunk_engine` (call scheduling), a second worker thread runs only first chunks, with that
 engine, while the first runs everything else: a new stream's first chunk never waits for a running call of
 later chunks. The two engines share the model and run on separate CUDA streams (the first-chunk one with
@@ -77,6 +82,7 @@ TOKEN2WAV_STATS = (
     "token2wav_expired_total",
     "token2wav_engine_seconds_total",  # wall time inside whole engine calls (flow + HiFT)
     "token2wav_first_chunk_calls_total",  # calls of the first-chunk worker (with a `first_chunk_engine`)
+    "token2wav_calls_between_steps_total",  # first-chunk calls run between two Euler steps of another call
 )
 
 
@@ -181,6 +187,7 @@ class Token2WavService(Generic[S]):
         max_defer_s: float = 0.25,
         scheduling: str = "call",
         first_chunk_engine: Token2WavEngine[S] | None = None,
+        first_chunks_between_steps: bool = False,
     ) -> None:
         if scheduling not in T2W_SCHEDULING:
             raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")
@@ -212,6 +219,9 @@ class Token2WavService(Generic[S]):
         else:
             lanes = [_Lane("token2wav", engine, None)]
         self.first_chunk_worker = len(lanes) > 1
+        self.first_chunks_between_steps = (first_chunks_between_steps and not self.first_chunk_worker
+                                           and scheduling == "call"
+                                           and bool(getattr(engine, "runs_between_steps", False)))
         self._threads = [threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
                          for lane in lanes]
         for thread in self._threads:
@@ -416,8 +426,11 @@ class Token2WavService(Generic[S]):
                     job.resolve(RuntimeError("token2wav service is shut down"))
                 self._pending.clear()
                 return False
+        hook = None
+        if self.first_chunks_between_steps and not any(job.is_first_chunk for job in batch):
+            hook = self._first_chunks_between_steps
         try:
-            self._execute(batch, lane.engine)
+            self._execute(batch, lane.engine, between_steps=hook)
         except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
             logger.exception("token2wav batch failed")
             for job in batch:
@@ -450,7 +463,35 @@ class Token2WavService(Generic[S]):
             self._running.add(job.request_id)
         return batch
 
-    def _execute(self, batch: list[_Job[S]], engine: Token2WavEngine[S] | None = None) -> None:
+    def _first_chunks_between_steps(self) -> None:
+        """Called by the engine before each Euler step of a call of later chunks: the first chunks waiting now
+        run as a call of their own (these streams are not in the running call: they had no chunk before)."""
+        with self._cond:
+            if self._closed:
+                return
+            heads: dict[str, _Job[S]] = {}
+            for job in self._pending:
+                if job.request_id not in self._running:
+                    heads.setdefault(job.request_id, job)
+            batch = [job for job in heads.values() if job.is_first_chunk]
+            for job in batch:
+                self._pending.remove(job)
+                self._running.add(job.request_id)
+        if not batch:
+            return
+        try:
+            self._execute(batch)  # no hook: a first-chunk call never waits for anything
+        except Exception as exc:  # noqa: BLE001 - the running call must go on; these jobs get the error
+            logger.exception("token2wav first-chunk call between steps failed")
+            for job in batch:
+                job.resolve(exc)
+        finally:
+            with self._cond:
+                self._running.difference_update(job.request_id for job in batch)
+        self.stats.add("token2wav_calls_between_steps_total")
+
+    def _execute(self, batch: list[_Job[S]], engine: Token2WavEngine[S] | None = None,
+                 between_steps: Any = None) -> None:
         engine = engine or self.engine
         work: list[Work[S]] = []
         runnable: list[_Job[S]] = []
@@ -466,7 +507,8 @@ class Token2WavService(Generic[S]):
             return
         started = time.perf_counter()
         try:
-            results: list[np.ndarray | Exception] = engine.run(work)
+            results: list[np.ndarray | Exception] = (
+                engine.run(work) if between_steps is None else cast(Any, engine).run(work, between_steps=between_steps))
         except Exception as exc:
             results = [exc] * len(work)
         self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)

@@ -127,6 +127,9 @@ class RenderOptions:
     # later chunks on its own higher-priority CUDA stream (and its own CUDA graphs: more GPU memory), so a new
     # stream's first chunk never waits for a running call (cosyvoice2_serving.token2wav).
     t2w_first_chunk_worker: bool = False
+    # With call scheduling and one worker, a running call of later chunks lets the first chunks that arrived
+    # meanwhile run as their own call before its next Euler step (UNet token2wav, flow caches on).
+    t2w_first_chunks_between_steps: bool = False
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = "unet"
@@ -601,6 +604,7 @@ def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavP
         flow_cache_gb=opts.flow_cache_gb,
         t2w_scheduling=opts.t2w_scheduling,
         t2w_first_chunk_worker=opts.t2w_first_chunk_worker,
+        t2w_first_chunks_between_steps=opts.t2w_first_chunks_between_steps,
         token2wav=opts.token2wav,
         dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
         # the budget is per GPU: the replicas sharing one split it
@@ -864,6 +868,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="call scheduling: a second token2wav worker (own CUDA stream and graphs) runs only first chunks",
     )  # fmt: skip
     parser.add_argument(
+        "--t2w-first-chunks-between-steps", action=argparse.BooleanOptionalAction,
+        default=defaults.t2w_first_chunks_between_steps,
+        help="call scheduling: first chunks run between two Euler steps of a running call of later chunks",
+    )  # fmt: skip
+    parser.add_argument(
         "--token2wav", default=defaults.token2wav, choices=TOKEN2WAVS,
         help="unet: CosyVoice2's flow from --model-dir; dit: the DiT flow of Step-Audio-2-mini from --dit-dir",
     )  # fmt: skip
@@ -929,6 +938,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flow_cache_gb=args.flow_cache_gb,
                 t2w_scheduling=args.t2w_scheduling,
                 t2w_first_chunk_worker=args.t2w_first_chunk_worker,
+                t2w_first_chunks_between_steps=args.t2w_first_chunks_between_steps,
                 token2wav=args.token2wav,
                 dit_dir=args.dit_dir,
                 layout=args.layout,

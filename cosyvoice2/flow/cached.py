@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -201,12 +201,17 @@ class CachedFlowRunner:
         return mels
 
     @torch.inference_mode()
-    def run_pending(self, rows: Sequence[CachedRow]) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
+    def run_pending(self, rows: Sequence[CachedRow], between_steps: Optional[Callable[[], None]] = None,
+                    ) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
         """Mel (80, frames) float32 of tokens[first_emitted:stop] per row, and the caches each row's call adds
-        (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream."""
+        (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream.
+
+        `between_steps` is called before each Euler step (after the encoder pass): a scheduler may run another
+        call there (other streams' rows; this call's state lives in its own tensors, and every step copies its
+        inputs into the graphs' static buffers again)."""
         self._check(rows)
         mu, enc_out = self._encode(rows)
-        mel, est_out = self._solve(rows, mu)
+        mel, est_out = self._solve(rows, mu, between_steps)
         updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
         return mel, updates
 
@@ -327,11 +332,14 @@ class CachedFlowRunner:
         return x, k_new, v_new
 
     # -- estimator: a resumable Euler solve ----------------------------------------------------------------
-    def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
+    def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor,
+               between_steps: Optional[Callable[[], None]] = None) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
         """All Euler steps of a batch of rows at once (one whole call): the rows advance in lock step."""
         solving = self._begin(rows, mu)
         batch = self.step_batch(solving)
         for _ in self.flow.decoder.schedule:
+            if between_steps is not None:
+                between_steps()
             self.advance(solving, batch)
         results = [self.result(s) for s in solving]
         return [mel for mel, _ in results], [est for _, est in results]

@@ -1,6 +1,7 @@
-"""The first-chunk token2wav worker (`--t2w-first-chunk-worker`) on a real tritonserver: concurrent streams get
-the audio the default pipeline gives them, their first chunks ran on the first-chunk worker, and every stream
-is freed at the end."""
+"""The first-chunk token2wav worker (`--t2w-first-chunk-worker`) and first chunks between the Euler steps of
+running calls (`--t2w-first-chunks-between-steps`) on a real tritonserver: concurrent streams get the audio the
+default pipeline gives them (with the worker, their first chunks ran on it), and every stream is freed at the
+end."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ TEXTS = ("The first of three streams.", "A second one, somewhat longer than that
 AUDIO_ATOL = 2e-3  # batching changes float rounding; the tiny random HiFT amplifies it
 
 
-@pytest.fixture(scope="module")
-def worker_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
+@pytest.fixture(scope="module", params=["t2w_first_chunk_worker", "t2w_first_chunks_between_steps"])
+def worker_pipeline(request, tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
     repo = write_repository(
         RenderOptions(
             model_dir=tiny_model_dir,
@@ -28,7 +29,7 @@ def worker_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> 
             max_batch=8,
             max_seq_len=2048,
             first_hop=FIRST_HOP,
-            t2w_first_chunk_worker=True,
+            **{request.param: True},
         )
     )
     server = triton_server_factory(repo, ready_timeout=240)
@@ -55,8 +56,21 @@ async def test_streams_match_the_default_pipeline_and_first_chunks_use_their_wor
         assert have.size == expected.size
         np.testing.assert_allclose(have, expected, atol=AUDIO_ATOL)
     metrics = await settled_metrics(worker_pipeline)
-    assert metrics[("token2wav_first_chunk_calls_total", "engine")] >= 1
+    if _worker(worker_pipeline):
+        assert metrics[("token2wav_first_chunk_calls_total", "engine")] >= 1
+    else:
+        assert metrics.get(("token2wav_first_chunk_calls_total", "engine"), 0) == 0
     assert metrics[("token2wav_active_streams", "engine")] == 0
     assert metrics[("token2wav_failed_total", "engine")] == 0
     default = await settled_metrics(pipeline)
     assert default.get(("token2wav_first_chunk_calls_total", "engine"), 0) == 0
+
+
+def _worker(pipeline: Pipeline) -> bool:
+    """Whether the pipeline was rendered with the first-chunk worker (from its rendered parameters)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((pipeline.repo / "engine" / "config.pbtxt").read_text(), config)
+    return config.parameters["t2w_first_chunk_worker"].string_value == "true"

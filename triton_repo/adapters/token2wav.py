@@ -66,9 +66,12 @@ class Token2WavHandler:
             later = worker_stream(device, TOKEN2WAV_LATER_CHUNKS_PRIORITY)
             main = StreamToken2Wav(engine, later)
             first = StreamToken2Wav(lanes[1], worker_stream(device, TOKEN2WAV_FIRST_CHUNK_PRIORITY), hand_over_to=later)
-        self.service = Token2WavService(main, self.stats, scheduling=params.t2w_scheduling, first_chunk_engine=first)
-        logger.info("token2wav: %s scheduling%s", self.service.scheduling,
-                    ", first chunks on their own worker" if self.service.first_chunk_worker else "")
+        self.service = Token2WavService(main, self.stats, scheduling=params.t2w_scheduling, first_chunk_engine=first,
+                                        first_chunks_between_steps=params.t2w_first_chunks_between_steps)
+        service = self.service
+        logger.info("token2wav: %s scheduling%s%s", service.scheduling,
+                    ", first chunks on their own worker" if service.first_chunk_worker else "",
+                    ", first chunks between the steps of running calls" if service.first_chunks_between_steps else "")
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
