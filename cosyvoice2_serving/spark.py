@@ -57,6 +57,16 @@ class SparkOrchestratorConfig:
     max_sequence_len: int = 2048  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     sample_rate: int = SPARK_SAMPLE_RATE  # of the vocoded waveform, stated in every chunk
+    # Benchmark mode (random weights stop at random): exactly round(ratio x target text tokens) LLM tokens, each
+    # counted as one semantic code (`SparkTokenizer.benchmark_codes`); the engine must not stop early either
+    # (`SparkEngine(benchmark=True)`). None: off.
+    fixed_token_text_ratio: float | None = None
+
+    def fixed_tokens(self, num_text_tokens: int) -> int | None:
+        """Benchmark mode's LLM tokens for ``num_text_tokens`` target text tokens; None when off."""
+        if self.fixed_token_text_ratio is None:
+            return None
+        return max(1, round(num_text_tokens * self.fixed_token_text_ratio))
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, **overrides: object) -> SparkOrchestratorConfig:
@@ -116,7 +126,8 @@ class SparkOrchestrator:
         prompt_ids = self.tokenizer.prompt_ids(request.target_text, voice.global_tokens.tolist(), transcript,
                                                semantic)
         room = self.config.max_sequence_len - len(prompt_ids)
-        max_new = min(self.config.sampling.max_new_tokens, room)
+        fixed = self.config.fixed_tokens(len(target_ids))
+        max_new = min(self.config.sampling.max_new_tokens if fixed is None else fixed, room)
         if max_new < 1:
             raise InvalidInput(
                 f"prompt ({len(prompt_ids)} tokens) leaves no room for speech within the LLM's "
@@ -151,8 +162,10 @@ class SparkOrchestrator:
             plan = self._plan()
             codes: list[int] = []
             llm_running = True
+            to_codes = (self.tokenizer.semantic_codes if self.config.fixed_token_text_ratio is None
+                        else self.tokenizer.benchmark_codes)
             async for ids in self.clients.llm(request_id, llm_request):
-                codes.extend(self.tokenizer.semantic_codes(ids))
+                codes.extend(to_codes(ids))
                 for window in plan.advance(len(codes)) if streaming else ():
                     yield self._chunk(await self._vocode(voice, codes, window), input_tokens, len(codes), final=False)
             llm_running = False
@@ -211,9 +224,12 @@ class SparkEngine:
     sample_rate = SPARK_SAMPLE_RATE
 
     def __init__(self, model_dir: Path, device: str = "cpu", llm_dtype: torch.dtype = torch.float32,
-                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64) -> None:
+                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64, benchmark: bool = False) -> None:
+        """``benchmark``: benchmark mode for random weights; the stop id is never drawn, so every sequence runs
+        to the length its orchestrator fixed (`SparkOrchestratorConfig.fixed_token_text_ratio`)."""
         check_model_dir(model_dir)
         self.device = torch.device(device)
+        self.benchmark = benchmark
         lm = load_llm(model_dir, self.device, llm_dtype)
         # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
         decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
@@ -231,7 +247,7 @@ class SparkEngine:
     # LLM ------------------------------------------------------------------------------------------
     def submit(self, request_id: str, request: SparkLLMRequest) -> TokenStream:
         sampling = SparkSampling(max_new_tokens=request.max_new_tokens)
-        decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed)
+        decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed, ignore_eos=self.benchmark)
         return self.scheduler.submit(request_id, decode_request, request.deliver_at)
 
     def stop(self, request_id: str) -> None:

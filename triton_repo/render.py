@@ -894,6 +894,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Spark streaming: growth of each next piece")
     parser.add_argument("--spark-max-seq-len", type=int, default=spark.max_seq_len,
                         help="Spark LLM prompt + generated tokens per sequence")
+    parser.add_argument("--spark-benchmark-ratio", type=float, default=None, metavar="R",
+                        help="Spark benchmarks on random weights only: every request generates round(R x text "
+                             "tokens) semantic tokens")
     parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
     parser.add_argument(
         "--repetition-penalty", type=float, default=defaults.repetition_penalty,
@@ -932,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spark=None if args.spark_dir is None else SparkRenderOptions(
                     model_dir=args.spark_dir, max_new_tokens=args.spark_max_new_tokens,
                     first_chunk_tokens=args.spark_first_chunk, chunk_scale=args.spark_chunk_scale,
-                    max_seq_len=args.spark_max_seq_len,
+                    max_seq_len=args.spark_max_seq_len, benchmark_ratio=args.spark_benchmark_ratio,
                 ),
             )
         )

@@ -23,7 +23,7 @@ from spark_tts.loading import check_model_dir
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
 from triton_repo import spark_io as io
-from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
+from triton_repo.model_params import AudioModelParams, BenchmarkMode, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 
 if TYPE_CHECKING:
     from triton_repo.render import RenderOptions
@@ -51,6 +51,10 @@ class SparkRenderOptions:
     max_chunk_tokens: int = _SCHEDULE.max_chunk_tokens
     # prompt + generated tokens per sequence: a 10 s reference (500 tokens) + 200 text tokens + 512 fit in 2048
     max_seq_len: int = 2048
+    # Benchmark mode for random weights (they stop at random): every request generates exactly
+    # round(ratio x target text tokens) semantic tokens and the stop id is never drawn. None = off. Spark's own
+    # ratio: its tokenizer and token rate (50 per second) are not CosyVoice2's.
+    benchmark_ratio: float | None = None
 
 
 def check(opts: RenderOptions) -> list[str]:
@@ -68,6 +72,8 @@ def check(opts: RenderOptions) -> list[str]:
     ):  # fmt: skip
         if value < low:
             errors.append(f"{name} must be >= {low}, got {value}")
+    if spark.benchmark_ratio is not None and not spark.benchmark_ratio > 0:
+        errors.append(f"--spark-benchmark-ratio must be > 0, got {spark.benchmark_ratio}")
     if spark.chunk_scale < 1:
         errors.append(f"--spark-chunk-scale must be >= 1, got {spark.chunk_scale}")
     if spark.max_chunk_tokens < spark.first_chunk_tokens:
@@ -136,6 +142,7 @@ def orchestrator_params(opts: RenderOptions) -> SparkOrchestratorParams:
         max_seq_len=spark.max_seq_len,
         max_target_text_tokens=opts.max_target_text_tokens,
         schedule=ChunkSchedule(spark.first_chunk_tokens, spark.chunk_scale, spark.max_chunk_tokens),
+        benchmark=_benchmark(spark),
     )
 
 
@@ -150,4 +157,9 @@ def engine_params(opts: RenderOptions) -> SparkEngineParams:
         max_batch=opts.max_batch,
         max_seq_len=spark.max_seq_len,
         max_waiting=opts.max_waiting,
+        benchmark=_benchmark(spark),
     )
+
+
+def _benchmark(spark: SparkRenderOptions) -> BenchmarkMode | None:
+    return None if spark.benchmark_ratio is None else BenchmarkMode(spark.benchmark_ratio)

@@ -89,6 +89,7 @@ def orchestrator_config(params: SparkOrchestratorParams) -> SparkOrchestratorCon
         max_sequence_len=params.max_seq_len,
         max_target_text_tokens=params.max_target_text_tokens,
         sample_rate=params.sample_rate,
+        fixed_token_text_ratio=params.benchmark.speech_ratio if params.benchmark else None,
     )
 
 
@@ -173,6 +174,7 @@ class SparkEngineModel:
         self.engine = SparkEngine(
             params.model_dir, params.device, resolve_dtype(params.dtype),
             max_batch=params.max_batch, max_seq_len=params.max_seq_len, max_waiting=params.max_waiting,
+            benchmark=params.benchmark is not None,
         )  # fmt: skip
         self.metrics = MetricsExporter(args["model_name"], self.engine.stats)
 
