@@ -1,6 +1,7 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
     python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+    python -m scripts.stack_bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -15,6 +16,13 @@ seconds per wall second and the GPU busy share; at the end the real-time streams
 every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out):
 summary.md (the tables), results.json (every level's measures), stages.json, levels/*.json (the raw
 `tts-bench` documents) and the tails of the tritonserver and gateway logs.
+
+With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
+`tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
+(default: released-size random Spark weights written once under WORK, `spark_tts.testing`) beside CosyVoice2,
+and in benchmark mode with Spark's own ratio (`--spark-benchmark-ratio`: semantic tokens, 50 per second, per
+token of Spark's tokenizer). Its results directories carry `spark-tts` in their names and their documents say
+`"pipeline": "spark-tts"`, so they never mix with CosyVoice2 runs.
 
 Options:
   --work DIR                    models, rendered repository and logs (default var/stackbench)
@@ -36,6 +44,9 @@ Options:
   --server-warmup N             unmeasured requests before the first level (default 48)
   --warmup N                    unmeasured requests per worker before each level (default 2)
   --stub-env DIR                Python environment of the Triton python stubs (numpy < 2; default: this one)
+  --spark                       benchmark the Spark-TTS pipeline instead of CosyVoice2
+  --spark-dir DIR               Spark weights (default: released-size random weights under WORK)
+  --spark-benchmark-ratio R     semantic tokens per Spark text token (0 = off, for real weights)
 """
 
 from __future__ import annotations
@@ -57,11 +68,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from spark_tts import layout as spark_layout
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from triton_repo.spark_render import SparkRenderOptions
 from ttsbench.cli import concurrency_list
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
+SPARK_TOKENS_PER_CHAR = 3.33  # Spark: 50 semantic tokens per second / ~15 characters per second
+#: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
+SPARK_PIPELINE = "spark-tts"
+#: The file `spark_tts.testing` writes last: a random Spark directory holding it is complete.
+SPARK_MARKER = spark_layout.AUDIO_CONFIG_FILE
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
 REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
@@ -81,6 +99,16 @@ def realistic_ratio(model_dir: Path) -> float:
     tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
     chars = sum(len(s) for s in SENTENCES)
     return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
+
+
+def realistic_spark_ratio(spark_dir: Path) -> float:
+    """`realistic_ratio` for Spark: semantic tokens per token of Spark's tokenizer (the random model's is tiny)."""
+    from spark_tts.prompt import SparkTokenizer
+    from ttsbench.sentences import SENTENCES
+
+    tokenizer = SparkTokenizer.from_model_dir(spark_dir)
+    chars = sum(len(s) for s in SENTENCES)
+    return round(SPARK_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
 
 
 @dataclass(frozen=True)
@@ -257,13 +285,20 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
+def pipeline_args(target: str, pipeline: str | None) -> list[str]:
+    """tts-bench's arguments that aim a scenario's target at ``pipeline`` (None: CosyVoice2, its default)."""
+    if pipeline is None:
+        return []
+    return ["--pipeline", pipeline] if target == "triton" else ["--model", pipeline]
+
+
 def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
-              timeout: float, warmup: int) -> dict[str, Any]:  # fmt: skip
+              timeout: float, warmup: int, pipeline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """One concurrency level of a scenario: one `tts-bench` run (so the metrics deltas around it are this
     level's alone), at least two measured requests per worker. Returns tts-bench's level document."""
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
                "--concurrency", str(concurrency), "--json", str(json_path), "--timeout", str(timeout),
-               "--warmup", str(warmup), *scenario.extra]  # fmt: skip
+               "--warmup", str(warmup), *pipeline_args(scenario.target, pipeline), *scenario.extra]  # fmt: skip
     if requests:
         command += ["--requests", str(max(requests, 2 * concurrency))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
@@ -395,6 +430,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
 def settings_slug(args: argparse.Namespace) -> str:
     """A short, file-name-safe description of the settings that change the numbers."""
     parts = [args.device, args.dtype, f"b{args.max_batch}"]
+    if args.spark:  # never read as, nor sorted among, CosyVoice2's runs
+        parts.insert(0, SPARK_PIPELINE)
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
@@ -467,7 +504,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stub-env", type=Path,
                         help="Python environment (venv directory) the Triton python stubs run in; it needs numpy < 2 "
                              "(scripts/gpu_setup.sh makes one when this environment has numpy 2); default: this one")
+    parser.add_argument("--spark", action="store_true",
+                        help="load the Spark-TTS pipeline (spark_tts / spark_tts_stream; the gateway's spark-tts) "
+                             "instead of CosyVoice2; the stack is rendered with both")
+    parser.add_argument("--spark-dir", type=Path,
+                        help="Spark-TTS weights for --spark (default: released-size random weights under WORK)")
+    parser.add_argument("--spark-benchmark-ratio", type=float,
+                        help="semantic tokens per Spark text token (0 = off: real weights); default: what makes the "
+                             f"built-in sentences last {SPARK_TOKENS_PER_CHAR} tokens per character")
     return parser
+
+
+def spark_options(args: argparse.Namespace) -> SparkRenderOptions | None:
+    """The Spark part of the render for --spark: its weights (random released-size ones written once under WORK
+    when no --spark-dir is given) and benchmark mode; None without --spark."""
+    if not args.spark:
+        return None
+    spark_dir = args.spark_dir
+    if spark_dir is None:
+        spark_dir = args.work / "spark-model"
+        if not (spark_dir / SPARK_MARKER).exists():  # the last file written: a complete directory
+            from spark_tts.testing import write_full_size_random_model as write_spark
+
+            started = time.perf_counter()
+            write_spark(spark_dir)
+            print(f"wrote random full-size Spark weights in {time.perf_counter() - started:.0f} s", flush=True)
+    ratio = args.spark_benchmark_ratio
+    if ratio is None:
+        ratio = realistic_spark_ratio(spark_dir)
+        print(f"Spark benchmark mode: {ratio} semantic tokens per text token", flush=True)
+    return SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=ratio or None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -477,6 +543,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"stack_bench: unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
         raise SystemExit(f"stack_bench: {args.stub_env} is not a Python environment (no bin/python3)")
+    if not args.spark and (args.spark_dir is not None or args.spark_benchmark_ratio is not None):
+        raise SystemExit("stack_bench: --spark-dir and --spark-benchmark-ratio need --spark")
+    pipeline = SPARK_PIPELINE if args.spark else None
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
@@ -502,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     options = RenderOptions(
         model_dir=model_dir, out=args.work / "repo", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, **extra,
+        max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, spark=spark_options(args), **extra,
     )  # fmt: skip
     repo = write_repository(options)
 
@@ -515,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
+        "pipeline": pipeline or "cosyvoice2",
         "render": {k: str(v) for k, v in vars(options).items()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
@@ -547,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
             for warm in WARMUP:
                 run_level(warm, WARMUP_CONCURRENCY, server.grpc_url, levels_dir / f"{warm.name}.json",
-                          args.server_warmup, args.timeout, 0)  # fmt: skip
+                          args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
         document["gpu_sampler"] = sampler.source
         if sampler.source is None:
@@ -559,7 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     name = f"{scenario.name}-c{concurrency}-r{run}"
                     before = triton_metrics(server)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
-                                      args.timeout, args.warmup)  # fmt: skip
+                                      args.timeout, args.warmup, pipeline)  # fmt: skip
                     stages[name] = stage_breakdown(before, triton_metrics(server))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
                                     stages[name])  # fmt: skip

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import pipeline_contract as contract
 from triton_repo.server import REPO_ROOT
 
 sb = importlib.import_module("scripts.stack_bench")
@@ -107,10 +108,28 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, render_arg=["first_hop=15", "layout=a/b"],
-                              only="triton-stream,triton-offline", repeat=3)
+                              only="triton-stream,triton-offline", repeat=3, spark=False)
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-first_hop15-layoutab-triton-stream+triton-offline-r3"
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
+    # a Spark run is named as one from its first word, however long the rest
+    spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
+    assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-")
+
+
+def test_spark_scenarios_aim_tts_bench_at_the_spark_models():
+    assert sb.pipeline_args("triton", None) == [] and sb.pipeline_args("gateway", None) == []
+    assert sb.pipeline_args("triton", "spark-tts") == ["--pipeline", "spark-tts"]
+    assert sb.pipeline_args("gateway", "spark-tts") == ["--model", "spark-tts"]
+    from ttsbench.cli import build_parser, make_targets
+
+    args = build_parser().parse_args(["triton", *sb.pipeline_args("triton", sb.SPARK_PIPELINE), "--mode", "both"])
+    assert {t.model for t in make_targets(args)} == {contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL}
+    assert all(t.mode.startswith("triton-spark-tts/") for t in make_targets(args))
+    gateway = build_parser().parse_args(["gateway", *sb.pipeline_args("gateway", sb.SPARK_PIPELINE)])
+    from gateway.settings import Settings
+
+    assert gateway.model in Settings().spark_models  # the name the gateway serves Spark under
 
 
 def test_busy_share_averages_the_samples_inside_the_window():
