@@ -135,7 +135,7 @@ class SparkOrchestrator:
         seed = request.seed if request.seed is not None else int(new_request_id())
         deliver_at = delivery_points(self._plan(), max_new) if streaming else ()
         text_tokens = len(target_ids) + (len(self.tokenizer.encode(transcript)) if transcript else 0)
-        return SparkLLMRequest(np.asarray(prompt_ids, dtype=np.int32), max_new, seed, deliver_at), text_tokens
+        return SparkLLMRequest(np.asarray(prompt_ids, dtype=np.int32), max_new, seed, deliver_at, streaming), text_tokens
 
     def _plan(self) -> StreamPlan:
         return StreamPlan(self.config.radius, self.config.schedule)
@@ -224,18 +224,22 @@ class SparkEngine:
     sample_rate = SPARK_SAMPLE_RATE
 
     def __init__(self, model_dir: Path, device: str = "cpu", llm_dtype: torch.dtype = torch.float32,
-                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64, benchmark: bool = False) -> None:
+                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64, benchmark: bool = False,
+                 with_llm: bool = True) -> None:
         """``benchmark``: benchmark mode for random weights; the stop id is never drawn, so every sequence runs
-        to the length its orchestrator fixed (`SparkOrchestratorConfig.fixed_token_text_ratio`)."""
+        to the length its orchestrator fixed (`SparkOrchestratorConfig.fixed_token_text_ratio`). ``with_llm``
+        false: the LLM runs elsewhere (a TensorRT-LLM engine) and this engine only vocodes."""
         check_model_dir(model_dir)
         self.device = torch.device(device)
         self.benchmark = benchmark
-        lm = load_llm(model_dir, self.device, llm_dtype)
-        # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
-        decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
         self.stats = Stats(LLM_STATS)
-        self.scheduler = ContinuousBatchingScheduler(
-            StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
+        self.scheduler: ContinuousBatchingScheduler | None = None
+        if with_llm:
+            lm = load_llm(model_dir, self.device, llm_dtype)
+            # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
+            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+            self.scheduler = ContinuousBatchingScheduler(
+                StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
         self.bicodec = load_bicodec(model_dir, self.device)
         self.hop = self.bicodec.config.hop_length
         self.token_num = self.bicodec.config.speaker.token_num
@@ -246,12 +250,15 @@ class SparkEngine:
 
     # LLM ------------------------------------------------------------------------------------------
     def submit(self, request_id: str, request: SparkLLMRequest) -> TokenStream:
+        if self.scheduler is None:
+            raise InvalidInput("this Spark engine only vocodes: its LLM runs on TensorRT-LLM")
         sampling = SparkSampling(max_new_tokens=request.max_new_tokens)
         decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed, ignore_eos=self.benchmark)
         return self.scheduler.submit(request_id, decode_request, request.deliver_at)
 
     def stop(self, request_id: str) -> None:
-        self.scheduler.cancel(request_id)
+        if self.scheduler is not None:
+            self.scheduler.cancel(request_id)
 
     # vocoder --------------------------------------------------------------------------------------
     async def vocode(self, global_tokens: np.ndarray, semantic_tokens: np.ndarray, emit_start: int,
@@ -308,7 +315,8 @@ class SparkEngine:
         return [waves[row, job.emit_start * hop: job.emit_end * hop].copy() for row, job in enumerate(jobs)]
 
     def close(self) -> None:
-        self.scheduler.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
         self._jobs.put(None)
         self._thread.join(timeout=10)
 

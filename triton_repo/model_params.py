@@ -297,6 +297,7 @@ class SparkOrchestratorParams(ModelParams):
     max_target_text_tokens: int
     schedule: ChunkSchedule  # the stream's piece sizes (first_chunk_tokens, scale, max_chunk_tokens)
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    trtllm_model: str | None = None  # the tensorrtllm model decoding the LLM; None: `spark_engine`'s PyTorch LLM
 
 
 @dataclass(frozen=True)
@@ -304,3 +305,4 @@ class SparkEngineParams(_DecoderParams):
     """`spark_engine` (`adapters.spark.SparkEngineModel`): the Spark LLM and BiCodec's decoder in one process."""
 
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    llm: bool = True  # false: the LLM runs on TensorRT-LLM (`spark_llm`) and this model only vocodes
