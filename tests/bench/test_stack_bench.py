@@ -117,7 +117,7 @@ def test_settings_slug_is_short_and_file_name_safe():
     assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-")
 
 
-def test_spark_scenarios_aim_tts_bench_at_the_spark_models():
+async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: the targets open gRPC clients
     assert sb.pipeline_args("triton", None) == [] and sb.pipeline_args("gateway", None) == []
     assert sb.pipeline_args("triton", "spark-tts") == ["--pipeline", "spark-tts"]
     assert sb.pipeline_args("gateway", "spark-tts") == ["--model", "spark-tts"]

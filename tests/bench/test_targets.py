@@ -49,7 +49,7 @@ def test_a_piece_that_completes_no_packet_carries_no_audio():
     assert encoded_chunk_seconds(split, "flac") == pytest.approx([0.0, encoded_seconds(whole, "flac")])
 
 
-def test_triton_pieces_last_at_the_rate_the_responses_state():
+async def test_triton_pieces_last_at_the_rate_the_responses_state():  # async: the target opens a gRPC client
     import pipeline_contract as contract
     from ttsbench.targets import TritonTarget
 
