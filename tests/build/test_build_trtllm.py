@@ -235,35 +235,28 @@ def spark_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("spark"), seed=1)
 
 
-def test_spark_engine_converts_the_llm_directory_and_builds_with_spark_shapes(spark_dir: Path) -> None:
-    from cosyvoice_build import spark_trtllm
-    from spark_tts import layout
+def test_spark_engine_builds_with_float32_logits_for_the_benchmark_bias(spark_dir: Path) -> None:
+    """The shapes are `spark_weights.spark_trtllm_commands`' (tests/spark/test_build_stage.py); the converter parses
+    its flags, and the logits are float32, the type benchmark mode's embedding bias must have."""
+    from cosyvoice_build import spark_weights
 
-    convert, build = spark_trtllm.commands(spark_trtllm.SPARK_TRTLLM, spark_dir, Path("/m/spark"), python="python3")
-    assert convert[:3] == ["python3", "-m", "cosyvoice_build.trtllm_convert"]
-    flags = flag_values(convert)
-    # the Qwen2.5-0.5B body is the released LLM/ directory itself: an HF Qwen2 checkpoint
-    assert flags["--model_dir"] == str(spark_dir / layout.LLM_DIR) and flags["--output_dir"] == "/m/spark/checkpoint"
-    assert (spark_dir / layout.LLM_DIR / "config.json").is_file()
-    assert trtllm_convert.parse_args(convert[3:]).dtype == "bfloat16"
-    built = flag_values(build)
-    assert build[0] == "trtllm-build" and built["--checkpoint_dir"] == "/m/spark/checkpoint"
-    assert built["--output_dir"] == "/m/spark/engine"
-    # a sequence of 2048 (the render's default) of which up to 512 are generated; float32 logits for the bias
-    assert (built["--max_seq_len"], built["--max_input_len"], built["--logits_dtype"]) == ("2048", "1536", "float32")
-    assert built["--gpt_attention_plugin"] == built["--gemm_plugin"] == "bfloat16"
+    convert, build = spark_weights.spark_trtllm_commands(spark_dir, Path("/m"))
+    assert convert[1:3] == ["-m", "cosyvoice_build.trtllm_convert"]
+    assert trtllm_convert.parse_args(convert[3:]).model_dir == str(spark_dir / "LLM")
+    assert flag_values(build)["--logits_dtype"] == "float32"
 
 
 def test_spark_engine_prints_its_commands_and_stops_without_tensorrt_llm(spark_dir, tmp_path, capsys) -> None:
     from cosyvoice_build import spark_trtllm
 
-    argv = ["--spark-dir", str(spark_dir), "--out", str(tmp_path / "out"), "--max-batch-size", "16"]
+    argv = ["--spark-dir", str(spark_dir), "--work-dir", str(tmp_path / "out"), "--max-batch-size", "32"]
     assert spark_trtllm.main([*argv, "--print"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 and "cosyvoice_build.trtllm_convert" in lines[0] and "--max_batch_size 16" in lines[1]
+    assert len(lines) == 2 and "cosyvoice_build.trtllm_convert" in lines[0] and "--max_batch_size 32" in lines[1]
+    assert f"--model_dir {spark_dir / 'LLM'}" in lines[0] and f"--output_dir {tmp_path / 'out' / 'trtllm'}" in lines[1]
     assert spark_trtllm.main([*argv, "--tp-size", "8"]) == 1  # the tiny LLM's 4 heads do not split 8 ways
     assert "does not divide" in capsys.readouterr().err
-    assert spark_trtllm.main(["--spark-dir", str(tmp_path / "none"), "--out", str(tmp_path), "--print"]) == 1
+    assert spark_trtllm.main(["--spark-dir", str(tmp_path / "none"), "--print"]) == 1
     if importlib.util.find_spec("tensorrt_llm") is None:
         assert spark_trtllm.main(argv) == 1
         assert "tensorrt_llm is not importable" in capsys.readouterr().err
