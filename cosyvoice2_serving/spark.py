@@ -31,7 +31,13 @@ from cosyvoice2_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREA
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler, TokenStream
-from cosyvoice2_serving.orchestrator import ORCHESTRATOR_STATS, RELEASE_TIMEOUT_S, accounted, new_request_id
+from cosyvoice2_serving.orchestrator import (
+    ORCHESTRATOR_STATS,
+    RELEASE_TIMEOUT_S,
+    accounted,
+    benchmark_token_count,
+    new_request_id,
+)
 from cosyvoice2_serving.stats import Stats
 from spark_tts.audio_tokenizer import AudioTokenizer
 from spark_tts.config import BiCodecConfig
@@ -66,7 +72,7 @@ class SparkOrchestratorConfig:
         """Benchmark mode's LLM tokens for ``num_text_tokens`` target text tokens; None when off."""
         if self.fixed_token_text_ratio is None:
             return None
-        return max(1, round(num_text_tokens * self.fixed_token_text_ratio))
+        return benchmark_token_count(num_text_tokens, self.fixed_token_text_ratio)
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, **overrides: object) -> SparkOrchestratorConfig:
