@@ -177,6 +177,7 @@ def test_separate_stub_environment_has_numpy_below_2(runs):
     assert "hidden: numpy, scipy, scikit-learn, ml_dtypes" in output
     assert f"+ {stub}/bin/python3 -c " in output  # the imports are checked with the stubs' interpreter
     assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3" in output
+    assert f"-m scripts.stack_bench --stub-env {stub} --spark --repeat 3" in output  # Spark-TTS's numbers too
     main_install = pip_installs(output)[0]
     assert f"{REPO_ROOT}[engine,bench]" in main_install  # not the triton extra: it would pull numpy < 2 in
     assert not stub.exists()  # a dry run creates nothing
