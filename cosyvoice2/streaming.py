@@ -12,11 +12,12 @@ Three layers, each with one job:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -224,6 +225,17 @@ class HiFTCache:
     speech: "torch.Tensor"  # (overlap,) withheld audio, cross-faded with the next chunk's first samples
 
 
+@dataclass(eq=False)
+class FlowCacheBook:
+    """What every lane of one `Token2Wav` shares: the voice prefixes (LRU by prompt digest) and the bytes that
+    live streams' own caches hold against the budget."""
+
+    budget_bytes: int | None = None
+    prefixes: "OrderedDict[str, CachedSegment]" = field(default_factory=OrderedDict)
+    nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
 class Token2Wav(FlowAndVocoder):
     """Stateless token -> audio conversion (flow + HiFT); one instance serves any number of streams.
 
@@ -246,14 +258,31 @@ class Token2Wav(FlowAndVocoder):
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
         self.flow_cache = flow_cache
         self.cached = CachedFlowRunner(flow)
-        # voice prefixes (LRU by prompt digest) and the bytes that live streams' own caches hold
         self.prefix_capacity = prefix_capacity
-        self._prefixes: "OrderedDict[str, CachedSegment]" = OrderedDict()
-        self.cache_budget_bytes = cache_budget_bytes
-        self.cache_bytes = 0
-        self._cache_lock = threading.Lock()
+        self.book = FlowCacheBook(cache_budget_bytes)
+        self.hift_graphs = None  # None: the HiFT module's own CUDA graphs (a `lane` has its own)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame)
         self.config = config
+
+    def lane(self) -> "Token2Wav":
+        """Another `Token2Wav` over the same modules and the same `book`, with its own flow-cache step graphs
+        (their static buffers serve one CUDA stream at a time), for a worker that runs calls concurrently with
+        this one on another CUDA stream. A stream opened on one lane may run its later chunks on another once
+        its tensors are handed over (`Token2WavStream.tensors`)."""
+        from cosyvoice2.flow.cached import CachedFlowRunner
+
+        from cosyvoice2.hift.generator import HiFTGraphs
+
+        other = copy.copy(self)
+        other.cached = CachedFlowRunner(self.flow, graphs=self.cached.graphs is not None)
+        # HiFT graphs of its own too: shared ones would make this lane's replays wait for the other's
+        other.hift_graphs = HiFTGraphs(self.hift) if self.hift.cuda_graphs is not None else None
+        return other
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of live streams' own flow caches (every lane's)."""
+        return self.book.nbytes
 
     def flow_prompt(self, prompt: "VoicePrompt") -> FlowPrompt:
         import torch
@@ -268,18 +297,18 @@ class Token2Wav(FlowAndVocoder):
     # ---- flow caches ----------------------------------------------------------------------------------
     def prefix(self, prompt: FlowPrompt) -> "CachedSegment":
         """The voice's shared flow prefix (computed on first use, kept for the `prefix_capacity` latest voices)."""
-        key = prompt.key
+        key, book = prompt.key, self.book
         if key is not None:
-            with self._cache_lock:
-                if key in self._prefixes:
-                    self._prefixes.move_to_end(key)
-                    return self._prefixes[key]
+            with book.lock:
+                if key in book.prefixes:
+                    book.prefixes.move_to_end(key)
+                    return book.prefixes[key]
         segment = self.cached.prefix(prompt.tokens[0], prompt.mel[0], self._speaker(prompt))
         if key is not None and self.prefix_capacity > 0:
-            with self._cache_lock:
-                self._prefixes[key] = segment
-                while len(self._prefixes) > self.prefix_capacity:
-                    self._prefixes.popitem(last=False)
+            with book.lock:
+                book.prefixes[key] = segment
+                while len(book.prefixes) > self.prefix_capacity:
+                    book.prefixes.popitem(last=False)
         return segment
 
     def _speaker(self, prompt: FlowPrompt) -> "torch.Tensor":
@@ -287,15 +316,16 @@ class Token2Wav(FlowAndVocoder):
 
     def reserve_cache(self, nbytes: int) -> bool:
         """Account `nbytes` of new stream caches; False (nothing reserved) when that would pass the budget."""
-        with self._cache_lock:
-            if self.cache_budget_bytes is not None and self.cache_bytes + nbytes > self.cache_budget_bytes:
+        book = self.book
+        with book.lock:
+            if book.budget_bytes is not None and book.nbytes + nbytes > book.budget_bytes:
                 return False
-            self.cache_bytes += nbytes
+            book.nbytes += nbytes
             return True
 
     def release_cache(self, nbytes: int) -> None:
-        with self._cache_lock:
-            self.cache_bytes -= nbytes
+        with self.book.lock:
+            self.book.nbytes -= nbytes
 
     def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.
@@ -359,7 +389,7 @@ class Token2Wav(FlowAndVocoder):
         """(1, 80, M_i) mels -> [(audio (480 M_i,), source (1, 1, 480 M_i))] in one HiFT forward; each row's
         noise is drawn from its own generator for its own length, exactly as a call alone draws it."""
         noises = [self.hift.draw_noise(1, mel.shape[2], generator) for mel, generator in zip(mels, generators)]
-        return self.hift.inference_batch(mels, cache_sources, noises)
+        return self.hift.inference_batch(mels, cache_sources, noises, graphs=self.hift_graphs)
 
     def vocode(self, mel: "torch.Tensor", cache_source: "torch.Tensor | None",
                generator: "torch.Generator") -> "tuple[torch.Tensor, torch.Tensor]":
@@ -591,6 +621,17 @@ class Token2WavStream(ChunkedStream):
             self.release_flow_cache()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    def tensors(self) -> "Iterator[torch.Tensor]":
+        """Every tensor this stream keeps from one chunk to the next (prompt, flow caches, HiFT caches). A worker
+        on another CUDA stream that runs the stream's later chunks is handed these (`record_stream`), so that
+        the memory they free there is not reused before its kernels have read it."""
+        yield from (self.prompt.tokens, self.prompt.mel, self.prompt.xvector)
+        if self.flow_cache is not None:
+            yield from self.flow_cache.prefix.tensors()
+            yield from self.flow_cache.own.tensors()
+        if self._cache is not None:
+            yield from (self._cache.mel, self._cache.source, self._cache.speech)
 
     def hift_input(self, mel: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor | None]":
         """This chunk's HiFT input: the cached mel frames re-vocoded before the new ones, and the cached source."""

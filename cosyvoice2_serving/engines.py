@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 from dataclasses import dataclass, replace
@@ -146,6 +147,21 @@ class BatchedToken2Wav(_BatchedStreams):
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
         self._batch: StepBatch | None = None  # step mode: the padded inputs of the last set of chunks stepped
+
+    def lane(self) -> "BatchedToken2Wav":
+        """A second engine over the same model and flow-cache book with its own step graphs (`Token2Wav.lane`),
+        for the service's first-chunk worker; capture its graphs too."""
+        other = copy.copy(self)
+        other.engine = self.engine.lane()
+        other._batch = None
+        return other
+
+    def hand_over(self, state: StreamState, stream: torch.cuda.Stream) -> None:
+        """The stream's later chunks run on `stream`: the tensors it keeps are marked as used there, so memory
+        that the other worker allocated and this one frees is not reused while `stream` may still read it."""
+        for tensor in state.stream.tensors():
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture every flow-cache step graph now (before the server reports ready): (graphs, seconds)."""

@@ -21,7 +21,13 @@ All engine work runs on one worker thread, in one of two ways (`T2W_SCHEDULING`)
 
 First chunks go first: while any stream waits for its first chunk, a call runs only first chunks (plus
 jobs that have waited `max_defer_s`); in step mode first chunks are admitted before later chunks, and a job
-that has waited `max_defer_s` before both. A stream past its first chunk is already playing audio and has
+that has waited `max_defer_s` before both.
+
+With a `first_chunk_engine` (call scheduling), a second worker thread runs only first chunks, with that
+engine, while the first runs everything else: a new stream's first chunk never waits for a running call of
+later chunks. The two engines share the model and run on separate CUDA streams (the first-chunk one with
+the higher priority), so the GPU overlaps the two calls; a stream's later chunks wait until its first one is
+answered, so each stream's chunks still run one at a time and in order. A stream past its first chunk is already playing audio and has
 slack; a new stream's listener hears nothing until its first chunk is done, and later chunks (longer
 flow prefixes) would make that call several times slower.
 """
@@ -70,6 +76,7 @@ TOKEN2WAV_STATS = (
     "token2wav_closed_total",
     "token2wav_expired_total",
     "token2wav_engine_seconds_total",  # wall time inside whole engine calls (flow + HiFT)
+    "token2wav_first_chunk_calls_total",  # calls of the first-chunk worker (with a `first_chunk_engine`)
 )
 
 
@@ -147,6 +154,15 @@ class _Job(Generic[S]):
             pass
 
 
+@dataclass(frozen=True)
+class _Lane(Generic[S]):
+    """One worker thread of call scheduling: the engine it calls and the jobs it takes."""
+
+    name: str
+    engine: Token2WavEngine[S]
+    first_chunks: bool | None  # True: first chunks only; False: everything else; None: everything (one worker)
+
+
 @dataclass(eq=False)
 class _InFlight(Generic[S]):
     """Step mode: a job whose chunk the engine is stepping."""
@@ -164,6 +180,7 @@ class Token2WavService(Generic[S]):
         idle_timeout_s: float = 300.0,
         max_defer_s: float = 0.25,
         scheduling: str = "call",
+        first_chunk_engine: Token2WavEngine[S] | None = None,
     ) -> None:
         if scheduling not in T2W_SCHEDULING:
             raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")
@@ -187,10 +204,18 @@ class Token2WavService(Generic[S]):
         # then not open the stream again (ids are never reused, so remembering the last few suffices).
         self._closed_ids: OrderedDict[str, None] = OrderedDict()
         self._pending: list[_Job[S]] = []
+        self._running: set[str] = set()  # streams (request ids) with a job in a worker's call now
         self._cond = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
-        self._thread.start()
+        if scheduling == "call" and first_chunk_engine is not None:
+            lanes = [_Lane("token2wav", engine, False), _Lane("token2wav-first", first_chunk_engine, True)]
+        else:
+            lanes = [_Lane("token2wav", engine, None)]
+        self.first_chunk_worker = len(lanes) > 1
+        self._threads = [threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
+                         for lane in lanes]
+        for thread in self._threads:
+            thread.start()
 
     # -- event-loop side -----------------------------------------------------------------------
     async def process(
@@ -207,7 +232,7 @@ class Token2WavService(Generic[S]):
             if self._closed:
                 raise RuntimeError("token2wav service is shut down")
             self._pending.append(job)
-            self._cond.notify()
+            self._cond.notify_all()
         return await job.future
 
     def close_stream(self, request_id: str) -> bool:
@@ -228,14 +253,18 @@ class Token2WavService(Generic[S]):
     def shutdown(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout=10)
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=10)
 
-    # -- worker thread -------------------------------------------------------------------------
-    def _run(self) -> None:
-        iterate = self._iterate_steps if self.scheduling == "step" else self._iterate
-        while iterate():
-            pass
+    # -- worker threads ------------------------------------------------------------------------
+    def _run(self, lane: _Lane[S]) -> None:
+        if self.scheduling == "step":
+            while self._iterate_steps():
+                pass
+        else:
+            while self._iterate(lane):
+                pass
 
     # -- step mode -------------------------------------------------------------------------------------
     def _iterate_steps(self) -> bool:
@@ -373,46 +402,61 @@ class Token2WavService(Generic[S]):
                 self._drop(job.request_id)
         job.resolve(result)
 
-    def _iterate(self) -> bool:
-        """Take the next batch and run it. False when the service is shut down."""
+    def _iterate(self, lane: _Lane[S]) -> bool:
+        """Take the lane's next batch and run it. False when the service is shut down."""
         with self._cond:
             self._expire_idle()
-            while not self._pending and not self._closed:
+            batch = self._take_batch(lane)
+            while not batch and not self._closed:
                 self._cond.wait(timeout=min(self.idle_timeout_s, 60.0))
                 self._expire_idle()
+                batch = self._take_batch(lane)
             if self._closed:
-                for job in self._pending:
+                for job in [*batch, *self._pending]:
                     job.resolve(RuntimeError("token2wav service is shut down"))
+                self._pending.clear()
                 return False
-            batch = self._take_batch()
         try:
-            self._execute(batch)
+            self._execute(batch, lane.engine)
         except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
             logger.exception("token2wav batch failed")
             for job in batch:
                 job.resolve(exc)  # no-op for jobs already answered
+        finally:
+            with self._cond:
+                self._running.difference_update(job.request_id for job in batch)
+                self._cond.notify_all()  # the other worker may now take these streams' next chunks
+        if lane.first_chunks:
+            self.stats.add("token2wav_first_chunk_calls_total")
         return True
 
-    def _take_batch(self) -> list[_Job[S]]:
-        """The next call's jobs, removed from the queue: one per stream (the oldest, which keeps a stream's
-        chunks in order); only first chunks and overdue jobs while any first chunk waits. Caller holds the lock."""
-        overdue = time.monotonic() - self.max_defer_s
+    def _take_batch(self, lane: _Lane[S]) -> list[_Job[S]]:
+        """The lane's next call's jobs, removed from the queue: one per stream (the oldest, which keeps a
+        stream's chunks in order), none of a stream whose job the other worker runs now. One worker: only first
+        chunks and overdue jobs while any first chunk waits. Caller holds the lock."""
         heads: dict[str, _Job[S]] = {}
         for job in self._pending:
-            heads.setdefault(job.request_id, job)
+            if job.request_id not in self._running:
+                heads.setdefault(job.request_id, job)
         batch = list(heads.values())
-        if any(job.is_first_chunk for job in batch):
-            batch = [job for job in batch if job.is_first_chunk or job.queued_at < overdue]
+        if lane.first_chunks is None:
+            if any(job.is_first_chunk for job in batch):
+                overdue = time.monotonic() - self.max_defer_s
+                batch = [job for job in batch if job.is_first_chunk or job.queued_at < overdue]
+        else:
+            batch = [job for job in batch if job.is_first_chunk == lane.first_chunks]
         for job in batch:
             self._pending.remove(job)
+            self._running.add(job.request_id)
         return batch
 
-    def _execute(self, batch: list[_Job[S]]) -> None:
+    def _execute(self, batch: list[_Job[S]], engine: Token2WavEngine[S] | None = None) -> None:
+        engine = engine or self.engine
         work: list[Work[S]] = []
         runnable: list[_Job[S]] = []
         for job in batch:
             try:
-                state = self._state_for(job)
+                state = self._state_for(job, engine)
             except Exception as exc:
                 job.resolve(exc)
                 continue
@@ -422,7 +466,7 @@ class Token2WavService(Generic[S]):
             return
         started = time.perf_counter()
         try:
-            results: list[np.ndarray | Exception] = self.engine.run(work)
+            results: list[np.ndarray | Exception] = engine.run(work)
         except Exception as exc:
             results = [exc] * len(work)
         self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
@@ -432,11 +476,12 @@ class Token2WavService(Generic[S]):
         for job, result in zip(runnable, results, strict=True):
             self._finish_job(job, result)
 
-    def _state_for(self, job: _Job[S]) -> S:
+    def _state_for(self, job: _Job[S], engine: Token2WavEngine[S] | None = None) -> S:
+        engine = engine or self.engine  # the engine of the worker that runs the job opens its stream
         if job.chunk is None:  # offline: a throwaway state, never registered
             if job.prompt is None:
                 raise InvalidInput("offline token2wav needs the prompt")
-            return self.engine.open(job.prompt, job.seed)
+            return engine.open(job.prompt, job.seed)
         with self._cond:
             state: Any = self._streams.get(job.request_id)
             if job.request_id in self._closed_ids:
@@ -444,7 +489,7 @@ class Token2WavService(Generic[S]):
             if job.prompt is not None:
                 if state is not None:
                     raise InvalidInput(f"token2wav stream {job.request_id} is already open")
-                state = self.engine.open(job.prompt, job.seed)
+                state = engine.open(job.prompt, job.seed)
                 if not job.chunk.final:  # a one-chunk stream never needs registering
                     self._streams[job.request_id] = state
                     self.stats.set("token2wav_active_streams", len(self._streams))

@@ -24,10 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosyvoice2.dit.config import DiTFlowConfig
 from cosyvoice2.dit.loading import load_dit_token2wav
-from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model
-from cosyvoice2.hift import HiFTConfig
+from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model, write_full_size_random_dit
 from scripts.gpu_timing import timed
 
 TOKEN_RATE = 25
@@ -50,10 +48,9 @@ def main() -> None:
     torch.backends.cudnn.allow_tf32 = False
 
     with tempfile.TemporaryDirectory() as tmp:
-        flow_config, hift_config = ((DiTFlowConfig(), HiFTConfig()) if args.size == "released"
-                                    else (micro_dit_config(), MICRO_HIFT))
         started = time.perf_counter()
-        model_dir = write_dit_model(Path(tmp) / "token2wav", flow_config, hift_config)
+        model_dir = (write_full_size_random_dit(Path(tmp) / "token2wav") if args.size == "released"
+                     else write_dit_model(Path(tmp) / "token2wav", micro_dit_config(), MICRO_HIFT))
         written = time.perf_counter() - started
         engine = load_dit_token2wav(model_dir, device=device, dtype=args.dtype)
     rng = np.random.default_rng(0)

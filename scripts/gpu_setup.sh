@@ -193,7 +193,14 @@ Set-up done. The whole-stack benchmark (released-size random weights are written
   cd $REPO
   $PY -m scripts.stack_bench$STUB_ARG --repeat 3
   $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --render-arg first_hop=15
-  $PY -m scripts.stack_bench$STUB_ARG --spark --repeat 3 --only triton-stream,triton-offline --stream-levels 1,4,16 --offline-levels 1,4
+  $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --token2wav dit   # the DiT token2wav
+  $PY -m scripts.stack_bench$STUB_ARG --spark --repeat 3 --only triton-stream,triton-offline --stream-levels 1,4,16 --offline-levels 1,4   # Spark-TTS
 
 Each run prints and keeps its results in var/stackbench/results/<UTC time>-<settings>/ (summary.md first).
+
+The soak through the gateway (64 streams; start-up included, it ends within 590 s, the run shortened to fit):
+
+  $PY -m tests.reliability.soak --full-size --device cuda$STUB_ARG --concurrency 64 --minutes 10 --wall-budget 590
+
+It prints a table and keeps its report in var/soak/soak-<UTC time>.json; it exits non-zero if anything was lost.
 EOF

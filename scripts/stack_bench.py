@@ -1,33 +1,43 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
     python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
+    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
     python -m scripts.stack_bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
 Without `--model-dir` it writes released-size random weights once (`cosyvoice2.testing`), which is why
 `--benchmark-speech-ratio` exists: random weights stop at random, so the stack is rendered to generate a fixed,
-realistic number of speech tokens per text token. Each level (scenario x concurrency x run) is one `tts-bench`
-run; around it the Triton metrics are read (their deltas give the per-stage breakdown: LLM prefill and step,
-token2wav call) and the GPU's utilization is sampled every 200 ms (NVML through `pynvml` when importable,
-else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99, playback stalls, audio
-seconds per wall second and the GPU busy share; at the end the real-time streams per GPU: the highest
-`triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error, in
-every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out):
-summary.md (the tables), results.json (every level's measures), stages.json, levels/*.json (the raw
-`tts-bench` documents) and the tails of the tritonserver and gateway logs.
+realistic number of speech tokens per text token. `--token2wav dit` renders the stack with the DiT token2wav
+(docs/engine.md) instead of CosyVoice2's UNet flow; without `--dit-dir` it likewise writes a released-size random
+DiT directory once (`cosyvoice2.testing.dit`, WORK/dit). Random weights are written into a sibling `.partial`
+directory that is renamed when complete, so an interrupted write is redone, never taken for a model.
+
+Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (their
+deltas give the per-stage breakdown: LLM prefill and step, token2wav call) and the GPU's utilization is sampled
+every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports
+first chunk p50/p90/p99, playback stalls, audio seconds per wall second and the GPU busy share; at the end the
+real-time streams per GPU: the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no
+stream stalling and no error, in every run. Every invocation writes a fresh directory
+WORK/results/<UTC time>-<settings>/ (or under --out; the settings name the token2wav, e.g. cuda-bf16-b32-dit-r3,
+and the summary says it too): summary.md (the tables), results.json (every level's measures), stages.json,
+levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
 
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
-(default: released-size random Spark weights written once under WORK, `spark_tts.testing`) beside CosyVoice2,
-and in benchmark mode with Spark's own ratio (`--spark-benchmark-ratio`: semantic tokens, 50 per second, per
-token of Spark's tokenizer). Its results directories carry `spark-tts` in their names and their documents say
-`"pipeline": "spark-tts"`, so they never mix with CosyVoice2 runs.
+(default: released-size random Spark weights written once under WORK/spark-model, `spark_tts.testing`, the same
+`.partial` way) beside CosyVoice2, and in benchmark mode with Spark's own ratio (`--spark-benchmark-ratio`:
+semantic tokens, 50 per second, per token of Spark's tokenizer). Spark vocodes with its own BiCodec, so the
+token2wav options do not apply: its results directories are named `spark-tts-<settings>` instead of after a
+token2wav, its summary says `pipeline: spark-tts` and its documents `"pipeline": "spark-tts"`, so they never mix
+with CosyVoice2 runs.
 
 Options:
   --work DIR                    models, rendered repository and logs (default var/stackbench)
   --out DIR                     parent of the fresh results directories (default WORK/results)
   --model-dir DIR               real or random weights (default: released-size random weights under WORK)
+  --token2wav NAME              unet (CosyVoice2's flow) or dit (the DiT flow) (default unet)
+  --dit-dir DIR                 DiT token2wav directory, --token2wav dit only (default: released-size random under WORK)
   --device {cpu,cuda}           where the engine runs (default cuda)
   --dtype NAME                  LLM and flow dtype (default bf16)
   --max-batch N                 LLM batch slots (default 32)
@@ -68,47 +78,30 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from spark_tts import layout as spark_layout
-from triton_repo.render import RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonServer, free_port
-from triton_repo.spark_render import SparkRenderOptions
+from cosyvoice2.dit.loading import check_dit_dir
+from scripts.bench_stack import (
+    SPARK_TOKENS_PER_CHAR,
+    SPEECH_TOKENS_PER_CHAR,
+    BenchStack,
+    ensure_dit_dir,
+    ensure_model_dir,
+    ensure_spark_dir,
+    render_stack,
+)
+from triton_repo.render import TOKEN2WAVS
+from triton_repo.server import REPO_ROOT, TritonServer
 from ttsbench.cli import concurrency_list
 
-SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
-SPARK_TOKENS_PER_CHAR = 3.33  # Spark: 50 semantic tokens per second / ~15 characters per second
-#: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
-SPARK_PIPELINE = "spark-tts"
-#: The file `spark_tts.testing` writes last: a random Spark directory holding it is complete.
-SPARK_MARKER = spark_layout.AUDIO_CONFIG_FILE
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
 REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 400
-#: Gateway starts on a new free port after one exited (another process took the port first).
-GATEWAY_START_ATTEMPTS = 3
-
-
-def realistic_ratio(model_dir: Path) -> float:
-    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer
-    (the random full-size model ships a tiny tokenizer with many more tokens per character than Qwen's)."""
-    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
-    from ttsbench.sentences import SENTENCES
-
-    tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
-    chars = sum(len(s) for s in SENTENCES)
-    return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
-
-
-def realistic_spark_ratio(spark_dir: Path) -> float:
-    """`realistic_ratio` for Spark: semantic tokens per token of Spark's tokenizer (the random model's is tiny)."""
-    from spark_tts.prompt import SparkTokenizer
-    from ttsbench.sentences import SENTENCES
-
-    tokenizer = SparkTokenizer.from_model_dir(spark_dir)
-    chars = sum(len(s) for s in SENTENCES)
-    return round(SPARK_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
+#: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
+OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
+#: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
+SPARK_PIPELINE = "spark-tts"
 
 
 @dataclass(frozen=True)
@@ -177,6 +170,18 @@ def visible_gpu_indices(environ: dict[str, str]) -> list[int] | None:
     return [int(part) for part in value.split(",")]
 
 
+def nvml_handles(indices: Sequence[int] | None) -> tuple[Any, list[Any]] | None:
+    """(pynvml, a handle per GPU in ``indices`` or per GPU when None), or None when NVML is not there."""
+    try:
+        import pynvml  # noqa: PLC0415 - optional
+
+        pynvml.nvmlInit()
+        chosen = indices if indices is not None else range(pynvml.nvmlDeviceGetCount())
+        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in chosen]
+    except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
+        return None
+
+
 class GpuSampler:
     """Utilization (percent of the time a kernel ran) of the visible GPUs every 200 ms, in a background thread.
 
@@ -215,14 +220,10 @@ class GpuSampler:
         return self
 
     def _nvml_poller(self) -> Callable[[], list[float]] | None:
-        try:
-            import pynvml  # noqa: PLC0415 - optional
-
-            pynvml.nvmlInit()
-            indices = self.indices if self.indices is not None else range(pynvml.nvmlDeviceGetCount())
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
-        except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
+        nvml = nvml_handles(self.indices)
+        if nvml is None:
             return None
+        pynvml, handles = nvml
         return lambda: [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
 
     def _run_nvml(self, poll: Callable[[], list[float]]) -> None:
@@ -258,6 +259,42 @@ class GpuSampler:
         return busy_share(self.samples, window)
 
 
+class GpuMemory:
+    """Memory in use (bytes) on each visible GPU, read when asked: NVML through `pynvml` when it imports and
+    initializes, else one `nvidia-smi` call per reading; with neither (or a reading that fails), ``source`` is
+    None and ``used`` returns None. Used memory counts every process on the GPU, as `nvidia-smi` shows it."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self.indices = visible_gpu_indices(dict(os.environ) if environ is None else environ)
+        self.source: str | None = None
+        self._read: Callable[[], list[int]] | None = None
+        nvml = nvml_handles(self.indices)
+        if nvml is not None:
+            pynvml, handles = nvml
+            self.source, self._read = "nvml", lambda: [int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles]
+        elif (smi := shutil.which("nvidia-smi")) is not None:
+            command = [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+            if self.indices is not None:
+                command.append(f"--id={','.join(map(str, self.indices))}")
+            self.source, self._read = "nvidia-smi", lambda: self._smi(command)
+        if self.source is not None and self.used() is None:  # e.g. nvidia-smi without a driver
+            self.source, self._read = None, None
+
+    @staticmethod
+    def _smi(command: list[str]) -> list[int]:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout  # noqa: S603
+        return [int(float(line)) * 2**20 for line in out.split()]  # MiB
+
+    def used(self) -> list[int] | None:
+        if self._read is None:
+            return None
+        try:
+            values = self._read()
+        except Exception:  # noqa: BLE001 - a failed read is a missing sample, which the caller reports
+            return None
+        return values or None
+
+
 def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] | None) -> float | None:
     """Mean GPU utilization (0..1) over the samples inside ``window`` (start, end); None when there are none."""
     if window is None:
@@ -268,21 +305,6 @@ def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] |
 
 
 # One level -------------------------------------------------------------------------------------------
-
-
-def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
 
 
 def pipeline_args(target: str, pipeline: str | None) -> list[str]:
@@ -397,13 +419,17 @@ def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
     return text
 
 
-def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None) -> str:
-    """The summary: one table row per scenario and concurrency, each cell all runs' values and their spread."""
+def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
+                     pipeline: str | None = None) -> str:  # fmt: skip
+    """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
+    vocoder), then one table row per scenario and concurrency, each cell all runs' values and their spread."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
-    lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    measured = f"pipeline: **{pipeline}**" if pipeline is not None else f"token2wav: **{token2wav}**"
+    lines = [f"# {title}", "", measured, "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for (scenario, concurrency), runs in groups.items():
         runs = sorted(runs, key=lambda r: r["run"])
         counts = f"{sum(r['requests'] for r in runs)} ({sum(r['errors'] for r in runs)})"
@@ -429,9 +455,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
 
 def settings_slug(args: argparse.Namespace) -> str:
     """A short, file-name-safe description of the settings that change the numbers."""
-    parts = [args.device, args.dtype, f"b{args.max_batch}"]
-    if args.spark:  # never read as, nor sorted among, CosyVoice2's runs
-        parts.insert(0, SPARK_PIPELINE)
+    # UNet and DiT runs never share a name; a Spark run (its own vocoder) is named as one from its first word
+    parts = [SPARK_PIPELINE] if args.spark else []
+    parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if args.spark else [args.token2wav])
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
@@ -473,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "var" / "stackbench")
     parser.add_argument("--out", type=Path, help="parent of the fresh results directories (default: WORK/results)")
     parser.add_argument("--model-dir", type=Path, help="default: released-size random weights under WORK")
+    parser.add_argument("--token2wav", default="unet", choices=TOKEN2WAVS,
+                        help="which flow + HiFT turns speech tokens into audio: unet (CosyVoice2's) or dit")
+    parser.add_argument("--dit-dir", type=Path,
+                        help="DiT token2wav directory (--token2wav dit; default: released-size random weights under "
+                             "WORK/dit)")
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -508,32 +539,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="load the Spark-TTS pipeline (spark_tts / spark_tts_stream; the gateway's spark-tts) "
                              "instead of CosyVoice2; the stack is rendered with both")
     parser.add_argument("--spark-dir", type=Path,
-                        help="Spark-TTS weights for --spark (default: released-size random weights under WORK)")
+                        help="Spark-TTS weights for --spark (default: released-size random weights under "
+                             "WORK/spark-model)")
     parser.add_argument("--spark-benchmark-ratio", type=float,
                         help="semantic tokens per Spark text token (0 = off: real weights); default: what makes the "
                              f"built-in sentences last {SPARK_TOKENS_PER_CHAR} tokens per character")
     return parser
-
-
-def spark_options(args: argparse.Namespace) -> SparkRenderOptions | None:
-    """The Spark part of the render for --spark: its weights (random released-size ones written once under WORK
-    when no --spark-dir is given) and benchmark mode; None without --spark."""
-    if not args.spark:
-        return None
-    spark_dir = args.spark_dir
-    if spark_dir is None:
-        spark_dir = args.work / "spark-model"
-        if not (spark_dir / SPARK_MARKER).exists():  # the last file written: a complete directory
-            from spark_tts.testing import write_full_size_random_model as write_spark
-
-            started = time.perf_counter()
-            write_spark(spark_dir)
-            print(f"wrote random full-size Spark weights in {time.perf_counter() - started:.0f} s", flush=True)
-    ratio = args.spark_benchmark_ratio
-    if ratio is None:
-        ratio = realistic_spark_ratio(spark_dir)
-        print(f"Spark benchmark mode: {ratio} semantic tokens per text token", flush=True)
-    return SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=ratio or None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -543,48 +554,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"stack_bench: unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
         raise SystemExit(f"stack_bench: {args.stub_env} is not a Python environment (no bin/python3)")
+    for item in args.render_arg:
+        if (field := item.partition("=")[0]) in OWN_OPTIONS:
+            raise SystemExit(f"stack_bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
+                             "(the results are named after it)")
     if not args.spark and (args.spark_dir is not None or args.spark_benchmark_ratio is not None):
         raise SystemExit("stack_bench: --spark-dir and --spark-benchmark-ratio need --spark")
+    if args.spark and (args.token2wav != "unet" or args.dit_dir is not None):
+        raise SystemExit("stack_bench: --spark measures Spark-TTS, which vocodes with its own BiCodec: "
+                         "--token2wav and --dit-dir do not apply")
     pipeline = SPARK_PIPELINE if args.spark else None
+    if args.dit_dir is not None:
+        if args.token2wav != "dit":
+            raise SystemExit("stack_bench: --dit-dir is only used with --token2wav dit")
+        try:
+            check_dit_dir(args.dit_dir)
+        except FileNotFoundError as exc:
+            raise SystemExit(f"stack_bench: --dit-dir: {exc}") from None
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
     levels_dir = out_dir / "levels"
     levels_dir.mkdir()
     print(f"results: {out_dir}", flush=True)
-    model_dir = args.model_dir
-    if model_dir is None:
-        model_dir = args.work / "model"
-        if not (model_dir / "llm.pt").exists():
-            from cosyvoice2.testing import write_full_size_random_model
-
-            started = time.perf_counter()
-            write_full_size_random_model(model_dir)
-            print(f"wrote random full-size weights in {time.perf_counter() - started:.0f} s", flush=True)
-    ratio = args.benchmark_speech_ratio
-    if ratio is None:
-        ratio = realistic_ratio(model_dir)
-        print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
-    extra: dict[str, Any] = {}
-    for item in args.render_arg:
-        key, _, value = item.partition("=")
-        extra[key] = int(value) if value.lstrip("-").isdigit() else value
-    options = RenderOptions(
-        model_dir=model_dir, out=args.work / "repo", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        max_seq_len=args.max_seq_len, benchmark_speech_ratio=ratio or None, spark=spark_options(args), **extra,
+    model_dir = ensure_model_dir(args.work, args.model_dir)
+    dit_dir = ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None
+    spark_dir = ensure_spark_dir(args.work, args.spark_dir) if args.spark else None
+    token2wav = args.token2wav if dit_dir is None else f"{args.token2wav} ({dit_dir})"
+    print(f"pipeline: {pipeline} ({spark_dir})" if args.spark else f"token2wav: {token2wav}", flush=True)
+    options, repo = render_stack(
+        work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+        max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
+        token2wav=args.token2wav, dit_dir=dit_dir, spark_dir=spark_dir,
+        spark_benchmark_ratio=args.spark_benchmark_ratio,
     )  # fmt: skip
-    repo = write_repository(options)
 
-    server_log, gateway_log = args.work / "tritonserver.log", args.work / "gateway.log"
-    for log in (server_log, gateway_log):  # this invocation's lines only
-        log.unlink(missing_ok=True)
-    server = TritonServer(model_repository=repo, log_path=server_log, env_prefix=args.stub_env or Path(sys.prefix))
-    gateway: subprocess.Popen | None = None
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env)
+    server = stack.server
     sampler = GpuSampler()
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
         "pipeline": pipeline or "cosyvoice2",
+        "token2wav": None if args.spark else args.token2wav,  # Spark vocodes with its own BiCodec
+        "dit_dir": None if dit_dir is None else str(dit_dir),
+        "spark_dir": None if spark_dir is None else str(spark_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
@@ -593,24 +607,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stages: dict[str, Any] = {"render": document["render"]}
     started = time.perf_counter()
     try:
-        server.start(ready_timeout=900)
+        stack.start_triton()
         document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
         print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
-        port = 0
         if any(s.target == "gateway" for s in scenarios):
-            # A port free when chosen may be taken before the gateway binds it (it then exits): a new one.
-            for attempt in range(1, GATEWAY_START_ATTEMPTS + 1):
-                port = free_port()
-                env = {**os.environ, "TTS_TRITON_URL": server.grpc_url, "TTS_PORT": str(port), "TTS_HOST": "127.0.0.1"}
-                with open(gateway_log, "ab") as log:
-                    gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
-                                               stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-                try:
-                    wait_http_ok(f"http://127.0.0.1:{port}/ready", 120, gateway)
-                    break
-                except RuntimeError:
-                    if gateway.poll() is None or attempt == GATEWAY_START_ATTEMPTS:
-                        raise
+            stack.start_gateway()
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
             # a server that has been up a while has them all, so the levels below measure that state.
@@ -624,7 +625,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
         for run in range(1, args.repeat + 1):
             for scenario in scenarios:
-                url = server.grpc_url if scenario.target == "triton" else f"http://127.0.0.1:{port}"
+                url = server.grpc_url if scenario.target == "triton" else stack.gateway_url
                 for concurrency in getattr(args, scenario.levels_option):
                     name = f"{scenario.name}-c{concurrency}-r{run}"
                     before = triton_metrics(server)
@@ -643,22 +644,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         sampler.stop()
-        if gateway is not None:
-            gateway.terminate()
-            try:
-                gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-        server.cleanup()
-        copy_tail(server_log, out_dir / "tritonserver_tail.log")
-        copy_tail(gateway_log, out_dir / "gateway_tail.log")
+        stack.stop()
+        copy_tail(stack.server_log, out_dir / "tritonserver_tail.log")
+        copy_tail(stack.gateway_log, out_dir / "gateway_tail.log")
         realtime = realtime_streams(rows)
         document["realtime_streams_per_gpu"] = realtime
         document["realtime_rule"] = {"scenario": REALTIME_SCENARIO, "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime)
+        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline)
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)

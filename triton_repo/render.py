@@ -124,6 +124,10 @@ class RenderOptions:
     # "call" runs each batch of chunks as one whole call. "call" is the default: on the GPU it measured faster at
     # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). The DiT token2wav always runs whole calls.
     t2w_scheduling: str = "call"
+    # With call scheduling, a second token2wav worker that runs only first chunks, concurrently with the calls of
+    # later chunks on its own higher-priority CUDA stream (and its own CUDA graphs: more GPU memory), so a new
+    # stream's first chunk never waits for a running call (cosyvoice2_serving.token2wav).
+    t2w_first_chunk_worker: bool = False
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = "unet"
@@ -597,6 +601,7 @@ def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavP
         flow_cache=opts.flow_cache,
         flow_cache_gb=opts.flow_cache_gb,
         t2w_scheduling=opts.t2w_scheduling,
+        t2w_first_chunk_worker=opts.t2w_first_chunk_worker,
         token2wav=opts.token2wav,
         dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
         # the budget is per GPU: the replicas sharing one split it
@@ -864,6 +869,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "or call (whole batched calls)",
     )  # fmt: skip
     parser.add_argument(
+        "--t2w-first-chunk-worker", action=argparse.BooleanOptionalAction, default=defaults.t2w_first_chunk_worker,
+        help="call scheduling: a second token2wav worker (own CUDA stream and graphs) runs only first chunks",
+    )  # fmt: skip
+    parser.add_argument(
         "--token2wav", default=defaults.token2wav, choices=TOKEN2WAVS,
         help="unet: CosyVoice2's flow from --model-dir; dit: the DiT flow of Step-Audio-2-mini from --dit-dir",
     )  # fmt: skip
@@ -934,6 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flow_cache=args.flow_cache,
                 flow_cache_gb=args.flow_cache_gb,
                 t2w_scheduling=args.t2w_scheduling,
+                t2w_first_chunk_worker=args.t2w_first_chunk_worker,
                 token2wav=args.token2wav,
                 dit_dir=args.dit_dir,
                 layout=args.layout,

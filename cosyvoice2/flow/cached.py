@@ -70,10 +70,13 @@ class CachedSegment:
     encoder: EncoderCache = field(default_factory=EncoderCache)
     estimator: EstimatorCache = field(default_factory=EstimatorCache)
 
+    def tensors(self) -> list[torch.Tensor]:
+        tensors = [self.encoder.kv, self.encoder.up_kv, self.encoder.up_tail, *self.estimator.kv,
+                   *self.estimator.tails]
+        return [t for t in tensors if t is not None]
+
     def nbytes(self) -> int:
-        tensors = [self.encoder.kv, self.encoder.up_kv, self.encoder.up_tail, *self.estimator.kv]
-        tensors += list(self.estimator.tails)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import batch_bucket, round_up
+from ..graph_buckets import ReplayOrder, batch_bucket, round_up
 from .config import CFMConfig
 from .estimator import CausalUNetEstimator
 
@@ -128,6 +128,7 @@ class CFMGraphs:
         self._captured: dict[tuple, _CapturedSolve] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
+        self._order = ReplayOrder()  # token2wav workers on several CUDA streams share these graphs
 
     def padded_frames(self, frames: int) -> int:
         return round_up(frames, self.frame_bucket)
@@ -159,7 +160,10 @@ class CFMGraphs:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedSolve(cfm, inputs, streaming, self._pool)
+            self._order.wait(mu.device)
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
-            return captured.output[: mu.size(0), :, :frames].to(torch.float32, copy=True)
+            mel = captured.output[: mu.size(0), :, :frames].to(torch.float32, copy=True)
+            self._order.record(mu.device)
+            return mel

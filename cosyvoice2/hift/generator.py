@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import batch_bucket, round_up
+from ..graph_buckets import ReplayOrder, batch_bucket, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -192,12 +192,14 @@ class HiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def inference_batch(self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None],
-                        noises: Sequence[SourceNoise]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        noises: Sequence[SourceNoise],
+                        graphs: "HiFTGraphs | None" = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Several independent calls in one forward: mel (1, 80, M_i), its cache source (1, 1, S_i) or None and
         its noise (drawn for M_i frames, as a call alone would draw it) -> [(audio (480 M_i,), source (1, 1, 480 M_i))].
 
         Rows are right-padded to the longest and masked (see above), so each result equals `inference` of that
-        row alone.
+        row alone. `graphs`: a caller's own set of CUDA graphs instead of the module's (`cuda_graphs`), so that
+        workers on different CUDA streams never wait for each other's replays.
         """
         spf = self.config.samples_per_frame
         frames = [mel.shape[2] for mel in mels]
@@ -215,12 +217,14 @@ class HiFTGenerator(nn.Module):
             torch.cat([F.pad(n.sine_noise, (0, 0, 0, longest * spf - n.sine_noise.shape[1])) for n in noises]),
             torch.cat([F.pad(c, (0, cache_len - c.shape[2])) for c in caches]),
             lengths([c.shape[2] for c in caches]),
+            graphs=graphs,
         )
         return [(audio[i, : m * spf], source[i : i + 1, :, : m * spf]) for i, m in enumerate(frames)]
 
-    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs is not None and inputs[0].is_cuda:
-            return self.cuda_graphs.run(*inputs)
+    def _run(self, *inputs: torch.Tensor, graphs: "HiFTGraphs | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
+        graphs = graphs or self.cuda_graphs
+        if graphs is not None and inputs[0].is_cuda:
+            return graphs.run(*inputs)
         return self.vocode(*inputs)
 
     def vocode(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
@@ -276,6 +280,7 @@ class HiFTGraphs:
         self._captured: dict[tuple, _CapturedVocode] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
+        self._order = ReplayOrder()  # token2wav workers on several CUDA streams share these graphs
 
     def pad(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
             sine_noise: torch.Tensor, cache_source: torch.Tensor,
@@ -303,11 +308,14 @@ class HiFTGraphs:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
+            self._order.wait(speech_feat.device)
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
             audio, source = captured.outputs
-            return audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
+            audio, source = audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
+            self._order.record(speech_feat.device)
+            return audio, source
 
 
 def _periodic_hann(n: int) -> torch.Tensor:

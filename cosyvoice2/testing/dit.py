@@ -2,6 +2,7 @@
 
 `write_dit_model(dir)` writes flow.yaml, flow.pt and hift.pt (+ hift.yaml when HiFT is not the released size)
 with the released key names. `micro_dit_config()` are the parity data's micro dimensions.
+`write_full_size_random_dit(dir)` is `write_dit_model` at the released sizes (for GPU benchmarks; ~700 MB).
 `write_full_size_layout(dir)` writes released-size files whose tensors are views of one small random row each
 (stride 0 over all but the last axis): every key and shape of the real files in a few MB, for strict-load tests.
 """
@@ -56,6 +57,12 @@ def write_dit_model(path: str | Path, flow: DiTFlowConfig | None = None, hift: H
     hift_module = randomize_(HiFTGenerator(hift), seed + 1, _hift_overrides(hift))
     torch.save(hift_module.state_dict(), path / DIT_HIFT_FILE)
     return path
+
+
+def write_full_size_random_dit(path: str | Path, seed: int = 0) -> Path:
+    """Released-size random DiT token2wav (flow fp32, HiFT without hift.yaml, as released; ~700 MB, seconds on a
+    CPU); returns the directory."""
+    return write_dit_model(path, DiTFlowConfig(), HiFTConfig(), seed)
 
 
 def _cheap_state(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:

@@ -19,10 +19,13 @@ from packaging.utils import canonicalize_name
 from triton_repo.server import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "gpu_setup.sh"
-#: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks.
+#: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks,
+#: the soak.
 RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "benchmarks/ttsbench",
-                   "scripts/stack_bench.py"]  # fmt: skip
-FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "ttsbench", "cosyvoice_build"}
+                   "scripts/stack_bench.py", "scripts/bench_stack.py", "tests/reliability/soak.py",
+                   "tests/reliability/stack_rig.py"]  # fmt: skip
+FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "ttsbench", "cosyvoice_build",
+               "scripts", "tests"}  # fmt: skip
 #: Imported at run time but not installed by the script, with the reason.
 PROVIDED = {
     "torch": "the machine's CUDA build (the script checks it and pins it, never installs it)",
@@ -164,6 +167,7 @@ def test_one_environment_when_numpy_is_below_2(runs):
     assert f"torch=={torch.__version__}" in output  # the machine's torch is pinned, never replaced
     assert " -m venv " not in output and "--stub-env" not in output
     assert f"{sys.executable} -m scripts.stack_bench --repeat 3" in output
+    assert f"{sys.executable} -m tests.reliability.soak --full-size --device cuda --concurrency 64" in output
     assert not stub.exists()
 
 
@@ -177,6 +181,8 @@ def test_separate_stub_environment_has_numpy_below_2(runs):
     assert "hidden: numpy, scipy, scikit-learn, ml_dtypes" in output
     assert f"+ {stub}/bin/python3 -c " in output  # the imports are checked with the stubs' interpreter
     assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3" in output
+    assert f"-m tests.reliability.soak --full-size --device cuda --stub-env {stub} --concurrency 64" in output
+    assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3 --token2wav dit" in output
     assert f"-m scripts.stack_bench --stub-env {stub} --spark --repeat 3" in output  # Spark-TTS's numbers too
     main_install = pip_installs(output)[0]
     assert f"{REPO_ROOT}[engine,bench]" in main_install  # not the triton extra: it would pull numpy < 2 in

@@ -19,11 +19,12 @@ import pipeline_contract as contract
 from triton_repo.server import REPO_ROOT
 
 sb = importlib.import_module("scripts.stack_bench")
+bench_stack = importlib.import_module("scripts.bench_stack")
 
 
 def test_docstring_lists_exactly_the_parser_options():
     section = sb.__doc__.split("\nOptions:\n", 1)[1]
-    documented = re.findall(r"^  (--[a-z][a-z-]*)", section, re.M)
+    documented = re.findall(r"^  (--[a-z][a-z0-9-]*)", section, re.M)
     assert len(documented) == len(set(documented)), "an option is documented twice"
     parser_options = {o for a in sb.build_parser()._actions for o in a.option_strings if o.startswith("--")}
     assert set(documented) == parser_options - {"--help"}
@@ -32,7 +33,7 @@ def test_docstring_lists_exactly_the_parser_options():
 def test_documented_defaults_match_the_parser():
     section = sb.__doc__.split("\nOptions:\n", 1)[1]
     defaults = vars(sb.build_parser().parse_args([]))
-    for option, default in re.findall(r"^  (--[a-z-]+) .*\(default ([^);]+)\)", section, re.M):
+    for option, default in re.findall(r"^  (--[a-z][a-z0-9-]*) .*\(default ([^);]+)\)", section, re.M):
         value = defaults[option[2:].replace("-", "_")]
         if value is None:  # a derived default (WORK/results): described, not a value
             continue
@@ -89,7 +90,10 @@ def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
         _row(1, run=2, stalled=2, total_p50=1.1, first_chunk_p50=0.22, first_chunk_p99=0.41, stalled_share=0.25, stall_p90=0.01,
              stall_max=0.02, audio_seconds_per_second=11.0, gpu_busy=None, stages={"llm_step_ms": 2.5}),
     ]
-    text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows))
+    text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), "dit (var/stackbench/dit)")
+    assert "token2wav: **dit (var/stackbench/dit)**" in text.splitlines()[:4]
+    spark = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), None, sb.SPARK_PIPELINE)
+    assert "pipeline: **spark-tts**" in spark.splitlines()[:4] and "token2wav: **" not in spark  # its own vocoder
     line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
     assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
     assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
@@ -107,14 +111,16 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 
 
 def test_settings_slug_is_short_and_file_name_safe():
-    args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, render_arg=["first_hop=15", "layout=a/b"],
-                              only="triton-stream,triton-offline", repeat=3, spark=False)
+    args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
+                              render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3)
     slug = sb.settings_slug(args)
-    assert slug == "cuda-bf16-b32-first_hop15-layoutab-triton-stream+triton-offline-r3"
+    assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
+    assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
     # a Spark run is named as one from its first word, however long the rest
     spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
-    assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-")
+    # and without a token2wav: Spark vocodes with its own BiCodec
+    assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-first_hop15-")
 
 
 async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: the targets open gRPC clients
@@ -183,9 +189,42 @@ def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
     assert os.path.exists(fake)
 
 
+def test_gpu_memory_without_a_gpu_is_none(monkeypatch, tmp_path):
+    _only_path(monkeypatch, tmp_path)
+    memory = sb.GpuMemory()
+    assert memory.source is None and memory.used() is None
+
+
+def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
+    fake = tmp_path / "nvidia-smi"
+    log = tmp_path / "args"
+    used = tmp_path / "used"  # MiB per GPU, one line each: the fake prints what the test wrote last
+    used.write_text("1000\n2500\n")
+    fake.write_text(f"#!/bin/sh\nPATH=/usr/bin:/bin\necho \"$@\" > {log}\ncat {used}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    _only_path(monkeypatch, tmp_path)
+    memory = sb.GpuMemory(environ={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert memory.source == "nvidia-smi"
+    assert memory.used() == [1000 * 2**20, 2500 * 2**20]
+    used.write_text("1200\n2500\n")
+    assert memory.used() == [1200 * 2**20, 2500 * 2**20]
+    args = log.read_text().split()
+    assert "--query-gpu=memory.used" in args and "--format=csv,noheader,nounits" in args and "--id=0,1" in args
+    used.write_text("[N/A]\n")
+    assert memory.used() is None  # a failed reading is a missing sample, never a made-up one
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--only", "triton-stream,nope"], "unknown scenario(s) nope"),
     (["--stub-env", "/nonexistent/env"], "is not a Python environment"),
+    (["--dit-dir", "/nonexistent/token2wav"], "--dit-dir is only used with --token2wav dit"),
+    (["--token2wav", "dit", "--dit-dir", "/nonexistent/token2wav"], "--dit-dir: DiT token2wav directory"),
+    (["--render-arg", "token2wav=dit"], "give token2wav with --token2wav, not --render-arg"),
+    (["--token2wav", "dit", "--render-arg", "dit_dir=/x"], "give dit_dir with --dit-dir, not --render-arg"),
+    (["--spark-dir", "/x"], "--spark-dir and --spark-benchmark-ratio need --spark"),
+    (["--spark-benchmark-ratio", "2"], "--spark-dir and --spark-benchmark-ratio need --spark"),
+    (["--spark", "--token2wav", "dit"], "--token2wav and --dit-dir do not apply"),
+    (["--spark", "--dit-dir", "/x"], "--token2wav and --dit-dir do not apply"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -193,9 +232,80 @@ def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     assert not (tmp_path / "work").exists()
 
 
-def test_levels_and_repeat_are_checked_by_the_parser(capsys):
+def test_random_weights_are_written_once_and_an_interrupted_write_is_redone(tmp_path):
+    calls = []
+
+    def interrupted(path: Path) -> None:
+        calls.append(path)
+        path.mkdir()
+        (path / "llm.pt").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    def complete(path: Path) -> None:
+        calls.append(path)
+        path.mkdir()
+        (path / "llm.pt").write_bytes(b"whole")
+
+    with pytest.raises(KeyboardInterrupt):
+        bench_stack.random_weights(tmp_path / "model", interrupted, "test")
+    assert not (tmp_path / "model").exists()  # the half-written files are not a model
+    assert bench_stack.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"
+    assert bench_stack.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"  # reused
+    assert calls == [tmp_path / "model.partial"] * 2
+    assert (tmp_path / "model" / "llm.pt").read_bytes() == b"whole"
+    assert not (tmp_path / "model.partial").exists()
+
+
+def test_the_random_dit_is_the_released_layout_and_loads_strictly(tmp_path):
+    import shutil
+
+    from cosyvoice2.dit.config import DiTFlowConfig
+    from cosyvoice2.dit.layout import DIT_HIFT_CONFIG
+    from cosyvoice2.dit.loading import load_dit_token2wav
+    from cosyvoice2.hift import HiFTConfig
+
+    dit_dir = bench_stack.random_weights(tmp_path / "dit", bench_stack.write_random_dit, "DiT token2wav")
+    try:
+        assert not (dit_dir / DIT_HIFT_CONFIG).exists()  # HiFT at its released (default) size, as released
+        engine = load_dit_token2wav(dit_dir)  # every key and shape, strictly
+        assert engine.flow.config == DiTFlowConfig() and engine.hift.config == HiFTConfig()
+    finally:
+        shutil.rmtree(dit_dir)  # ~700 MB: not left to the temporary-directory retention
+
+
+def test_levels_repeat_and_token2wav_are_checked_by_the_parser(capsys):
     parser = sb.build_parser()
     assert parser.parse_args(["--stream-levels", "1,8"]).stream_levels == [1, 8]
-    for argv in (["--stream-levels", "0,4"], ["--offline-levels", "x"], ["--repeat", "0"]):
+    assert (parser.parse_args([]).token2wav, parser.parse_args(["--token2wav", "dit"]).token2wav) == ("unet", "dit")
+    for argv in (["--stream-levels", "0,4"], ["--offline-levels", "x"], ["--repeat", "0"], ["--token2wav", "bigvgan"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(tmp_path, capsys):
+    from cosyvoice2.testing import write_tiny_model
+    from spark_tts.prompt import SparkTokenizer
+    from spark_tts.testing import write_tiny_model as write_tiny_spark
+    from ttsbench.sentences import SENTENCES
+
+    model, spark = write_tiny_model(tmp_path / "tiny"), write_tiny_spark(tmp_path / "spark")
+    assert bench_stack.ensure_spark_dir(tmp_path / "work", spark) == spark  # given weights are never rewritten
+    common = {"work": tmp_path / "work", "model_dir": model, "device": "cpu", "dtype": "fp32", "max_batch": 4,
+              "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
+    options, repo = bench_stack.render_stack(**common)
+    assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
+
+    options, repo = bench_stack.render_stack(**common, spark_dir=spark)
+    ratio = options.spark.benchmark_ratio
+    assert options.spark.model_dir == spark and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
+    assert f"Spark benchmark mode: {ratio} semantic tokens per text token" in capsys.readouterr().out
+    # the default ratio gives the built-in sentences 3.33 semantic tokens (50 per second) per character
+    tokenizer = SparkTokenizer.from_model_dir(spark)
+    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
+    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(bench_stack.SPARK_TOKENS_PER_CHAR, rel=1e-3)
+    for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL):
+        assert (repo / name / "config.pbtxt").is_file()
+
+    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
+        options, _ = bench_stack.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
+        assert options.spark.benchmark_ratio == rendered

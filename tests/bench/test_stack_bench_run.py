@@ -35,7 +35,7 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     printed = re.findall(r"^results: (.+)$", done.stdout, re.M)
     assert printed and len(set(printed)) == 1
     out = Path(printed[-1])
-    assert out.parent == work / "results" and out.name.endswith("-cpu-fp32-b4-first_hop5-triton-stream+gateway-stream-pcm-r2")
+    assert out.parent == work / "results" and out.name.endswith("-cpu-fp32-b4-unet-first_hop5-triton-stream+gateway-stream-pcm-r2")
     assert sorted(p.name for p in (work / "results").iterdir()) == sorted(["earlier", out.name])
     names = {f"{s}-c1-r{r}" for s in ("triton-stream", "gateway-stream-pcm") for r in (1, 2)}
     assert {p.stem for p in (out / "levels").glob("*.json")} == names
@@ -62,6 +62,55 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     assert re.search(r"^\| triton-stream \| 1 \| 4 \(\d\) \| [\d.]+ / [\d.]+ \(", summary, re.M)
     assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
     assert f"**{results['realtime_streams_per_gpu']}**" in summary
+    assert "token2wav: **unet**" in summary and results["token2wav"] == "unet" and results["dit_dir"] is None
+    assert (results["pipeline"], results["spark_dir"]) == ("cosyvoice2", None)
+
+
+def _rendered_parameters(config: Path) -> dict[str, str]:
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    parsed = text_format.Parse(config.read_text(), model_config_pb2.ModelConfig())
+    return {key: value.string_value for key, value in parsed.parameters.items()}
+
+
+@pytest.mark.timeout(900)  # tritonserver start and two measured levels
+def test_a_dit_run_renders_the_dit_token2wav_and_is_named_after_it(tmp_path):
+    from cosyvoice2.testing import write_tiny_model
+    from cosyvoice2.testing.dit import write_dit_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    work = tmp_path / "work"
+    # Without --dit-dir the run takes WORK/dit, written once (released size) and reused: a micro DiT placed there
+    # keeps this CPU run short and exercises that default.
+    dit_dir = write_dit_model(work / "dit", seed=1)
+    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--token2wav", "dit",
+               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
+               "--only", "triton-stream,triton-offline", "--stream-levels", "1", "--offline-levels", "1",
+               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--render-arg", "first_hop=5",
+               "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=850, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    assert out.name.endswith("-cpu-fp32-b4-dit-first_hop5-triton-stream+triton-offline-r1")
+    results = json.loads((out / "results.json").read_text())
+    assert (results["token2wav"], results["dit_dir"]) == ("dit", str(dit_dir))
+    assert (results["render"]["token2wav"], results["render"]["dit_dir"]) == ("dit", str(dit_dir))
+    # what tritonserver actually loaded: the engine model's token2wav parameters in the rendered repository
+    params = _rendered_parameters(work / "repo" / "engine" / "config.pbtxt")
+    assert (params["token2wav"], params["dit_dir"]) == ("dit", str(dit_dir.resolve()))
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("dit")) == ["dit"]  # nothing new written
+
+    rows = results["levels"]
+    assert sorted(r["scenario"] for r in rows) == ["triton-offline", "triton-stream"]
+    for row in rows:  # the DiT token2wav served every request and made audio
+        assert (row["requests"], row["errors"]) == (2, 0) and row["audio_seconds_per_second"] > 0
+        assert row["stages"]["token2wav_calls"] > 0
+    summary = (out / "summary.md").read_text()
+    assert f"token2wav: **dit ({dit_dir})**" in summary and out.name in summary
+    assert re.search(r"^\| triton-stream \| 1 \| 2 \(0\) \|", summary, re.M)
+    assert re.search(r"^\| triton-offline \| 1 \| 2 \(0\) \|", summary, re.M)
 
 
 SPARK_RATIO = 2.0
@@ -77,10 +126,12 @@ def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
     from spark_tts.testing import write_tiny_model as write_tiny_spark
     from ttsbench.sentences import SENTENCES
 
-    model, spark = write_tiny_model(tmp_path / "tiny"), write_tiny_spark(tmp_path / "spark", seed=2)
-    work = tmp_path / "work"
+    model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
+    # Without --spark-dir the run takes WORK/spark-model, written once (released size) and reused: a tiny Spark
+    # model placed there keeps this CPU run short and exercises that default.
+    spark = write_tiny_spark(work / "spark-model", seed=2)
     command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--model-dir", str(model),
-               "--spark", "--spark-dir", str(spark), "--spark-benchmark-ratio", str(SPARK_RATIO),
+               "--spark", "--spark-benchmark-ratio", str(SPARK_RATIO),
                "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
                "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
                "--warmup", "0", "--timeout", "120"]  # fmt: skip
@@ -88,9 +139,12 @@ def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
-    assert re.search(r"Z-spark-tts-cpu-fp32-b4-", out.name)  # never among CosyVoice2's runs
+    assert re.search(r"Z-spark-tts-cpu-fp32-b4-triton-stream\+triton-offline-r1$", out.name)  # no token2wav in it
     results = json.loads((out / "results.json").read_text())
-    assert results["pipeline"] == "spark-tts"
+    assert (results["pipeline"], results["token2wav"], results["spark_dir"]) == ("spark-tts", None, str(spark))
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("spark")) == ["spark-model"]  # nothing new
+    summary = (out / "summary.md").read_text()
+    assert "pipeline: **spark-tts**" in summary and "token2wav: **" not in summary  # Spark vocodes with its BiCodec
     assert sorted(r["scenario"] for r in results["levels"]) == ["triton-offline", "triton-stream"]
     tokenizer = SparkTokenizer.from_model_dir(spark)
     for scenario, mode in (("triton-stream", "streaming"), ("triton-offline", "offline")):

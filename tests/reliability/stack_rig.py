@@ -81,6 +81,31 @@ def http_status(url: str, timeout: float = 3.0) -> int:
         return 0
 
 
+def process_tree_rss(pid: int | None) -> tuple[int, int]:
+    """(resident bytes, processes) of ``pid`` and all its descendants; (0, 0) when it is gone."""
+    if pid is None or not rss_bytes(pid):
+        return 0, 0
+    tree = [pid, *descendants(pid)]
+    return sum(rss_bytes(p) for p in tree), len(tree)
+
+
+def gateway_metric(url: str, name: str, labels: str = "") -> float:
+    """One sample of the gateway's /metrics at ``url`` (0 when the series is absent)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def triton_active_requests(metrics_port: int) -> float:
+    """Requests the pipeline entry models hold now (the orchestrator's gauge, both models)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 - loopback
+        text = response.read().decode()
+    gauges = re.findall(r"^cosyvoice2_orchestrator_active_requests\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(v) for v in gauges)
+
+
 @dataclass
 class StackProcess:
     """``python -m triton_repo.stack`` with pinned ports; stopped (TERM, then KILL of its group) by ``stop``."""
@@ -188,26 +213,17 @@ class StackProcess:
 
     def triton_rss(self) -> int:
         """tritonserver and all its stubs."""
-        triton = self.tritonserver_pid()
-        return sum(rss_bytes(pid) for pid in ([triton, *descendants(triton)] if triton else []))
+        return process_tree_rss(self.tritonserver_pid())[0]
 
     def gateway_rss(self) -> int:
         pid = self.gateway_pid()
         return rss_bytes(pid) if pid else 0
 
     def gateway_metric(self, name: str, labels: str = "") -> float:
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:  # noqa: S310
-            text = response.read().decode()
-        match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
-        return float(match.group(1)) if match else 0.0
+        return gateway_metric(self.url, name, labels)
 
     def triton_active_requests(self) -> float:
-        """Requests the pipeline entry models hold now (the orchestrator's gauge, both models)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310
-            text = response.read().decode()
-        gauges = re.findall(r"^cosyvoice2_orchestrator_active_requests\{[^}]*\} (\S+)$", text, re.M)
-        return sum(float(v) for v in gauges)
+        return triton_active_requests(self.metrics_port)
 
     def stop(self, timeout: float = 120.0) -> int | None:
         """SIGTERM (drain), wait, then KILL whatever is left of the group. The stack's exit code."""

@@ -57,6 +57,17 @@ def test_the_token2wav_scheduling_reaches_the_engine_parameters(tiny_model_dir, 
     assert scheduling(replace(options, t2w_scheduling="step")) == "step"
 
 
+def test_the_first_chunk_worker_option_reaches_the_token2wav_parameters(tiny_model_dir, tmp_path):
+    def worker(options: RenderOptions) -> str:
+        config = model_config_pb2.ModelConfig()
+        text_format.Parse((write_repository(options) / "engine" / "config.pbtxt").read_text(), config)
+        return config.parameters["t2w_first_chunk_worker"].string_value
+
+    options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo")
+    assert worker(options) == "false"
+    assert worker(replace(options, t2w_first_chunk_worker=True)) == "true"
+
+
 def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_model_dir, tmp_path):
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo"))
     configs = {}

@@ -19,7 +19,8 @@ import torch
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
-from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
+from cosyvoice2_serving.cuda_streams import (TOKEN2WAV_FIRST_CHUNK_PRIORITY, TOKEN2WAV_LATER_CHUNKS_PRIORITY,
+                                             TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream)
 from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
@@ -50,15 +51,24 @@ class Token2WavHandler:
             engine = BatchedToken2Wav(
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb
             )
-        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
-        if graphs:
-            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
+        # a first-chunk worker needs an engine that can run a second lane (the UNet one) and whole calls
+        lanes = [engine]
+        if params.t2w_first_chunk_worker and params.t2w_scheduling == "call" and isinstance(engine, BatchedToken2Wav):
+            lanes.append(engine.lane())
+        for lane in lanes:  # in initialize: the model is not ready before this is done
+            graphs, seconds = lane.capture_graphs()
+            if graphs:
+                logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
-        self.service = Token2WavService(
-            StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), self.stats,
-            scheduling=params.t2w_scheduling,
-        )
-        logger.info("token2wav: %s scheduling", self.service.scheduling)
+        if len(lanes) == 1:
+            main, first = StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), None
+        else:
+            later = worker_stream(device, TOKEN2WAV_LATER_CHUNKS_PRIORITY)
+            main = StreamToken2Wav(engine, later)
+            first = StreamToken2Wav(lanes[1], worker_stream(device, TOKEN2WAV_FIRST_CHUNK_PRIORITY), hand_over_to=later)
+        self.service = Token2WavService(main, self.stats, scheduling=params.t2w_scheduling, first_chunk_engine=first)
+        logger.info("token2wav: %s scheduling%s", self.service.scheduling,
+                    ", first chunks on their own worker" if self.service.first_chunk_worker else "")
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))

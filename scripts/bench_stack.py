@@ -1,0 +1,215 @@
+"""The rendered stack the whole-stack tools start on one machine: the weights (released-size random ones written
+once under a work directory unless a model directory is given), the repository rendered for a device and dtype
+(in benchmark mode for random weights; Spark-TTS beside CosyVoice2 when asked), tritonserver with its python
+stubs in a chosen Python environment, and the gateway in front of it. `scripts/stack_bench.py` and the soak
+(`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from triton_repo.render import RenderOptions, write_repository
+from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from triton_repo.spark_render import SparkRenderOptions
+
+SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
+SPARK_TOKENS_PER_CHAR = 3.33  # Spark: 50 semantic tokens per second / ~15 characters per second
+#: Gateway starts on a new free port after one exited (another process took the port first).
+GATEWAY_START_ATTEMPTS = 3
+#: Loading the released-size models (and compiling their kernels) on a cold machine takes minutes.
+TRITON_READY_TIMEOUT_S = 900.0
+GATEWAY_READY_TIMEOUT_S = 120.0
+
+
+def sentences_ratio(tokens_per_char: float, encode: Callable[[str], Sequence[int]]) -> float:
+    """Generated tokens per text token that give the built-in sentences ``tokens_per_char`` with a tokenizer
+    (random full-size models ship a tiny tokenizer with many more tokens per character than the released ones)."""
+    from ttsbench.sentences import SENTENCES
+
+    chars = sum(len(s) for s in SENTENCES)
+    return round(tokens_per_char * chars / sum(len(encode(s)) for s in SENTENCES), 3)
+
+
+def realistic_ratio(model_dir: Path) -> float:
+    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer."""
+    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+
+    return sentences_ratio(SPEECH_TOKENS_PER_CHAR, CosyVoice2Tokenizer.from_model_dir(model_dir).encode)
+
+
+def realistic_spark_ratio(spark_dir: Path) -> float:
+    """`realistic_ratio` for Spark-TTS: semantic tokens per token of Spark's tokenizer."""
+    from spark_tts.prompt import SparkTokenizer
+
+    return sentences_ratio(SPARK_TOKENS_PER_CHAR, SparkTokenizer.from_model_dir(spark_dir).encode)
+
+
+def random_weights(path: Path, write: Callable[[Path], Any], what: str) -> Path:
+    """`path`, holding random weights `write` puts there on the first use. They are written into a sibling
+    `.partial` directory renamed when complete: an interrupted write is never taken for a model, it is redone."""
+    if path.is_dir():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    started = time.perf_counter()
+    write(partial)
+    partial.rename(path)
+    print(f"wrote random full-size {what} weights to {path} in {time.perf_counter() - started:.0f} s", flush=True)
+    return path
+
+
+def write_random_model(path: Path) -> None:
+    from cosyvoice2.testing import write_full_size_random_model  # noqa: PLC0415 - only when no --model-dir
+
+    write_full_size_random_model(path)
+
+
+def write_random_dit(path: Path) -> None:
+    from cosyvoice2.testing.dit import write_full_size_random_dit  # noqa: PLC0415 - only when no --dit-dir
+
+    write_full_size_random_dit(path)
+
+
+def write_random_spark(path: Path) -> None:
+    from spark_tts.testing import write_full_size_random_model  # noqa: PLC0415 - only when no --spark-dir
+
+    write_full_size_random_model(path)
+
+
+def ensure_model_dir(work: Path, model_dir: Path | None) -> Path:
+    """``model_dir`` as given, else released-size random weights under WORK/model (written once, then reused)."""
+    return model_dir or random_weights(work / "model", write_random_model, "CosyVoice2")
+
+
+def ensure_dit_dir(work: Path, dit_dir: Path | None) -> Path:
+    """``dit_dir`` as given, else a released-size random DiT token2wav under WORK/dit (written once, then reused)."""
+    return dit_dir or random_weights(work / "dit", write_random_dit, "DiT token2wav")
+
+
+def ensure_spark_dir(work: Path, spark_dir: Path | None) -> Path:
+    """``spark_dir`` as given, else released-size random Spark-TTS weights under WORK/spark-model (written once,
+    then reused)."""
+    return spark_dir or random_weights(work / "spark-model", write_random_spark, "Spark-TTS")
+
+
+def render_fields(items: Sequence[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` items (--render-arg) as RenderOptions keyword arguments (integers as int)."""
+    extra: dict[str, Any] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        extra[key] = int(value) if value.lstrip("-").isdigit() else value
+    return extra
+
+
+def render_stack(
+    *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int, max_seq_len: int,
+    benchmark_speech_ratio: float | None, render_args: Sequence[str] = (), token2wav: str = "unet",
+    dit_dir: Path | None = None, spark_dir: Path | None = None, spark_benchmark_ratio: float | None = None,
+) -> tuple[RenderOptions, Path]:  # fmt: skip
+    """Render WORK/repo, with Spark-TTS beside CosyVoice2 when ``spark_dir`` is given. A benchmark ratio of None
+    picks the realistic one for that model's tokenizer; 0 turns benchmark mode off (real weights stop by
+    themselves)."""
+    ratio = benchmark_speech_ratio
+    if ratio is None:
+        ratio = realistic_ratio(model_dir)
+        print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
+    spark = None
+    if spark_dir is not None:
+        spark_ratio = spark_benchmark_ratio
+        if spark_ratio is None:
+            spark_ratio = realistic_spark_ratio(spark_dir)
+            print(f"Spark benchmark mode: {spark_ratio} semantic tokens per text token", flush=True)
+        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio or None)
+    options = RenderOptions(
+        model_dir=model_dir, out=work / "repo", device=device, dtype=dtype, max_batch=max_batch,
+        max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, token2wav=token2wav, dit_dir=dit_dir,
+        spark=spark,
+        **render_fields(render_args),
+    )  # fmt: skip
+    return options, write_repository(options)
+
+
+def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+@dataclass
+class BenchStack:
+    """tritonserver on a rendered repository (stubs in ``stub_env``, default: this environment) and, on demand,
+    a gateway in front of it run by this interpreter. Logs: WORK/tritonserver.log and WORK/gateway.log, emptied
+    at construction so they hold this run's lines only."""
+
+    repo: Path
+    work: Path
+    stub_env: Path | None = None
+    gateway_env: dict[str, str] = field(default_factory=dict)
+    server: TritonServer = field(init=False)
+    gateway: subprocess.Popen | None = field(default=None, init=False)
+    gateway_port: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        for log in (self.server_log, self.gateway_log):
+            log.unlink(missing_ok=True)
+        self.server = TritonServer(model_repository=self.repo, log_path=self.server_log,
+                                   env_prefix=self.stub_env or Path(sys.prefix))  # fmt: skip
+
+    @property
+    def server_log(self) -> Path:
+        return self.work / "tritonserver.log"
+
+    @property
+    def gateway_log(self) -> Path:
+        return self.work / "gateway.log"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+    def start_triton(self, ready_timeout: float = TRITON_READY_TIMEOUT_S) -> None:
+        self.server.start(ready_timeout=ready_timeout)
+
+    def start_gateway(self, ready_timeout: float = GATEWAY_READY_TIMEOUT_S) -> None:
+        # A port free when chosen may be taken before the gateway binds it (it then exits): a new one.
+        for attempt in range(1, GATEWAY_START_ATTEMPTS + 1):
+            self.gateway_port = free_port()
+            env = {**os.environ, "TTS_TRITON_URL": self.server.grpc_url, "TTS_PORT": str(self.gateway_port),
+                   "TTS_HOST": "127.0.0.1", **self.gateway_env}  # fmt: skip
+            with open(self.gateway_log, "ab") as log:
+                self.gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
+                                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            try:
+                wait_http_ok(f"{self.gateway_url}/ready", ready_timeout, self.gateway)
+                return
+            except RuntimeError:
+                if self.gateway.poll() is None or attempt == GATEWAY_START_ATTEMPTS:
+                    raise
+
+    def stop(self) -> None:
+        if self.gateway is not None:
+            self.gateway.terminate()
+            try:
+                self.gateway.wait(10)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+        self.server.cleanup()
