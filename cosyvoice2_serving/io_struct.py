@@ -56,3 +56,4 @@ class SparkLLMRequest:
     max_new_tokens: int
     seed: int
     deliver_at: tuple[int, ...] | None  # token counts at which the caller needs its tokens; () = only the end
+    streaming: bool = False  # for a streaming response (TensorRT-LLM then answers per token, `deliver_at` unused)

@@ -60,9 +60,15 @@ class SamplingConfig:
     def token_limits(self, num_text_tokens: int) -> tuple[int, int]:
         """(min, max) speech tokens for `num_text_tokens` target text tokens."""
         if self.fixed_token_text_ratio is not None:
-            fixed = max(1, round(num_text_tokens * self.fixed_token_text_ratio))
+            fixed = benchmark_token_count(num_text_tokens, self.fixed_token_text_ratio)
             return fixed, fixed
         return int(num_text_tokens * self.min_token_text_ratio), int(num_text_tokens * self.max_token_text_ratio)
+
+
+def benchmark_token_count(num_text_tokens: int, ratio: float) -> int:
+    """Benchmark mode's generated length for a target text (CosyVoice2's and Spark-TTS's alike): round(ratio x
+    text tokens), at least one."""
+    return max(1, round(num_text_tokens * ratio))
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,13 @@ from cosyvoice2_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREA
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler, TokenStream
-from cosyvoice2_serving.orchestrator import ORCHESTRATOR_STATS, RELEASE_TIMEOUT_S, accounted, new_request_id
+from cosyvoice2_serving.orchestrator import (
+    ORCHESTRATOR_STATS,
+    RELEASE_TIMEOUT_S,
+    accounted,
+    benchmark_token_count,
+    new_request_id,
+)
 from cosyvoice2_serving.stats import Stats
 from spark_tts.audio_tokenizer import AudioTokenizer
 from spark_tts.config import BiCodecConfig
@@ -57,6 +63,16 @@ class SparkOrchestratorConfig:
     max_sequence_len: int = 2048  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     sample_rate: int = SPARK_SAMPLE_RATE  # of the vocoded waveform, stated in every chunk
+    # Benchmark mode (random weights stop at random): exactly round(ratio x target text tokens) LLM tokens, each
+    # counted as one semantic code (`SparkTokenizer.benchmark_codes`); the engine must not stop early either
+    # (`SparkEngine(benchmark=True)`). None: off.
+    fixed_token_text_ratio: float | None = None
+
+    def fixed_tokens(self, num_text_tokens: int) -> int | None:
+        """Benchmark mode's LLM tokens for ``num_text_tokens`` target text tokens; None when off."""
+        if self.fixed_token_text_ratio is None:
+            return None
+        return benchmark_token_count(num_text_tokens, self.fixed_token_text_ratio)
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, **overrides: object) -> SparkOrchestratorConfig:
@@ -116,7 +132,8 @@ class SparkOrchestrator:
         prompt_ids = self.tokenizer.prompt_ids(request.target_text, voice.global_tokens.tolist(), transcript,
                                                semantic)
         room = self.config.max_sequence_len - len(prompt_ids)
-        max_new = min(self.config.sampling.max_new_tokens, room)
+        fixed = self.config.fixed_tokens(len(target_ids))
+        max_new = min(self.config.sampling.max_new_tokens if fixed is None else fixed, room)
         if max_new < 1:
             raise InvalidInput(
                 f"prompt ({len(prompt_ids)} tokens) leaves no room for speech within the LLM's "
@@ -124,7 +141,7 @@ class SparkOrchestrator:
         seed = request.seed if request.seed is not None else int(new_request_id())
         deliver_at = delivery_points(self._plan(), max_new) if streaming else ()
         text_tokens = len(target_ids) + (len(self.tokenizer.encode(transcript)) if transcript else 0)
-        return SparkLLMRequest(np.asarray(prompt_ids, dtype=np.int32), max_new, seed, deliver_at), text_tokens
+        return SparkLLMRequest(np.asarray(prompt_ids, dtype=np.int32), max_new, seed, deliver_at, streaming), text_tokens
 
     def _plan(self) -> StreamPlan:
         return StreamPlan(self.config.radius, self.config.schedule)
@@ -151,8 +168,10 @@ class SparkOrchestrator:
             plan = self._plan()
             codes: list[int] = []
             llm_running = True
+            to_codes = (self.tokenizer.semantic_codes if self.config.fixed_token_text_ratio is None
+                        else self.tokenizer.benchmark_codes)
             async for ids in self.clients.llm(request_id, llm_request):
-                codes.extend(self.tokenizer.semantic_codes(ids))
+                codes.extend(to_codes(ids))
                 for window in plan.advance(len(codes)) if streaming else ():
                     yield self._chunk(await self._vocode(voice, codes, window), input_tokens, len(codes), final=False)
             llm_running = False
@@ -211,15 +230,22 @@ class SparkEngine:
     sample_rate = SPARK_SAMPLE_RATE
 
     def __init__(self, model_dir: Path, device: str = "cpu", llm_dtype: torch.dtype = torch.float32,
-                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64) -> None:
+                 max_batch: int = 16, max_seq_len: int = 2048, max_waiting: int = 64, benchmark: bool = False,
+                 with_llm: bool = True) -> None:
+        """``benchmark``: benchmark mode for random weights; the stop id is never drawn, so every sequence runs
+        to the length its orchestrator fixed (`SparkOrchestratorConfig.fixed_token_text_ratio`). ``with_llm``
+        false: the LLM runs elsewhere (a TensorRT-LLM engine) and this engine only vocodes."""
         check_model_dir(model_dir)
         self.device = torch.device(device)
-        lm = load_llm(model_dir, self.device, llm_dtype)
-        # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
-        decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+        self.benchmark = benchmark
         self.stats = Stats(LLM_STATS)
-        self.scheduler = ContinuousBatchingScheduler(
-            StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
+        self.scheduler: ContinuousBatchingScheduler | None = None
+        if with_llm:
+            lm = load_llm(model_dir, self.device, llm_dtype)
+            # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
+            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+            self.scheduler = ContinuousBatchingScheduler(
+                StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
         self.bicodec = load_bicodec(model_dir, self.device)
         self.hop = self.bicodec.config.hop_length
         self.token_num = self.bicodec.config.speaker.token_num
@@ -230,12 +256,15 @@ class SparkEngine:
 
     # LLM ------------------------------------------------------------------------------------------
     def submit(self, request_id: str, request: SparkLLMRequest) -> TokenStream:
+        if self.scheduler is None:
+            raise InvalidInput("this Spark engine only vocodes: its LLM runs on TensorRT-LLM")
         sampling = SparkSampling(max_new_tokens=request.max_new_tokens)
-        decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed)
+        decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed, ignore_eos=self.benchmark)
         return self.scheduler.submit(request_id, decode_request, request.deliver_at)
 
     def stop(self, request_id: str) -> None:
-        self.scheduler.cancel(request_id)
+        if self.scheduler is not None:
+            self.scheduler.cancel(request_id)
 
     # vocoder --------------------------------------------------------------------------------------
     async def vocode(self, global_tokens: np.ndarray, semantic_tokens: np.ndarray, emit_start: int,
@@ -292,7 +321,8 @@ class SparkEngine:
         return [waves[row, job.emit_start * hop: job.emit_end * hop].copy() for row, job in enumerate(jobs)]
 
     def close(self) -> None:
-        self.scheduler.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
         self._jobs.put(None)
         self._thread.join(timeout=10)
 

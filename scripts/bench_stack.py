@@ -1,8 +1,8 @@
 """The rendered stack the whole-stack tools start on one machine: the weights (released-size random ones written
 once under a work directory unless a model directory is given), the repository rendered for a device and dtype
-(in benchmark mode for random weights), tritonserver with its python stubs in a chosen Python environment, and
-the gateway in front of it. `scripts/stack_bench.py` and the soak (`tests/reliability/soak.py --full-size`)
-start it this way, so both measure the same stack.
+(in benchmark mode for random weights; Spark-TTS beside CosyVoice2 when asked), tritonserver with its python
+stubs in a chosen Python environment, and the gateway in front of it. `scripts/stack_bench.py` and the soak
+(`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from typing import Any
 
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from triton_repo.spark_render import SparkRenderOptions
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
+SPARK_TOKENS_PER_CHAR = 3.33  # Spark: 50 semantic tokens per second / ~15 characters per second
 #: Gateway starts on a new free port after one exited (another process took the port first).
 GATEWAY_START_ATTEMPTS = 3
 #: Loading the released-size models (and compiling their kernels) on a cold machine takes minutes.
@@ -29,15 +31,27 @@ TRITON_READY_TIMEOUT_S = 900.0
 GATEWAY_READY_TIMEOUT_S = 120.0
 
 
-def realistic_ratio(model_dir: Path) -> float:
-    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer
-    (the random full-size model ships a tiny tokenizer with many more tokens per character than Qwen's)."""
-    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+def sentences_ratio(tokens_per_char: float, encode: Callable[[str], Sequence[int]]) -> float:
+    """Generated tokens per text token that give the built-in sentences ``tokens_per_char`` with a tokenizer
+    (random full-size models ship a tiny tokenizer with many more tokens per character than the released ones)."""
     from ttsbench.sentences import SENTENCES
 
-    tokenizer = CosyVoice2Tokenizer.from_model_dir(model_dir)
     chars = sum(len(s) for s in SENTENCES)
-    return round(SPEECH_TOKENS_PER_CHAR * chars / sum(len(tokenizer.encode(s)) for s in SENTENCES), 3)
+    return round(tokens_per_char * chars / sum(len(encode(s)) for s in SENTENCES), 3)
+
+
+def realistic_ratio(model_dir: Path) -> float:
+    """Speech tokens per text token that give the built-in sentences natural durations with this tokenizer."""
+    from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+
+    return sentences_ratio(SPEECH_TOKENS_PER_CHAR, CosyVoice2Tokenizer.from_model_dir(model_dir).encode)
+
+
+def realistic_spark_ratio(spark_dir: Path) -> float:
+    """`realistic_ratio` for Spark-TTS: semantic tokens per token of Spark's tokenizer."""
+    from spark_tts.prompt import SparkTokenizer
+
+    return sentences_ratio(SPARK_TOKENS_PER_CHAR, SparkTokenizer.from_model_dir(spark_dir).encode)
 
 
 def random_weights(path: Path, write: Callable[[Path], Any], what: str) -> Path:
@@ -66,6 +80,12 @@ def write_random_dit(path: Path) -> None:
     write_full_size_random_dit(path)
 
 
+def write_random_spark(path: Path) -> None:
+    from spark_tts.testing import write_full_size_random_model  # noqa: PLC0415 - only when no --spark-dir
+
+    write_full_size_random_model(path)
+
+
 def ensure_model_dir(work: Path, model_dir: Path | None) -> Path:
     """``model_dir`` as given, else released-size random weights under WORK/model (written once, then reused)."""
     return model_dir or random_weights(work / "model", write_random_model, "CosyVoice2")
@@ -74,6 +94,12 @@ def ensure_model_dir(work: Path, model_dir: Path | None) -> Path:
 def ensure_dit_dir(work: Path, dit_dir: Path | None) -> Path:
     """``dit_dir`` as given, else a released-size random DiT token2wav under WORK/dit (written once, then reused)."""
     return dit_dir or random_weights(work / "dit", write_random_dit, "DiT token2wav")
+
+
+def ensure_spark_dir(work: Path, spark_dir: Path | None) -> Path:
+    """``spark_dir`` as given, else released-size random Spark-TTS weights under WORK/spark-model (written once,
+    then reused)."""
+    return spark_dir or random_weights(work / "spark-model", write_random_spark, "Spark-TTS")
 
 
 def render_fields(items: Sequence[str]) -> dict[str, Any]:
@@ -88,17 +114,26 @@ def render_fields(items: Sequence[str]) -> dict[str, Any]:
 def render_stack(
     *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int, max_seq_len: int,
     benchmark_speech_ratio: float | None, render_args: Sequence[str] = (), token2wav: str = "unet",
-    dit_dir: Path | None = None,
+    dit_dir: Path | None = None, spark_dir: Path | None = None, spark_benchmark_ratio: float | None = None,
 ) -> tuple[RenderOptions, Path]:  # fmt: skip
-    """Render WORK/repo. A ``benchmark_speech_ratio`` of None picks the realistic one for this model's tokenizer;
-    0 turns benchmark mode off (real weights stop by themselves)."""
+    """Render WORK/repo, with Spark-TTS beside CosyVoice2 when ``spark_dir`` is given. A benchmark ratio of None
+    picks the realistic one for that model's tokenizer; 0 turns benchmark mode off (real weights stop by
+    themselves)."""
     ratio = benchmark_speech_ratio
     if ratio is None:
         ratio = realistic_ratio(model_dir)
         print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
+    spark = None
+    if spark_dir is not None:
+        spark_ratio = spark_benchmark_ratio
+        if spark_ratio is None:
+            spark_ratio = realistic_spark_ratio(spark_dir)
+            print(f"Spark benchmark mode: {spark_ratio} semantic tokens per text token", flush=True)
+        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio or None)
     options = RenderOptions(
         model_dir=model_dir, out=work / "repo", device=device, dtype=dtype, max_batch=max_batch,
         max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, token2wav=token2wav, dit_dir=dit_dir,
+        spark=spark,
         **render_fields(render_args),
     )  # fmt: skip
     return options, write_repository(options)

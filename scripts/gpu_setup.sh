@@ -194,6 +194,7 @@ Set-up done. The whole-stack benchmark (released-size random weights are written
   $PY -m scripts.stack_bench$STUB_ARG --repeat 3
   $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --render-arg first_hop=15
   $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --token2wav dit   # the DiT token2wav
+  $PY -m scripts.stack_bench$STUB_ARG --spark --repeat 3 --only triton-stream,triton-offline --stream-levels 1,4,16 --offline-levels 1,4   # Spark-TTS
 
 Each run prints and keeps its results in var/stackbench/results/<UTC time>-<settings>/ (summary.md first).
 

@@ -2,6 +2,7 @@
 
     python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
     python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
+    python -m scripts.stack_bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -21,6 +22,15 @@ stream stalling and no error, in every run. Every invocation writes a fresh dire
 WORK/results/<UTC time>-<settings>/ (or under --out; the settings name the token2wav, e.g. cuda-bf16-b32-dit-r3,
 and the summary says it too): summary.md (the tables), results.json (every level's measures), stages.json,
 levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
+
+With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
+`tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
+(default: released-size random Spark weights written once under WORK/spark-model, `spark_tts.testing`, the same
+`.partial` way) beside CosyVoice2, and in benchmark mode with Spark's own ratio (`--spark-benchmark-ratio`:
+semantic tokens, 50 per second, per token of Spark's tokenizer). Spark vocodes with its own BiCodec, so the
+token2wav options do not apply: its results directories are named `spark-tts-<settings>` instead of after a
+token2wav, its summary says `pipeline: spark-tts` and its documents `"pipeline": "spark-tts"`, so they never mix
+with CosyVoice2 runs.
 
 Options:
   --work DIR                    models, rendered repository and logs (default var/stackbench)
@@ -44,6 +54,9 @@ Options:
   --server-warmup N             unmeasured requests before the first level (default 48)
   --warmup N                    unmeasured requests per worker before each level (default 2)
   --stub-env DIR                Python environment of the Triton python stubs (numpy < 2; default: this one)
+  --spark                       benchmark the Spark-TTS pipeline instead of CosyVoice2
+  --spark-dir DIR               Spark weights (default: released-size random weights under WORK)
+  --spark-benchmark-ratio R     semantic tokens per Spark text token (0 = off, for real weights)
 """
 
 from __future__ import annotations
@@ -66,7 +79,15 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice2.dit.loading import check_dit_dir
-from scripts.bench_stack import SPEECH_TOKENS_PER_CHAR, BenchStack, ensure_dit_dir, ensure_model_dir, render_stack
+from scripts.bench_stack import (
+    SPARK_TOKENS_PER_CHAR,
+    SPEECH_TOKENS_PER_CHAR,
+    BenchStack,
+    ensure_dit_dir,
+    ensure_model_dir,
+    ensure_spark_dir,
+    render_stack,
+)
 from triton_repo.render import TOKEN2WAVS
 from triton_repo.server import REPO_ROOT, TritonServer
 from ttsbench.cli import concurrency_list
@@ -78,7 +99,9 @@ REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
-OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir"}
+OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
+#: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
+SPARK_PIPELINE = "spark-tts"
 
 
 @dataclass(frozen=True)
@@ -284,13 +307,20 @@ def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] |
 # One level -------------------------------------------------------------------------------------------
 
 
+def pipeline_args(target: str, pipeline: str | None) -> list[str]:
+    """tts-bench's arguments that aim a scenario's target at ``pipeline`` (None: CosyVoice2, its default)."""
+    if pipeline is None:
+        return []
+    return ["--pipeline", pipeline] if target == "triton" else ["--model", pipeline]
+
+
 def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, requests: int | None,
-              timeout: float, warmup: int) -> dict[str, Any]:  # fmt: skip
+              timeout: float, warmup: int, pipeline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """One concurrency level of a scenario: one `tts-bench` run (so the metrics deltas around it are this
     level's alone), at least two measured requests per worker. Returns tts-bench's level document."""
     command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", scenario.mode,
                "--concurrency", str(concurrency), "--json", str(json_path), "--timeout", str(timeout),
-               "--warmup", str(warmup), *scenario.extra]  # fmt: skip
+               "--warmup", str(warmup), *pipeline_args(scenario.target, pipeline), *scenario.extra]  # fmt: skip
     if requests:
         command += ["--requests", str(max(requests, 2 * concurrency))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
@@ -389,14 +419,16 @@ def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
     return text
 
 
-def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str) -> str:
-    """The summary: the token2wav it measured, then one table row per scenario and concurrency, each cell all
-    runs' values and their spread."""
+def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
+                     pipeline: str | None = None) -> str:  # fmt: skip
+    """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
+    vocoder), then one table row per scenario and concurrency, each cell all runs' values and their spread."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
-    lines = [f"# {title}", "", f"token2wav: **{token2wav}**", "",
+    measured = f"pipeline: **{pipeline}**" if pipeline is not None else f"token2wav: **{token2wav}**"
+    lines = [f"# {title}", "", measured, "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for (scenario, concurrency), runs in groups.items():
         runs = sorted(runs, key=lambda r: r["run"])
@@ -423,7 +455,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
 
 def settings_slug(args: argparse.Namespace) -> str:
     """A short, file-name-safe description of the settings that change the numbers."""
-    parts = [args.device, args.dtype, f"b{args.max_batch}", args.token2wav]  # UNet and DiT runs never share a name
+    # UNet and DiT runs never share a name; a Spark run (its own vocoder) is named as one from its first word
+    parts = [SPARK_PIPELINE] if args.spark else []
+    parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if args.spark else [args.token2wav])
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
@@ -501,6 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stub-env", type=Path,
                         help="Python environment (venv directory) the Triton python stubs run in; it needs numpy < 2 "
                              "(scripts/gpu_setup.sh makes one when this environment has numpy 2); default: this one")
+    parser.add_argument("--spark", action="store_true",
+                        help="load the Spark-TTS pipeline (spark_tts / spark_tts_stream; the gateway's spark-tts) "
+                             "instead of CosyVoice2; the stack is rendered with both")
+    parser.add_argument("--spark-dir", type=Path,
+                        help="Spark-TTS weights for --spark (default: released-size random weights under "
+                             "WORK/spark-model)")
+    parser.add_argument("--spark-benchmark-ratio", type=float,
+                        help="semantic tokens per Spark text token (0 = off: real weights); default: what makes the "
+                             f"built-in sentences last {SPARK_TOKENS_PER_CHAR} tokens per character")
     return parser
 
 
@@ -515,6 +558,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (field := item.partition("=")[0]) in OWN_OPTIONS:
             raise SystemExit(f"stack_bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
                              "(the results are named after it)")
+    if not args.spark and (args.spark_dir is not None or args.spark_benchmark_ratio is not None):
+        raise SystemExit("stack_bench: --spark-dir and --spark-benchmark-ratio need --spark")
+    if args.spark and (args.token2wav != "unet" or args.dit_dir is not None):
+        raise SystemExit("stack_bench: --spark measures Spark-TTS, which vocodes with its own BiCodec: "
+                         "--token2wav and --dit-dir do not apply")
+    pipeline = SPARK_PIPELINE if args.spark else None
     if args.dit_dir is not None:
         if args.token2wav != "dit":
             raise SystemExit("stack_bench: --dit-dir is only used with --token2wav dit")
@@ -530,12 +579,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"results: {out_dir}", flush=True)
     model_dir = ensure_model_dir(args.work, args.model_dir)
     dit_dir = ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None
+    spark_dir = ensure_spark_dir(args.work, args.spark_dir) if args.spark else None
     token2wav = args.token2wav if dit_dir is None else f"{args.token2wav} ({dit_dir})"
-    print(f"token2wav: {token2wav}", flush=True)
+    print(f"pipeline: {pipeline} ({spark_dir})" if args.spark else f"token2wav: {token2wav}", flush=True)
     options, repo = render_stack(
         work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
-        token2wav=args.token2wav, dit_dir=dit_dir,
+        token2wav=args.token2wav, dit_dir=dit_dir, spark_dir=spark_dir,
+        spark_benchmark_ratio=args.spark_benchmark_ratio,
     )  # fmt: skip
 
     stack = BenchStack(repo, args.work, stub_env=args.stub_env)
@@ -544,8 +595,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
-        "token2wav": args.token2wav,
+        "pipeline": pipeline or "cosyvoice2",
+        "token2wav": None if args.spark else args.token2wav,  # Spark vocodes with its own BiCodec
         "dit_dir": None if dit_dir is None else str(dit_dir),
+        "spark_dir": None if spark_dir is None else str(spark_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
@@ -565,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
             for warm in WARMUP:
                 run_level(warm, WARMUP_CONCURRENCY, server.grpc_url, levels_dir / f"{warm.name}.json",
-                          args.server_warmup, args.timeout, 0)  # fmt: skip
+                          args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
         document["gpu_sampler"] = sampler.source
         if sampler.source is None:
@@ -577,7 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     name = f"{scenario.name}-c{concurrency}-r{run}"
                     before = triton_metrics(server)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
-                                      args.timeout, args.warmup)  # fmt: skip
+                                      args.timeout, args.warmup, pipeline)  # fmt: skip
                     stages[name] = stage_breakdown(before, triton_metrics(server))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
                                     stages[name])  # fmt: skip
@@ -600,7 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav)
+        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline)
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)

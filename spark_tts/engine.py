@@ -25,7 +25,7 @@ from spark_tts.codec.bicodec import BiCodec
 from spark_tts.errors import SparkInputError
 from spark_tts.llm import SparkLM, SparkSampling, spark_request
 from spark_tts.loading import check_model_dir, load_bicodec, load_llm, load_wav2vec2, read_audio_params
-from spark_tts.prompt import NUM_SEMANTIC_CODES, SparkTokenizer
+from spark_tts.prompt import SparkTokenizer
 from spark_tts.streaming import ChunkSchedule, StreamVocoder, receptive_radius
 
 SAMPLE_RATE = 16000
@@ -57,10 +57,9 @@ class SparkTTS:
 
     def codes_of(self, token: int) -> list[int]:
         """The semantic code(s) one generated LLM id contributes (benchmark mode: always one)."""
-        codes = self.tokenizer.semantic_codes([token])
-        if not codes and self._fixed_tokens is not None:
-            return [int(token) % NUM_SEMANTIC_CODES]
-        return codes
+        if self._fixed_tokens is not None:
+            return self.tokenizer.benchmark_codes([token])
+        return self.tokenizer.semantic_codes([token])
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str | torch.device = "cpu", llm_dtype: torch.dtype = torch.float32,

@@ -126,6 +126,15 @@ class SparkTokenizer:
         values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
         return [int(i) - base for i in values if base <= int(i) < base + NUM_SEMANTIC_CODES]
 
+    def benchmark_codes(self, ids: Iterable[int] | torch.Tensor) -> list[int]:
+        """Benchmark mode (random weights): every generated id is one semantic code, a semantic id its own code
+        and any other id ``id % NUM_SEMANTIC_CODES`` (a random LLM mostly draws non-semantic ids; dropping them
+        would make the generated length, and so the benchmark's load, random)."""
+        base = self.vocab.semantic_base
+        values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return [int(i) - base if base <= int(i) < base + NUM_SEMANTIC_CODES else int(i) % NUM_SEMANTIC_CODES
+                for i in values]
+
     @staticmethod
     def codes_in_text(text: str) -> list[int]:
         """Semantic codes spelled as token strings in ``text`` (inverse of ``build_prompt``'s semantic part)."""

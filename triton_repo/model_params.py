@@ -175,7 +175,9 @@ def _prefixed(prefix: str) -> dict[str, str]:
 class BenchmarkMode:
     """Benchmark mode for random-weight models (they stop at random): every request generates exactly
     round(`speech_ratio` x target text tokens) speech tokens; the LLM never samples a stop id and the loop guard
-    is off. One option, rendered into the orchestrators' and the LLM's parameters alike."""
+    is off. One option, rendered into the orchestrators' and the LLM's parameters alike. Spark-TTS takes the same
+    mode with its own ratio (semantic tokens per target text token of Spark's tokenizer; `SparkRenderOptions`):
+    its orchestrators fix the length and count every generated id as one code, its engine never stops early."""
 
     speech_ratio: float
 
@@ -298,8 +300,13 @@ class SparkOrchestratorParams(ModelParams):
     max_seq_len: int  # the LLM's prompt + generated tokens per sequence
     max_target_text_tokens: int
     schedule: ChunkSchedule  # the stream's piece sizes (first_chunk_tokens, scale, max_chunk_tokens)
+    benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    trtllm_model: str | None = None  # the tensorrtllm model decoding the LLM; None: `spark_engine`'s PyTorch LLM
 
 
 @dataclass(frozen=True)
 class SparkEngineParams(_DecoderParams):
     """`spark_engine` (`adapters.spark.SparkEngineModel`): the Spark LLM and BiCodec's decoder in one process."""
+
+    benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    llm: bool = True  # false: the LLM runs on TensorRT-LLM (`spark_llm`) and this model only vocodes

@@ -40,8 +40,9 @@ from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import StreamScheduleParams
 from cosyvoice2_serving.token2wav import T2W_SCHEDULING
 import pipeline_contract as contract
+from pipeline_contract import TensorSpec
 from triton_repo import internal_io as io
-from triton_repo import spark_render
+from triton_repo import spark_io, spark_render
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.model_params import (
     AudioModelParams,
@@ -576,7 +577,7 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
 def expected_models(opts: RenderOptions) -> set[str]:
     internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
-    return frontend | internal | (spark_render.MODELS if opts.spark is not None else set())
+    return frontend | internal | spark_render.models(opts)
 
 
 def llm_params(opts: RenderOptions) -> LLMParams:
@@ -627,23 +628,26 @@ def _llm_files(opts: RenderOptions) -> dict[str, str]:
         return {"llm/config.pbtxt": config, "llm/1/model.py": _python_model("llm")}
     config = _fill(
         "llm_tensorrt_llm.pbtxt", name="llm", max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, **llm_io,
-        parameters=_parameters(trtllm_parameters(opts)),
+        parameters=_parameters(trtllm_parameters(opts, opts.engine_dir, opts.max_seq_len,
+                                                 0.5 if llm_shares_its_gpu(opts) else 0.9)),
     )  # fmt: skip
     # the backend needs the version directory; the engine stays in engine_dir
     return {"llm/config.pbtxt": config, "llm/1/.keep": ""}
 
 
-def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
-    """The tensorrtllm backend parameters; every one is set (no `${...}` left for the backend to guess)."""
-    assert opts.engine_dir is not None
+def trtllm_parameters(opts: RenderOptions, engine_dir: Path | None, max_seq_len: int,
+                      kv_cache_free_gpu_mem_fraction: float) -> dict[str, object]:
+    """The tensorrtllm backend parameters of an engine (CosyVoice2's `llm`, Spark's `spark_llm`); every one is
+    set (no `${...}` left for the backend to guess)."""
+    assert engine_dir is not None
     return {
         "gpt_model_type": "inflight_fused_batching",
-        "gpt_model_path": opts.engine_dir.resolve(),
+        "gpt_model_path": engine_dir.resolve(),
         "max_beam_width": 1,
         "batch_scheduler_policy": "guaranteed_no_evict",
-        "max_tokens_in_paged_kv_cache": opts.max_batch * opts.max_seq_len,
-        "max_attention_window_size": opts.max_seq_len,
-        "kv_cache_free_gpu_mem_fraction": 0.5 if llm_shares_its_gpu(opts) else 0.9,
+        "max_tokens_in_paged_kv_cache": opts.max_batch * max_seq_len,
+        "max_attention_window_size": max_seq_len,
+        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
         "enable_kv_cache_reuse": "false",
         "exclude_input_in_output": "true",
         "enable_chunked_context": "false",
@@ -651,7 +655,7 @@ def trtllm_parameters(opts: RenderOptions) -> dict[str, object]:
         "cancellation_check_period_ms": 50,
         "decoding_mode": "top_k_top_p",
         # a tensor-parallel engine spans GPUs 0..tp-1 (compose also sets TRTLLM_ORCHESTRATOR=1 for it)
-        "gpu_device_ids": ",".join(str(i) for i in range(engine_tp_size(read_engine_config(opts.engine_dir)))),
+        "gpu_device_ids": ",".join(str(i) for i in range(engine_tp_size(read_engine_config(engine_dir)))),
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
         # read without a default on every load (trtllm_backend_facts): empty keeps guided decoding off
@@ -666,7 +670,7 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
     record.pop("out")
     record = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
     if opts.spark is not None:
-        record["spark"] = {**record["spark"], "model_dir": str(opts.spark.model_dir.resolve())}
+        record["spark"] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record["spark"].items()}
     return record
 
 
@@ -723,14 +727,19 @@ def validate_repository(repo: Path, expected: set[str]) -> None:
         ):
             errors.append(f"{path}: {name} must have exactly one instance")
         if config.backend == "tensorrtllm":
-            errors += check_trtllm_config(config)
+            spark = name == spark_render.LLM
+            errors += check_trtllm_config(config, facts.PINNED, spark_io.TRTLLM_INPUTS if spark else io.LLM_INPUTS,
+                                          spark_io.TRTLLM_OUTPUTS if spark else io.LLM_OUTPUTS)
     if errors:
         raise RenderError("invalid Triton repository:\n  - " + "\n  - ".join(errors))
 
 
-def check_trtllm_config(config, backend: facts.BackendFacts = facts.PINNED) -> list[str]:  # noqa: ANN001 - a ModelConfig
-    """The tensorrt_llm model's parameters and tensors: what `backend` requires (trtllm_backend_facts), and what
-    this repository relies on, consistent with each other."""
+def check_trtllm_config(config, backend: facts.BackendFacts = facts.PINNED,  # noqa: ANN001 - a ModelConfig
+                        sent: Sequence[TensorSpec] = io.LLM_INPUTS, read: Sequence[TensorSpec] = io.LLM_OUTPUTS
+                        ) -> list[str]:
+    """A tensorrt_llm model's parameters and tensors: what `backend` requires (trtllm_backend_facts), and what
+    this repository relies on, consistent with each other. `sent`: the inputs its callers send (CosyVoice2's
+    orchestrators by default; Spark's: `spark_io.TRTLLM_INPUTS`), `read`: the outputs they read."""
     params = {key: value.string_value for key, value in config.parameters.items()}
     declared = {tensor.name: model_config_dtype(tensor.data_type) for tensor in config.input}
     errors = [f"tensorrt_llm: {e}" for e in facts.check_parameters(params, backend)]
@@ -758,11 +767,11 @@ def check_trtllm_config(config, backend: facts.BackendFacts = facts.PINNED) -> l
     if params["max_beam_width"] != "1":
         errors.append("tensorrt_llm: max_beam_width must be 1 (sampling)")
     declared = {tensor.name for tensor in config.input}
-    missing = [spec.name for spec in io.LLM_INPUTS if spec.name not in declared]
+    missing = [spec.name for spec in sent if spec.name not in declared]
     if missing:
         errors.append(f"tensorrt_llm: inputs the orchestrator sends are not declared: {', '.join(missing)}")
     outputs = {tensor.name for tensor in config.output}
-    errors += [f"tensorrt_llm: output {spec.name} missing" for spec in io.LLM_OUTPUTS if spec.name not in outputs]
+    errors += [f"tensorrt_llm: output {spec.name} missing" for spec in read if spec.name not in outputs]
     return errors
 
 
@@ -912,6 +921,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Spark streaming: growth of each next piece")
     parser.add_argument("--spark-max-seq-len", type=int, default=spark.max_seq_len,
                         help="Spark LLM prompt + generated tokens per sequence")
+    parser.add_argument("--spark-engine-dir", type=Path,
+                        help="a TensorRT-LLM engine of the Spark LLM (python -m cosyvoice_build.spark_trtllm): "
+                             "rendered as spark_llm on the tensorrtllm backend")
+    parser.add_argument("--spark-benchmark-ratio", type=float, default=None, metavar="R",
+                        help="Spark benchmarks on random weights only: every request generates round(R x text "
+                             "tokens) semantic tokens")
     parser.add_argument("--voice-cache", type=int, default=defaults.voice_cache, help="voices kept in the prompt cache")
     parser.add_argument(
         "--repetition-penalty", type=float, default=defaults.repetition_penalty,
@@ -952,7 +967,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 spark=None if args.spark_dir is None else SparkRenderOptions(
                     model_dir=args.spark_dir, max_new_tokens=args.spark_max_new_tokens,
                     first_chunk_tokens=args.spark_first_chunk, chunk_scale=args.spark_chunk_scale,
-                    max_seq_len=args.spark_max_seq_len,
+                    max_seq_len=args.spark_max_seq_len, benchmark_ratio=args.spark_benchmark_ratio,
+                    engine_dir=args.spark_engine_dir,
                 ),
             )
         )

@@ -14,6 +14,7 @@ import numpy as np
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from pipeline_contract import TensorSpec
+from triton_repo import internal_io as trt
 from triton_repo.internal_io import AUDIO_INPUTS, VOICE_PROMPT_INPUTS
 
 Arrays = Mapping[str, "np.ndarray | None"]
@@ -121,6 +122,51 @@ def llm_response_tensors(ids: list[int]) -> dict[str, np.ndarray]:
 def llm_response_ids(arrays: Arrays) -> list[int]:
     ids = arrays.get(OUTPUT_IDS.name)
     return [] if ids is None else ids.reshape(-1).astype(int).tolist()
+
+
+# -- spark_llm: the Spark LLM on the tensorrtllm backend (`SparkRenderOptions.engine_dir`) ----------------------
+#: What the Spark orchestrators send it: CosyVoice2's TensorRT-LLM tensors (the backend's names, pinned facts in
+#: `trtllm_backend_facts`) less the parts Spark has no use for (no text mask, no minimum length, no extra stop
+#: words, no repetition penalty: Spark samples plain top-k/top-p). `embedding_bias` is sent in benchmark mode only,
+#: to keep the stop id from being drawn.
+TRTLLM_INPUTS = (
+    trt.INPUT_IDS, trt.INPUT_LENGTHS, trt.REQUEST_OUTPUT_LEN, trt.END_ID, trt.PAD_ID, trt.EMBEDDING_BIAS,
+    trt.RUNTIME_TOP_K, trt.RUNTIME_TOP_P, trt.TEMPERATURE, trt.RANDOM_SEED, trt.STREAMING, trt.STOP,
+)  # fmt: skip
+TRTLLM_OUTPUTS = trt.LLM_OUTPUTS
+#: The sampling controls every generation request carries, by role (`trtllm_backend_facts.check_request`).
+TRTLLM_ROLES = ("seed", "end_id", "runtime_top_k", "runtime_top_p", "temperature")
+#: The logit bias that keeps an id from being drawn (benchmark mode; float32 logits, as the engine is built).
+NEVER = -1e9
+
+
+def trtllm_request_tensors(request: SparkLLMRequest, eos_id: int, top_k: int, top_p: float, temperature: float,
+                           stop_bias: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """One Spark LLM sequence for the tensorrtllm backend (batch of one), sampled as `SparkSampling` says.
+    Streaming requests get their ids per token, offline ones once. ``stop_bias``: benchmark mode's embedding bias."""
+    streaming = request.streaming
+    tensors = {
+        trt.INPUT_IDS.name: request.prompt_ids.astype(np.int32).reshape(1, -1),
+        trt.INPUT_LENGTHS.name: np.array([[request.prompt_ids.size]], dtype=np.int32),
+        trt.REQUEST_OUTPUT_LEN.name: np.array([[request.max_new_tokens]], dtype=np.int32),
+        trt.END_ID.name: np.array([[eos_id]], dtype=np.int32),
+        trt.PAD_ID.name: np.array([[eos_id]], dtype=np.int32),
+        trt.RUNTIME_TOP_K.name: np.array([[top_k]], dtype=np.int32),
+        trt.RUNTIME_TOP_P.name: np.array([[top_p]], dtype=np.float32),
+        trt.TEMPERATURE.name: np.array([[temperature]], dtype=np.float32),
+        trt.RANDOM_SEED.name: np.array([[request.seed]], dtype=np.uint64),
+        trt.STREAMING.name: np.array([[streaming]], dtype=np.bool_),
+    }
+    if stop_bias is not None:
+        tensors[trt.EMBEDDING_BIAS.name] = stop_bias.astype(np.float32).reshape(1, -1)
+    return tensors
+
+
+def benchmark_stop_bias(vocab_size: int, eos_id: int) -> np.ndarray:
+    """Benchmark mode's embedding bias: zero everywhere but the stop id (one value per row of the logits)."""
+    bias = np.zeros(vocab_size, dtype=np.float32)
+    bias[eos_id] = NEVER
+    return bias
 
 
 # -- vocoder ---------------------------------------------------------------------------------------------

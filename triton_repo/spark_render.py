@@ -6,6 +6,7 @@
 | `spark_voice_prompt` | the voice cache (LRU by voice id) in front of the audio tokenizer |
 | `spark_audio_tokenizer` | wav2vec2 + BiCodec encoder, dynamically batched, masked (solo tokens in any batch) |
 | `spark_engine` | the LLM (our batched decoder, continuous batching) and BiCodec's decoder in one process |
+| `spark_llm` | with `--spark-engine-dir` only: the LLM on the tensorrtllm backend (`spark_engine` then only vocodes) |
 
 Without `--spark-dir` nothing here is rendered and the CosyVoice2 repository is unchanged.
 """
@@ -19,11 +20,12 @@ from typing import TYPE_CHECKING
 from spark_tts.engine import SAMPLE_RATE
 from spark_tts.errors import SparkModelError
 from spark_tts.llm import SparkSampling
-from spark_tts.loading import check_model_dir
+from spark_tts.loading import check_model_dir, read_llm_config
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
 from triton_repo import spark_io as io
-from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
+from triton_repo import trtllm_backend_facts as facts
+from triton_repo.model_params import AudioModelParams, BenchmarkMode, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 
 if TYPE_CHECKING:
     from triton_repo.render import RenderOptions
@@ -31,12 +33,16 @@ if TYPE_CHECKING:
 VOICE_PROMPT = "spark_voice_prompt"
 AUDIO_TOKENIZER = "spark_audio_tokenizer"
 ENGINE = "spark_engine"
+LLM = "spark_llm"  # the TensorRT-LLM engine of the Spark LLM (`--spark-engine-dir`)
 MODELS = frozenset(
     {contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, VOICE_PROMPT, AUDIO_TOKENIZER, ENGINE}
 )
 #: Models whose instance count may be chosen (the engine keeps the sequences and must stay one process).
 SCALABLE = (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, VOICE_PROMPT, AUDIO_TOKENIZER)
-SINGLE_INSTANCE = (ENGINE,)
+SINGLE_INSTANCE = (ENGINE, LLM)
+#: The TensorRT-LLM engine's share of the free GPU memory for its KV cache: the vocoder, the audio tokenizer
+#: (and CosyVoice2) share its GPU.
+KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
 _SCHEDULE = ChunkSchedule()
 
 
@@ -51,6 +57,20 @@ class SparkRenderOptions:
     max_chunk_tokens: int = _SCHEDULE.max_chunk_tokens
     # prompt + generated tokens per sequence: a 10 s reference (500 tokens) + 200 text tokens + 512 fit in 2048
     max_seq_len: int = 2048
+    # Benchmark mode for random weights (they stop at random): every request generates exactly
+    # round(ratio x target text tokens) semantic tokens and the stop id is never drawn. None = off. Spark's own
+    # ratio: its tokenizer and token rate (50 per second) are not CosyVoice2's.
+    benchmark_ratio: float | None = None
+    # A TensorRT-LLM engine of the Spark LLM (`python -m cosyvoice_build.spark_trtllm`): rendered as `spark_llm`
+    # (tensorrtllm backend) and the orchestrators' LLM; None: the PyTorch LLM inside `spark_engine`.
+    engine_dir: Path | None = None
+
+
+def models(opts: RenderOptions) -> set[str]:
+    """The Spark models `files` renders (none without `opts.spark`)."""
+    if opts.spark is None:
+        return set()
+    return set(MODELS) | ({LLM} if opts.spark.engine_dir is not None else set())
 
 
 def check(opts: RenderOptions) -> list[str]:
@@ -68,6 +88,10 @@ def check(opts: RenderOptions) -> list[str]:
     ):  # fmt: skip
         if value < low:
             errors.append(f"{name} must be >= {low}, got {value}")
+    if spark.benchmark_ratio is not None and not spark.benchmark_ratio > 0:
+        errors.append(f"--spark-benchmark-ratio must be > 0, got {spark.benchmark_ratio}")
+    if spark.engine_dir is not None:
+        errors += _check_engine(opts, spark)
     if spark.chunk_scale < 1:
         errors.append(f"--spark-chunk-scale must be >= 1, got {spark.chunk_scale}")
     if spark.max_chunk_tokens < spark.first_chunk_tokens:
@@ -76,10 +100,49 @@ def check(opts: RenderOptions) -> list[str]:
     return errors
 
 
+def _check_engine(opts: RenderOptions, spark: SparkRenderOptions) -> list[str]:
+    """The Spark TensorRT-LLM engine against what the Spark models send it (the same pinned facts as CosyVoice2's)."""
+    from triton_repo.render import LOGITS_DTYPE, read_engine_config  # noqa: PLC0415 - render imports this module
+
+    assert spark.engine_dir is not None
+    if opts.device != "cuda":
+        return ["--spark-engine-dir needs --device cuda"]
+    if not (spark.engine_dir / "config.json").is_file() or not any(spark.engine_dir.glob("*.engine")):
+        return [f"--spark-engine-dir {spark.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)"]
+    engine = read_engine_config(spark.engine_dir)
+    errors = []
+    version = engine.get("version")
+    if not version:
+        errors.append(f"--spark-engine-dir {spark.engine_dir}: config.json names no TensorRT-LLM version")
+    else:
+        try:
+            facts.facts_for(str(version))
+        except facts.UnsupportedBackendVersion as exc:
+            errors.append(f"--spark-engine-dir: {exc}")
+    build = engine.get("build_config", {})
+    for flag, ours, key in (("--max-batch", opts.max_batch, "max_batch_size"),
+                            ("--spark-max-seq-len", spark.max_seq_len, "max_seq_len")):
+        if key in build and ours > int(build[key]):
+            errors.append(f"{flag} {ours} exceeds the Spark engine's {key} {build[key]}")
+    pretrained = engine.get("pretrained_config", {})
+    if pretrained.get("logits_dtype") != LOGITS_DTYPE:
+        errors.append(f"the Spark engine's logits are {pretrained.get('logits_dtype') or 'of unknown type'}, not "
+                      f"{LOGITS_DTYPE}: benchmark mode's embedding bias would fail every request; rebuild it with "
+                      f"trtllm-build --logits_dtype {LOGITS_DTYPE}")
+    try:
+        vocab = read_llm_config(spark.model_dir).qwen.vocab_size
+    except (OSError, ValueError, SparkModelError):
+        return errors  # the model directory's own check names it
+    if pretrained.get("vocab_size") != vocab:
+        errors.append(f"the Spark engine's vocab_size {pretrained.get('vocab_size')} is not the Spark LLM's {vocab} "
+                      f"(built from another checkpoint?)")
+    return errors
+
+
 def files(opts: RenderOptions) -> dict[str, str]:
     """Relative path -> content of the Spark models (empty without `opts.spark`)."""
     # noqa: PLC0415 - render imports this module
-    from triton_repo.render import _fill, _parameters, _python_model, instance_group  # noqa: PLC0415
+    from triton_repo.render import _fill, _parameters, _python_model, instance_group, trtllm_parameters  # noqa: PLC0415
 
     spark = opts.spark
     if spark is None:
@@ -122,6 +185,15 @@ def files(opts: RenderOptions) -> dict[str, str]:
         parameters=_parameters(engine_params(opts)),
     )  # fmt: skip
     out[f"{ENGINE}/1/model.py"] = _python_model("spark", "SparkEngineModel")
+    if spark.engine_dir is not None:
+        out[f"{LLM}/config.pbtxt"] = _fill(
+            "spark_llm_tensorrt_llm.pbtxt", name=LLM, max_batch=opts.max_batch, max_seq_len=spark.max_seq_len,
+            inputs=contract.pbtxt_io_block("input", io.TRTLLM_INPUTS),
+            outputs=contract.pbtxt_io_block("output", io.TRTLLM_OUTPUTS),
+            parameters=_parameters(trtllm_parameters(opts, spark.engine_dir, spark.max_seq_len,
+                                                     KV_CACHE_FREE_GPU_MEM_FRACTION)),
+        )  # fmt: skip
+        out[f"{LLM}/1/.keep"] = ""  # the backend needs the version directory; the engine stays in engine_dir
     return out
 
 
@@ -136,6 +208,8 @@ def orchestrator_params(opts: RenderOptions) -> SparkOrchestratorParams:
         max_seq_len=spark.max_seq_len,
         max_target_text_tokens=opts.max_target_text_tokens,
         schedule=ChunkSchedule(spark.first_chunk_tokens, spark.chunk_scale, spark.max_chunk_tokens),
+        benchmark=_benchmark(spark),
+        trtllm_model=LLM if spark.engine_dir is not None else None,
     )
 
 
@@ -150,4 +224,10 @@ def engine_params(opts: RenderOptions) -> SparkEngineParams:
         max_batch=opts.max_batch,
         max_seq_len=spark.max_seq_len,
         max_waiting=opts.max_waiting,
+        benchmark=_benchmark(spark),
+        llm=spark.engine_dir is None,
     )
+
+
+def _benchmark(spark: SparkRenderOptions) -> BenchmarkMode | None:
+    return None if spark.benchmark_ratio is None else BenchmarkMode(spark.benchmark_ratio)

@@ -25,7 +25,7 @@ from ttsbench.inputs import (
 from ttsbench.report import LevelSummary, render_report, report_document, summarize_level
 from ttsbench.runner import Target, run_level
 from ttsbench.sentences import SENTENCES
-from ttsbench.targets import GatewayTarget, TritonTarget
+from ttsbench.targets import DEFAULT_PIPELINE, PIPELINES, GatewayTarget, TritonTarget
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC host:port")
     triton.add_argument("--fresh-voice-ids", action="store_true",
                         help="a new voice id per request, so the server's prompt cache never hits")
+    triton.add_argument("--pipeline", choices=tuple(PIPELINES), default=DEFAULT_PIPELINE,
+                        help="which pipeline's Triton models to load: "
+                             + ", ".join(f"{name} ({' / '.join(models)})" for name, models in PIPELINES.items()))
     gateway = targets.add_parser("gateway", parents=[common], help="the OpenAI gateway over HTTP")
     gateway.add_argument("--url", default="http://127.0.0.1:8080", help="gateway base URL (without /v1)")
     gateway.add_argument("--model", default="tts-1")
@@ -99,7 +102,7 @@ def load_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
 def make_targets(args: argparse.Namespace) -> list[Target]:
     modes = [True, False] if args.mode == "both" else [args.mode == "streaming"]
     if args.target == "triton":
-        return [TritonTarget(args.url, streaming, args.seed, args.fresh_voice_ids) for streaming in modes]
+        return [TritonTarget(args.url, streaming, args.seed, args.fresh_voice_ids, args.pipeline) for streaming in modes]
     return [
         GatewayTarget(args.url, streaming, args.response_format, args.stream_format, args.model, args.api_key, args.seed)
         for streaming in modes

@@ -21,19 +21,32 @@ import pipeline_contract as contract
 from ttsbench.inputs import BenchRequest
 
 PCM_BYTES_PER_SAMPLE = 2  # the gateway's pcm: s16le mono at OUTPUT_SAMPLE_RATE
+#: The pipelines a Triton target can load: name -> (offline model, streaming model). Both speak the pipeline
+#: contract; their audio rates differ (CosyVoice2 24 kHz, Spark-TTS 16 kHz), which every response states.
+PIPELINES: dict[str, tuple[str, str]] = {
+    "cosyvoice2": (contract.OFFLINE_MODEL, contract.STREAMING_MODEL),
+    "spark-tts": (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL),
+}
+DEFAULT_PIPELINE = "cosyvoice2"
 
 
 class TritonTarget:
     """The pipeline's Triton models over gRPC: unary infer (offline) or a decoupled stream.
 
     ``fresh_voice_ids`` gives every request its own voice id, so the server's prompt cache never
-    hits (the "without speaker cache" numbers).
+    hits (the "without speaker cache" numbers). ``pipeline`` picks the models (``PIPELINES``); audio
+    durations use the rate the responses state, which must be one rate for the whole run.
     """
 
-    def __init__(self, url: str, streaming: bool, seed: int | None = None, fresh_voice_ids: bool = False) -> None:
+    def __init__(self, url: str, streaming: bool, seed: int | None = None, fresh_voice_ids: bool = False,
+                 pipeline: str = DEFAULT_PIPELINE) -> None:
         self.streaming = streaming
-        self.model = contract.STREAMING_MODEL if streaming else contract.OFFLINE_MODEL
-        self.mode = f"triton/{'streaming' if streaming else 'offline'}"
+        offline, stream = PIPELINES[pipeline]
+        self.model = stream if streaming else offline
+        # another pipeline's levels and report rows never read as CosyVoice2's: triton-spark-tts/streaming
+        where = "triton" if pipeline == DEFAULT_PIPELINE else f"triton-{pipeline}"
+        self.mode = f"{where}/{'streaming' if streaming else 'offline'}"
+        self.sample_rate: int | None = None  # stated by the first response with audio
         self._client = grpcclient.InferenceServerClient(url)
         self._seed = seed
         self._fresh_voice_ids = fresh_voice_ids
@@ -51,7 +64,7 @@ class TritonTarget:
         request_id = f"bench-{next(self._ids)}"
         if not self.streaming:
             result = await self._client.infer(self.model, inputs, request_id=request_id)
-            yield contract.decode_response(result.as_numpy, final=True).waveform
+            yield self._audio(contract.decode_response(result.as_numpy, final=True))
             return
 
         async def one_request() -> AsyncIterator[dict]:
@@ -67,7 +80,7 @@ class TritonTarget:
                     error = error or failure  # keep reading: the stream ends on its own
                     continue
                 # a response without audio (the flag-only FINAL) is an empty piece, which the runner skips
-                yield contract.decode_response(result.as_numpy, final=False).waveform
+                yield self._audio(contract.decode_response(result.as_numpy, final=False))
             finished = True
         finally:
             if not finished:  # abandoned (timeout): tell the server to stop working on it
@@ -75,8 +88,18 @@ class TritonTarget:
         if error is not None:
             raise error
 
+    def _audio(self, chunk: contract.SpeechChunk) -> np.ndarray:
+        if chunk.waveform.size:
+            if self.sample_rate is None:
+                self.sample_rate = chunk.sample_rate
+            elif chunk.sample_rate != self.sample_rate:
+                raise contract.ContractViolation(
+                    f"{self.model} answered at {chunk.sample_rate} Hz after {self.sample_rate} Hz")
+        return chunk.waveform
+
     def chunk_seconds(self, pieces: Sequence[np.ndarray]) -> list[float]:
-        return [p.size / contract.OUTPUT_SAMPLE_RATE for p in pieces]
+        rate = self.sample_rate or contract.OUTPUT_SAMPLE_RATE  # no audio yet: nothing to time
+        return [p.size / rate for p in pieces]
 
     async def aclose(self) -> None:
         await self._client.close()

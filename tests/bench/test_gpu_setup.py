@@ -183,6 +183,7 @@ def test_separate_stub_environment_has_numpy_below_2(runs):
     assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3" in output
     assert f"-m tests.reliability.soak --full-size --device cuda --stub-env {stub} --concurrency 64" in output
     assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3 --token2wav dit" in output
+    assert f"-m scripts.stack_bench --stub-env {stub} --spark --repeat 3" in output  # Spark-TTS's numbers too
     main_install = pip_installs(output)[0]
     assert f"{REPO_ROOT}[engine,bench]" in main_install  # not the triton extra: it would pull numpy < 2 in
     assert not stub.exists()  # a dry run creates nothing

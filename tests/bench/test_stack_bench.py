@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import pipeline_contract as contract
 from triton_repo.server import REPO_ROOT
 
 sb = importlib.import_module("scripts.stack_bench")
@@ -91,6 +92,8 @@ def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
     ]
     text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), "dit (var/stackbench/dit)")
     assert "token2wav: **dit (var/stackbench/dit)**" in text.splitlines()[:4]
+    spark = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), None, sb.SPARK_PIPELINE)
+    assert "pipeline: **spark-tts**" in spark.splitlines()[:4] and "token2wav: **" not in spark  # its own vocoder
     line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
     assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
     assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
@@ -108,12 +111,31 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 
 
 def test_settings_slug_is_short_and_file_name_safe():
-    args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet",
+    args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
                               render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3)
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
     assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
+    # a Spark run is named as one from its first word, however long the rest
+    spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
+    # and without a token2wav: Spark vocodes with its own BiCodec
+    assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-first_hop15-")
+
+
+async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: the targets open gRPC clients
+    assert sb.pipeline_args("triton", None) == [] and sb.pipeline_args("gateway", None) == []
+    assert sb.pipeline_args("triton", "spark-tts") == ["--pipeline", "spark-tts"]
+    assert sb.pipeline_args("gateway", "spark-tts") == ["--model", "spark-tts"]
+    from ttsbench.cli import build_parser, make_targets
+
+    args = build_parser().parse_args(["triton", *sb.pipeline_args("triton", sb.SPARK_PIPELINE), "--mode", "both"])
+    assert {t.model for t in make_targets(args)} == {contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL}
+    assert all(t.mode.startswith("triton-spark-tts/") for t in make_targets(args))
+    gateway = build_parser().parse_args(["gateway", *sb.pipeline_args("gateway", sb.SPARK_PIPELINE)])
+    from gateway.settings import Settings
+
+    assert gateway.model in Settings().spark_models  # the name the gateway serves Spark under
 
 
 def test_busy_share_averages_the_samples_inside_the_window():
@@ -199,6 +221,10 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--token2wav", "dit", "--dit-dir", "/nonexistent/token2wav"], "--dit-dir: DiT token2wav directory"),
     (["--render-arg", "token2wav=dit"], "give token2wav with --token2wav, not --render-arg"),
     (["--token2wav", "dit", "--render-arg", "dit_dir=/x"], "give dit_dir with --dit-dir, not --render-arg"),
+    (["--spark-dir", "/x"], "--spark-dir and --spark-benchmark-ratio need --spark"),
+    (["--spark-benchmark-ratio", "2"], "--spark-dir and --spark-benchmark-ratio need --spark"),
+    (["--spark", "--token2wav", "dit"], "--token2wav and --dit-dir do not apply"),
+    (["--spark", "--dit-dir", "/x"], "--token2wav and --dit-dir do not apply"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -254,3 +280,32 @@ def test_levels_repeat_and_token2wav_are_checked_by_the_parser(capsys):
     for argv in (["--stream-levels", "0,4"], ["--offline-levels", "x"], ["--repeat", "0"], ["--token2wav", "bigvgan"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(tmp_path, capsys):
+    from cosyvoice2.testing import write_tiny_model
+    from spark_tts.prompt import SparkTokenizer
+    from spark_tts.testing import write_tiny_model as write_tiny_spark
+    from ttsbench.sentences import SENTENCES
+
+    model, spark = write_tiny_model(tmp_path / "tiny"), write_tiny_spark(tmp_path / "spark")
+    assert bench_stack.ensure_spark_dir(tmp_path / "work", spark) == spark  # given weights are never rewritten
+    common = {"work": tmp_path / "work", "model_dir": model, "device": "cpu", "dtype": "fp32", "max_batch": 4,
+              "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
+    options, repo = bench_stack.render_stack(**common)
+    assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
+
+    options, repo = bench_stack.render_stack(**common, spark_dir=spark)
+    ratio = options.spark.benchmark_ratio
+    assert options.spark.model_dir == spark and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
+    assert f"Spark benchmark mode: {ratio} semantic tokens per text token" in capsys.readouterr().out
+    # the default ratio gives the built-in sentences 3.33 semantic tokens (50 per second) per character
+    tokenizer = SparkTokenizer.from_model_dir(spark)
+    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
+    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(bench_stack.SPARK_TOKENS_PER_CHAR, rel=1e-3)
+    for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL):
+        assert (repo / name / "config.pbtxt").is_file()
+
+    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
+        options, _ = bench_stack.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
+        assert options.spark.benchmark_ratio == rendered

@@ -63,6 +63,7 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
     assert f"**{results['realtime_streams_per_gpu']}**" in summary
     assert "token2wav: **unet**" in summary and results["token2wav"] == "unet" and results["dit_dir"] is None
+    assert (results["pipeline"], results["spark_dir"]) == ("cosyvoice2", None)
 
 
 def _rendered_parameters(config: Path) -> dict[str, str]:
@@ -110,3 +111,46 @@ def test_a_dit_run_renders_the_dit_token2wav_and_is_named_after_it(tmp_path):
     assert f"token2wav: **dit ({dit_dir})**" in summary and out.name in summary
     assert re.search(r"^\| triton-stream \| 1 \| 2 \(0\) \|", summary, re.M)
     assert re.search(r"^\| triton-offline \| 1 \| 2 \(0\) \|", summary, re.M)
+
+
+SPARK_RATIO = 2.0
+SPARK_SECONDS_PER_TOKEN = 320 / 16_000  # BiCodec: 320 samples of 16 kHz audio per semantic token
+
+
+@pytest.mark.timeout(1200)
+def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
+    """`--spark`: the Spark pipeline in benchmark mode, offline and streaming; every response lasts exactly the
+    configured semantic tokens per Spark text token, timed at the 16 kHz the responses state."""
+    from cosyvoice2.testing import write_tiny_model
+    from spark_tts.prompt import SparkTokenizer
+    from spark_tts.testing import write_tiny_model as write_tiny_spark
+    from ttsbench.sentences import SENTENCES
+
+    model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
+    # Without --spark-dir the run takes WORK/spark-model, written once (released size) and reused: a tiny Spark
+    # model placed there keeps this CPU run short and exercises that default.
+    spark = write_tiny_spark(work / "spark-model", seed=2)
+    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--model-dir", str(model),
+               "--spark", "--spark-benchmark-ratio", str(SPARK_RATIO),
+               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
+               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
+               "--warmup", "0", "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    assert re.search(r"Z-spark-tts-cpu-fp32-b4-triton-stream\+triton-offline-r1$", out.name)  # no token2wav in it
+    results = json.loads((out / "results.json").read_text())
+    assert (results["pipeline"], results["token2wav"], results["spark_dir"]) == ("spark-tts", None, str(spark))
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("spark")) == ["spark-model"]  # nothing new
+    summary = (out / "summary.md").read_text()
+    assert "pipeline: **spark-tts**" in summary and "token2wav: **" not in summary  # Spark vocodes with its BiCodec
+    assert sorted(r["scenario"] for r in results["levels"]) == ["triton-offline", "triton-stream"]
+    tokenizer = SparkTokenizer.from_model_dir(spark)
+    for scenario, mode in (("triton-stream", "streaming"), ("triton-offline", "offline")):
+        (level,) = json.loads((out / "levels" / f"{scenario}-c1-r1.json").read_text())["levels"]
+        assert level["mode"] == f"triton-spark-tts/{mode}" and level["errors"] == 0
+        for record in level["records"]:
+            text = SENTENCES[int(record["item_id"].rsplit("-", 1)[1])]
+            tokens = max(1, round(SPARK_RATIO * len(tokenizer.encode(text))))
+            assert record["audio_seconds"] == pytest.approx(tokens * SPARK_SECONDS_PER_TOKEN), (scenario, text)

@@ -47,3 +47,17 @@ def test_a_piece_that_completes_no_packet_carries_no_audio():
     whole = b"".join(pieces)
     split = [whole[:10], whole[10:]]  # 10 bytes: inside the stream header
     assert encoded_chunk_seconds(split, "flac") == pytest.approx([0.0, encoded_seconds(whole, "flac")])
+
+
+async def test_triton_pieces_last_at_the_rate_the_responses_state():  # async: the target opens a gRPC client
+    import pipeline_contract as contract
+    from ttsbench.targets import TritonTarget
+
+    target = TritonTarget("127.0.0.1:1", streaming=True, pipeline="spark-tts")
+    assert target.model == contract.SPARK_STREAMING_MODEL and target.mode == "triton-spark-tts/streaming"
+    pieces = [target._audio(contract.SpeechChunk(np.zeros(n, np.float32), 1, 1, False, sample_rate=16_000))
+              for n in (0, 3200, 1600)]
+    assert target.chunk_seconds(pieces[1:]) == pytest.approx([0.2, 0.1])  # 16 kHz, not CosyVoice2's 24 kHz
+    with pytest.raises(contract.ContractViolation, match="24000 Hz after 16000 Hz"):
+        target._audio(contract.SpeechChunk(np.zeros(10, np.float32), 1, 1, False, sample_rate=24_000))
+    assert TritonTarget("127.0.0.1:1", streaming=False).model == contract.OFFLINE_MODEL

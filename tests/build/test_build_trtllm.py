@@ -225,3 +225,38 @@ def test_check_engine_starts_the_server_in_orchestrator_mode_for_a_tensor_parall
     [(file, args, env)] = started
     assert file == "tritonserver" and args == ["tritonserver", "--model-repository=/r"]
     assert env.get(check_engine.ORCHESTRATOR_ENV) == expected
+
+
+# -- the Spark LLM's engine (cosyvoice_build.spark_trtllm) ----------------------------------------------
+@pytest.fixture(scope="module")
+def spark_dir(tmp_path_factory) -> Path:
+    from spark_tts.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("spark"), seed=1)
+
+
+def test_spark_engine_builds_with_float32_logits_for_the_benchmark_bias(spark_dir: Path) -> None:
+    """The shapes are `spark_weights.spark_trtllm_commands`' (tests/spark/test_build_stage.py); the converter parses
+    its flags, and the logits are float32, the type benchmark mode's embedding bias must have."""
+    from cosyvoice_build import spark_weights
+
+    convert, build = spark_weights.spark_trtllm_commands(spark_dir, Path("/m"))
+    assert convert[1:3] == ["-m", "cosyvoice_build.trtllm_convert"]
+    assert trtllm_convert.parse_args(convert[3:]).model_dir == str(spark_dir / "LLM")
+    assert flag_values(build)["--logits_dtype"] == "float32"
+
+
+def test_spark_engine_prints_its_commands_and_stops_without_tensorrt_llm(spark_dir, tmp_path, capsys) -> None:
+    from cosyvoice_build import spark_trtllm
+
+    argv = ["--spark-dir", str(spark_dir), "--work-dir", str(tmp_path / "out"), "--max-batch-size", "32"]
+    assert spark_trtllm.main([*argv, "--print"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "cosyvoice_build.trtllm_convert" in lines[0] and "--max_batch_size 32" in lines[1]
+    assert f"--model_dir {spark_dir / 'LLM'}" in lines[0] and f"--output_dir {tmp_path / 'out' / 'trtllm'}" in lines[1]
+    assert spark_trtllm.main([*argv, "--tp-size", "8"]) == 1  # the tiny LLM's 4 heads do not split 8 ways
+    assert "does not divide" in capsys.readouterr().err
+    assert spark_trtllm.main(["--spark-dir", str(tmp_path / "none"), "--print"]) == 1
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        assert spark_trtllm.main(argv) == 1
+        assert "tensorrt_llm is not importable" in capsys.readouterr().err

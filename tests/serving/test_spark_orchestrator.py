@@ -8,7 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.io_struct import SparkLLMRequest
 from cosyvoice2_serving.spark import (
     SparkEngine,
     SparkOrchestrator,
@@ -16,6 +20,7 @@ from cosyvoice2_serving.spark import (
     SparkVoiceTokenizer,
     delivery_points,
 )
+from spark_tts import layout
 from spark_tts.llm import SparkSampling
 from spark_tts.prompt import SparkTokenizer
 from spark_tts.streaming import ChunkSchedule, StreamPlan
@@ -125,3 +130,71 @@ async def test_a_cancelled_stream_stops_its_llm_sequence(stack):
             break
         await asyncio.sleep(0.05)
     assert clients.stopped[0] not in clients.engine.scheduler.active_request_ids()
+
+
+BENCHMARK_RATIO = 2.5
+
+
+@pytest.fixture(scope="module")
+def eager_stop_dir(tmp_path_factory):
+    """A tiny model whose LLM draws its stop id first whenever it may: every token's embedding (tied to the output
+    head) carries a large constant in one dimension, the stop token's twice that, and the final norm keeps only
+    that dimension, so the stop id has by far the largest logit. Benchmark mode must still run to its length."""
+    directory = write_tiny_model(tmp_path_factory.mktemp("spark_eager_stop"), seed=3)
+    weights = directory / layout.LLM_WEIGHTS_FILE
+    state = load_file(weights)
+    eos = SparkTokenizer.from_model_dir(directory).vocab.eos_id
+    embed = state["model.embed_tokens.weight"]
+    embed[:, 0] = 10.0
+    embed[eos, 0] = 20.0
+    state["model.norm.weight"] = torch.zeros_like(state["model.norm.weight"])
+    state["model.norm.weight"][0] = 1.0
+    save_file(state, weights)
+    return directory
+
+
+async def test_the_eager_stop_model_stops_at_once_outside_benchmark_mode(eager_stop_dir):
+    engine = SparkEngine(eager_stop_dir, max_batch=1, max_seq_len=256)
+    tokenizer = SparkTokenizer.from_model_dir(eager_stop_dir)
+    request = SparkLLMRequest(np.asarray(tokenizer.prompt_ids("Hi there.", [1] * 32, None, ()), np.int32), 50, 1, ())
+    try:
+        ids = [i async for ids in engine.submit("r", request) for i in ids]
+    finally:
+        engine.close()
+    assert len(ids) <= 1 and tokenizer.semantic_codes(ids) == []  # so benchmark mode's exact lengths are its doing
+
+
+@pytest.fixture(scope="module")
+def benchmark_stack(eager_stop_dir):
+    """Benchmark mode as the rendered models run it: the orchestrator fixes the length, the engine never stops."""
+    spark_dir = eager_stop_dir
+    engine = SparkEngine(spark_dir, max_batch=4, max_seq_len=1024, benchmark=True)
+    clients = _Clients(engine, SparkVoiceTokenizer(spark_dir))
+    config = SparkOrchestratorConfig.for_model_dir(spark_dir, schedule=SCHEDULE, max_sequence_len=1024,
+                                                   fixed_token_text_ratio=BENCHMARK_RATIO)
+    yield SparkOrchestrator(config, SparkTokenizer.from_model_dir(spark_dir), clients)
+    engine.close()
+
+
+@pytest.mark.parametrize("text", ["Hi.", "Hello there, tiny Spark.", "A somewhat longer sentence, so that the "
+                                  "fixed length grows with the text and streams in several pieces."])
+async def test_benchmark_mode_generates_the_configured_semantic_tokens_per_text_token(benchmark_stack, text):
+    orchestrator = benchmark_stack
+    expected = max(1, round(BENCHMARK_RATIO * len(orchestrator.tokenizer.encode(text))))
+    for seed in (1, 2):
+        [offline] = await _collect(orchestrator, _request(text=text, seed=seed), streaming=False)
+        # every generated id became one code: no early stop id, no dropped non-semantic id of the random LLM
+        assert offline.output_tokens == expected
+        assert offline.waveform.size == expected * orchestrator.config.hop
+    streamed = await _collect(orchestrator, _request(text=text), streaming=True)
+    assert streamed[-1].output_tokens == expected
+    assert sum(c.waveform.size for c in streamed) == expected * orchestrator.config.hop
+
+
+def test_benchmark_ids_are_one_code_each(spark_dir):
+    tokenizer = SparkTokenizer.from_model_dir(spark_dir)
+    semantic = tokenizer.semantic_ids([0, 5, 8191])
+    other = [tokenizer.vocab.eos_id, tokenizer.vocab.semantic_base + 8192 + 3]
+    assert tokenizer.benchmark_codes(semantic) == tokenizer.semantic_codes(semantic) == [0, 5, 8191]
+    assert tokenizer.semantic_codes(other) == []
+    assert tokenizer.benchmark_codes(other) == [i % 8192 for i in other]

@@ -27,7 +27,7 @@ from triton_repo.model_params import (
 from spark_tts.streaming import ChunkSchedule
 from spark_tts.testing import write_tiny_model
 from triton_repo import spark_render
-from triton_repo.render import MARKER, RenderOptions, main, render_repository, write_repository
+from triton_repo.render import MARKER, RenderError, RenderOptions, main, render_repository, write_repository
 from triton_repo.spark_render import SparkRenderOptions
 from tests.triton.test_render import parameters, parsed_configs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
@@ -236,3 +236,18 @@ def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, 
     bad = {**parameters(configs[contract.SPARK_STREAMING_MODEL]), "scale": "0.5"}
     with pytest.raises(ParameterError, match=f"^{contract.SPARK_STREAMING_MODEL}: .*scale >= 1"):
         SparkOrchestratorParams.from_parameters(bad, contract.SPARK_STREAMING_MODEL)
+
+
+def test_spark_benchmark_mode_reaches_its_orchestrators_and_engine_only_when_asked(tiny_model_dir, tmp_path):
+    spark_dir = write_tiny_model(tmp_path / "spark", seed=1)
+    for ratio, expected in ((None, None), (3.3, BenchmarkMode(3.3))):
+        opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / f"repo-{ratio}",
+                             spark=SparkRenderOptions(spark_dir, benchmark_ratio=ratio))
+        configs = parsed_configs(write_repository(opts))
+        for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, spark_render.ENGINE):
+            assert ADAPTER_PARAMS[name].from_parameters(parameters(configs[name]), name).benchmark == expected
+        # Spark's ratio is its own: CosyVoice2's models stay as rendered without benchmark mode
+        assert OrchestratorParams.from_parameters(parameters(configs[contract.OFFLINE_MODEL])).benchmark is None
+    with pytest.raises(RenderError, match="--spark-benchmark-ratio must be > 0"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "bad",
+                                       spark=SparkRenderOptions(spark_dir, benchmark_ratio=0.0)))

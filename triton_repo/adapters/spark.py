@@ -6,6 +6,7 @@ Thin: the logic is `cosyvoice2_serving.spark`; the internal tensors are `triton_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import numpy as np
@@ -18,8 +19,10 @@ from cosyvoice2_serving.spark import SparkEngine, SparkOrchestrator, SparkOrches
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
 from spark_tts.llm import SparkSampling
+from spark_tts.loading import read_llm_config
 from spark_tts.prompt import SparkTokenizer
 import pipeline_contract as contract
+from triton_repo import internal_io
 from triton_repo import spark_io as io
 from triton_repo.adapters.common import (
     FINAL,
@@ -49,7 +52,11 @@ def _text(value: np.ndarray | None) -> str:
 
 # -- orchestrators ---------------------------------------------------------------------------------
 class TritonSparkClients:
-    """`SparkClients` over BLS calls to the Spark internal models."""
+    """`SparkClients` over BLS calls to the Spark internal models; the LLM is `spark_engine`'s, or with
+    ``trtllm`` the tensorrtllm model it names."""
+
+    def __init__(self, trtllm: TrtllmSparkLLM | None = None) -> None:
+        self.trtllm = trtllm
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> SparkVoicePrompt:
         out = await bls(
@@ -64,12 +71,24 @@ class TritonSparkClients:
         return io.voice_from_tensors(out)
 
     async def llm(self, request_id: str, request: SparkLLMRequest) -> AsyncIterator[list[int]]:
+        if self.trtllm is not None:
+            outputs = [spec.name for spec in io.TRTLLM_OUTPUTS]
+            async for out in bls_stream(self.trtllm.model, self.trtllm.tensors(request), outputs, request_id):
+                ids = internal_io.llm_response_ids(out)
+                if ids:
+                    yield ids
+            return
         async for out in bls_stream(ENGINE_MODEL, io.llm_request_tensors(request), [io.OUTPUT_IDS.name], request_id):
             ids = io.llm_response_ids(out)
             if ids:
                 yield ids
 
     async def llm_stop(self, request_id: str) -> None:
+        if self.trtllm is not None:
+            outputs = [spec.name for spec in io.TRTLLM_OUTPUTS]
+            async for _ in bls_stream(self.trtllm.model, internal_io.llm_stop_tensors(), outputs, request_id):
+                pass
+            return
         async for _ in bls_stream(ENGINE_MODEL, io.llm_stop_tensors(), [io.OUTPUT_IDS.name], request_id):
             pass
 
@@ -81,6 +100,29 @@ class TritonSparkClients:
         return np.zeros(0, np.float32) if wave is None else wave.astype(np.float32).reshape(-1)
 
 
+@dataclass(frozen=True)
+class TrtllmSparkLLM:
+    """The Spark LLM on the tensorrtllm backend: its model and what every request to it carries."""
+
+    model: str
+    eos_id: int
+    sampling: SparkSampling
+    stop_bias: np.ndarray | None  # benchmark mode: the stop id is never drawn
+
+    def tensors(self, request: SparkLLMRequest) -> dict[str, np.ndarray]:
+        s = self.sampling
+        return io.trtllm_request_tensors(request, self.eos_id, s.top_k, s.top_p, s.temperature, self.stop_bias)
+
+
+def trtllm_llm(params: SparkOrchestratorParams, tokenizer: SparkTokenizer) -> TrtllmSparkLLM | None:
+    if params.trtllm_model is None:
+        return None
+    eos = tokenizer.vocab.eos_id
+    vocab_size = read_llm_config(params.model_dir).qwen.vocab_size
+    stop_bias = io.benchmark_stop_bias(vocab_size, eos) if params.benchmark else None
+    return TrtllmSparkLLM(params.trtllm_model, eos, SparkSampling(max_new_tokens=params.max_new_tokens), stop_bias)
+
+
 def orchestrator_config(params: SparkOrchestratorParams) -> SparkOrchestratorConfig:
     return SparkOrchestratorConfig.for_model_dir(
         params.model_dir,
@@ -89,6 +131,7 @@ def orchestrator_config(params: SparkOrchestratorParams) -> SparkOrchestratorCon
         max_sequence_len=params.max_seq_len,
         max_target_text_tokens=params.max_target_text_tokens,
         sample_rate=params.sample_rate,
+        fixed_token_text_ratio=params.benchmark.speech_ratio if params.benchmark else None,
     )
 
 
@@ -99,7 +142,8 @@ class SparkOrchestratorModel(PipelineEntryModel):
         self.stats = Stats(ORCHESTRATOR_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
         tokenizer = SparkTokenizer.from_model_dir(params.model_dir)
-        self.orchestrator = SparkOrchestrator(orchestrator_config(params), tokenizer, TritonSparkClients(), self.stats)
+        clients = TritonSparkClients(trtllm_llm(params, tokenizer))
+        self.orchestrator = SparkOrchestrator(orchestrator_config(params), tokenizer, clients, self.stats)
 
 
 # -- voice prompt (cache) and audio tokenizer ------------------------------------------------------
@@ -173,6 +217,7 @@ class SparkEngineModel:
         self.engine = SparkEngine(
             params.model_dir, params.device, resolve_dtype(params.dtype),
             max_batch=params.max_batch, max_seq_len=params.max_seq_len, max_waiting=params.max_waiting,
+            benchmark=params.benchmark is not None, with_llm=params.llm,
         )  # fmt: skip
         self.metrics = MetricsExporter(args["model_name"], self.engine.stats)
 
