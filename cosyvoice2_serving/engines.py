@@ -154,6 +154,11 @@ class BatchedToken2Wav(_BatchedStreams):
         self.vocab_size = config.flow.vocab_size
         self._batch: StepBatch | None = None  # step mode: the padded inputs of the last set of chunks stepped
 
+    @property
+    def sample_rate(self) -> int:
+        """Samples per second of the audio `run` returns."""
+        return self.engine.config.sample_rate
+
     def lane(self) -> "BatchedToken2Wav":
         """A second engine over the same model and flow-cache book with its own step graphs (`Token2Wav.lane`),
         for the service's first-chunk worker; capture its graphs too."""

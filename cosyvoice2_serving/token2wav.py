@@ -26,7 +26,11 @@ that has waited `max_defer_s` before both.
 With `first_chunks_between_steps` (call scheduling, one worker, an engine whose `run` takes `between_steps`),
 a call of later chunks checks before each of its Euler steps whether first chunks wait, and runs them there as
 a call of their own: a new stream waits for one estimator step of a running call, not for all of it, while
-the call's own rows keep the lock-step cost of a whole call (no per-row step indices as in step mode).
+the call's own rows keep the lock-step cost of a whole call (no per-row step indices as in step mode). It does
+so only while every stream of the running call has enough audio buffered at its listener to wait for that
+first-chunk call and the rest of its own (`_Playback`: the audio answered since the stream's first audio, less
+the time since then, against the recent durations of both kinds of call), so a stream about to run dry is not
+delayed further.
 
 With a `first_chunk_engine` (call scheduling), a second worker thread runs only first chunks, with that
 engine, while the first runs everything else: a new stream's first chunk never waits for a running call of
@@ -40,6 +44,7 @@ flow prefixes) would make that call several times slower.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -83,7 +88,12 @@ TOKEN2WAV_STATS = (
     "token2wav_engine_seconds_total",  # wall time inside whole engine calls (flow + HiFT)
     "token2wav_first_chunk_calls_total",  # calls of the first-chunk worker (with a `first_chunk_engine`)
     "token2wav_calls_between_steps_total",  # first-chunk calls run between two Euler steps of another call
+    "token2wav_between_steps_deferred_total",  # ... not run there: a stream of the running call had too little audio
 )
+
+#: Call durations assumed before any was timed (seconds), and the weight of the newest call in their running means.
+INITIAL_CALL_S = 0.2
+CALL_MEAN_WEIGHT = 0.2
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,18 @@ class _Job(Generic[S]):
             pass
 
 
+@dataclass
+class _Playback:
+    """A stream's audio as its listener plays it: playback starts when the first audio is answered."""
+
+    started: float  # time.monotonic() of the first audio
+    seconds: float = 0.0  # audio answered so far
+
+    def buffered(self, now: float) -> float:
+        """Seconds of audio the listener has not played yet (negative: it ran dry)."""
+        return self.started + self.seconds - now
+
+
 @dataclass(frozen=True)
 class _Lane(Generic[S]):
     """One worker thread of call scheduling: the engine it calls and the jobs it takes."""
@@ -222,6 +244,10 @@ class Token2WavService(Generic[S]):
         self.first_chunks_between_steps = (first_chunks_between_steps and not self.first_chunk_worker
                                            and scheduling == "call"
                                            and bool(getattr(engine, "runs_between_steps", False)))
+        # what the between-steps rule weighs: the audio of each stream, and how long both kinds of call take
+        self.sample_rate: int | None = getattr(engine, "sample_rate", None)
+        self._playback: dict[str, _Playback] = {}
+        self._first_call_s = self._later_call_s = INITIAL_CALL_S
         self._threads = [threading.Thread(target=self._run, args=(lane,), name=lane.name, daemon=True)
                          for lane in lanes]
         for thread in self._threads:
@@ -406,6 +432,10 @@ class Token2WavService(Generic[S]):
         """Count, end the stream where the chunk failed or was its last, and answer the job."""
         failed = isinstance(result, BaseException)
         self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
+        if job.chunk is not None and not failed and self.sample_rate:
+            now = time.monotonic()
+            playback = self._playback.setdefault(job.request_id, _Playback(now))
+            playback.seconds += cast(np.ndarray, result).size / self.sample_rate
         if job.chunk is not None and (failed or job.chunk.final):
             # a failed chunk leaves the stream's caches inconsistent; a final one ends it
             with self._cond:
@@ -428,9 +458,12 @@ class Token2WavService(Generic[S]):
                 return False
         hook = None
         if self.first_chunks_between_steps and not any(job.is_first_chunk for job in batch):
-            hook = self._first_chunks_between_steps
+            hook = functools.partial(self._first_chunks_between_steps, batch)
+        started = time.monotonic()
         try:
             self._execute(batch, lane.engine, between_steps=hook)
+            if hook is not None:
+                self._later_call_s = _mean(self._later_call_s, time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
             logger.exception("token2wav batch failed")
             for job in batch:
@@ -463,9 +496,10 @@ class Token2WavService(Generic[S]):
             self._running.add(job.request_id)
         return batch
 
-    def _first_chunks_between_steps(self) -> None:
-        """Called by the engine before each Euler step of a call of later chunks: the first chunks waiting now
-        run as a call of their own (these streams are not in the running call: they had no chunk before)."""
+    def _first_chunks_between_steps(self, running: list[_Job[S]]) -> None:
+        """Called by the engine before each Euler step of the call of `running` (later chunks): the first chunks
+        waiting now run as a call of their own (these streams are not in the running call: they had no chunk
+        before), unless a running stream has too little audio buffered to wait for it."""
         with self._cond:
             if self._closed:
                 return
@@ -474,13 +508,18 @@ class Token2WavService(Generic[S]):
                 if job.request_id not in self._running:
                     heads.setdefault(job.request_id, job)
             batch = [job for job in heads.values() if job.is_first_chunk]
+            if not batch:
+                return
+            if not self._can_wait(running):
+                self.stats.add("token2wav_between_steps_deferred_total")
+                return
             for job in batch:
                 self._pending.remove(job)
                 self._running.add(job.request_id)
-        if not batch:
-            return
+        started = time.monotonic()
         try:
             self._execute(batch)  # no hook: a first-chunk call never waits for anything
+            self._first_call_s = _mean(self._first_call_s, time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - the running call must go on; these jobs get the error
             logger.exception("token2wav first-chunk call between steps failed")
             for job in batch:
@@ -489,6 +528,18 @@ class Token2WavService(Generic[S]):
             with self._cond:
                 self._running.difference_update(job.request_id for job in batch)
         self.stats.add("token2wav_calls_between_steps_total")
+
+    def _can_wait(self, running: list[_Job[S]]) -> bool:
+        """Whether every stream of a running call keeps playing through a first-chunk call and the rest of its own
+        call (twice the recent first-chunk call, for margin, plus a whole later call). Caller holds the lock."""
+        if not self.sample_rate:
+            return True
+        now, need = time.monotonic(), 2 * self._first_call_s + self._later_call_s
+        for job in running:
+            playback = self._playback.get(job.request_id)
+            if job.chunk is not None and playback is not None and playback.buffered(now) < need:
+                return False
+        return True
 
     def _execute(self, batch: list[_Job[S]], engine: Token2WavEngine[S] | None = None,
                  between_steps: Any = None) -> None:
@@ -543,6 +594,7 @@ class Token2WavService(Generic[S]):
     def _drop(self, request_id: str) -> bool:
         """Forget a stream. Caller holds the lock."""
         self._last_used.pop(request_id, None)
+        self._playback.pop(request_id, None)
         existed = self._streams.pop(request_id, None) is not None
         self.stats.set("token2wav_active_streams", len(self._streams))
         return existed
@@ -553,3 +605,8 @@ class Token2WavService(Generic[S]):
         for request_id in [r for r, used in self._last_used.items() if used < deadline]:
             if self._drop(request_id):
                 self.stats.add("token2wav_expired_total")
+
+
+def _mean(mean: float, value: float) -> float:
+    """The running mean of call durations with `value` added."""
+    return (1.0 - CALL_MEAN_WEIGHT) * mean + CALL_MEAN_WEIGHT * value

@@ -132,3 +132,43 @@ def test_a_call_inside_another_calls_solve_changes_neither(chunked_engine) -> No
             np.testing.assert_allclose(have, want, atol=AUDIO_ATOL)
     finally:
         graphs.emulate = False
+
+
+@pytest.mark.parametrize("first_chunk_seconds, runs_between", [(100.0, True), (0.001, False)])
+def test_a_first_chunk_waits_when_a_running_stream_is_about_to_run_dry(first_chunk_seconds, runs_between) -> None:
+    """A's first chunk gave its listener `first_chunk_seconds` of audio; while A's second chunk is mid-solve, B's
+    first chunk runs between the steps only if A still has enough buffered to wait for it."""
+    rate = 1000
+
+    class Timed(SteppingEngine):
+        sample_rate = rate
+
+        def run(self, work, between_steps=None):
+            out = super().run(work, between_steps)
+            return [np.zeros(int(first_chunk_seconds * rate) if item.chunk.start == 0 else 10, np.float32)
+                    for item, _ in zip(work, out)]
+
+    engine = Timed()
+
+    async def scenario() -> tuple[float, float]:
+        service = Token2WavService(engine, first_chunks_between_steps=True)
+        try:
+            await service.process("A", np.arange(7), voice(0), FIRST, seed=1)
+            a1 = asyncio.ensure_future(service.process("A", np.arange(4), None, SECOND, seed=1))
+            await until(engine.mid_call.is_set)
+            b0 = asyncio.ensure_future(service.process("B", np.arange(7), voice(1), FIRST, seed=2))
+            await until(lambda: any(job.request_id == "B" for job in service._pending))
+            engine.permits.release(1)
+            await asyncio.sleep(0.3)
+            assert b0.done() == runs_between
+            engine.permits.release(STEPS)
+            await a1
+            await b0
+            return (service.stats.get("token2wav_calls_between_steps_total"),
+                    service.stats.get("token2wav_between_steps_deferred_total"))
+        finally:
+            engine.permits.release(100)
+            service.shutdown()
+
+    ran, deferred = asyncio.run(scenario())
+    assert (ran, deferred > 0) == ((1, False) if runs_between else (0, True))
