@@ -480,11 +480,7 @@ class Token2WavService(Generic[S]):
         """The lane's next call's jobs, removed from the queue: one per stream (the oldest, which keeps a
         stream's chunks in order), none of a stream whose job the other worker runs now. One worker: only first
         chunks and overdue jobs while any first chunk waits. Caller holds the lock."""
-        heads: dict[str, _Job[S]] = {}
-        for job in self._pending:
-            if job.request_id not in self._running:
-                heads.setdefault(job.request_id, job)
-        batch = list(heads.values())
+        batch = self._heads()
         if lane.first_chunks is None:
             if any(job.is_first_chunk for job in batch):
                 overdue = time.monotonic() - self.max_defer_s
@@ -496,6 +492,15 @@ class Token2WavService(Generic[S]):
             self._running.add(job.request_id)
         return batch
 
+    def _heads(self) -> list[_Job[S]]:
+        """Each stream's oldest pending job (which keeps a stream's chunks in order), except streams with a job in
+        a call now. Caller holds the lock."""
+        heads: dict[str, _Job[S]] = {}
+        for job in self._pending:
+            if job.request_id not in self._running:
+                heads.setdefault(job.request_id, job)
+        return list(heads.values())
+
     def _first_chunks_between_steps(self, running: list[_Job[S]]) -> None:
         """Called by the engine before each Euler step of the call of `running` (later chunks): the first chunks
         waiting now run as a call of their own (these streams are not in the running call: they had no chunk
@@ -503,11 +508,7 @@ class Token2WavService(Generic[S]):
         with self._cond:
             if self._closed:
                 return
-            heads: dict[str, _Job[S]] = {}
-            for job in self._pending:
-                if job.request_id not in self._running:
-                    heads.setdefault(job.request_id, job)
-            batch = [job for job in heads.values() if job.is_first_chunk]
+            batch = [job for job in self._heads() if job.is_first_chunk]
             if not batch:
                 return
             if not self._can_wait(running):
