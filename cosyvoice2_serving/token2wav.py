@@ -432,7 +432,9 @@ class Token2WavService(Generic[S]):
         """Count, end the stream where the chunk failed or was its last, and answer the job."""
         failed = isinstance(result, BaseException)
         self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
-        if job.chunk is not None and not failed and self.sample_rate:
+        # only for registered streams: a chunk that ends after its stream was closed must not leave an entry
+        if (self.first_chunks_between_steps and self.sample_rate and job.chunk is not None and not failed
+                and job.request_id in self._streams):
             now = time.monotonic()
             playback = self._playback.setdefault(job.request_id, _Playback(now))
             playback.seconds += cast(np.ndarray, result).size / self.sample_rate

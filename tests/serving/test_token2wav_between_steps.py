@@ -172,3 +172,28 @@ def test_a_first_chunk_waits_when_a_running_stream_is_about_to_run_dry(first_chu
 
     ran, deferred = asyncio.run(scenario())
     assert (ran, deferred > 0) == ((1, False) if runs_between else (0, True))
+
+
+def test_a_stream_closed_mid_chunk_leaves_no_playback_record() -> None:
+    class Timed(SteppingEngine):
+        sample_rate = 1000
+
+    engine = Timed()
+
+    async def scenario() -> Token2WavService:
+        service = Token2WavService(engine, first_chunks_between_steps=True)
+        try:
+            await service.process("A", np.arange(7), voice(0), FIRST, seed=1)
+            assert set(service._playback) == {"A"}  # the first chunk's audio is being played
+            a1 = asyncio.ensure_future(service.process("A", np.arange(4), None, SECOND, seed=1))
+            await until(engine.mid_call.is_set)
+            assert service.close_stream("A")  # the client left while its chunk runs
+            engine.permits.release(STEPS)
+            await a1
+            return service
+        finally:
+            engine.permits.release(100)
+            service.shutdown()
+
+    service = asyncio.run(scenario())
+    assert service._playback == {} and service.active_streams() == set()
