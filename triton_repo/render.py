@@ -375,15 +375,7 @@ def engine_tp_size(engine: dict) -> int:
 
 def _check_engine_facts(opts: RenderOptions, engine: dict) -> list[str]:
     """What the engine was built with against what this repository sends it (docs/deploy.md)."""
-    errors = []
-    version = engine.get("version")
-    if not version:
-        errors.append(f"--engine-dir {opts.engine_dir}: config.json names no TensorRT-LLM version; rebuild the engine")
-    else:
-        try:
-            facts.facts_for(str(version))
-        except facts.UnsupportedBackendVersion as exc:
-            errors.append(str(exc))
+    errors = facts.engine_version_problems(engine, "--engine-dir", opts.engine_dir)
     pretrained = engine.get("pretrained_config", {})
     logits_dtype = pretrained.get("logits_dtype")
     if logits_dtype != LOGITS_DTYPE:

@@ -110,15 +110,7 @@ def _check_engine(opts: RenderOptions, spark: SparkRenderOptions) -> list[str]:
     if not (spark.engine_dir / "config.json").is_file() or not any(spark.engine_dir.glob("*.engine")):
         return [f"--spark-engine-dir {spark.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)"]
     engine = read_engine_config(spark.engine_dir)
-    errors = []
-    version = engine.get("version")
-    if not version:
-        errors.append(f"--spark-engine-dir {spark.engine_dir}: config.json names no TensorRT-LLM version")
-    else:
-        try:
-            facts.facts_for(str(version))
-        except facts.UnsupportedBackendVersion as exc:
-            errors.append(f"--spark-engine-dir: {exc}")
+    errors = facts.engine_version_problems(engine, "--spark-engine-dir", spark.engine_dir)
     build = engine.get("build_config", {})
     for flag, ours, key in (("--max-batch", opts.max_batch, "max_batch_size"),
                             ("--spark-max-seq-len", spark.max_seq_len, "max_seq_len")):

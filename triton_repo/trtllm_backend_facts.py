@@ -166,6 +166,19 @@ def facts_for(version: str) -> BackendFacts:
 
 
 # -- checks ----------------------------------------------------------------------------------------
+def engine_version_problems(engine: Mapping, flag: str, directory: object) -> list[str]:
+    """What is wrong with the TensorRT-LLM version an engine's config.json names (`flag`: the render option that
+    gave the engine `directory`): none named, or one with no pinned backend facts."""
+    version = engine.get("version")
+    if not version:
+        return [f"{flag} {directory}: config.json names no TensorRT-LLM version; rebuild the engine"]
+    try:
+        facts_for(str(version))
+    except UnsupportedBackendVersion as exc:
+        return [f"{flag}: {exc}"]
+    return []
+
+
 def check_parameters(params: Mapping[str, str], facts: BackendFacts) -> list[str]:
     """A rendered model's parameters (key -> string_value) against the backend's requirements."""
     errors = [

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import ReplayOrder, batch_bucket, round_up
+from ..graph_buckets import batch_bucket, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -270,7 +270,8 @@ class HiFTGraphs:
     """CUDA graphs of `HiFTGenerator.vocode` per padded shape. HiFT is launch-bound (its time hardly depends on
     the size), and padding is exact (masks), so a call is padded to a frame bucket (`frame_bucket` mel frames)
     and a batch bucket (1, 2, 4, 8, then multiples of 8) with empty rows. A bucket is captured on its second
-    occurrence (one-off shapes stay eager), at most `max_graphs`."""
+    occurrence (one-off shapes stay eager), at most `max_graphs`. One set serves one CUDA stream (its static
+buffers are reused by the next replay): a second token2wav worker gets its own (`Token2Wav.lane`)."""
 
     def __init__(self, hift: HiFTGenerator, max_graphs: int = 32, frame_bucket: int = 32) -> None:
         self._hift = [hift]  # a list, so the module is not registered as a child
@@ -280,7 +281,6 @@ class HiFTGraphs:
         self._captured: dict[tuple, _CapturedVocode] = {}
         self._pool: object | None = None
         self._lock = threading.Lock()
-        self._order = ReplayOrder()  # token2wav workers on several CUDA streams share these graphs
 
     def pad(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
             sine_noise: torch.Tensor, cache_source: torch.Tensor,
@@ -308,14 +308,11 @@ class HiFTGraphs:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
-            self._order.wait(speech_feat.device)
             for static, value in zip(captured.inputs, inputs):
                 static.copy_(value)
             captured.graph.replay()
             audio, source = captured.outputs
-            audio, source = audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
-            self._order.record(speech_feat.device)
-            return audio, source
+            return audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
 
 
 def _periodic_hann(n: int) -> torch.Tensor:
