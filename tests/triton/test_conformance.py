@@ -145,8 +145,11 @@ def test_a_client_leaving_cancels_the_request_in_the_pipeline(contract_gateway, 
     model = contract.STREAMING_MODEL if stream else contract.OFFLINE_MODEL
     before = backend.cancelled(model)
     tag = f"zqleave{backend.name}{'stream' if stream else 'whole'}"
+    # Thirty sentences: a real model may end each one early (at its minimum of speech tokens per text token), and
+    # the whole file must still take far longer than the client's one-second read timeout.
+    story = " ".join(["Please keep on talking for quite a while, it is a long story."] * 30)
     body = {"model": "tts-1", "voice": "alloy", "response_format": "pcm", "stream": stream,
-            "input": f"{tag} holdstream please keep on talking for quite a while, it is a long story."}  # fmt: skip
+            "input": f"{tag} holdstream {story}"}  # fmt: skip
     with httpx.Client(base_url=contract_gateway.base_url, timeout=httpx.Timeout(120, read=1.0)) as http:
         if stream:
             with http.stream("POST", "/v1/audio/speech", json=body) as response:
