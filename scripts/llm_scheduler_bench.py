@@ -26,7 +26,6 @@ import inspect
 import statistics
 import sys
 import threading
-import threading
 import time
 from typing import Sequence
 

@@ -56,19 +56,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
 
 
+def colocated_pipeline(model_dir: Path, out: Path, server_factory, **options) -> Pipeline:
+    """The tiny model's colocated pipeline (the test default: 8 LLM slots, first hop FIRST_HOP) with `options`
+    (other `RenderOptions` fields) rendered into `out`, on a started tritonserver."""
+    repo = write_repository(
+        RenderOptions(model_dir=model_dir, out=out, max_batch=8, max_seq_len=2048, first_hop=FIRST_HOP, **options)
+    )
+    server = server_factory(repo, ready_timeout=240)
+    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+
+
 @pytest.fixture(scope="session")
 def pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
-    repo = write_repository(
-        RenderOptions(
-            model_dir=tiny_model_dir,
-            out=tmp_path_factory.mktemp("pipeline") / "repo",
-            max_batch=8,
-            max_seq_len=2048,
-            first_hop=FIRST_HOP,
-        )
-    )
-    server = triton_server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    return colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("pipeline") / "repo", triton_server_factory)
 
 
 async def stream(client, inputs, cancel_after: int | None = None):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as aio
 
-from tests.triton.conftest import FIRST_HOP, SAMPLES_PER_TOKEN, Pipeline, settled_metrics, stream, synthesis_inputs
-from triton_repo.render import RenderOptions, write_repository
+from tests.triton.conftest import (
+    SAMPLES_PER_TOKEN, Pipeline, colocated_pipeline, settled_metrics, stream, synthesis_inputs,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -22,18 +23,8 @@ AUDIO_ATOL = 2e-3  # batching changes float rounding; the tiny random HiFT ampli
 
 @pytest.fixture(scope="module", params=["t2w_first_chunk_worker", "t2w_first_chunks_between_steps"])
 def worker_pipeline(request, tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
-    repo = write_repository(
-        RenderOptions(
-            model_dir=tiny_model_dir,
-            out=tmp_path_factory.mktemp("first_chunk_worker") / "repo",
-            max_batch=8,
-            max_seq_len=2048,
-            first_hop=FIRST_HOP,
-            **{request.param: True},
-        )
-    )
-    server = triton_server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    out = tmp_path_factory.mktemp("first_chunk_worker") / "repo"
+    return colocated_pipeline(tiny_model_dir, out, triton_server_factory, **{request.param: True})
 
 
 async def concurrent_streams(pipeline: Pipeline) -> list[np.ndarray]:

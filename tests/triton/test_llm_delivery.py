@@ -13,9 +13,8 @@ from cosyvoice2.config import EngineConfig
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.io_struct import LLMRequest
-from tests.triton.conftest import FIRST_HOP, Pipeline, settled_metrics, stream, synthesis_inputs
+from tests.triton.conftest import Pipeline, colocated_pipeline, settled_metrics, stream, synthesis_inputs
 from triton_repo import internal_io as io
-from triton_repo.render import RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton
 
@@ -71,18 +70,8 @@ async def test_a_delivery_schedule_gets_one_response_per_boundary_and_the_same_t
 @pytest.fixture(scope="module")
 def per_token_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
     """The default pipeline's options, rendered to deliver LLM tokens one response per token."""
-    repo = write_repository(
-        RenderOptions(
-            model_dir=tiny_model_dir,
-            out=tmp_path_factory.mktemp("per_token") / "repo",
-            max_batch=8,
-            max_seq_len=2048,
-            first_hop=FIRST_HOP,
-            llm_delivery="token",
-        )
-    )
-    server = triton_server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    out = tmp_path_factory.mktemp("per_token") / "repo"
+    return colocated_pipeline(tiny_model_dir, out, triton_server_factory, llm_delivery="token")
 
 
 async def streamed(pipeline: Pipeline, text: str, seed: int):
