@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
 
 from dataclasses import dataclass, replace
@@ -39,6 +40,8 @@ from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.token2wav import Work
 from pipeline_contract import REFERENCE_SAMPLE_RATE
+
+logger = logging.getLogger(__name__)
 
 
 # -- LLM -------------------------------------------------------------------------------------------
@@ -285,14 +288,30 @@ class DiTBatchedToken2Wav(_BatchedStreams):
     in all, like the UNet token2wav. The prompt cache of a voice is computed once (`VoiceCaches`, keyed by the
     prompt's features) and shared by all its streams."""
 
-    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64) -> None:
+    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64, schedule: ChunkSchedule | None = None) -> None:
         self.engine = engine
         self.voices = VoiceCaches(voice_capacity)
         self.vocab_size = engine.flow.config.vocab_size
+        if schedule is not None:  # the orchestrator's chunks: the graph buckets cover them, for every prompt length
+            engine.use_graph_buckets(engine.graph_buckets(
+                [for_prompt(schedule, prompt_tokens) for prompt_tokens in range(schedule.grid)]))
 
     def capture_graphs(self) -> tuple[int, float]:
-        """No CUDA graphs on the DiT path: (0 graphs, 0 s), so the adapter treats both engines alike."""
-        return 0, 0.0
+        """Capture the DiT flow's step graphs of every bucket now (before the server reports ready):
+        (graphs, seconds). A capture that fails is logged and leaves the flow eager: the server still serves."""
+        engine = self.engine
+        if engine.flow_device.type != "cuda":
+            return 0, 0.0
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+            torch.cuda.synchronize(engine.flow_device)
+        except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
+            logger.exception("token2wav: capturing the DiT step graphs failed; the DiT flow runs eagerly")
+            engine.graphs.clear()
+            return 0, time.perf_counter() - started
+        return count, time.perf_counter() - started
 
     def open(self, prompt: PromptTensors, seed: int | None) -> DiTStreamState:
         engine = self.engine

@@ -28,6 +28,7 @@ from cosyvoice2.streaming import (  # the same chunk, HiFT state and cross-fade 
 )
 
 from .flow import DiTFlow, FlowState, PromptCache
+from .graphs import DiTGraphBuckets, DiTStepGraphs, HopSchedule, max_prompt_frames
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,10 @@ class VoiceCaches:
 class DiTToken2Wav(FlowAndVocoder):
     """Stateless tokens -> audio for the DiT flow; one instance serves any number of streams.
 
-    The flow runs in its parameters' dtype, HiFT in fp32 (as the reference).
+    The flow runs in its parameters' dtype, HiFT in fp32 (as the reference). Streaming calls replay the DiT's
+    step graphs (`graphs`, `cosyvoice2.dit.graphs`) once they are captured (`graphs.capture_all`), with buckets for
+    this engine's own chunk schedule unless `use_graph_buckets` sets others; until then, and for shapes outside
+    the buckets, they run eagerly.
     """
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, streaming: DiTStreamingConfig = DiTStreamingConfig()) -> None:
@@ -143,6 +147,15 @@ class DiTToken2Wav(FlowAndVocoder):
         self.streaming = streaming
         self.lookahead = flow.config.pre_lookahead_len
         self.token_mel_ratio = flow.config.token_mel_ratio
+        self.graphs = DiTStepGraphs(flow.decoder, self.graph_buckets([self.schedule]))
+
+    def graph_buckets(self, schedules: Sequence[HopSchedule]) -> DiTGraphBuckets:
+        """Step-graph buckets covering the chunks of `schedules`, for voice prompts up to the frontend's limit."""
+        return DiTGraphBuckets.covering(schedules, self.flow.config, max_prompt_frames())
+
+    def use_graph_buckets(self, buckets: DiTGraphBuckets) -> None:
+        """Replace the step graphs by an empty set with these buckets (before capturing them)."""
+        self.graphs = DiTStepGraphs(self.flow.decoder, buckets)
 
     @property
     def sample_rate(self) -> int:
@@ -257,7 +270,7 @@ class DiTToken2Wav(FlowAndVocoder):
             results = self.flow.chunks(
                 [torch.tensor(work[i][0].tokens[work[i][1].start:work[i][1].feed], dtype=torch.long,
                               device=self.flow_device)[None] for i in rows],
-                [work[i][0].flow_state for i in rows], [work[i][1].final for i in rows])
+                [work[i][0].flow_state for i in rows], [work[i][1].final for i in rows], self.graphs)
             for i, (_, mel, state) in zip(rows, results):
                 out[i] = (mel.to(self.hift_device, torch.float32), state)
         return out  # type: ignore[return-value]
