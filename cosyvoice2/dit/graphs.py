@@ -173,13 +173,13 @@ class DiTStepGraphs:
             self._kv = self._conv = None
             self._pool = None
 
-    def run(self, shape: Shape, padded: PaddedChunks, step: int, x: torch.Tensor, t: torch.Tensor,
+    def run(self, shape: Shape, padded: PaddedChunks, steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
             dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step `step` of a padded call in `shape`: fill the static inputs, replay (outputs valid until the next
-        replay; the caller holds `lock` and copies them out at once)."""
+        """One step of a padded call in `shape` (stream i at Euler step steps[i]): fill the static inputs, replay
+        (outputs valid until the next replay; the caller holds `lock` and copies them out at once)."""
         with self.lock:
             entry = self._entry(shape, x.device, x.dtype, capture_graph=False)
-            padded.fill(entry.inputs, step, x, t, dt)
+            padded.fill(entry.inputs, steps, x, t, dt)
             if entry.graph is None:
                 return self._cfm[0].padded_step(*entry.inputs.args())
             entry.graph.replay()
