@@ -4,6 +4,8 @@ it gets when run alone (eager, and through the step-graph buckets emulated on CP
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.testing.dit import write_dit_model
 from cosyvoice2_serving.engines import DiTBatchedToken2Wav
 from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.token2wav import Work
+from cosyvoice2_serving.token2wav import Token2WavService, Work
 
 AUDIO_ATOL = 5e-3
 SCHEDULE = ChunkSchedule(first_hop=10, growth=2)
@@ -93,3 +95,37 @@ def test_a_failing_chunk_fails_alone_in_step_mode(engine: DiTBatchedToken2Wav) -
     while out[0] is None:
         out = engine.step([handles[0]])
     assert isinstance(out[0], np.ndarray) and out[0].size > 0
+
+
+async def test_the_service_steps_dit_chunks(engine: DiTBatchedToken2Wav) -> None:
+    """`Token2WavService(scheduling="step")` takes the DiT engine as a step engine: two streams' chunks run one Euler
+    step at a time and give the audio of whole calls."""
+    rng = np.random.default_rng(2)
+    voices = [prompt(rng, 10), prompt(rng, 16)]
+    streams = [rng.integers(0, 6561, 45).astype(np.int32), rng.integers(0, 6561, 33).astype(np.int32)]
+    plans = [SCHEDULE.chunks(t.size) for t in streams]
+    whole = []
+    for seed, (v, tokens, plan) in enumerate(zip(voices, streams, plans)):
+        state = engine.open(v, seed)
+        whole.append(np.concatenate([engine.run([work(state, tokens, i)])[0] for i in range(len(plan))]))
+
+    service = Token2WavService(engine, scheduling="step")
+    try:
+        assert service.scheduling == "step"
+
+        async def run(request_id: str, seed: int) -> np.ndarray:
+            tokens, plan = streams[seed], plans[seed]
+            out, sent = [], 0
+            for i, chunk in enumerate(plan):
+                out.append(await service.process(request_id, tokens[sent:chunk.feed], voices[seed] if i == 0 else None,
+                                                  chunk, seed=seed))
+                sent = chunk.feed
+            return np.concatenate(out)
+
+        stepped = await asyncio.gather(run("A", 0), run("B", 1))
+    finally:
+        service.shutdown()
+    steps = engine.engine.flow.config.solver.n_timesteps
+    assert len(service.step_trace) >= steps and all(len(step) >= 1 for step in service.step_trace)
+    for got, want in zip(stepped, whole):
+        assert got.shape == want.shape and np.abs(got - want).max() <= AUDIO_ATOL
