@@ -281,7 +281,8 @@ class StepInputs:
 
 @dataclass(eq=False)
 class PaddedChunks:
-    """The step-invariant padded inputs of one `solve_chunks` call at its (rows, chunk frames, cache frames) shape.
+    """The step-invariant padded inputs of a set of chunks (one `solve_chunks` call, or the chunks `DiTFlow.advance`
+    steps together) at their (rows, chunk frames, cache frames) shape.
 
     Padded rows have every chunk frame real and no cache (finite, and never read back); padded frames of real
     rows are zeros and masked as keys; a row's conv context is taken at its own last frame (`lengths`)."""
