@@ -3,10 +3,12 @@ batch (padded rows and frames are masked, hence exact on the real ones)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 def batch_bucket(batch: int) -> int:
@@ -16,6 +18,37 @@ def batch_bucket(batch: int) -> int:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
+
+
+def fit(values: Sequence[int], sizes: Sequence[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    """Per dimension the smallest bucket size >= the value (`sizes[i]` ascending), or None when a value is larger
+    than every size of its dimension (the call then runs eagerly)."""
+    picked = []
+    for value, options in zip(values, sizes):
+        size = next((s for s in options if s >= value), None)
+        if size is None:
+            return None
+        picked.append(size)
+    return tuple(picked)
+
+
+def capture(run: Callable[[], T], device: "torch.device", pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
+    """`run` (static shapes, no host syncs) captured into a new CUDA graph in `pool`; returns the graph and the
+    outputs of the captured call, which each replay overwrites.
+
+    `run` is called once before, on a side stream: lazy initialisations (cuBLAS workspaces, cuDNN/cuFFT plans)
+    must not happen during capture."""
+    import torch
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = run()
+    return graph, outputs
 
 
 class ReplayOrder:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import time
 
 from dataclasses import dataclass, replace
@@ -24,7 +25,7 @@ import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.dit.flow import PromptCache
-from cosyvoice2.dit.token2wav import DiTStream, DiTToken2Wav, VoiceCaches, prompt_key
+from cosyvoice2.dit.token2wav import DiTStream, DiTSteppedChunk, DiTToken2Wav, VoiceCaches, prompt_key
 from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -39,6 +40,8 @@ from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.token2wav import Work
 from pipeline_contract import REFERENCE_SAMPLE_RATE
+
+logger = logging.getLogger(__name__)
 
 
 # -- LLM -------------------------------------------------------------------------------------------
@@ -130,16 +133,71 @@ class _BatchedStreams:
 
 @dataclass(eq=False)
 class StepHandle:
-    """One chunk in flight in `BatchedToken2Wav`'s step mode."""
+    """One chunk in flight in an engine's step mode."""
 
-    stepped: SteppedChunk
+    stepped: SteppedChunk | DiTSteppedChunk
 
     @property
     def step(self) -> int:
         return self.stepped.step
 
 
-class BatchedToken2Wav(_BatchedStreams):
+class _SteppedStreams(_BatchedStreams):
+    """What both engines' step mode shares (`StepToken2WavEngine`): the engine's `begin_chunks` /
+    `advance_chunks` / `finish_chunks` behind the service's `admit` / `step`, retried per job when a batched
+    call fails. Subclasses add `can_step`, `max_rows`, `steppable` and `cancel`."""
+
+    _batch: Any = None  # the padded inputs of the last set of chunks stepped (reused while it is the same)
+
+    def admit(self, work: Sequence[Work[Any]]) -> list[StepHandle | Exception]:
+        """Start each job's chunk (its tokens added, its encoder pass run, batched); if the batched admission
+        fails, which changes no stream, each job is admitted alone so that only the bad one fails."""
+        jobs = [self._job(item) for item in work]
+        ready = [job for job in jobs if not isinstance(job, Exception)]
+        try:
+            started = iter(self.engine.begin_chunks(ready))
+            return [job if isinstance(job, Exception) else StepHandle(next(started)) for job in jobs]
+        except Exception:  # noqa: BLE001
+            return [job if isinstance(job, Exception) else self._admit_alone(job) for job in jobs]
+
+    def _admit_alone(self, job: tuple[Any, Chunk]) -> StepHandle | Exception:
+        try:
+            return StepHandle(self.engine.begin_chunks([job])[0])
+        except Exception as exc:  # noqa: BLE001 - returned per job
+            return exc
+
+    def step(self, handles: Sequence[StepHandle]) -> list[np.ndarray | Exception | None]:
+        """One Euler step of every handle's chunk (one padded estimator evaluation), then the chunks that ran
+        their last step are vocoded and emitted together. Per handle: its audio when it finished, the error
+        when it failed, None while it has steps left. A failing step or vocoder call is retried per handle,
+        so only the bad chunks fail (a failed step or vocoder call changes no stream)."""
+        out: list[np.ndarray | Exception | None] = [None] * len(handles)
+        live = list(range(len(handles)))
+        try:
+            self._batch = self.engine.advance_chunks([t.stepped for t in handles], self._batch)
+        except Exception:  # noqa: BLE001 - find the failing chunks by stepping each alone
+            self._batch = None
+            for i, handle in enumerate(handles):
+                try:
+                    self.engine.advance_chunks([handle.stepped])
+                except Exception as exc:  # noqa: BLE001 - returned per handle
+                    out[i] = exc
+            live = [i for i in live if out[i] is None]
+        done = [i for i in live if handles[i].stepped.done]
+        if done:
+            try:
+                for i, audio in zip(done, self.engine.finish_chunks([handles[i].stepped for i in done])):
+                    out[i] = audio
+            except Exception:  # noqa: BLE001 - vocode each alone
+                for i in done:
+                    try:
+                        out[i] = self.engine.finish_chunks([handles[i].stepped])[0]
+                    except Exception as exc:  # noqa: BLE001 - returned per handle
+                        out[i] = exc
+        return out
+
+
+class BatchedToken2Wav(_SteppedStreams):
     """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
@@ -201,53 +259,6 @@ class BatchedToken2Wav(_BatchedStreams):
         """A streaming chunk over the flow caches; offline jobs and recomputing chunks run as whole calls."""
         return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
 
-    def admit(self, work: Sequence[Work[StreamState]]) -> list[StepHandle | Exception]:
-        """Start each job's chunk (its tokens added, its encoder pass run, batched); if the batched admission
-        fails, which changes no stream, each job is admitted alone so that only the bad one fails."""
-        jobs = [self._job(item) for item in work]
-        ready = [job for job in jobs if not isinstance(job, Exception)]
-        try:
-            started = iter(self.engine.begin_chunks(ready))
-            return [job if isinstance(job, Exception) else StepHandle(next(started)) for job in jobs]
-        except Exception:  # noqa: BLE001
-            return [job if isinstance(job, Exception) else self._admit_alone(job) for job in jobs]
-
-    def _admit_alone(self, job: tuple[Token2WavStream, Chunk]) -> StepHandle | Exception:
-        try:
-            return StepHandle(self.engine.begin_chunks([job])[0])
-        except Exception as exc:  # noqa: BLE001 - returned per job
-            return exc
-
-    def step(self, handles: Sequence[StepHandle]) -> list[np.ndarray | Exception | None]:
-        """One Euler step of every handle's chunk (one padded estimator evaluation), then the chunks that ran
-        their last step are vocoded and emitted together. Per handle: its audio when it finished, the error
-        when it failed, None while it has steps left. A failing step or vocoder call is retried per handle,
-        so only the bad chunks fail (a failed step or vocoder call changes no stream)."""
-        out: list[np.ndarray | Exception | None] = [None] * len(handles)
-        live = list(range(len(handles)))
-        try:
-            self._batch = self.engine.advance_chunks([t.stepped for t in handles], self._batch)
-        except Exception:  # noqa: BLE001 - find the failing chunks by stepping each alone
-            self._batch = None
-            for i, handle in enumerate(handles):
-                try:
-                    self.engine.advance_chunks([handle.stepped])
-                except Exception as exc:  # noqa: BLE001 - returned per handle
-                    out[i] = exc
-            live = [i for i in live if out[i] is None]
-        done = [i for i in live if handles[i].stepped.done]
-        if done:
-            try:
-                for i, audio in zip(done, self.engine.finish_chunks([handles[i].stepped for i in done])):
-                    out[i] = audio
-            except Exception:  # noqa: BLE001 - vocode each alone
-                for i in done:
-                    try:
-                        out[i] = self.engine.finish_chunks([handles[i].stepped])[0]
-                    except Exception as exc:  # noqa: BLE001 - returned per handle
-                        out[i] = exc
-        return out
-
     def cancel(self, handle: StepHandle) -> None:
         """Drop a chunk in flight (its stream was closed): the stream's flow caches are freed at once."""
         stream = handle.stepped.stream
@@ -276,23 +287,55 @@ class DiTStreamState:
     stream: DiTStream
 
 
-class DiTBatchedToken2Wav(_BatchedStreams):
+class DiTBatchedToken2Wav(_SteppedStreams):
     """`Token2WavEngine` over the DiT token2wav: all jobs of a service batch run as one `DiTToken2Wav.run_chunks`
     call (one batched flow call, one HiFT call); if that call fails, each job runs alone, so only the bad one fails.
 
     The orchestrator's chunks (`cosyvoice2.streaming.Chunk`, the UNet schedule) drive the DiT streams as they are:
     a DiT stream takes any hop >= 4 tokens with the flow's lookahead (3 tokens), and emits 960 samples per token
     in all, like the UNet token2wav. The prompt cache of a voice is computed once (`VoiceCaches`, keyed by the
-    prompt's features) and shared by all its streams."""
+    prompt's features) and shared by all its streams. In step mode (`admit` / `step`) streaming chunks advance one
+    Euler step at a time, each at its own step, so a new chunk joins the chunks in flight at their next step."""
 
-    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64) -> None:
+    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64, schedule: ChunkSchedule | None = None) -> None:
         self.engine = engine
         self.voices = VoiceCaches(voice_capacity)
         self.vocab_size = engine.flow.config.vocab_size
+        if schedule is not None:  # the orchestrator's chunks: the graph buckets cover them, for every prompt length
+            engine.use_graph_buckets(engine.graph_buckets(
+                [for_prompt(schedule, prompt_tokens) for prompt_tokens in range(schedule.grid)]))
 
     def capture_graphs(self) -> tuple[int, float]:
-        """No CUDA graphs on the DiT path: (0 graphs, 0 s), so the adapter treats both engines alike."""
-        return 0, 0.0
+        """Capture the DiT flow's step graphs of every bucket now (before the server reports ready):
+        (graphs, seconds). A capture that fails is logged and leaves the flow eager: the server still serves."""
+        engine = self.engine
+        if engine.flow_device.type != "cuda":
+            return 0, 0.0
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+            torch.cuda.synchronize(engine.flow_device)
+        except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
+            logger.exception("token2wav: capturing the DiT step graphs failed; the DiT flow runs eagerly")
+            engine.graphs.clear()
+            return 0, time.perf_counter() - started
+        return count, time.perf_counter() - started
+
+    # -- step scheduling (`StepToken2WavEngine`) ---------------------------------------------------------
+    can_step = True
+
+    @property
+    def max_rows(self) -> int:
+        """Chunks in flight at most: the largest step-graph bucket of rows (more would run eagerly)."""
+        return max(self.engine.graphs.buckets.rows, default=16)
+
+    def steppable(self, item: Work[DiTStreamState]) -> bool:
+        """A streaming chunk with tokens for the flow; offline jobs run as whole calls."""
+        return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
+
+    def cancel(self, handle: StepHandle) -> None:
+        """Drop a chunk in flight: nothing to free, a DiT stream's state changes only when a chunk is emitted."""
 
     def open(self, prompt: PromptTensors, seed: int | None) -> DiTStreamState:
         engine = self.engine

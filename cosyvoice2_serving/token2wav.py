@@ -214,7 +214,7 @@ class Token2WavService(Generic[S]):
         if scheduling not in T2W_SCHEDULING:
             raise ValueError(f"scheduling must be one of {T2W_SCHEDULING}, got {scheduling!r}")
         if scheduling == "step" and not (callable(getattr(engine, "admit", None)) and getattr(engine, "can_step", True)):
-            # an engine that cannot step (the DiT token2wav, flow caches off) runs whole calls, first chunks first
+            # an engine that cannot step (the UNet token2wav with flow caches off) runs whole calls, first chunks first
             scheduling = "call"
         self.scheduling = scheduling
         self.engine = engine

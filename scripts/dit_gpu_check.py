@@ -7,7 +7,10 @@ run), loads it, computes one prompt cache, then measures with `c` concurrent str
 - first chunk: 15 + 3 tokens for every stream (flow + HiFT);
 - steady chunks: the following chunks (hops 25, 50, 100) per second of audio they emit;
 - offline: `offline` of `--tokens` tokens, real-time factor.
-Prints one JSON object.
+Then, on CUDA, the flow's step graphs (`cosyvoice2.dit.graphs`): it captures every bucket (count, seconds, static
+buffer bytes), compares the replayed flow with the eager one over several rounds of mixed streams (different
+prompts, chunk and cache lengths, rows padded up to a bucket; max |mel difference|, TF32 off), and measures the
+streaming levels again with the graphs replayed. Prints one JSON object, then a table of eager vs graphs.
 
     PYTHONUNBUFFERED=1 python -m scripts.dit_gpu_check --device cuda --dtype fp32 --concurrency 1 4 16
 """
@@ -24,13 +27,75 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cosyvoice2.dit.flow import FlowState
+from cosyvoice2.dit.graphs import DiTGraphBuckets, DiTStepGraphs
 from cosyvoice2.dit.loading import load_dit_token2wav
+from cosyvoice2.dit.token2wav import DiTToken2Wav
+from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model, write_full_size_random_dit
 from scripts.gpu_timing import timed
 
 TOKEN_RATE = 25
 
 
+def streaming_levels(engine: DiTToken2Wav, prompt, tokens: list[int], levels: list[int], repeats: int,
+                     device: torch.device) -> dict[int, dict[str, float]]:
+    """Per concurrency c: c streams of `tokens`, the next chunks of all of them in one `run_chunks` call."""
+    out = {}
+    for c in levels:
+        first, steady, steady_audio, steady_calls = [], 0.0, 0, []
+        for repeat in range(repeats + 1):  # the first round warms up (allocator, kernels, HiFT graphs)
+            streams = [engine.open_stream(prompt, engine.new_generator(i)) for i in range(c)]
+            for stream in streams:
+                stream.extend(tokens)
+            index = 0
+            while not all(s.finished for s in streams):
+                work = [(s, ch) for s in streams if (ch := s.next_chunk(finished=True)) is not None]
+                seconds, audio = timed(device, lambda: engine.run_chunks(work))
+                if repeat:
+                    if index == 0:
+                        first.append(seconds)
+                    else:
+                        steady += seconds
+                        steady_audio += sum(len(a) for a in audio) // c
+                        if not work[0][1].final:
+                            steady_calls.append(seconds)
+                index += 1
+        out[c] = {"first_chunk_s": round(statistics.median(first), 4),
+                  "steady_call_s": round(statistics.median(steady_calls), 4) if steady_calls else None,
+                  "steady_s_per_audio_s": round(steady / max(steady_audio / engine.sample_rate, 1e-9), 4)}
+    return out
+
+
+def replay_difference(engine: DiTToken2Wav, graphs: DiTStepGraphs, rng: np.random.Generator,
+                      max_prompt_tokens: int) -> dict[str, float]:
+    """Max |mel difference| between the eager flow and the replayed step graphs, over rounds of mixed streams
+    (different prompts, chunk lengths and cache lengths; 3 and 5 streams pad to 4 and 8 rows)."""
+    out = {}
+    for streams in (1, 3, 5):
+        prompts = [engine.prompt_cache(rng.integers(0, 6561, p), rng.standard_normal((2 * p, 80)).astype(np.float32) - 5,
+                                       rng.standard_normal(192).astype(np.float32))
+                   for p in rng.integers(20, min(200, max_prompt_tokens), streams)]
+        plans = [ChunkSchedule(first_hop=int(h), growth=2, max_hop=100).chunks(300)
+                 for h in rng.integers(10, 40, streams)]
+        tokens = [rng.integers(0, 6561, 300).tolist() for _ in range(streams)]
+        worst, used = 0.0, False
+        states = {mode: [FlowState.start(p) for p in prompts] for mode in ("eager", "graphs")}
+        for index in range(max(map(len, plans))):
+            active = [i for i, plan in enumerate(plans) if index < len(plan)]
+            chunks = [plans[i][index] for i in active]
+            ids = [torch.tensor(tokens[i][c.start:c.feed], device=engine.flow_device)[None] for i, c in zip(active, chunks)]
+            mels = {}
+            for mode, use in (("eager", None), ("graphs", graphs)):
+                results = engine.flow.chunks(ids, [states[mode][i] for i in active], [c.final for c in chunks], use)
+                mels[mode] = [mel for _, mel, _ in results]
+                for i, (_, _, state) in zip(active, results):
+                    states[mode][i] = state
+            used |= graphs.bucket(len(active), max(m.shape[2] for m in mels["eager"]),
+                                  max(s.estimator.frames for s in states["eager"]), mels["eager"][0]) is not None
+            worst = max([worst] + [float((a - b).abs().max()) for a, b in zip(mels["eager"], mels["graphs"])])
+        out[f"{streams}_streams"] = worst if used else float("nan")
+    return out
 
 
 def main() -> None:
@@ -42,6 +107,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=250, help="generated tokens per stream (10 s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--graph-prompt-frames", type=int, default=None,
+                        help="cover prompts up to this many mel frames with graph buckets (default: the frontend's "
+                             "limit, as a server does; smaller: fewer graphs, e.g. for a quick CPU run)")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -64,32 +132,34 @@ def main() -> None:
     report: dict[str, object] = {"device": str(device), "dtype": args.dtype, "size": args.size,
                                  "prompt_tokens": args.prompt_tokens, "tokens": args.tokens,
                                  "model_write_s": round(written, 2), "prefill_s": round(statistics.median(prefill), 4)}
-    levels = {}
-    for c in args.concurrency:
-        first, steady, steady_audio = [], 0.0, 0
-        for repeat in range(args.repeats + 1):  # the first round warms up (allocator, kernels)
-            streams = [engine.open_stream(prompt, engine.new_generator(i)) for i in range(c)]
-            for stream in streams:
-                stream.extend(tokens)
-            index = 0
-            while not all(s.finished for s in streams):
-                work = [(s, ch) for s in streams if (ch := s.next_chunk(finished=True)) is not None]
-                seconds, audio = timed(device, lambda: engine.run_chunks(work))
-                if repeat:
-                    if index == 0:
-                        first.append(seconds)
-                    else:
-                        steady += seconds
-                        steady_audio += sum(len(a) for a in audio) // c
-                index += 1
-        levels[c] = {"first_chunk_s": round(statistics.median(first), 4),
-                     "steady_s_per_audio_s": round(steady / max(steady_audio / engine.sample_rate, 1e-9), 4)}
+    if args.graph_prompt_frames is not None:
+        engine.use_graph_buckets(DiTGraphBuckets.covering([engine.schedule], engine.flow.config,
+                                                          args.graph_prompt_frames))
+    captured = engine.graphs
+    engine.graphs = DiTStepGraphs(engine.flow.decoder, DiTGraphBuckets())  # no bucket: every call eager
+    levels = streaming_levels(engine, prompt, tokens, args.concurrency, args.repeats, device)
     report["streaming"] = levels
     offline = [timed(device, lambda: engine.offline(tokens, *voice, engine.new_generator(0)))[0]
                for _ in range(args.repeats + 1)][1:]
     report["offline_rtf"] = round(statistics.median(offline) / (args.tokens / TOKEN_RATE), 4)
+    engine.graphs = captured
+    captured.emulate = device.type != "cuda"  # a CPU run checks the bucket path (static buffers, padding) only
+    seconds, count = timed(device, lambda: captured.capture_all(device, engine.flow_dtype))
+    replayed = streaming_levels(engine, prompt, tokens, args.concurrency, args.repeats, device)
+    report["graphs"] = {"emulated": captured.emulate, "captured": count, "capture_s": round(seconds, 2),
+                        "static_buffer_bytes": captured.static_bytes(),
+                        "buckets": {"rows": captured.buckets.rows, "chunk_frames": captured.buckets.chunk_frames,
+                                    "cache_frames": captured.buckets.cache_frames},
+                        "max_abs_mel_difference": replay_difference(
+                            engine, captured, rng, max(captured.buckets.cache_frames) // engine.token_mel_ratio - 60),
+                        "streaming": replayed}
     print(json.dumps(report, indent=1))
-
+    print(f"\n{'streams':>7} | {'first chunk s (eager / graphs)':>30} | {'steady call s (eager / graphs)':>30} | "
+          f"{'s per audio s (eager / graphs)':>30}")
+    for c in args.concurrency:
+        e, g = levels[c], replayed[c]
+        print(f"{c:>7} | {e['first_chunk_s']:>14} / {g['first_chunk_s']:<13} | {str(e['steady_call_s']):>14} / "
+              f"{str(g['steady_call_s']):<13} | {e['steady_s_per_audio_s']:>14} / {g['steady_s_per_audio_s']:<13}")
 
 if __name__ == "__main__":
     main()

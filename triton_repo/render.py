@@ -122,7 +122,7 @@ class RenderOptions:
     # How token2wav schedules streaming chunks (cosyvoice2_serving.token2wav.T2W_SCHEDULING): "step" advances
     # every chunk in flight one estimator step at a time, so a new stream's first chunk starts at the next step;
     # "call" runs each batch of chunks as one whole call. "call" is the default: on the GPU it measured faster at
-    # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). The DiT token2wav always runs whole calls.
+    # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). Both token2wavs (unet, dit) can step.
     t2w_scheduling: str = "call"
     # With call scheduling, a second token2wav worker that runs only first chunks, concurrently with the calls of
     # later chunks on its own higher-priority CUDA stream (and its own CUDA graphs: more GPU memory), so a new

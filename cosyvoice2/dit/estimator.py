@@ -65,19 +65,27 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], self.heads, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor],
-                cache: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, key_mask: Optional[torch.Tensor], cache: Optional[torch.Tensor] = None,
+                slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, T, C); key_mask (B, 1, 1 or T, T + T_c) bool or None; cache (B, H, T_c, 2 D) keys || values.
 
         Keys are [this chunk || cache] (newest first, the reference's order; attention itself does not depend on
         the order). Returns the output and this chunk's own keys || values (B, H, T, 2 D).
+
+        slots (B, H, T + T_c, 2 D), instead of `cache`: one buffer holding the cache behind T free frames; the
+        chunk's keys || values are written into those and attention reads the whole buffer, so nothing is
+        concatenated (the CUDA-graph path, whose buffers are static); the returned own keys are a view of it.
         """
         batch, length, _ = x.shape
         q = self.q_norm(self._heads(self.to_q(x)))
         k = self.k_norm(self._heads(self.to_k(x)))
         v = self._heads(self.to_v(x))
         own = torch.cat([k, v], dim=-1)
-        if cache is not None and cache.shape[2] > 0:
+        if slots is not None:
+            slots[:, :, :length].copy_(own)
+            own = slots[:, :, :length]
+            k, v = slots.split(self.head_dim, dim=-1)
+        elif cache is not None and cache.shape[2] > 0:
             cached_k, cached_v = cache.split(self.head_dim, dim=-1)
             k, v = torch.cat([k, cached_k], dim=2), torch.cat([v, cached_v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
@@ -157,11 +165,12 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, key_mask: Optional[torch.Tensor],
                 conv_cache: Optional[torch.Tensor] = None, kv_cache: Optional[torch.Tensor] = None,
-                lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, T, C), c (B, 1, C) -> x, new conv cache, this chunk's keys/values."""
+                lengths: Optional[torch.Tensor] = None,
+                kv_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C), c (B, 1, C) -> x, new conv cache, this chunk's keys/values (`Attention`: kv_slots)."""
         (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
          shift_conv, scale_conv, gate_conv) = self.adaLN_modulation(c).chunk(9, dim=-1)
-        attended, kv = self.attn(modulate(self._norm(x), shift_msa, scale_msa), key_mask, kv_cache)
+        attended, kv = self.attn(modulate(self._norm(x), shift_msa, scale_msa), key_mask, kv_cache, kv_slots)
         x = x + gate_msa * attended
         convolved, conv = self.conv(modulate(self._norm(x), shift_conv, scale_conv), conv_cache, lengths)
         x = x + gate_conv * convolved
@@ -207,18 +216,23 @@ class DiT(nn.Module):
     def forward_chunk(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                       cond: torch.Tensor, conv_cache: Optional[torch.Tensor], kv_cache: Optional[torch.Tensor],
                       key_mask: Optional[torch.Tensor] = None,
-                      lengths: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      lengths: Optional[torch.Tensor] = None,
+                      kv_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A chunk continuing cached state: conv_cache (depth, B, 2 C, k - 1), kv_cache (depth, B, H, T_c, 2 D)
         (None: start of a stream) -> velocity (B, 80, T), new conv cache, this chunk's keys/values
         (depth, B, H, T, 2 D).
 
         Rows of several streams: x, mu, cond right-padded to T with `lengths` (B,) real frames; caches padded to T_c;
-        key_mask (B, 1, 1, T + T_c) marks each row's real chunk frames and real cached frames."""
+        key_mask (B, 1, 1, T + T_c) marks each row's real chunk frames and real cached frames.
+        kv_slots (depth, B, H, T + T_c, 2 D) instead of kv_cache: the cache behind T free frames per block, filled
+        with this chunk's keys/values (`Attention`); the returned keys/values are then a view of it."""
         h, c = self._inputs(x, mu, t, spks, cond)
         convs, kvs = [], []
         for i, block in enumerate(self.blocks):
             h, conv, kv = block(h, c, key_mask, None if conv_cache is None else conv_cache[i],
-                                None if kv_cache is None else kv_cache[i], lengths)
+                                None if kv_cache is None else kv_cache[i], lengths,
+                                None if kv_slots is None else kv_slots[i])
             convs.append(conv)
             kvs.append(kv)
-        return self.final_layer(h, c).transpose(1, 2), torch.stack(convs), torch.stack(kvs)
+        own = torch.stack(kvs) if kv_slots is None else kv_slots[:, :, :, : x.shape[2]]
+        return self.final_layer(h, c).transpose(1, 2), torch.stack(convs), own

@@ -14,16 +14,21 @@ v = (1 + w) v(x | mu, spks, cond) - w v(x | 0, 0, 0) with w = 0.7; both rows are
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import DiTFlowConfig
+from .config import DiTEstimatorConfig, DiTFlowConfig
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
 from .estimator import DiT
+
+if TYPE_CHECKING:
+    from .graphs import DiTStepGraphs
 
 
 def time_grid(n_timesteps: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -97,15 +102,22 @@ class ConditionalCFM(nn.Module):
         conditional, unconditional = velocity[:rows], velocity[rows:]
         return (1.0 + w) * conditional - w * unconditional
 
-    def _euler(self, x: torch.Tensor, step_fn) -> torch.Tensor:
-        """Euler steps with the reference's time bookkeeping (t advanced by dt, dt re-derived from the grid)."""
-        grid = time_grid(self.solver.n_timesteps, x.device, x.dtype)
+    def time_steps(self, device: torch.device, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(t, dt) of each Euler step, with the reference's bookkeeping (t advanced by dt, dt re-derived from the
+        grid), as 0-d tensors: every solver path uses these very values."""
+        grid = time_grid(self.solver.n_timesteps, device, dtype)
         t, dt = grid[0], grid[1] - grid[0]
+        out = []
         for step in range(1, len(grid)):
-            x = x + dt * step_fn(step - 1, x, t)
+            out.append((t, dt))
             t = t + dt
             if step < len(grid) - 1:
                 dt = grid[step + 1] - t
+        return out
+
+    def _euler(self, x: torch.Tensor, step_fn) -> torch.Tensor:
+        for step, (t, dt) in enumerate(self.time_steps(x.device, x.dtype)):
+            x = x + dt * step_fn(step, x, t)
         return x
 
     def solve(self, noise: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
@@ -147,65 +159,199 @@ class ConditionalCFM(nn.Module):
         return x, EstimatorCache(torch.stack(convs), torch.stack(kvs))
 
     def solve_chunks(self, noises: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], spks: torch.Tensor,
-                     caches: Sequence[EstimatorCache]) -> list[tuple[torch.Tensor, EstimatorCache]]:
+                     caches: Sequence[EstimatorCache],
+                     graphs: Optional["DiTStepGraphs"] = None) -> list[tuple[torch.Tensor, EstimatorCache]]:
         """One chunk of each of several streams in one estimator batch per ODE step.
 
         noises[i], mus[i]: (1, 80, C_i); spks (B, 80); caches[i] the stream's cache (C_i and cache lengths may
         differ). Rows are right-padded and masked: a padded chunk frame is never a key, a padded cache frame
         never attended, and each row's conv context ends at its own last frame, so every stream gets what
         `solve_chunk` gives it alone (up to float rounding). Conditional rows first, then unconditional.
+
+        `graphs`: when the call fits one of their buckets, each step is padded to it and replayed from a CUDA
+        graph (or, emulated, run on their static buffers); otherwise the call runs eagerly at its own size.
         """
-        if len(noises) == 1:
+        padded = self.pad_chunks(noises, mus, spks, caches, graphs)
+        if padded.graphs is None and len(noises) == 1:
             return [self.solve_chunk(noises[0], mus[0], spks, torch.zeros_like(mus[0]), caches[0])]
-        batch = len(noises)
-        frames = [n.shape[2] for n in noises]
-        cached = [c.frames for c in caches]
-        longest, longest_cache = max(frames), max(cached)
-        device = noises[0].device
+        with padded.locked():
+            return self._solve_padded(padded)
 
-        def padded(items: Sequence[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([F.pad(item, (0, longest - item.shape[2])) for item in items])
+    def pad_chunks(self, noises: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], spks: torch.Tensor,
+                   caches: Sequence[EstimatorCache], graphs: Optional["DiTStepGraphs"]) -> "PaddedChunks":
+        """The chunks' step-invariant inputs, padded to the bucket of `graphs` they fit (then replayed), else to
+        their own largest sizes (then run eagerly)."""
+        frames, cached = max(n.shape[2] for n in noises), max(c.frames for c in caches)
+        shape = None if graphs is None else graphs.bucket(len(noises), frames, cached, noises[0])
+        return PaddedChunks.build(noises, mus, spks, caches, shape or (len(noises), frames, cached),
+                                  graphs if shape is not None else None)
 
-        x = padded(noises)
-        mu = padded(mus)
-        mu2 = torch.cat([mu, torch.zeros_like(mu)])
-        spks2 = torch.cat([spks, torch.zeros_like(spks)])
-        cond2 = torch.zeros_like(mu2)
-        lengths = torch.tensor(frames + frames, device=device)
-        cache_lengths = torch.tensor(cached + cached, device=device)
-        chunk_real = torch.arange(longest, device=device)[None, :] < lengths[:, None]
-        cache_real = torch.arange(longest_cache, device=device)[None, :] < cache_lengths[:, None]
-        key_mask = torch.cat([chunk_real, cache_real], dim=1)[:, None, None, :]
+    def step_padded(self, padded: "PaddedChunks", steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
+                    dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Euler step of padded chunks, stream i at Euler step steps[i] (its caches of that step): replayed,
+        or eagerly on fresh buffers. t, dt: 0-d (every row) or one per stream. The outputs of a replay are valid
+        until the next one: the caller holds `padded.locked()` and copies them out."""
+        if padded.graphs is not None:
+            return padded.graphs.run(padded.shape, padded, steps, x, t, dt)
+        inputs = StepInputs.zeros(self.estimator.config, padded.shape, x)
+        return self.padded_step(*padded.fill(inputs, steps, x, t, dt).args())
 
-        def rows_of(tensor_per_stream: Sequence[torch.Tensor], row_axis: int) -> torch.Tensor:
-            """(.., 2, ..) per stream -> (.., 2B, ..): every stream's conditional row, then the unconditional."""
-            conditional = [t.narrow(row_axis, 0, 1) for t in tensor_per_stream]
-            unconditional = [t.narrow(row_axis, 1, 1) for t in tensor_per_stream]
-            return torch.cat(conditional + unconditional, dim=row_axis)
+    def advance(self, padded: "PaddedChunks", xs: Sequence[torch.Tensor],
+                steps: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """One Euler step of each stream's chunk at its own step (own t, dt and caches): xs[i] (1, 80, C_i) its ODE
+        state -> per stream the next state, its new conv cache (depth, 2, 2 C, k - 1) and K/V (depth, 2, H,
+        C_i + T_c, 2 D) of that step, all fresh tensors."""
+        schedule = self.time_steps(xs[0].device, xs[0].dtype)
+        t = torch.stack([schedule[s][0] for s in steps])
+        dt = torch.stack([schedule[s][1] for s in steps])
+        with padded.locked():
+            x, conv, own = self.step_padded(padded, steps, padded.stack(xs), t, dt)
+            return [(x[i : i + 1, :, : padded.frames[i]].clone(), conv[:, padded.rows_of(i)].clone(),
+                     torch.cat([own[:, padded.rows_of(i), :, : padded.frames[i]], cache.kv[steps[i]]], dim=3))
+                    for i, cache in enumerate(padded.caches)]
 
-        steps = self.solver.n_timesteps
-        conv_in = [rows_of([c.conv[step] for c in caches], 1) for step in range(steps)]
-        kv_in = [rows_of([F.pad(c.kv[step], (0, 0, 0, longest_cache - c.frames)) for c in caches], 1)
-                 for step in range(steps)]
+    def _solve_padded(self, padded: "PaddedChunks") -> list[tuple[torch.Tensor, EstimatorCache]]:
+        """The Euler loop over padded chunks in lock step; each step's outputs are copied out at once (a graph's
+        outputs and static buffers are overwritten by its next replay)."""
+        x = padded.noise
         convs: list[torch.Tensor] = []
-        owns: list[torch.Tensor] = []
-
-        def velocity(step: int, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            v, conv, own = self.estimator.forward_chunk(torch.cat([x, x]), mu2, t.expand(2 * batch), spks2, cond2,
-                                                        conv_in[step], kv_in[step], key_mask, lengths)
-            convs.append(conv)
-            owns.append(own)
-            return self._guided(v, batch)
-
-        x = self._euler(x, velocity)
+        kvs: list[list[torch.Tensor]] = [[] for _ in padded.caches]
+        for step, (t, dt) in enumerate(self.time_steps(x.device, x.dtype)):
+            x, conv, own = self.step_padded(padded, [step] * len(padded.caches), x, t, dt)
+            convs.append(conv.clone())
+            for i, cache in enumerate(padded.caches):
+                rows = padded.rows_of(i)
+                kvs[i].append(torch.cat([own[:, rows, :, : padded.frames[i]], cache.kv[step]], dim=3))
         out = []
-        for i, cache in enumerate(caches):
-            rows = [i, batch + i]
-            conv = torch.stack([c[:, rows] for c in convs])
-            kv = torch.stack([torch.cat([own[:, rows, :, : frames[i]], cache.kv[step]], dim=3)
-                              for step, own in enumerate(owns)])
-            out.append((x[i : i + 1, :, : frames[i]], EstimatorCache(conv, kv)))
+        for i, kv in enumerate(kvs):
+            conv = torch.stack([c[:, padded.rows_of(i)] for c in convs])
+            out.append((x[i : i + 1, :, : padded.frames[i]].clone(), EstimatorCache(conv, torch.stack(kv))))
         return out
+
+    def padded_step(self, x: torch.Tensor, t: torch.Tensor, dt: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+                    conv: torch.Tensor, kv_slots: torch.Tensor, key_mask: torch.Tensor,
+                    lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One Euler step of a padded batch of chunks: what a CUDA graph captures (static shapes, no host syncs).
+
+        x, mu (Bp, 80, Cp); t, dt (Bp,) per row; spks (Bp, 80); this step's caches, conditional rows then
+        unconditional: conv (depth, 2 Bp, 2 C, k - 1) and kv_slots (depth, 2 Bp, H, Cp + Tp, 2 D) (the K/V behind
+        Cp free frames, `DiT.forward_chunk`); key_mask (2 Bp, 1, 1, Cp + Tp); lengths (2 Bp,) real chunk frames
+        -> x after the step, the new conv caches, the chunk's keys/values (a view of kv_slots)."""
+        rows = x.shape[0]
+        mu2 = torch.cat([mu, torch.zeros_like(mu)])
+        velocity, new_conv, own = self.estimator.forward_chunk(
+            torch.cat([x, x]), mu2, torch.cat([t, t]), torch.cat([spks, torch.zeros_like(spks)]),
+            torch.zeros_like(mu2), conv, None, key_mask, lengths, kv_slots)
+        return x + dt[:, None, None] * self._guided(velocity, rows), new_conv, own
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """The inputs of one `ConditionalCFM.padded_step` (a graph's static buffers, or fresh ones for an eager step)."""
+
+    x: torch.Tensor  # (Bp, 80, Cp)
+    t: torch.Tensor  # (Bp,)
+    dt: torch.Tensor  # (Bp,)
+    mu: torch.Tensor  # (Bp, 80, Cp)
+    spks: torch.Tensor  # (Bp, 80)
+    conv: torch.Tensor  # (depth, 2 Bp, 2 C, k - 1)
+    kv: torch.Tensor  # (depth, 2 Bp, H, Cp + Tp, 2 D): chunk slots, then the cache
+    key_mask: torch.Tensor  # (2 Bp, 1, 1, Cp + Tp) bool
+    lengths: torch.Tensor  # (2 Bp,) int64
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.x, self.t, self.dt, self.mu, self.spks, self.conv, self.kv, self.key_mask, self.lengths)
+
+    @classmethod
+    def zeros(cls, config: DiTEstimatorConfig, shape: tuple[int, int, int], like: torch.Tensor,
+              conv: Optional[torch.Tensor] = None, kv: Optional[torch.Tensor] = None) -> "StepInputs":
+        """Zeroed inputs of a (rows, chunk frames, cache frames) shape, with every chunk frame real (a step over
+        them is finite: a capture's warm-up runs on these); conv and kv: given buffers (views) to use instead."""
+        rows, frames, cached = shape
+        mel, depth, heads = config.out_channels, config.depth, config.num_heads
+        if conv is None:
+            conv = like.new_zeros(depth, 2 * rows, 2 * config.hidden_size, config.conv_kernel - 1)
+        if kv is None:
+            kv = like.new_zeros(depth, 2 * rows, heads, frames + cached, 2 * config.head_dim)
+        return cls(like.new_zeros(rows, mel, frames), like.new_zeros(rows), like.new_zeros(rows),
+                   like.new_zeros(rows, mel, frames), like.new_zeros(rows, mel), conv, kv,
+                   torch.ones(2 * rows, 1, 1, frames + cached, dtype=torch.bool, device=like.device),
+                   torch.full((2 * rows,), frames, dtype=torch.long, device=like.device))
+
+
+@dataclass(eq=False)
+class PaddedChunks:
+    """The step-invariant padded inputs of a set of chunks (one `solve_chunks` call, or the chunks `DiTFlow.advance`
+    steps together) at their (rows, chunk frames, cache frames) shape.
+
+    Padded rows have every chunk frame real and no cache (finite, and never read back); padded frames of real
+    rows are zeros and masked as keys; a row's conv context is taken at its own last frame (`lengths`)."""
+
+    shape: tuple[int, int, int]
+    graphs: Optional["DiTStepGraphs"]  # the step graphs `shape` is a bucket of, or None (eager)
+    frames: list[int]
+    caches: Sequence[EstimatorCache]
+    noise: torch.Tensor  # (Bp, 80, Cp) the ODE's start
+    mu: torch.Tensor  # (Bp, 80, Cp)
+    spks: torch.Tensor  # (Bp, 80)
+    key_mask: torch.Tensor  # (2 Bp, 1, 1, Cp + Tp)
+    lengths: torch.Tensor  # (2 Bp,)
+    owners: tuple = ()  # the rows of `DiTFlow.advance` these inputs were built for
+
+    @classmethod
+    def build(cls, noises: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], spks: torch.Tensor,
+              caches: Sequence[EstimatorCache], shape: tuple[int, int, int],
+              graphs: Optional["DiTStepGraphs"] = None) -> "PaddedChunks":
+        rows_p, frames_p, cached_p = shape
+        batch, device = len(noises), noises[0].device
+        frames = [n.shape[2] for n in noises]
+        padded = partial(_padded, rows=rows_p, frames=frames_p)
+        lengths = frames + [frames_p] * (rows_p - batch)
+        cached = [c.frames for c in caches] + [0] * (rows_p - batch)
+        lengths_t = torch.tensor(lengths + lengths, device=device)
+        cached_t = torch.tensor(cached + cached, device=device)
+        chunk_real = torch.arange(frames_p, device=device)[None, :] < lengths_t[:, None]
+        cache_real = torch.arange(cached_p, device=device)[None, :] < cached_t[:, None]
+        key_mask = torch.cat([chunk_real, cache_real], dim=1)[:, None, None, :]
+        return cls(shape, graphs, frames, caches, padded(noises), padded(mus),
+                   F.pad(spks, (0, 0, 0, rows_p - batch)), key_mask, lengths_t)
+
+    def stack(self, items: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per stream (1, 80, C_i) -> (Bp, 80, Cp), zero-padded."""
+        return _padded(items, rows=self.shape[0], frames=self.shape[1])
+
+    def locked(self):
+        """The context a step's fill, replay and copy-out run in: the graphs' lock (static buffers)."""
+        return self.graphs.lock if self.graphs is not None else nullcontext()
+
+    def rows_of(self, index: int) -> slice:
+        """Stream `index`'s conditional and unconditional rows (index and Bp + index) as one strided slice."""
+        return slice(index, index + self.shape[0] + 1, self.shape[0])
+
+    def fill(self, inputs: StepInputs, steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
+             dt: torch.Tensor) -> StepInputs:
+        """Write a step's inputs into `inputs`: the ODE state x (Bp, 80, Cp), t and dt (0-d, or one per stream),
+        each stream's caches of its Euler step steps[i]; the frames and rows behind the real ones keep whatever
+        they hold (masked, never read back)."""
+        rows_p, frames_p = self.shape[:2]
+        inputs.x.copy_(x)
+        inputs.t.copy_(t.expand(rows_p) if t.dim() == 0 else F.pad(t, (0, rows_p - t.shape[0])))
+        inputs.dt.copy_(dt.expand(rows_p) if dt.dim() == 0 else F.pad(dt, (0, rows_p - dt.shape[0])))
+        inputs.mu.copy_(self.mu)
+        inputs.spks.copy_(self.spks)
+        inputs.key_mask.copy_(self.key_mask)
+        inputs.lengths.copy_(self.lengths)
+        for i, cache in enumerate(self.caches):
+            rows = self.rows_of(i)
+            inputs.conv[:, rows].copy_(cache.conv[steps[i]])
+            inputs.kv[:, rows, :, frames_p : frames_p + cache.frames].copy_(cache.kv[steps[i]])
+        return inputs
+
+
+def _padded(items: Sequence[torch.Tensor], rows: int, frames: int) -> torch.Tensor:
+    """(1, C, T_i) per stream -> (rows, C, frames): zeros after each item and in the rows behind them."""
+    stacked = torch.cat([F.pad(item, (0, frames - item.shape[2])) for item in items])
+    return F.pad(stacked, (0, 0, 0, 0, 0, rows - len(items)))
 
 
 class DiTFlow(nn.Module):
@@ -293,20 +439,84 @@ class DiTFlow(nn.Module):
         return self.chunks([tokens], [state], [last])[0]
 
     @torch.inference_mode()
-    def chunks(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState],
-               lasts: Sequence[bool]) -> list[tuple[torch.Tensor, torch.Tensor, FlowState]]:
+    def chunks(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState], lasts: Sequence[bool],
+               graphs: Optional["DiTStepGraphs"] = None) -> list[tuple[torch.Tensor, torch.Tensor, FlowState]]:
         """`chunk` for several streams: the encoder runs per stream (it is small and its rows are ragged in
-        both chunk and cache length), the ODE for all of them in one estimator batch per step."""
+        both chunk and cache length), the ODE for all of them in one estimator batch per step (replayed from
+        `graphs` when the call fits one of their buckets)."""
+        encoded, noises = self._encode(tokens, states, lasts)
+        solved = self.decoder.solve_chunks(noises, [mu.transpose(1, 2) for mu, _ in encoded],
+                                           torch.cat([state.prompt.spks for state in states]),
+                                           [state.estimator for state in states], graphs)
+        out = []
+        for state, (mu, encoder_cache), (mel, estimator_cache) in zip(states, encoded, solved):
+            out.append((mu, mel, self._next_state(state, encoder_cache, estimator_cache)))
+        return out
+
+    def _encode(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState], lasts: Sequence[bool],
+                ) -> tuple[list[tuple[torch.Tensor, EncoderCache]], list[torch.Tensor]]:
+        """Each chunk's encoder pass (mu (1, C, 80), next encoder cache) and its ODE start: the fixed noise at the
+        offset equal to the stream's cached K/V length."""
         encoded = []
         for chunk_tokens, state, last in zip(tokens, states, lasts):
             h, encoder_cache = self.encoder.forward_chunk(self._embed(chunk_tokens), state.encoder, last)
             encoded.append((self.encoder_proj(h), encoder_cache))
         noises = [self.noise(state.estimator.frames, mu.shape[1]).to(mu) for state, (mu, _) in zip(states, encoded)]
-        solved = self.decoder.solve_chunks(noises, [mu.transpose(1, 2) for mu, _ in encoded],
-                                           torch.cat([state.prompt.spks for state in states]),
-                                           [state.estimator for state in states])
-        out = []
-        for state, (mu, encoder_cache), (mel, estimator_cache) in zip(states, encoded, solved):
-            window = estimator_cache.trimmed(state.prompt.prompt_frames, self.config.solver.window_extra_frames)
-            out.append((mu, mel, FlowState(state.prompt, encoder_cache, window)))
-        return out
+        return encoded, noises
+
+    def _next_state(self, state: FlowState, encoder: EncoderCache, estimator: EstimatorCache) -> FlowState:
+        window = estimator.trimmed(state.prompt.prompt_frames, self.config.solver.window_extra_frames)
+        return FlowState(state.prompt, encoder, window)
+
+    # ---- streaming, one Euler step at a time ------------------------------------------------------------
+    @torch.inference_mode()
+    def admit(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState],
+              lasts: Sequence[bool]) -> list["SolvingChunk"]:
+        """`chunks` made resumable: the encoder pass of each chunk now, then `advance` runs one Euler step at a
+        time over any mix of chunks (each at its own step) and `finish` gives what `chunks` gives."""
+        encoded, noises = self._encode(tokens, states, lasts)
+        return [SolvingChunk(state, mu, encoder_cache, noise)
+                for state, (mu, encoder_cache), noise in zip(states, encoded, noises)]
+
+    @torch.inference_mode()
+    def advance(self, rows: Sequence["SolvingChunk"], graphs: Optional["DiTStepGraphs"] = None,
+                batch: Optional["PaddedChunks"] = None) -> "PaddedChunks":
+        """One Euler step of every row, each at its own step, in one padded estimator batch (replayed from
+        `graphs` when it fits a bucket). `batch`: the padded inputs returned by the previous call, reused while
+        the rows are the same. A step that fails changes no row."""
+        steps = self.config.solver.n_timesteps
+        if any(row.step >= steps for row in rows):
+            raise ValueError("advance: a chunk has already run every Euler step")
+        if batch is None or batch.owners != tuple(rows):
+            batch = self.decoder.pad_chunks([row.x for row in rows], [row.mu.transpose(1, 2) for row in rows],
+                                            torch.cat([row.state.prompt.spks for row in rows]),
+                                            [row.state.estimator for row in rows], graphs)
+            batch.owners = tuple(rows)
+        results = self.decoder.advance(batch, [row.x for row in rows], [row.step for row in rows])
+        for row, (x, conv, kv) in zip(rows, results):  # the whole step succeeded: commit it to every row
+            row.x = x
+            row.convs.append(conv)
+            row.kvs.append(kv)
+            row.step += 1
+        return batch
+
+    def finish(self, row: "SolvingChunk") -> tuple[torch.Tensor, torch.Tensor, FlowState]:
+        """A row that ran every Euler step -> (mu, mel, next state), as `chunks` returns them."""
+        if row.step < self.config.solver.n_timesteps:
+            raise ValueError("finish: the chunk has Euler steps left")
+        cache = EstimatorCache(torch.stack(row.convs), torch.stack(row.kvs))
+        return row.mu, row.x, self._next_state(row.state, row.encoder, cache)
+
+
+@dataclass(eq=False)
+class SolvingChunk:
+    """One stream's chunk between `DiTFlow.admit` and `finish`: its encoder output and ODE state, and the
+    estimator caches of the Euler steps it has run (each step sees the stream's caches of that step)."""
+
+    state: FlowState  # the stream's state before the chunk
+    mu: torch.Tensor  # (1, C, 80)
+    encoder: EncoderCache  # the encoder cache after the chunk
+    x: torch.Tensor  # (1, 80, C) the ODE state after `step` steps
+    step: int = 0
+    convs: list[torch.Tensor] = field(default_factory=list)  # per step run: (depth, 2, 2 C, k - 1)
+    kvs: list[torch.Tensor] = field(default_factory=list)  # per step run: (depth, 2, H, C + T_c, 2 D)

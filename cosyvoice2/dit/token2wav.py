@@ -27,7 +27,8 @@ from cosyvoice2.streaming import (  # the same chunk, HiFT state and cross-fade 
     Chunk, ChunkedStream, FlowAndVocoder, HiFTCache,
 )
 
-from .flow import DiTFlow, FlowState, PromptCache
+from .flow import DiTFlow, FlowState, PaddedChunks, PromptCache, SolvingChunk
+from .graphs import DiTGraphBuckets, DiTStepGraphs, HopSchedule, max_prompt_frames
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,10 @@ class VoiceCaches:
 class DiTToken2Wav(FlowAndVocoder):
     """Stateless tokens -> audio for the DiT flow; one instance serves any number of streams.
 
-    The flow runs in its parameters' dtype, HiFT in fp32 (as the reference).
+    The flow runs in its parameters' dtype, HiFT in fp32 (as the reference). Streaming calls replay the DiT's
+    step graphs (`graphs`, `cosyvoice2.dit.graphs`) once they are captured (`graphs.capture_all`), with buckets for
+    this engine's own chunk schedule unless `use_graph_buckets` sets others; until then, and for shapes outside
+    the buckets, they run eagerly.
     """
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, streaming: DiTStreamingConfig = DiTStreamingConfig()) -> None:
@@ -143,6 +147,15 @@ class DiTToken2Wav(FlowAndVocoder):
         self.streaming = streaming
         self.lookahead = flow.config.pre_lookahead_len
         self.token_mel_ratio = flow.config.token_mel_ratio
+        self.graphs = DiTStepGraphs(flow.decoder, self.graph_buckets([self.schedule]))
+
+    def graph_buckets(self, schedules: Sequence[HopSchedule]) -> DiTGraphBuckets:
+        """Step-graph buckets covering the chunks of `schedules`, for voice prompts up to the frontend's limit."""
+        return DiTGraphBuckets.covering(schedules, self.flow.config, max_prompt_frames())
+
+    def use_graph_buckets(self, buckets: DiTGraphBuckets) -> None:
+        """Replace the step graphs by an empty set with these buckets (before capturing them)."""
+        self.graphs = DiTStepGraphs(self.flow.decoder, buckets)
 
     @property
     def sample_rate(self) -> int:
@@ -215,14 +228,26 @@ class DiTToken2Wav(FlowAndVocoder):
     def run_chunks(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list[np.ndarray]:
         """Run the next chunk of each of several streams; HiFT runs once for all of them (rows padded and
         masked). A call that raises leaves every stream as it was, so its chunks can be retried."""
+        self._check_work(work, "run_chunks")
+        return self._vocode_and_emit(work, lambda: self._run_flows(work))
+
+    @staticmethod
+    def _check_work(work: Sequence[tuple["DiTStream", Chunk]], caller: str) -> None:
         streams = [stream for stream, _ in work]
         if len({id(stream) for stream in streams}) != len(streams):
-            raise ValueError("run_chunks takes at most one chunk per stream")
+            raise ValueError(f"{caller} takes at most one chunk per stream")
         for stream, chunk in work:
             stream.check_next(chunk)
+
+    def _vocode_and_emit(self, work: Sequence[tuple["DiTStream", Chunk]],
+                         flows_of: Callable[[], list[tuple[torch.Tensor, FlowState]]]) -> list[np.ndarray]:
+        """HiFT once for all chunks (rows padded and masked) over the mels `flows_of()` gives (per chunk its mel
+        on the HiFT device and its stream's next flow state), then each stream emits its chunk. Raising, it
+        leaves every stream as it was (the noise generators are restored)."""
+        streams = [stream for stream, _ in work]
         generator_states = [stream.generator.get_state() for stream in streams]
         try:
-            flows = self._run_flows(work)
+            flows = flows_of()
             inputs = [stream.hift_input(mel) for stream, (mel, _) in zip(streams, flows)]
             rows = [i for i, (mel, _) in enumerate(inputs) if mel.shape[2] > 0]
             noises = [self.hift.draw_noise(1, inputs[i][0].shape[2], streams[i].generator) for i in rows]
@@ -242,6 +267,45 @@ class DiTToken2Wav(FlowAndVocoder):
                 out.append(stream.emit_nothing(chunk, flow_state))
         return out
 
+    # ---- one Euler step at a time -----------------------------------------------------------------------
+    @staticmethod
+    def steppable(stream: "DiTStream", chunk: Chunk) -> bool:
+        """Whether the chunk has tokens for the flow (a final chunk without new tokens only vocodes HiFT's cached
+        frames: it runs with `run_chunks`)."""
+        return chunk.feed > chunk.start
+
+    @torch.inference_mode()
+    def begin_chunks(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list["DiTSteppedChunk"]:
+        """Admit the next chunk of each of several streams (their encoder pass); `advance_chunks` then steps them
+        and `finish_chunks` vocodes and emits them. Raises, changing no stream, when a chunk does not continue
+        its stream, is not `steppable`, or the encoder pass fails."""
+        self._check_work(work, "begin_chunks")
+        for stream, chunk in work:
+            if not self.steppable(stream, chunk):
+                raise ValueError(f"{chunk} has no tokens for the flow: run it with run_chunks")
+        rows = self.flow.admit(
+            [torch.tensor(stream.tokens[chunk.start:chunk.feed], dtype=torch.long, device=self.flow_device)[None]
+             for stream, chunk in work],
+            [stream.flow_state for stream, _ in work], [chunk.final for _, chunk in work])
+        return [DiTSteppedChunk(stream, chunk, row) for (stream, chunk), row in zip(work, rows)]
+
+    def advance_chunks(self, chunks: Sequence["DiTSteppedChunk"], batch: Optional[PaddedChunks] = None) -> PaddedChunks:
+        """One Euler step of every chunk, each at its own step, in one padded estimator batch (step graphs when it
+        fits a bucket); returns the padded inputs to pass again while the chunks are the same. A failed step
+        changes no chunk."""
+        return self.flow.advance([c.solving for c in chunks], self.graphs, batch)
+
+    def finish_chunks(self, chunks: Sequence["DiTSteppedChunk"]) -> list[np.ndarray]:
+        """Vocode (one HiFT pass) and emit chunks that ran every Euler step. Raises, leaving every stream as it was
+        before the chunk, when HiFT fails."""
+        def flows() -> list[tuple[torch.Tensor, FlowState]]:
+            out = []
+            for c in chunks:
+                _, mel, state = self.flow.finish(c.solving)
+                out.append((mel.to(self.hift_device, torch.float32), state))
+            return out
+
+        return self._vocode_and_emit([(c.stream, c.chunk) for c in chunks], flows)
 
     def _run_flows(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list[tuple[torch.Tensor, FlowState]]:
         """Each chunk's mel (1, 80, C) fp32 on the HiFT device and its stream's next flow state (not yet
@@ -257,10 +321,28 @@ class DiTToken2Wav(FlowAndVocoder):
             results = self.flow.chunks(
                 [torch.tensor(work[i][0].tokens[work[i][1].start:work[i][1].feed], dtype=torch.long,
                               device=self.flow_device)[None] for i in rows],
-                [work[i][0].flow_state for i in rows], [work[i][1].final for i in rows])
+                [work[i][0].flow_state for i in rows], [work[i][1].final for i in rows], self.graphs)
             for i, (_, mel, state) in zip(rows, results):
                 out[i] = (mel.to(self.hift_device, torch.float32), state)
         return out  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class DiTSteppedChunk:
+    """A stream's chunk whose flow is solved one Euler step at a time (`DiTToken2Wav.begin_chunks`)."""
+
+    stream: "DiTStream"
+    chunk: Chunk
+    solving: SolvingChunk
+
+    @property
+    def step(self) -> int:
+        """Euler steps done."""
+        return self.solving.step
+
+    @property
+    def done(self) -> bool:
+        return self.solving.step >= self.stream.engine.flow.config.solver.n_timesteps
 
 
 class DiTStream(ChunkedStream):

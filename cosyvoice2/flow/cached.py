@@ -40,6 +40,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..graph_buckets import capture, fit
 from .encoder import ConformerLayer, relative_position_table
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
 
@@ -700,9 +701,7 @@ class StepGraphs:
 
     def bucket(self, rows: int, new: int, history: int) -> Optional[tuple[int, int, int]]:
         """The padded (rows, new frames, history frames) of a call, or None (run eagerly) when it fits none."""
-        pick = [next((b for b in buckets if b >= value), None)
-                for buckets, value in ((self.rows, rows), (self.new_frames, new), (self.history_frames, history))]
-        return None if None in pick else tuple(pick)  # type: ignore[return-value]
+        return fit((rows, new, history), (self.rows, self.new_frames, self.history_frames))  # type: ignore[return-value]
 
     def buckets(self) -> list[tuple[int, int, int]]:
         """Largest first: a smaller capture then reuses the pool blocks a larger one freed (no pool growth)."""
@@ -785,13 +784,7 @@ class StepGraphs:
             captured = self._captured[shape] = _CapturedStep(inputs, None, None)  # type: ignore[arg-type]
             return captured
         with torch.inference_mode():
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up outside capture (lazy inits, cuBLAS workspaces)
-                self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7])
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7])
+            graph, outputs = capture(lambda: self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7]),
+                                     device, self._pool)
         captured = self._captured[shape] = _CapturedStep(inputs, graph, outputs)
         return captured

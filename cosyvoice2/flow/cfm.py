@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import ReplayOrder, batch_bucket, round_up
+from ..graph_buckets import ReplayOrder, batch_bucket, capture, round_up
 from .config import CFMConfig
 from .estimator import CausalUNetEstimator
 
@@ -92,14 +92,7 @@ class _CapturedSolve:
 
     def __init__(self, cfm: CausalCFM, like: tuple[torch.Tensor, ...], streaming: bool, pool: object) -> None:
         self.inputs = tuple(torch.zeros_like(t) for t in like)  # mu, mask, spks, cond
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (cuBLAS/cuDNN handles, lazy inits)
-            cfm.solve(*self.inputs, streaming)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.output = cfm.solve(*self.inputs, streaming)
+        self.graph, self.output = capture(lambda: cfm.solve(*self.inputs, streaming), like[0].device, pool)
 
 
 class CFMGraphs:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import batch_bucket, round_up
+from ..graph_buckets import batch_bucket, capture, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -256,14 +256,7 @@ class _CapturedVocode:
 
     def __init__(self, hift: HiFTGenerator, inputs: tuple[torch.Tensor, ...], pool: object) -> None:
         self.inputs = tuple(t.clone() for t in inputs)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture (cuDNN/cuFFT plans, lazy inits)
-            hift.vocode(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs = hift.vocode(*self.inputs)
+        self.graph, self.outputs = capture(lambda: hift.vocode(*self.inputs), inputs[0].device, pool)
 
 
 class HiFTGraphs:

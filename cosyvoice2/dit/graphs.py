@@ -1,0 +1,220 @@
+"""CUDA graphs of the DiT estimator's streaming step, in padded shape buckets.
+
+Eagerly, one estimator evaluation of the DiT (16 blocks) is several hundred small kernel launches, and a chunk
+runs ten of them: at a few streams the GPU mostly waits for the host. A streaming call (`ConditionalCFM.solve_chunks`)
+is therefore padded to a bucket of (rows, chunk frames, cached K/V frames) and each Euler step replays the graph
+of `ConditionalCFM.padded_step` captured for that bucket.
+
+Why one graph per Euler step, replayed ten times, and not one graph of the whole ten-step solve: a graph reads its
+inputs from fixed addresses, so every stream's caches must be copied into static buffers either way, and the copy
+volume is the same (each step's K/V once). A whole-solve graph would need all ten steps' K/V in static buffers at
+once - ten times the memory (at the released size in fp32 about 1.25 MiB per cached frame per stream, ~37 GiB for
+16 streams with a 30 s prompt) - to save nine replays and a few small copies per step, which cost tens of
+microseconds against a step's milliseconds. A step graph also takes t and dt per row, so rows at different Euler
+steps could share a replay.
+
+Padding is exact: padded chunk frames and cache frames are masked as attention keys, every other layer is per
+frame or causal (a padded frame lies after every real one), each row's conv context is taken at its own last real
+frame, and padded rows never mix with real ones. Stale values in the static buffers are likewise masked or never
+read back, so they are not cleared between calls.
+
+The buckets cover the steady state of a chunk schedule (`DiTGraphBuckets.covering`): rows 1/2/4/8/16, per chunk
+index the largest chunk (final or not) rounded up, and cached frames in steps up to the longest voice prompt plus
+the K/V window (`DiTSolverConfig.window_extra_frames`). A call outside every bucket runs eagerly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from ..graph_buckets import capture, fit, round_up
+from .flow import ConditionalCFM, PaddedChunks, StepInputs
+
+if TYPE_CHECKING:
+    from .config import DiTFlowConfig
+
+Shape = tuple[int, int, int]  # (rows, chunk frames, cached K/V frames)
+
+#: the largest number of chunks (streams) one replay serves; a larger call runs eagerly
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+CHUNK_FRAME_STEP = 16  # chunk-frame buckets are multiples of this
+CACHE_FRAME_STEP = 128  # cached-frame buckets: every this many frames
+
+
+class HopSchedule(Protocol):
+    """A chunk schedule as the buckets read it (`DiTChunkSchedule`, `cosyvoice2.streaming.ChunkSchedule`)."""
+
+    lookahead: int
+
+    def hop(self, index: int) -> int: ...
+
+
+def chunk_frame_limits(schedule: HopSchedule, token_mel_ratio: int, max_chunks: int = 64) -> list[int]:
+    """Per chunk index, the most mel frames a chunk there can have, until the hop stops changing.
+
+    A non-final chunk of hop h yields ratio x h frames; a final chunk is what is left when fewer than
+    h + lookahead tokens remain, so at most ratio x (h + lookahead - 1) frames - the larger of the two."""
+    limits, previous = [], None
+    for index in range(max_chunks):
+        hop = schedule.hop(index)
+        if index >= 2 and hop == previous:
+            break
+        limits.append(token_mel_ratio * (hop + schedule.lookahead - 1))
+        previous = hop
+    return limits
+
+
+def max_prompt_frames() -> int:
+    """Mel frames of the longest voice prompt the frontend accepts (a prompt cache holds this many K/V frames).
+
+    Imported here, not at module level: the prompt frontend pulls in onnxruntime, which the flow itself never
+    needs."""
+    from ..frontend.features import MEL_HOP, MEL_SAMPLE_RATE
+    from ..frontend.prompt import MAX_PROMPT_SECONDS
+
+    return int(MAX_PROMPT_SECONDS * MEL_SAMPLE_RATE) // MEL_HOP
+
+
+@dataclass(frozen=True)
+class DiTGraphBuckets:
+    rows: tuple[int, ...] = ROW_BUCKETS
+    chunk_frames: tuple[int, ...] = ()
+    cache_frames: tuple[int, ...] = ()
+
+    @classmethod
+    def covering(cls, schedules: Iterable[HopSchedule], config: "DiTFlowConfig", prompt_frames: int,
+                 rows: Sequence[int] = ROW_BUCKETS) -> "DiTGraphBuckets":
+        """Buckets for every chunk the schedules produce, with caches of prompts up to `prompt_frames` frames.
+
+        A stream's cache holds its prompt's P frames, then P + the frames of its chunks so far, trimmed back to
+        P + `window_extra_frames` once longer: a call never starts with more than that."""
+        # one bucket per chunk index, for its largest chunk over all the schedules (e.g. the first hop of each
+        # prompt length), not one per schedule: fewer graphs, at the price of padding the smaller first chunks
+        per_index: dict[int, int] = {}
+        for schedule in schedules:
+            for index, limit in enumerate(chunk_frame_limits(schedule, config.token_mel_ratio)):
+                per_index[index] = max(per_index.get(index, 0), limit)
+        chunks = sorted({round_up(limit, CHUNK_FRAME_STEP) for limit in per_index.values()})
+        longest_cache = prompt_frames + config.solver.window_extra_frames
+        caches = tuple(range(CACHE_FRAME_STEP, round_up(longest_cache, CACHE_FRAME_STEP) + 1, CACHE_FRAME_STEP))
+        return cls(tuple(sorted(rows)), tuple(chunks), caches)
+
+    def fit(self, rows: int, frames: int, cached: int) -> Optional[Shape]:
+        """The bucket a call is padded to, or None (it runs eagerly)."""
+        return fit((rows, frames, cached), (self.rows, self.chunk_frames, self.cache_frames))  # type: ignore[return-value]
+
+    def shapes(self) -> list[Shape]:
+        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
+        shapes = [(r, c, k) for r in self.rows for c in self.chunk_frames for k in self.cache_frames]
+        return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
+
+
+@dataclass(eq=False)
+class _Entry:
+    inputs: StepInputs  # static: views of the shared cache buffers plus this bucket's own small tensors
+    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the step runs eagerly on the static inputs)
+    outputs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class DiTStepGraphs:
+    """The captured step graphs of one `ConditionalCFM`, per bucket, and their static buffers.
+
+    The K/V slots (depth, 2 x max rows, heads, max chunk + max cache frames, 2 x head dim) and the conv contexts
+    are allocated once, for the largest bucket, and every bucket's inputs are views of them; all graphs share one
+    memory pool. `lock` is held by a whole `solve_chunks` call (static buffers, and graph outputs that the next
+    replay overwrites). `emulate` (tests): pad to the buckets and fill the static buffers on any device, running
+    each step eagerly instead of replaying."""
+
+    def __init__(self, cfm: ConditionalCFM, buckets: DiTGraphBuckets) -> None:
+        self._cfm = [cfm]  # a list, so the module is not registered as a child
+        self.buckets = buckets
+        self.lock = threading.RLock()
+        self.emulate = False
+        self._entries: dict[Shape, _Entry] = {}
+        self._kv: Optional[torch.Tensor] = None
+        self._conv: Optional[torch.Tensor] = None
+        self._pool: object | None = None
+
+    @property
+    def captured(self) -> int:
+        return sum(entry.graph is not None for entry in self._entries.values())
+
+    def static_bytes(self) -> int:
+        """Bytes of the shared static buffers (0 before the first capture or emulated call)."""
+        return sum(t.numel() * t.element_size() for t in (self._kv, self._conv) if t is not None)
+
+    def bucket(self, rows: int, frames: int, cached: int, like: torch.Tensor) -> Optional[Shape]:
+        """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket that was
+        captured for that device and dtype (any bucket when emulating)."""
+        shape = self.buckets.fit(rows, frames, cached)
+        if shape is None or self.emulate:
+            return shape
+        entry = self._entries.get(shape)
+        if entry is None or entry.graph is None or not like.is_cuda:
+            return None
+        return shape if (entry.inputs.x.device, entry.inputs.x.dtype) == (like.device, like.dtype) else None
+
+    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Capture every bucket now (before a server reports ready); returns how many graphs were captured."""
+        before = self.captured
+        with self.lock, torch.inference_mode():
+            for shape in self.buckets.shapes():
+                self._entry(shape, device, dtype, capture_graph=True)
+        return self.captured - before
+
+    def clear(self) -> None:
+        """Drop every graph and buffer: all calls run eagerly (after a failed capture)."""
+        with self.lock:
+            self._entries.clear()
+            self._kv = self._conv = None
+            self._pool = None
+
+    def run(self, shape: Shape, padded: PaddedChunks, steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
+            dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of a padded call in `shape` (stream i at Euler step steps[i]): fill the static inputs, replay
+        (outputs valid until the next replay; the caller holds `lock` and copies them out at once)."""
+        with self.lock:
+            entry = self._entry(shape, x.device, x.dtype, capture_graph=False)
+            padded.fill(entry.inputs, steps, x, t, dt)
+            if entry.graph is None:
+                return self._cfm[0].padded_step(*entry.inputs.args())
+            entry.graph.replay()
+            assert entry.outputs is not None
+            return entry.outputs
+
+    # -- buffers and capture ------------------------------------------------------------------------------
+    def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
+        entry = self._entries.get(shape)
+        if entry is not None and (entry.inputs.x.device, entry.inputs.x.dtype) == (device, dtype):
+            if entry.graph is not None or not capture_graph:
+                return entry
+        if self._kv is None or (self._kv.device, self._kv.dtype) != (device, dtype):
+            self._entries.clear()
+            self._allocate(device, dtype)
+        assert self._kv is not None and self._conv is not None
+        rows, frames, cached = shape
+        config = self._cfm[0].estimator.config
+        like = self._kv.new_empty(0)
+        inputs = StepInputs.zeros(config, shape, like, conv=self._conv[:, : 2 * rows],
+                                  kv=self._kv[:, : 2 * rows, :, : frames + cached])
+        graph, outputs = None, None
+        if capture_graph and device.type == "cuda":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            cfm = self._cfm[0]
+            graph, outputs = capture(lambda: cfm.padded_step(*inputs.args()), device, self._pool)
+        entry = self._entries[shape] = _Entry(inputs, graph, outputs)
+        return entry
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+        config = self._cfm[0].estimator.config
+        rows = 2 * max(self.buckets.rows)
+        frames = max(self.buckets.chunk_frames) + max(self.buckets.cache_frames)
+        self._kv = torch.zeros(config.depth, rows, config.num_heads, frames, 2 * config.head_dim,
+                               device=device, dtype=dtype)
+        self._conv = torch.zeros(config.depth, rows, 2 * config.hidden_size, config.conv_kernel - 1,
+                                 device=device, dtype=dtype)
