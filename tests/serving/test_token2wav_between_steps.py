@@ -33,6 +33,7 @@ class SteppingEngine:
         self.permits = threading.Semaphore(0)
         self.log: list[tuple[str, list]] = []
         self.mid_call = threading.Event()
+        self.held = 0  # steps of later-chunk calls that reached their permit (their hook already ran)
 
     def open(self, prompt, seed):
         return {"seed": seed}
@@ -45,6 +46,7 @@ class SteppingEngine:
             if between_steps is not None:
                 between_steps()
             if later:
+                self.held += 1
                 self.mid_call.set()
                 assert self.permits.acquire(timeout=60), "test never released a step"
         self.log.append(("end", jobs))
@@ -64,6 +66,9 @@ def test_a_first_chunk_runs_between_the_steps_of_a_running_call(between_steps: b
             a1 = asyncio.ensure_future(service.process("A", np.arange(4), None, SECOND, seed=1))
             await until(engine.mid_call.is_set)  # A's later chunk is mid-solve, held before a step
             engine.permits.release(2)
+            # B is queued only once A holds before its third step, whose hook has run: however slow the worker
+            # thread, no earlier hook can take B, so the hook that runs it is the one after the next permit.
+            await until(lambda: engine.held == 3)
             b0 = asyncio.ensure_future(service.process("B", np.arange(7), voice(1), FIRST, seed=2))
             await until(lambda: any(job.request_id == "B" for job in service._pending))  # B is queued
             engine.permits.release(1)  # one more step: the hook before the next one sees B waiting
