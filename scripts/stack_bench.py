@@ -99,6 +99,9 @@ REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
+#: Wait this long after a level before reading the Triton metrics: each model publishes a change within 100 ms
+#: (`MetricsExporter.PERIOD_S`), so the last requests' counters are in the level's deltas, not the next level's.
+METRICS_SETTLE_S = 0.5
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
 OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
@@ -722,6 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     before = triton_metrics(server)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
                                       args.timeout, args.warmup, pipeline)  # fmt: skip
+                    time.sleep(METRICS_SETTLE_S)
                     stages[name] = stage_breakdown(before, triton_metrics(server))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
                                     stages[name])  # fmt: skip
