@@ -15,7 +15,7 @@ the step counters are published every `STEP_STATS_PERIOD_S`, not per step.
 For the first chunk of every streaming request (`FIRST_CHUNK_STATS`) the scheduler adds up where its time went:
 the wait in the queue, its prefill call, and the decode steps until the hand-over that completes the chunk. They
 are taken from clock readings the worker makes anyway (around prefills and steps) and counted once per request,
-at that hand-over, so the per-step loop does no more than before.
+at that hand-over: the per-step loop only checks, at each hand-over, whether it is a request's first.
 
 Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
 """
@@ -55,9 +55,9 @@ LLM_STATS = (
 )
 
 #: Summed over the first chunks of streaming requests (docs/PERFORMANCE.md#what-is-measured): a request's first chunk
-#: is its first hand-over (its first `deliver_at` boundary, or the end if it ends before that; without a schedule
-#: its first token). A request that only wants the end (`deliver_at=()`: an offline caller), or that is cancelled
-#: or fails before its first hand-over, is not counted. Divide each sum by `llm_first_chunks_total` for the mean.
+#: is its first hand-over (its first `deliver_at` boundary, or the end if it ends before that or has no boundary;
+#: without a schedule its first token). An offline request (`submit(..., streaming=False)`), or one cancelled or
+#: failed before its first hand-over, is not counted. Divide each sum by `llm_first_chunks_total` for the mean.
 FIRST_CHUNK_STATS = (
     "llm_first_chunks_total",
     "llm_first_chunk_wait_seconds_total",  # submit -> its prefill call starts (the queue)
@@ -116,10 +116,11 @@ class _Job(Generic[R]):
     """
 
     __slots__ = ("request_id", "request", "loop", "queue", "slot", "cancelled", "pending", "emitted", "due",
-                 "_boundaries", "scheduled", "submitted_at", "streams", "first_chunk")
+                 "_boundaries", "scheduled", "submitted_at", "has_first_chunk", "first_chunk")
 
     def __init__(
-        self, request_id: str, request: R, loop: asyncio.AbstractEventLoop, deliver_at: Sequence[int] | None
+        self, request_id: str, request: R, loop: asyncio.AbstractEventLoop, deliver_at: Sequence[int] | None,
+        streaming: bool,
     ) -> None:
         self.request_id = request_id
         self.request = request
@@ -131,7 +132,7 @@ class _Job(Generic[R]):
         self.emitted = 0  # tokens decoded so far
         self.scheduled = deliver_at is not None
         self.submitted_at = time.perf_counter()
-        self.streams = deliver_at is None or len(deliver_at) > 0  # it has a first chunk (else only the end)
+        self.has_first_chunk = streaming
         # from admission until the first hand-over: (queue wait, prefill call, end of prefill, scheduler steps then)
         self.first_chunk: tuple[float, float, float, int] | None = None
         # boundaries still ahead, the next one last; `due` is the next one (0: every token, _NEVER: only the end)
@@ -246,14 +247,19 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._thread.start()
 
     # -- called from the event loop ------------------------------------------------------------
-    def submit(self, request_id: str, request: R, deliver_at: Sequence[int] | None = None) -> TokenStream:
+    def submit(self, request_id: str, request: R, deliver_at: Sequence[int] | None = None,
+               streaming: bool | None = None) -> TokenStream:
         """Queue `request`; its tokens arrive on the returned stream.
 
         `deliver_at`: cumulative token counts at which the consumer needs the tokens decoded so far (e.g. the
         chunk boundaries of a streaming schedule); tokens are handed over only there and at the end, so the
         consumer wakes up once per boundary instead of once per token. Empty: only at the end. None: every step.
+        `streaming`: whether the consumer streams, so that its first hand-over is a first chunk (`FIRST_CHUNK_STATS`;
+        a streaming request too short for a boundary has an empty `deliver_at`); default: unless `deliver_at` is empty.
         """
-        job = _Job(request_id, request, asyncio.get_running_loop(), deliver_at)
+        if streaming is None:
+            streaming = deliver_at is None or len(deliver_at) > 0
+        job = _Job(request_id, request, asyncio.get_running_loop(), deliver_at, streaming)
         with self._lock:
             if self._closed:
                 raise RuntimeError("scheduler is closed")
@@ -346,7 +352,7 @@ class ContinuousBatchingScheduler(Generic[R]):
                     self._finish(job, "llm_failed_total", slot)
                     continue
                 job.slot = slot
-                if job.streams:
+                if job.has_first_chunk:
                     job.first_chunk = (started - job.submitted_at, ended - started, ended, self._steps)
                 self._active[slot] = job
             self.stats.set("llm_active_sequences", len(self._active))

@@ -270,7 +270,7 @@ class SparkEngine:
             raise InvalidInput("this Spark engine only vocodes: its LLM runs on TensorRT-LLM")
         sampling = SparkSampling(max_new_tokens=request.max_new_tokens)
         decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed, ignore_eos=self.benchmark)
-        return self.scheduler.submit(request_id, decode_request, request.deliver_at)
+        return self.scheduler.submit(request_id, decode_request, request.deliver_at, streaming=request.streaming)
 
     def stop(self, request_id: str) -> None:
         if self.scheduler is not None:

@@ -175,10 +175,12 @@ def first_chunk_breakdown(d: dict[str, float]) -> dict[str, float | None]:
     stages (queue, prefill, decode; queue, call) replace them where that layer counted first chunks (not with
     TensorRT-LLM or Spark's vocoder: then those stages are None); ``first_chunk_other_ms`` is what the stages leave
     of the first-chunk time: IPC, gRPC, the hand-overs between processes and threads. All None without streaming
-    requests."""
+    requests. ``first_chunks``, ``first_chunks_llm``, ``first_chunks_token2wav``: each layer's count (equal when every
+    layer saw every request's first chunk)."""
     count = d.get(FIRST_CHUNKS) or 0.0
     out: dict[str, float | None] = {"first_chunks": count}
-    keys = ["first_chunk_ms", "first_chunk_other_ms", "first_chunk_llm_decode_steps", "first_chunk_token2wav_rows"]
+    keys = ["first_chunk_ms", "first_chunk_other_ms", "first_chunk_llm_decode_steps", "first_chunk_token2wav_rows",
+            "first_chunks_llm", "first_chunks_token2wav"]
     keys += [f"first_chunk_{segment}_ms" for segment, _, _ in FIRST_CHUNK_SEGMENTS]
     keys += [f"first_chunk_{key}_ms" for _, _, stages in FIRST_CHUNK_SEGMENTS for key, _ in stages]
     out.update(dict.fromkeys(keys))
@@ -193,6 +195,7 @@ def first_chunk_breakdown(d: dict[str, float]) -> dict[str, float | None]:
         if not n:  # no breakdown inside: the orchestrator's stage is the stage
             placed += ms
             continue
+        out[f"first_chunks_{layer_count.split('_')[0]}"] = n  # = first_chunks, or the layer missed some
         for key, counter in stages:
             out[f"first_chunk_{key}_ms"] = value = 1000.0 * d.get(counter, 0.0) / n
             placed += value

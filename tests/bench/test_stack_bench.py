@@ -361,7 +361,8 @@ def test_first_chunk_breakdown_lays_the_level_means_end_to_end():
                    "token2wav_queue": 100.0, "token2wav_call": 175.0}  # both replicas', over their 4
     for key, ms in expected_ms.items():
         assert stages[f"first_chunk_{key}_ms"] == pytest.approx(ms), key
-    assert stages["first_chunks"] == 4 and stages["first_chunk_ms"] == pytest.approx(512.0)
+    assert stages["first_chunks"] == stages["first_chunks_llm"] == stages["first_chunks_token2wav"] == 4
+    assert stages["first_chunk_ms"] == pytest.approx(512.0)
     assert stages["first_chunk_llm_decode_steps"] == pytest.approx(28.0)
     assert stages["first_chunk_token2wav_rows"] == pytest.approx(7 / 4)
     # other: what the LLM's stages leave of the tokens stage (20 ms) and token2wav's of the audio stage (25 ms)
@@ -376,6 +377,7 @@ def test_first_chunk_breakdown_without_a_layers_counters_keeps_its_orchestrator_
     earlier = {key: value for key, value in BEFORE.items() if not key[0].startswith("llm_")}
     stages = sb.stage_breakdown(sb.parse_metrics(_scrape(earlier)), sb.parse_metrics(_scrape(_after(level, earlier))))
     assert stages["first_chunk_llm_queue_ms"] is None and stages["first_chunk_llm_decode_steps"] is None
+    assert stages["first_chunks_llm"] is None and stages["first_chunks_token2wav"] == 4
     assert stages["first_chunk_tokens_ms"] == pytest.approx(200.0)
     assert stages["first_chunk_other_ms"] == pytest.approx(25.0)  # only token2wav's remainder
     # an offline level: no streaming request, no breakdown

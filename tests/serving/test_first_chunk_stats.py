@@ -128,6 +128,10 @@ async def test_llm_counts_a_request_that_ends_before_its_first_boundary_at_its_e
         assert await drain(scheduler.submit("short", Script(base=0, count=3), deliver_at=(10,))) == [0, 1, 2]
         stats = llm_stats(scheduler)
         assert stats["count"] == 1 and stats["steps"] == 3
+        # a streaming request too short for any boundary: its end is its first chunk too
+        assert await drain(scheduler.submit("shorter", Script(base=0, count=2), deliver_at=(), streaming=True)) == [0, 1]
+        stats = llm_stats(scheduler)
+        assert stats["count"] == 2 and stats["steps"] == 3 + 2
     finally:
         scheduler.close()
 
@@ -136,7 +140,8 @@ async def test_llm_without_a_schedule_counts_the_first_token_and_offline_request
     scheduler = ContinuousBatchingScheduler(SlowDecoder(num_slots=2), max_waiting=4)
     try:
         assert await drain(scheduler.submit("offline", Script(base=0, count=4), deliver_at=())) == [0, 1, 2, 3]
-        assert llm_stats(scheduler)["count"] == 0  # it only wanted the end: it has no first chunk
+        assert await drain(scheduler.submit("told", Script(base=0, count=4), (2,), streaming=False)) == [0, 1, 2, 3]
+        assert llm_stats(scheduler)["count"] == 0  # offline: no first chunk
         assert await drain(scheduler.submit("tokens", Script(base=0, count=4))) == [0, 1, 2, 3]
         stats = llm_stats(scheduler)
         assert stats["count"] == 1 and stats["steps"] == 1
