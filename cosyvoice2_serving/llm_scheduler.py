@@ -14,8 +14,9 @@ the step counters are published every `STEP_STATS_PERIOD_S`, not per step.
 
 For the first chunk of every streaming request (`FIRST_CHUNK_STATS`) the scheduler adds up where its time went:
 the wait in the queue, its prefill call, and the decode steps until the hand-over that completes the chunk. They
-are taken from clock readings the worker makes anyway (around prefills and steps) and counted once per request,
-at that hand-over: the per-step loop only checks, at each hand-over, whether it is a request's first.
+are taken from clock readings the worker makes anyway (around prefills and steps), added up once per request at
+that hand-over (the per-step loop only checks, at each hand-over, whether it is a request's first) and published
+with the step counters.
 
 Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
 """
@@ -35,8 +36,8 @@ from cosyvoice2_serving.stats import Stats
 
 R = TypeVar("R")
 
-#: Step counters reach `stats` (and its listeners: the metrics exporter) at most this often, and whenever a
-#: sequence ends or the worker goes idle; per step they are only added up locally.
+#: Step counters (and the first-chunk sums) reach `stats` (and its listeners: the metrics exporter) at most this
+#: often, and whenever a sequence ends or the worker goes idle; per step they are only added up locally.
 STEP_STATS_PERIOD_S = 0.05
 
 logger = logging.getLogger(__name__)
@@ -242,6 +243,7 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._steps = 0  # worker thread only: steps run, and those of them (and their seconds) not yet in `stats`
         self._published_steps = 0
         self._unpublished_seconds = 0.0
+        self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)  # worker thread only
         self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
         self._thread.start()
@@ -397,10 +399,10 @@ class ContinuousBatchingScheduler(Generic[R]):
             elif out.finished:
                 finished.append(job)
         if finished:
-            self._publish_step_stats()
             with self._lock:
                 for job in finished:
                     self._release(job, "llm_finished_total")
+            self._publish_step_stats()  # before the ends are handed over (`_run` sends the outbox)
         elif ended >= self._publish_at:
             self._publish_step_stats()
             self._publish_at = ended + STEP_STATS_PERIOD_S
@@ -411,19 +413,23 @@ class ContinuousBatchingScheduler(Generic[R]):
             self._published_steps, self._unpublished_seconds = self._steps, 0.0
             self.stats.add("llm_steps_total", steps)
             self.stats.add("llm_step_seconds_total", seconds)
+        first_chunks = self._unpublished_first_chunks
+        if first_chunks["llm_first_chunks_total"]:
+            self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)
+            self.stats.add_all(first_chunks)  # the count with its sums: a scrape never sees one without the other
 
     def _count_first_chunk(self, job: _Job[R], delivered_at: float) -> None:
-        """The hand-over at `delivered_at` (the end of the step that made it) completes the job's first chunk."""
+        """The hand-over at `delivered_at` (the end of the step that made it) completes the job's first chunk.
+        Worker thread only (as every path that ends a job or hands over to it)."""
         assert job.first_chunk is not None
         wait, prefill, prefilled_at, steps = job.first_chunk
         job.first_chunk = None
-        self.stats.add_all({
-            "llm_first_chunks_total": 1,
-            "llm_first_chunk_wait_seconds_total": wait,
-            "llm_first_chunk_prefill_seconds_total": prefill,
-            "llm_first_chunk_decode_seconds_total": delivered_at - prefilled_at,
-            "llm_first_chunk_steps_total": self._steps - steps,
-        })  # fmt: skip
+        sums = self._unpublished_first_chunks
+        sums["llm_first_chunks_total"] += 1
+        sums["llm_first_chunk_wait_seconds_total"] += wait
+        sums["llm_first_chunk_prefill_seconds_total"] += prefill
+        sums["llm_first_chunk_decode_seconds_total"] += delivered_at - prefilled_at
+        sums["llm_first_chunk_steps_total"] += self._steps - steps
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._active.values() if j.cancelled]:
