@@ -99,9 +99,11 @@ REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
-#: Wait this long after a level before reading the Triton metrics: each model publishes a change within 100 ms
-#: (`MetricsExporter.PERIOD_S`), so the last requests' counters are in the level's deltas, not the next level's.
+#: After a level the Triton metrics are read once they have not changed for this long (each model publishes a change
+#: within 100 ms, `MetricsExporter.PERIOD_S`, unless its process waits for the CPU), at most METRICS_SETTLE_MAX_S:
+#: the last requests' counters belong in this level's deltas, not the next level's.
 METRICS_SETTLE_S = 0.5
+METRICS_SETTLE_MAX_S = 10.0
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
 OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
@@ -136,7 +138,23 @@ WARMUP_CONCURRENCY = 8
 
 def triton_metrics(server: TritonServer) -> dict[str, float]:
     """stat name -> value of every `cosyvoice2_*` metric of the server (`parse_metrics`)."""
-    return parse_metrics(urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode())  # noqa: S310
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    return parse_metrics(urllib.request.urlopen(url).read().decode())  # noqa: S310
+
+
+def settled_metrics(server: TritonServer, quiet_s: float = METRICS_SETTLE_S,
+                    timeout_s: float = METRICS_SETTLE_MAX_S) -> dict[str, float]:
+    """`triton_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    current, since = triton_metrics(server), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        latest = triton_metrics(server)
+        if latest != current:
+            current, since = latest, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return current
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -539,7 +557,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
         for (scenario, concurrency), runs in streaming.items():
             runs = sorted(runs, key=lambda r: r["run"])
             cells = [scenario, str(concurrency)]
-            cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt) for _, key, fmt in FIRST_CHUNK_COLUMNS]
+            cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt)
+                      for _, key, fmt in FIRST_CHUNK_COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
     shown = NA if realtime is None else str(realtime)
     lines += ["", f"Real-time streams per GPU ({REALTIME_SCENARIO}: first chunk p90 <= "
@@ -728,8 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     before = triton_metrics(server)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
                                       args.timeout, args.warmup, pipeline)  # fmt: skip
-                    time.sleep(METRICS_SETTLE_S)
-                    stages[name] = stage_breakdown(before, triton_metrics(server))
+                    stages[name] = stage_breakdown(before, settled_metrics(server))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
                                     stages[name])  # fmt: skip
                     rows.append(row)

@@ -323,7 +323,8 @@ def _scrape(values: dict[tuple[str, str], float]) -> str:
 
 #: A level of 4 streaming requests in the disaggregated layout (one `llm`, two token2wav replicas), seconds.
 BEFORE = {("orchestrator_first_chunks_total", "cosyvoice2_stream"): 10, ("llm_first_chunks_total", "llm"): 10,
-          ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 6, ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 4,
+          ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 6,
+          ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 4,
           ("orchestrator_first_chunk_prompt_seconds_total", "cosyvoice2_stream"): 1.0,
           ("llm_first_chunk_wait_seconds_total", "llm"): 0.5}
 LEVEL = {  # what the level added
@@ -410,3 +411,14 @@ def test_summary_has_a_first_chunk_table_for_streaming_levels_only():
     line = next(line for line in table.splitlines() if line.startswith("| triton-stream | 16 |"))
     assert "| 512 / 514 (512–514) |" in line and "| 2.0 / 4.0 (2.0–4.0) |" in line  # first chunk; send
     assert "triton-offline" not in table  # no first chunk there
+
+
+def test_settled_metrics_reads_until_the_metrics_stop_changing(monkeypatch):
+    reads = iter([{"a": 1.0}, {"a": 2.0}, {"a": 3.0}] + [{"a": 3.0}] * 1000)  # the last publications come late
+    monkeypatch.setattr(sb, "triton_metrics", lambda server: next(reads))
+    assert sb.settled_metrics(None, quiet_s=0.25) == {"a": 3.0}
+    ticks = iter(range(10_000))  # never settles: given up after the timeout, with the latest reading
+    monkeypatch.setattr(sb, "triton_metrics", lambda server: {"a": float(next(ticks))})
+    started = time.monotonic()
+    last = sb.settled_metrics(None, quiet_s=0.25, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 5 and last["a"] >= 2

@@ -129,7 +129,8 @@ async def test_llm_counts_a_request_that_ends_before_its_first_boundary_at_its_e
         stats = llm_stats(scheduler)
         assert stats["count"] == 1 and stats["steps"] == 3
         # a streaming request too short for any boundary: its end is its first chunk too
-        assert await drain(scheduler.submit("shorter", Script(base=0, count=2), deliver_at=(), streaming=True)) == [0, 1]
+        shorter = scheduler.submit("shorter", Script(base=0, count=2), deliver_at=(), streaming=True)
+        assert await drain(shorter) == [0, 1]
         stats = llm_stats(scheduler)
         assert stats["count"] == 2 and stats["steps"] == 3 + 2
     finally:
