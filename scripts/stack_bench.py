@@ -13,11 +13,11 @@ realistic number of speech tokens per text token. `--token2wav dit` renders the 
 DiT directory once (`cosyvoice2.testing.dit`, WORK/dit). Random weights are written into a sibling `.partial`
 directory that is renamed when complete, so an interrupted write is redone, never taken for a model.
 
-Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (their
-deltas give the per-stage breakdown: LLM prefill and step, token2wav call; and for streaming levels the mean first
-chunk stage by stage: voice prompt, LLM queue, prefill and decode, token2wav queue and call, send, and the other
-time they leave of the pipeline's first-chunk time) and the GPU's utilization is sampled every 200 ms (NVML through
-`pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
+Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (after it
+once they stop changing; their deltas give the per-stage breakdown: LLM prefill and step, token2wav call; and for
+streaming levels the mean first chunk stage by stage: voice prompt, LLM queue, prefill and decode, token2wav queue
+and call, send, and the other time they leave of the pipeline's first-chunk time) and the GPU's utilization is
+sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
 playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams per GPU:
 the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error,
 in every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
