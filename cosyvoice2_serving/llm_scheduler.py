@@ -12,6 +12,12 @@ streaming schedule's chunk boundaries) and is woken only then; the hand-overs of
 event loop in a single `call_soon_threadsafe`; the lock is taken per step only when sequences end, and
 the step counters are published every `STEP_STATS_PERIOD_S`, not per step.
 
+For the first chunk of every streaming request (`FIRST_CHUNK_STATS`) the scheduler adds up where its time went:
+the wait in the queue, its prefill call, and the decode steps until the hand-over that completes the chunk. They
+are taken from clock readings the worker makes anyway (around prefills and steps), added up once per request at
+that hand-over (the per-step loop only checks, at each hand-over, whether it is a request's first) and published
+with the step counters.
+
 Requests beyond the free slots wait in a bounded queue; a full queue rejects with `Overloaded`.
 """
 
@@ -30,8 +36,8 @@ from cosyvoice2_serving.stats import Stats
 
 R = TypeVar("R")
 
-#: Step counters reach `stats` (and its listeners: the metrics exporter) at most this often, and whenever a
-#: sequence ends or the worker goes idle; per step they are only added up locally.
+#: Step counters (and the first-chunk sums) reach `stats` (and its listeners: the metrics exporter) at most this
+#: often, and whenever a sequence ends or the worker goes idle; per step they are only added up locally.
 STEP_STATS_PERIOD_S = 0.05
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,19 @@ LLM_STATS = (
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
     "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
 )
+
+#: Summed over the first chunks of streaming requests (docs/PERFORMANCE.md#what-is-measured): a request's first chunk
+#: is its first hand-over (its first `deliver_at` boundary, or the end if it ends before that or has no boundary;
+#: without a schedule its first token). An offline request (`submit(..., streaming=False)`), or one cancelled or
+#: failed before its first hand-over, is not counted. Divide each sum by `llm_first_chunks_total` for the mean.
+FIRST_CHUNK_STATS = (
+    "llm_first_chunks_total",
+    "llm_first_chunk_wait_seconds_total",  # submit -> its prefill call starts (the queue)
+    "llm_first_chunk_prefill_seconds_total",  # its prefill call (shared with the requests admitted with it)
+    "llm_first_chunk_decode_seconds_total",  # end of the prefill -> the step that completes the first chunk
+    "llm_first_chunk_steps_total",  # decoder steps in that span
+)
+LLM_STATS += FIRST_CHUNK_STATS
 
 
 @dataclass(frozen=True)
@@ -98,10 +117,11 @@ class _Job(Generic[R]):
     """
 
     __slots__ = ("request_id", "request", "loop", "queue", "slot", "cancelled", "pending", "emitted", "due",
-                 "_boundaries", "scheduled")
+                 "_boundaries", "scheduled", "submitted_at", "has_first_chunk", "first_chunk")
 
     def __init__(
-        self, request_id: str, request: R, loop: asyncio.AbstractEventLoop, deliver_at: Sequence[int] | None
+        self, request_id: str, request: R, loop: asyncio.AbstractEventLoop, deliver_at: Sequence[int] | None,
+        streaming: bool,
     ) -> None:
         self.request_id = request_id
         self.request = request
@@ -112,6 +132,10 @@ class _Job(Generic[R]):
         self.pending: list[int] = []
         self.emitted = 0  # tokens decoded so far
         self.scheduled = deliver_at is not None
+        self.submitted_at = time.perf_counter()
+        self.has_first_chunk = streaming
+        # from admission until the first hand-over: (queue wait, prefill call, end of prefill, scheduler steps then)
+        self.first_chunk: tuple[float, float, float, int] | None = None
         # boundaries still ahead, the next one last; `due` is the next one (0: every token, _NEVER: only the end)
         self._boundaries = sorted(set(deliver_at or ()), reverse=True)
         self.due = 0
@@ -216,21 +240,28 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._cancels = 0  # cancellations not yet applied by the worker (it skips the scan while 0)
         self._closed = False
         self._outbox = _Outbox()  # worker thread only
-        self._unpublished_steps = 0  # worker thread only: steps and their seconds not yet added to `stats`
+        self._steps = 0  # worker thread only: steps run, and those of them (and their seconds) not yet in `stats`
+        self._published_steps = 0
         self._unpublished_seconds = 0.0
+        self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)  # worker thread only
         self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
         self._thread.start()
 
     # -- called from the event loop ------------------------------------------------------------
-    def submit(self, request_id: str, request: R, deliver_at: Sequence[int] | None = None) -> TokenStream:
+    def submit(self, request_id: str, request: R, deliver_at: Sequence[int] | None = None,
+               streaming: bool | None = None) -> TokenStream:
         """Queue `request`; its tokens arrive on the returned stream.
 
         `deliver_at`: cumulative token counts at which the consumer needs the tokens decoded so far (e.g. the
         chunk boundaries of a streaming schedule); tokens are handed over only there and at the end, so the
         consumer wakes up once per boundary instead of once per token. Empty: only at the end. None: every step.
+        `streaming`: whether the consumer streams, so that its first hand-over is a first chunk (`FIRST_CHUNK_STATS`;
+        a streaming request too short for a boundary has an empty `deliver_at`); default: unless `deliver_at` is empty.
         """
-        job = _Job(request_id, request, asyncio.get_running_loop(), deliver_at)
+        if streaming is None:
+            streaming = deliver_at is None or len(deliver_at) > 0
+        job = _Job(request_id, request, asyncio.get_running_loop(), deliver_at, streaming)
         with self._lock:
             if self._closed:
                 raise RuntimeError("scheduler is closed")
@@ -314,7 +345,8 @@ class ContinuousBatchingScheduler(Generic[R]):
             slots = []
         if not slots:
             slots = [self._add_one(job) for job in jobs]
-        self.stats.add("llm_prefill_seconds_total", time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.stats.add("llm_prefill_seconds_total", ended - started)
         self.stats.add("llm_prefill_calls_total")
         with self._lock:
             for job, slot in zip(jobs, slots, strict=True):
@@ -322,6 +354,8 @@ class ContinuousBatchingScheduler(Generic[R]):
                     self._finish(job, "llm_failed_total", slot)
                     continue
                 job.slot = slot
+                if job.has_first_chunk:
+                    job.first_chunk = (started - job.submitted_at, ended - started, ended, self._steps)
                 self._active[slot] = job
             self.stats.set("llm_active_sequences", len(self._active))
 
@@ -341,7 +375,7 @@ class ContinuousBatchingScheduler(Generic[R]):
                     self._release(job, "llm_failed_total", exc)
             return
         ended = time.perf_counter()
-        self._unpublished_steps += 1
+        self._steps += 1
         self._unpublished_seconds += ended - started
         active, outbox = self._active, self._outbox
         finished: list[_Job[R]] = []
@@ -360,23 +394,42 @@ class ContinuousBatchingScheduler(Generic[R]):
                 elif job.emitted >= job.due:
                     outbox.put(job, job.take())
                     job.advance()
+                    if job.first_chunk is not None:  # once per request, at a hand-over (never per token)
+                        self._count_first_chunk(job, ended)
             elif out.finished:
                 finished.append(job)
         if finished:
-            self._publish_step_stats()
             with self._lock:
                 for job in finished:
                     self._release(job, "llm_finished_total")
+            self._publish_step_stats()  # before the ends are handed over (`_run` sends the outbox)
         elif ended >= self._publish_at:
             self._publish_step_stats()
             self._publish_at = ended + STEP_STATS_PERIOD_S
 
     def _publish_step_stats(self) -> None:
-        if self._unpublished_steps:
-            steps, seconds = self._unpublished_steps, self._unpublished_seconds
-            self._unpublished_steps, self._unpublished_seconds = 0, 0.0
+        if self._steps != self._published_steps:
+            steps, seconds = self._steps - self._published_steps, self._unpublished_seconds
+            self._published_steps, self._unpublished_seconds = self._steps, 0.0
             self.stats.add("llm_steps_total", steps)
             self.stats.add("llm_step_seconds_total", seconds)
+        first_chunks = self._unpublished_first_chunks
+        if first_chunks["llm_first_chunks_total"]:
+            self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)
+            self.stats.add_all(first_chunks)  # the count with its sums: a scrape never sees one without the other
+
+    def _count_first_chunk(self, job: _Job[R], delivered_at: float) -> None:
+        """The hand-over at `delivered_at` (the end of the step that made it) completes the job's first chunk.
+        Worker thread only (as every path that ends a job or hands over to it)."""
+        assert job.first_chunk is not None
+        wait, prefill, prefilled_at, steps = job.first_chunk
+        job.first_chunk = None
+        sums = self._unpublished_first_chunks
+        sums["llm_first_chunks_total"] += 1
+        sums["llm_first_chunk_wait_seconds_total"] += wait
+        sums["llm_first_chunk_prefill_seconds_total"] += prefill
+        sums["llm_first_chunk_decode_seconds_total"] += delivered_at - prefilled_at
+        sums["llm_first_chunk_steps_total"] += self._steps - steps
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._active.values() if j.cancelled]:
@@ -405,6 +458,8 @@ class ContinuousBatchingScheduler(Generic[R]):
         self.stats.add(counter)
         if job.cancelled:
             job.pending = []
+        elif error is None and job.first_chunk is not None:  # it ended before its first boundary: the end is it
+            self._count_first_chunk(job, time.perf_counter())
         self._outbox.put(job, job.take(last=True, error=error))
 
     def _fail_all(self, error: BaseException) -> None:

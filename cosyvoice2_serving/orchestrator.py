@@ -7,6 +7,10 @@ Every request gets a server-generated id (never the client's: upstream's empty c
 concurrent streams share state). Whatever ends a request - completion, an error, or cancellation -
 the `finally` path stops its LLM sequence and closes its token2wav stream if they are still open,
 so no per-request state outlives the request anywhere in the pipeline.
+
+A streaming request's way to its first response is timed stage by stage (`FirstChunkTimes`): voice prompt, the
+LLM's tokens of the first chunk, its audio, sending it; the LLM scheduler and the token2wav service break the
+middle two down further (docs/PERFORMANCE.md#what-is-measured).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
@@ -43,6 +48,18 @@ ORCHESTRATOR_STATS = (
     "orchestrator_failed_total",
     "orchestrator_loops_cut_total",
 )
+
+#: Summed over the streaming requests whose first audio chunk was sent (a request cancelled or failed before that,
+#: or one without audio, is not counted): the stages of the way to the first response, laid end to end, so that
+#: their sum is the request's first-chunk time inside the pipeline. Divide by `orchestrator_first_chunks_total`.
+FIRST_CHUNK_STATS = (
+    "orchestrator_first_chunks_total",
+    "orchestrator_first_chunk_prompt_seconds_total",  # the request's arrival -> its voice prompt is ready
+    "orchestrator_first_chunk_tokens_seconds_total",  # -> the LLM's tokens of the first chunk are in
+    "orchestrator_first_chunk_audio_seconds_total",  # -> token2wav's audio of it is back
+    "orchestrator_first_chunk_send_seconds_total",  # -> its response is sent
+)
+ORCHESTRATOR_STATS += FIRST_CHUNK_STATS
 
 
 @dataclass(frozen=True)
@@ -127,6 +144,34 @@ def new_request_id() -> str:
 
 
 # -- the state machine -----------------------------------------------------------------------------
+class FirstChunkTimes:
+    """One streaming request's way to its first response (`FIRST_CHUNK_STATS`), on the monotonic clock.
+
+    Created when the request arrives; `mark` ends a stage (voice prompt ready, first chunk's tokens in, its audio
+    back: calls beyond the third are ignored, so a caller may mark around every audio call); `sent` after the first
+    response counts the request if all three stages were marked, and ends the timing either way.
+    """
+
+    __slots__ = ("_stats", "_marks")
+    STAGES = FIRST_CHUNK_STATS[1:]
+
+    def __init__(self, stats: Stats, streaming: bool = True) -> None:
+        self._stats = stats
+        self._marks: list[float] | None = [time.monotonic()] if streaming else None
+
+    def mark(self) -> None:
+        if self._marks is not None and len(self._marks) < len(self.STAGES):
+            self._marks.append(time.monotonic())
+
+    def sent(self) -> None:
+        marks, self._marks = self._marks, None
+        if marks is None or len(marks) < len(self.STAGES):
+            return  # not streaming, already counted, or a first response without audio
+        marks.append(time.monotonic())
+        deltas = {name: marks[i + 1] - marks[i] for i, name in enumerate(self.STAGES)}
+        self._stats.add_all({FIRST_CHUNK_STATS[0]: 1, **deltas})
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -192,9 +237,11 @@ class Orchestrator:
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
         request_id = new_request_id()
-        run = _Run(request_id, self.clients)
+        first = FirstChunkTimes(self.stats, streaming)
+        run = _Run(request_id, self.clients, first)
         async with accounted(self.stats, run.release):
             prompt = await self.clients.voice_prompt(request)
+            first.mark()
             if not request.target_text:
                 # Contract: empty target text only computes and caches the voice prompt (voice upload
                 # warms the cache this way): one response, no audio, zero tokens.
@@ -217,6 +264,7 @@ class Orchestrator:
                     audio = await run.token2wav(tokens[sent : chunk.feed], prompt, chunk, llm_request.seed)
                     sent, start, index = chunk.feed, chunk.stop, index + 1
                     yield SpeechChunk(audio, input_tokens, len(tokens), final=False)
+                    first.sent()
                 if ended:
                     break  # an end id: the utterance is complete (release() stops the sequence if it runs on)
             else:
@@ -230,6 +278,7 @@ class Orchestrator:
             else:
                 audio = await run.token2wav(tokens, prompt, None, llm_request.seed)
             yield SpeechChunk(audio, input_tokens, len(tokens), final=True)
+            first.sent()
 
     def _speech_tokens(self, ids: list[int]) -> tuple[list[int], bool]:
         """LLM ids -> (speech tokens before the first non-speech id, whether such an id ended the utterance).
@@ -254,6 +303,7 @@ class _Run:
 
     request_id: str
     clients: PipelineClients
+    first_chunk: FirstChunkTimes
     llm_running: bool = False
     stream_open: bool = False
 
@@ -261,9 +311,12 @@ class _Run:
         first = not self.stream_open
         # Streaming: the stream exists from the first call until its final chunk; offline keeps no state.
         self.stream_open = chunk is not None and not chunk.final
-        return await self.clients.token2wav(
+        self.first_chunk.mark()  # the first call's tokens are in ...
+        audio = await self.clients.token2wav(
             self.request_id, np.asarray(tokens, dtype=np.int32), prompt if first else None, chunk, seed
         )
+        self.first_chunk.mark()  # ... and its audio is back (later calls' marks are ignored)
+        return audio
 
     async def release(self) -> None:
         jobs: list[Awaitable[None]] = []

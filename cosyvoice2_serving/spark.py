@@ -34,6 +34,7 @@ from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingSchedu
 from cosyvoice2_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     RELEASE_TIMEOUT_S,
+    FirstChunkTimes,
     accounted,
     benchmark_token_count,
     new_request_id,
@@ -149,6 +150,7 @@ class SparkOrchestrator:
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks (16 kHz) for ``request``; offline yields exactly one, streaming's last is final."""
         request_id = new_request_id()
+        first = FirstChunkTimes(self.stats, streaming)  # its "audio" stage is the vocoder's window
         llm_running = False
 
         async def release() -> None:
@@ -161,6 +163,7 @@ class SparkOrchestrator:
 
         async with accounted(self.stats, release):
             voice = await self.clients.voice_prompt(request)
+            first.mark()
             if not request.target_text:  # the contract's warm-up rule: the voice is now cached
                 yield self._chunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
                 return
@@ -173,20 +176,27 @@ class SparkOrchestrator:
             async for ids in self.clients.llm(request_id, llm_request):
                 codes.extend(to_codes(ids))
                 for window in plan.advance(len(codes)) if streaming else ():
-                    yield self._chunk(await self._vocode(voice, codes, window), input_tokens, len(codes), final=False)
+                    yield self._chunk(await self._vocode(voice, codes, window, first), input_tokens, len(codes),
+                                      final=False)
+                    first.sent()
             llm_running = False
             # the rest (offline: everything) goes with FINAL; empty when the last window already covered it
             [window] = plan.finish(len(codes)) or [Window(len(codes), len(codes), len(codes), len(codes))]
-            audio = await self._vocode(voice, codes, window) if window.end > window.start else np.zeros(0, np.float32)
+            audio = (await self._vocode(voice, codes, window, first) if window.end > window.start
+                     else np.zeros(0, np.float32))
             yield self._chunk(audio, input_tokens, len(codes), final=True)
+            first.sent()
 
     def _chunk(self, audio: np.ndarray, input_tokens: int, output_tokens: int, final: bool) -> SpeechChunk:
         return SpeechChunk(audio, input_tokens, output_tokens, final=final, sample_rate=self.config.sample_rate)
 
-    async def _vocode(self, voice: SparkVoicePrompt, codes: list[int], window: Window) -> np.ndarray:
+    async def _vocode(self, voice: SparkVoicePrompt, codes: list[int], window: Window,
+                      first: FirstChunkTimes) -> np.ndarray:
         semantic = np.asarray(codes[window.lo:window.hi], dtype=np.int32)
+        first.mark()  # the first window's codes are in ... (later windows' marks are ignored)
         wave = await self.clients.vocode(voice.global_tokens, semantic, window.start - window.lo,
                                          window.end - window.lo)
+        first.mark()  # ... and its audio is back
         expected = (window.end - window.start) * self.config.hop
         if wave.size != expected:
             raise RuntimeError(f"vocoder returned {wave.size} samples for {window.end - window.start} tokens")
@@ -260,7 +270,7 @@ class SparkEngine:
             raise InvalidInput("this Spark engine only vocodes: its LLM runs on TensorRT-LLM")
         sampling = SparkSampling(max_new_tokens=request.max_new_tokens)
         decode_request = spark_request(request.prompt_ids.tolist(), sampling, request.seed, ignore_eos=self.benchmark)
-        return self.scheduler.submit(request_id, decode_request, request.deliver_at)
+        return self.scheduler.submit(request_id, decode_request, request.deliver_at, streaming=request.streaming)
 
     def stop(self, request_id: str) -> None:
         if self.scheduler is not None:

@@ -8,7 +8,7 @@ into a Triton custom metric (so `/metrics` shows active requests, streams and ca
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 Listener = Callable[[str, float], None]
 
@@ -30,6 +30,17 @@ class Stats:
 
     def add(self, name: str, delta: float = 1.0) -> None:
         self._update(name, lambda value: value + delta)
+
+    def add_all(self, deltas: Mapping[str, float]) -> None:
+        """Add to several values at once: a snapshot (and so a metrics scrape) sees all of them changed or none,
+        e.g. a count and the sums it divides."""
+        with self._lock:
+            changed = {name: self._values[name] + delta for name, delta in deltas.items()}  # KeyError first
+            self._values.update(changed)
+            listeners = tuple(self._listeners)
+        for listener in listeners:
+            for name, value in changed.items():
+                listener(name, value)
 
     def set(self, name: str, value: float) -> None:
         self._update(name, lambda _: value)

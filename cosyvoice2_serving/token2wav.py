@@ -39,6 +39,9 @@ the higher priority), so the GPU overlaps the two calls; a stream's later chunks
 answered, so each stream's chunks still run one at a time and in order. A stream past its first chunk is already playing audio and has
 slack; a new stream's listener hears nothing until its first chunk is done, and later chunks (longer
 flow prefixes) would make that call several times slower.
+
+For every stream's first chunk the service adds up its wait (arrival -> the start of the call that runs it) and
+that call (`FIRST_CHUNK_STATS`); in step mode the "call" is the chunk's span from its admission to its answer.
 """
 
 from __future__ import annotations
@@ -90,6 +93,16 @@ TOKEN2WAV_STATS = (
     "token2wav_calls_between_steps_total",  # first-chunk calls run between two Euler steps of another call
     "token2wav_between_steps_deferred_total",  # ... not run there: a stream of the running call had too little audio
 )
+
+#: Summed over the first chunks of streams that were answered with audio (a failed or cancelled one is not counted;
+#: docs/PERFORMANCE.md#what-is-measured); divide each sum by `token2wav_first_chunks_total` for the mean.
+FIRST_CHUNK_STATS = (
+    "token2wav_first_chunks_total",
+    "token2wav_first_chunk_wait_seconds_total",  # arrival -> the start of the call that runs it (step mode: admission)
+    "token2wav_first_chunk_call_seconds_total",  # that call (step mode: admission -> answered, steps shared)
+    "token2wav_first_chunk_rows_total",  # that call's jobs (step mode: the mean chunks per step it took part in)
+)
+TOKEN2WAV_STATS += FIRST_CHUNK_STATS
 
 #: Call durations assumed before any was timed (seconds), and the weight of the newest call in their running means.
 INITIAL_CALL_S = 0.2
@@ -147,6 +160,10 @@ class _Job(Generic[S]):
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future = field(init=False)
     queued_at: float = field(init=False, default_factory=time.monotonic)
+    # the call that runs it (step mode: from its admission): when it started, and its rows (step mode: the mean
+    # chunks per step over the steps it took part in, set when it is answered)
+    started_at: float | None = field(init=False, default=None)
+    rows: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.future = self.loop.create_future()
@@ -198,6 +215,7 @@ class _InFlight(Generic[S]):
     job: _Job[S]
     handle: Any
     steps: int = 0  # steps run so far
+    step_rows_before: int = 0  # the service's chunk-steps run before its admission
 
 
 class Token2WavService(Generic[S]):
@@ -222,6 +240,7 @@ class Token2WavService(Generic[S]):
         self.stats = stats or Stats(TOKEN2WAV_STATS)
         # step mode: chunks in flight (job, engine handle, steps run) and the streams they belong to
         self._in_flight: list[_InFlight[S]] = []
+        self._step_rows_run = 0  # step mode: chunk-steps run so far (each step adds its chunks in flight)
         # step mode: per step, (request id, steps that job had run before) of every chunk in it, oldest first
         # (what the scheduler did, for the service's tests and for debugging)
         self.step_trace: deque[tuple[tuple[str, int], ...]] = deque(maxlen=STEP_TRACE_LENGTH)
@@ -373,6 +392,7 @@ class Token2WavService(Generic[S]):
     def _admit(self, batch: list[_Job[S]]) -> None:
         """Start the batch's steppable jobs; run the others as one whole call (between two steps)."""
         engine: Any = self.engine
+        opened = time.monotonic()  # a first chunk's span starts with opening its stream, as a call's does
         stepped: list[tuple[_Job[S], Work[S]]] = []
         whole: list[_Job[S]] = []
         for job in batch:
@@ -390,21 +410,24 @@ class Token2WavService(Generic[S]):
             self._execute(whole)
         if not stepped:
             return
-        started = time.perf_counter()
+        for job, _ in stepped:
+            job.started_at = opened
+        started = time.monotonic()
         handles = engine.admit([work for _, work in stepped])
-        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
+        self.stats.add("token2wav_step_seconds_total", time.monotonic() - started)
         for (job, _), handle in zip(stepped, handles, strict=True):
             if isinstance(handle, Exception):
                 self._finish_job(job, handle)
             else:
-                self._in_flight.append(_InFlight(job, handle))
+                self._in_flight.append(_InFlight(job, handle, step_rows_before=self._step_rows_run))
 
     def _step(self) -> None:
         engine: Any = self.engine
         rows = self._in_flight
-        started = time.perf_counter()
+        started = time.monotonic()
         results = engine.step([row.handle for row in rows])
-        self.stats.add("token2wav_step_seconds_total", time.perf_counter() - started)
+        self.stats.add("token2wav_step_seconds_total", time.monotonic() - started)
+        self._step_rows_run += len(rows)
         self.stats.add("token2wav_steps_total")
         self.stats.add("token2wav_step_rows_total", len(rows))
         self.stats.set("token2wav_max_rows_per_step", max(self.stats.get("token2wav_max_rows_per_step"), len(rows)))
@@ -417,6 +440,7 @@ class Token2WavService(Generic[S]):
             elif isinstance(result, Exception):
                 self._cancel(row, result)
             else:
+                row.job.rows = (self._step_rows_run - row.step_rows_before) / row.steps
                 self._finish_job(row.job, result)
         self._in_flight = still
 
@@ -428,10 +452,13 @@ class Token2WavService(Generic[S]):
             logger.exception("token2wav: dropping a chunk in flight failed")
         self._finish_job(row.job, error)
 
-    def _finish_job(self, job: _Job[S], result: np.ndarray | BaseException) -> None:
-        """Count, end the stream where the chunk failed or was its last, and answer the job."""
+    def _finish_job(self, job: _Job[S], result: np.ndarray | BaseException, ended: float | None = None) -> None:
+        """Count, end the stream where the chunk failed or was its last, and answer the job. `ended`: when its call
+        ended (default: now)."""
         failed = isinstance(result, BaseException)
         self.stats.add("token2wav_failed_total" if failed else "token2wav_chunks_total")
+        if not failed and job.is_first_chunk and job.started_at is not None:
+            self._count_first_chunk(job, time.monotonic() if ended is None else ended)
         # only for registered streams: a chunk that ends after its stream was closed must not leave an entry
         if (self.first_chunks_between_steps and self.sample_rate and job.chunk is not None and not failed
                 and job.request_id in self._streams):
@@ -443,6 +470,15 @@ class Token2WavService(Generic[S]):
             with self._cond:
                 self._drop(job.request_id)
         job.resolve(result)
+
+    def _count_first_chunk(self, job: _Job[S], ended: float) -> None:
+        assert job.started_at is not None
+        self.stats.add_all({
+            "token2wav_first_chunks_total": 1,
+            "token2wav_first_chunk_wait_seconds_total": job.started_at - job.queued_at,
+            "token2wav_first_chunk_call_seconds_total": ended - job.started_at,
+            "token2wav_first_chunk_rows_total": job.rows,
+        })  # fmt: skip
 
     def _iterate(self, lane: _Lane[S]) -> bool:
         """Take the lane's next batch and run it. False when the service is shut down."""
@@ -547,6 +583,7 @@ class Token2WavService(Generic[S]):
     def _execute(self, batch: list[_Job[S]], engine: Token2WavEngine[S] | None = None,
                  between_steps: Any = None) -> None:
         engine = engine or self.engine
+        opened = time.monotonic()  # a first chunk's call starts with opening its stream (prompt to the device)
         work: list[Work[S]] = []
         runnable: list[_Job[S]] = []
         for job in batch:
@@ -559,18 +596,21 @@ class Token2WavService(Generic[S]):
             work.append(Work(state, job.tokens, job.chunk))
         if not work:
             return
-        started = time.perf_counter()
+        for job in runnable:
+            job.started_at, job.rows = opened, float(len(work))
+        started = time.monotonic()
         try:
             results: list[np.ndarray | Exception] = (
                 engine.run(work) if between_steps is None else cast(Any, engine).run(work, between_steps=between_steps))
         except Exception as exc:
             results = [exc] * len(work)
-        self.stats.add("token2wav_engine_seconds_total", time.perf_counter() - started)
+        ended = time.monotonic()
+        self.stats.add("token2wav_engine_seconds_total", ended - started)
         self.stats.add("token2wav_engine_calls_total")
         self.stats.add("token2wav_call_jobs_total", len(work))
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
         for job, result in zip(runnable, results, strict=True):
-            self._finish_job(job, result)
+            self._finish_job(job, result, ended)
 
     def _state_for(self, job: _Job[S], engine: Token2WavEngine[S] | None = None) -> S:
         engine = engine or self.engine  # the engine of the worker that runs the job opens its stream

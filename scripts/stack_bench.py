@@ -13,15 +13,17 @@ realistic number of speech tokens per text token. `--token2wav dit` renders the 
 DiT directory once (`cosyvoice2.testing.dit`, WORK/dit). Random weights are written into a sibling `.partial`
 directory that is renamed when complete, so an interrupted write is redone, never taken for a model.
 
-Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (their
-deltas give the per-stage breakdown: LLM prefill and step, token2wav call) and the GPU's utilization is sampled
-every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports
-first chunk p50/p90/p99, playback stalls, audio seconds per wall second and the GPU busy share; at the end the
-real-time streams per GPU: the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no
-stream stalling and no error, in every run. Every invocation writes a fresh directory
-WORK/results/<UTC time>-<settings>/ (or under --out; the settings name the token2wav, e.g. cuda-bf16-b32-dit-r3,
-and the summary says it too): summary.md (the tables), results.json (every level's measures), stages.json,
-levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
+Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (after it
+once they stop changing; their deltas give the per-stage breakdown: LLM prefill and step, token2wav call; and for
+streaming levels the mean first chunk stage by stage: voice prompt, LLM queue, prefill and decode, token2wav queue
+and call, send, and the other time they leave of the pipeline's first-chunk time) and the GPU's utilization is
+sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
+playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams per GPU:
+the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error,
+in every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
+settings name the token2wav, e.g. cuda-bf16-b32-dit-r3, and the summary says it too): summary.md (the tables:
+measures, stages, first chunk by stage), results.json (every level's measures, with its stages), stages.json (the
+stages per level), levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
 
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
@@ -97,6 +99,11 @@ REALTIME_FIRST_CHUNK_P90_S = 0.5
 #: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
+#: After a level the Triton metrics are read once they have not changed for this long (each model publishes a change
+#: within 100 ms, `MetricsExporter.PERIOD_S`, unless its process waits for the CPU), at most METRICS_SETTLE_MAX_S:
+#: the last requests' counters belong in this level's deltas, not the next level's.
+METRICS_SETTLE_S = 0.5
+METRICS_SETTLE_MAX_S = 10.0
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
 OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
@@ -130,16 +137,97 @@ WARMUP_CONCURRENCY = 8
 
 
 def triton_metrics(server: TritonServer) -> dict[str, float]:
-    """stat name -> value of every `cosyvoice2_*` metric, summed over models (stat names are unique per family)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()  # noqa: S310
+    """stat name -> value of every `cosyvoice2_*` metric of the server (`parse_metrics`)."""
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    return parse_metrics(urllib.request.urlopen(url).read().decode())  # noqa: S310
+
+
+def settled_metrics(server: TritonServer, quiet_s: float = METRICS_SETTLE_S,
+                    timeout_s: float = METRICS_SETTLE_MAX_S) -> dict[str, float]:
+    """`triton_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    current, since = triton_metrics(server), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        latest = triton_metrics(server)
+        if latest != current:
+            current, since = latest, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return current
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """stat name -> value of every `cosyvoice2_*` metric in a Prometheus text, summed over models (stat names are
+    unique per family; the token2wav replicas of the disaggregated layout add up)."""
     out: dict[str, float] = {}
     for name, value in re.findall(r'^cosyvoice2_(\w+)\{[^}]*\} (\S+)$', text, re.M):
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
+#: A first chunk's way through the stack (docs/PERFORMANCE.md#what-is-measured): the orchestrator's stages laid end
+#: to end, each with the stages the layer it waits for measured inside it, as (orchestrator stage, the layer's
+#: count, ((breakdown key, the layer's counter), ...)). Every sum is divided by its own layer's count.
+FIRST_CHUNK_SEGMENTS: tuple[tuple[str, str | None, tuple[tuple[str, str], ...]], ...] = (
+    ("prompt", None, ()),
+    ("tokens", "llm_first_chunks_total", (
+        ("llm_queue", "llm_first_chunk_wait_seconds_total"),
+        ("llm_prefill", "llm_first_chunk_prefill_seconds_total"),
+        ("llm_decode", "llm_first_chunk_decode_seconds_total"),
+    )),
+    ("audio", "token2wav_first_chunks_total", (
+        ("token2wav_queue", "token2wav_first_chunk_wait_seconds_total"),
+        ("token2wav_call", "token2wav_first_chunk_call_seconds_total"),
+    )),
+    ("send", None, ()),
+)  # fmt: skip
+FIRST_CHUNKS = "orchestrator_first_chunks_total"
+
+
+def first_chunk_breakdown(d: dict[str, float]) -> dict[str, float | None]:
+    """The mean first chunk of a level's streaming requests (``d``: the counters' deltas), in ms, stage by stage.
+
+    ``first_chunk_ms`` is the orchestrator's first-chunk time (arrival -> first response sent), the sum of its
+    stages ``first_chunk_{prompt,tokens,audio,send}_ms``. Inside `tokens` and `audio` the LLM's and token2wav's own
+    stages (queue, prefill, decode; queue, call) replace them where that layer counted first chunks (not with
+    TensorRT-LLM or Spark's vocoder: then those stages are None); ``first_chunk_other_ms`` is what the stages leave
+    of the first-chunk time: IPC, gRPC, the hand-overs between processes and threads. All None without streaming
+    requests. ``first_chunks``, ``first_chunks_llm``, ``first_chunks_token2wav``: each layer's count (equal when every
+    layer saw every request's first chunk)."""
+    count = d.get(FIRST_CHUNKS) or 0.0
+    out: dict[str, float | None] = {"first_chunks": count}
+    keys = ["first_chunk_ms", "first_chunk_other_ms", "first_chunk_llm_decode_steps", "first_chunk_token2wav_rows",
+            "first_chunks_llm", "first_chunks_token2wav"]
+    keys += [f"first_chunk_{segment}_ms" for segment, _, _ in FIRST_CHUNK_SEGMENTS]
+    keys += [f"first_chunk_{key}_ms" for _, _, stages in FIRST_CHUNK_SEGMENTS for key, _ in stages]
+    out.update(dict.fromkeys(keys))
+    if not count:
+        return out
+    total = placed = 0.0
+    for segment, layer_count, stages in FIRST_CHUNK_SEGMENTS:
+        ms = 1000.0 * d.get(f"orchestrator_first_chunk_{segment}_seconds_total", 0.0) / count
+        out[f"first_chunk_{segment}_ms"] = ms
+        total += ms
+        n = d.get(layer_count) if layer_count else None
+        if not n:  # no breakdown inside: the orchestrator's stage is the stage
+            placed += ms
+            continue
+        out[f"first_chunks_{layer_count.split('_')[0]}"] = n  # = first_chunks, or the layer missed some
+        for key, counter in stages:
+            out[f"first_chunk_{key}_ms"] = value = 1000.0 * d.get(counter, 0.0) / n
+            placed += value
+        if segment == "tokens":
+            out["first_chunk_llm_decode_steps"] = d.get("llm_first_chunk_steps_total", 0.0) / n
+        else:
+            out["first_chunk_token2wav_rows"] = d.get("token2wav_first_chunk_rows_total", 0.0) / n
+    out["first_chunk_ms"] = total
+    out["first_chunk_other_ms"] = total - placed
+    return out
+
+
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Per-stage means over one level, from the counters' deltas."""
+    """Per-stage means over one level, from the counters' deltas (the first chunks': `first_chunk_breakdown`)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
 
     def ratio(num: str, den: str, scale: float = 1000.0) -> float | None:
@@ -156,6 +244,7 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "token2wav_step_ms": ratio("token2wav_step_seconds_total", "token2wav_steps_total"),
         "token2wav_chunks_per_step": ratio("token2wav_step_rows_total", "token2wav_steps_total", 1.0),
         "token2wav_steps": d.get("token2wav_steps_total"),
+        **first_chunk_breakdown(d),
     }
 
 
@@ -406,6 +495,21 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token2wav step (ms)", "token2wav_step_ms", "{:.1f}"),
     ("token2wav chunks per step", "token2wav_chunks_per_step", "{:.1f}"),
 )
+#: (column title, first_chunk_breakdown key, format) of the first-chunk table: the first-chunk time, then its stages
+#: in the order they happen (the rows of calls and decode steps next to their stage), then what they leave.
+FIRST_CHUNK_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("pipeline first chunk (ms)", "first_chunk_ms", "{:.0f}"),
+    ("voice prompt", "first_chunk_prompt_ms", "{:.1f}"),
+    ("LLM queue", "first_chunk_llm_queue_ms", "{:.1f}"),
+    ("LLM prefill", "first_chunk_llm_prefill_ms", "{:.1f}"),
+    ("LLM decode", "first_chunk_llm_decode_ms", "{:.1f}"),
+    ("decode steps", "first_chunk_llm_decode_steps", "{:.1f}"),
+    ("token2wav queue", "first_chunk_token2wav_queue_ms", "{:.1f}"),
+    ("token2wav call", "first_chunk_token2wav_call_ms", "{:.1f}"),
+    ("rows per call", "first_chunk_token2wav_rows", "{:.1f}"),
+    ("send", "first_chunk_send_ms", "{:.1f}"),
+    ("other", "first_chunk_other_ms", "{:.1f}"),
+)
 NA = "n/a"
 
 
@@ -444,6 +548,18 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
         cells = [scenario, str(concurrency)]
         cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt) for _, key, fmt in STAGE_COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    streaming = {key: runs for key, runs in groups.items() if any(r["stages"].get("first_chunks") for r in runs)}
+    if streaming:
+        header = ["scenario", "c", *(title for title, *_ in FIRST_CHUNK_COLUMNS)]
+        lines += ["", "First chunk, stage by stage (mean ms over each level's streaming requests, inside the "
+                  "pipeline; the stages add up to the first chunk, other is the rest):", "",
+                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+        for (scenario, concurrency), runs in streaming.items():
+            runs = sorted(runs, key=lambda r: r["run"])
+            cells = [scenario, str(concurrency)]
+            cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt)
+                      for _, key, fmt in FIRST_CHUNK_COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
     shown = NA if realtime is None else str(realtime)
     lines += ["", f"Real-time streams per GPU ({REALTIME_SCENARIO}: first chunk p90 <= "
               f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run): **{shown}**", ""]  # fmt: skip
@@ -631,7 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     before = triton_metrics(server)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
                                       args.timeout, args.warmup, pipeline)  # fmt: skip
-                    stages[name] = stage_breakdown(before, triton_metrics(server))
+                    stages[name] = stage_breakdown(before, settled_metrics(server))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
                                     stages[name])  # fmt: skip
                     rows.append(row)

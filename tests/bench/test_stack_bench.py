@@ -309,3 +309,116 @@ def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(
     for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
         options, _ = bench_stack.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
         assert options.spark.benchmark_ratio == rendered
+
+
+# -- the first-chunk breakdown, from two scrapes of /metrics around a level --------------------------------------
+def _scrape(values: dict[tuple[str, str], float]) -> str:
+    """A Triton metrics page with these `cosyvoice2_<stat>{model=...}` values (and metrics of others around them)."""
+    lines = ["# HELP nv_inference_count Number of inferences", "# TYPE nv_inference_count counter",
+             'nv_inference_count{model="cosyvoice2_stream",version="1"} 12']
+    for (stat, model), value in values.items():
+        lines += [f"# TYPE cosyvoice2_{stat} counter", f'cosyvoice2_{stat}{{model="{model}"}} {value}']
+    return "\n".join(lines) + "\n"
+
+
+#: A level of 4 streaming requests in the disaggregated layout (one `llm`, two token2wav replicas), seconds.
+BEFORE = {("orchestrator_first_chunks_total", "cosyvoice2_stream"): 10, ("llm_first_chunks_total", "llm"): 10,
+          ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 6,
+          ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 4,
+          ("orchestrator_first_chunk_prompt_seconds_total", "cosyvoice2_stream"): 1.0,
+          ("llm_first_chunk_wait_seconds_total", "llm"): 0.5}
+LEVEL = {  # what the level added
+    ("orchestrator_first_chunks_total", "cosyvoice2_stream"): 4,
+    ("orchestrator_first_chunk_prompt_seconds_total", "cosyvoice2_stream"): 0.04,
+    ("orchestrator_first_chunk_tokens_seconds_total", "cosyvoice2_stream"): 0.8,
+    ("orchestrator_first_chunk_audio_seconds_total", "cosyvoice2_stream"): 1.2,
+    ("orchestrator_first_chunk_send_seconds_total", "cosyvoice2_stream"): 0.008,
+    ("llm_first_chunks_total", "llm"): 4,
+    ("llm_first_chunk_wait_seconds_total", "llm"): 0.1,
+    ("llm_first_chunk_prefill_seconds_total", "llm"): 0.06,
+    ("llm_first_chunk_decode_seconds_total", "llm"): 0.56,
+    ("llm_first_chunk_steps_total", "llm"): 112,
+    ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 3,
+    ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 1,
+    ("token2wav_first_chunk_wait_seconds_total", "token2wav_gpu1_0"): 0.3,
+    ("token2wav_first_chunk_wait_seconds_total", "token2wav_gpu1_1"): 0.1,
+    ("token2wav_first_chunk_call_seconds_total", "token2wav_gpu1_0"): 0.5,
+    ("token2wav_first_chunk_call_seconds_total", "token2wav_gpu1_1"): 0.2,
+    ("token2wav_first_chunk_rows_total", "token2wav_gpu1_0"): 6,
+    ("token2wav_first_chunk_rows_total", "token2wav_gpu1_1"): 1,
+}
+
+
+def _after(level: dict[tuple[str, str], float], before=BEFORE) -> dict[tuple[str, str], float]:
+    return {key: before.get(key, 0.0) + level.get(key, 0.0) for key in before.keys() | level.keys()}
+
+
+def test_first_chunk_breakdown_lays_the_level_means_end_to_end():
+    before, after = sb.parse_metrics(_scrape(BEFORE)), sb.parse_metrics(_scrape(_after(LEVEL)))
+    assert before["token2wav_first_chunks_total"] == 10 and "nv_inference_count" not in before  # replicas add up
+    stages = sb.stage_breakdown(before, after)
+    expected_ms = {"prompt": 10.0, "tokens": 200.0, "audio": 300.0, "send": 2.0,  # the orchestrator's, over 4
+                   "llm_queue": 25.0, "llm_prefill": 15.0, "llm_decode": 140.0,  # the LLM's, over its 4
+                   "token2wav_queue": 100.0, "token2wav_call": 175.0}  # both replicas', over their 4
+    for key, ms in expected_ms.items():
+        assert stages[f"first_chunk_{key}_ms"] == pytest.approx(ms), key
+    assert stages["first_chunks"] == stages["first_chunks_llm"] == stages["first_chunks_token2wav"] == 4
+    assert stages["first_chunk_ms"] == pytest.approx(512.0)
+    assert stages["first_chunk_llm_decode_steps"] == pytest.approx(28.0)
+    assert stages["first_chunk_token2wav_rows"] == pytest.approx(7 / 4)
+    # other: what the LLM's stages leave of the tokens stage (20 ms) and token2wav's of the audio stage (25 ms)
+    assert stages["first_chunk_other_ms"] == pytest.approx(45.0)
+    laid = [stages[key] for _, key, _ in sb.FIRST_CHUNK_COLUMNS[1:] if key.endswith("_ms")]
+    assert sum(laid) == pytest.approx(stages["first_chunk_ms"])  # the columns add up to the first chunk
+
+
+def test_first_chunk_breakdown_without_a_layers_counters_keeps_its_orchestrator_stage_out_of_other():
+    # TensorRT-LLM: no llm_* metrics; the tokens stage stays whole, the LLM's columns are n/a
+    level = {key: value for key, value in LEVEL.items() if not key[0].startswith("llm_")}
+    earlier = {key: value for key, value in BEFORE.items() if not key[0].startswith("llm_")}
+    stages = sb.stage_breakdown(sb.parse_metrics(_scrape(earlier)), sb.parse_metrics(_scrape(_after(level, earlier))))
+    assert stages["first_chunk_llm_queue_ms"] is None and stages["first_chunk_llm_decode_steps"] is None
+    assert stages["first_chunks_llm"] is None and stages["first_chunks_token2wav"] == 4
+    assert stages["first_chunk_tokens_ms"] == pytest.approx(200.0)
+    assert stages["first_chunk_other_ms"] == pytest.approx(25.0)  # only token2wav's remainder
+    # an offline level: no streaming request, no breakdown
+    offline = sb.first_chunk_breakdown({"llm_first_chunks_total": 0.0, "orchestrator_requests_total": 4.0})
+    assert offline["first_chunks"] == 0 and all(v is None for k, v in offline.items() if k != "first_chunks")
+
+
+def test_first_chunk_breakdown_reads_counters_that_the_serving_layers_define():
+    from cosyvoice2_serving import llm_scheduler, orchestrator, token2wav
+
+    defined = {*llm_scheduler.FIRST_CHUNK_STATS, *token2wav.FIRST_CHUNK_STATS, *orchestrator.FIRST_CHUNK_STATS}
+    read = {sb.FIRST_CHUNKS, *(count for _, count, _ in sb.FIRST_CHUNK_SEGMENTS if count)}
+    read |= {counter for _, _, stages in sb.FIRST_CHUNK_SEGMENTS for _, counter in stages}
+    read |= {f"orchestrator_first_chunk_{segment}_seconds_total" for segment, _, _ in sb.FIRST_CHUNK_SEGMENTS}
+    read |= {"llm_first_chunk_steps_total", "token2wav_first_chunk_rows_total"}
+    assert read == defined
+
+
+def test_summary_has_a_first_chunk_table_for_streaming_levels_only():
+    stages = sb.stage_breakdown(sb.parse_metrics(_scrape(BEFORE)), sb.parse_metrics(_scrape(_after(LEVEL))))
+    slower = sb.stage_breakdown(sb.parse_metrics(_scrape(BEFORE)), sb.parse_metrics(_scrape(_after(
+        {**LEVEL, ("orchestrator_first_chunk_send_seconds_total", "cosyvoice2_stream"): 0.016}))))
+    measures = dict.fromkeys((key for _, key, *_ in sb.SUMMARY_COLUMNS), 0.5)
+    rows = [_row(16, run=1, stages=stages, **measures), _row(16, run=2, stages=slower, **measures),
+            _row(32, scenario="triton-offline", stages=sb.stage_breakdown({}, {}), **measures)]
+    text = sb.summary_markdown(rows, "title", None, "unet")
+    table = text.split("First chunk, stage by stage", 1)[1]
+    header = next(line for line in table.splitlines() if line.startswith("| scenario"))
+    assert header.split(" | ")[2:] == [title for title, *_ in sb.FIRST_CHUNK_COLUMNS[:-1]] + ["other |"]
+    line = next(line for line in table.splitlines() if line.startswith("| triton-stream | 16 |"))
+    assert "| 512 / 514 (512–514) |" in line and "| 2.0 / 4.0 (2.0–4.0) |" in line  # first chunk; send
+    assert "triton-offline" not in table  # no first chunk there
+
+
+def test_settled_metrics_reads_until_the_metrics_stop_changing(monkeypatch):
+    reads = iter([{"a": 1.0}, {"a": 2.0}, {"a": 3.0}] + [{"a": 3.0}] * 1000)  # the last publications come late
+    monkeypatch.setattr(sb, "triton_metrics", lambda server: next(reads))
+    assert sb.settled_metrics(None, quiet_s=0.25) == {"a": 3.0}
+    ticks = iter(range(10_000))  # never settles: given up after the timeout, with the latest reading
+    monkeypatch.setattr(sb, "triton_metrics", lambda server: {"a": float(next(ticks))})
+    started = time.monotonic()
+    last = sb.settled_metrics(None, quiet_s=0.25, timeout_s=0.5)
+    assert 0.5 <= time.monotonic() - started < 5 and last["a"] >= 2

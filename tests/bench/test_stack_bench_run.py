@@ -56,12 +56,20 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     realtime = all(r["errors"] == 0 and r["first_chunk_p90"] <= 0.5 and r["stalled_streams"] == 0 for r in triton_rows)
     assert results["realtime_streams_per_gpu"] == (1 if realtime else 0)
     assert set(json.loads((out / "stages.json").read_text())) >= names
+    for row in rows:  # both scenarios stream through cosyvoice2_stream: each request's first chunk, stage by stage
+        stages = row["stages"]
+        counts = (stages["first_chunks"], stages["first_chunks_llm"], stages["first_chunks_token2wav"])
+        assert counts == (row["requests"] - row["errors"],) * 3 and counts[0] > 0
+        laid = [stages[f"first_chunk_{key}_ms"] for key in ("prompt", "llm_queue", "llm_prefill", "llm_decode",
+                                                            "token2wav_queue", "token2wav_call", "send", "other")]
+        assert sum(laid) == pytest.approx(stages["first_chunk_ms"]) and stages["first_chunk_other_ms"] >= 0
 
     summary = (out / "summary.md").read_text()
     assert summary in done.stdout
     assert re.search(r"^\| triton-stream \| 1 \| 4 \(\d\) \| [\d.]+ / [\d.]+ \(", summary, re.M)
     assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
     assert f"**{results['realtime_streams_per_gpu']}**" in summary
+    assert re.search(r"^First chunk, stage by stage", summary, re.M)
     assert "token2wav: **unet**" in summary and results["token2wav"] == "unet" and results["dit_dir"] is None
     assert (results["pipeline"], results["spark_dir"]) == ("cosyvoice2", None)
 

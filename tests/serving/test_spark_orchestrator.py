@@ -4,6 +4,7 @@ scheduler, vocoder worker and masked audio tokenizer)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -94,6 +95,24 @@ async def test_streamed_pieces_concatenate_to_the_offline_waveform(stack):
     np.testing.assert_allclose(audio, offline.waveform, atol=1e-4)
     assert streamed[-1].output_tokens == offline.output_tokens and streamed[-1].input_tokens == offline.input_tokens
     assert {c.sample_rate for c in [offline, *streamed]} == {16_000}  # every chunk states Spark's rate
+
+
+async def test_a_streaming_request_counts_one_first_chunk_in_the_orchestrator_and_the_llm(stack):
+    orchestrator, clients = stack
+    counts = lambda: (orchestrator.stats.get("orchestrator_first_chunks_total"),  # noqa: E731
+                      clients.engine.stats.get("llm_first_chunks_total"))
+    stages = lambda: [orchestrator.stats.get(f"orchestrator_first_chunk_{stage}_seconds_total")  # noqa: E731
+                      for stage in ("prompt", "tokens", "audio", "send")]
+    before = counts()
+    await _collect(orchestrator, _request(seed=7), streaming=False)
+    assert counts() == before  # offline: no first chunk
+    earlier = stages()
+    started = time.monotonic()
+    streamed = await _collect(orchestrator, _request(seed=7), streaming=True)
+    seen = time.monotonic() - started
+    assert len(streamed) >= 2 and counts() == (before[0] + 1, before[1] + 1)
+    spent = [after - prior for after, prior in zip(stages(), earlier)]
+    assert all(value > 0 for value in spent[:3]) and sum(spent) <= seen  # the vocoder's window is the audio stage
 
 
 async def test_concurrent_requests_each_get_their_solo_audio(stack):

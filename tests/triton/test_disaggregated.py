@@ -309,6 +309,10 @@ async def test_two_replicas_in_two_processes_share_the_streams_and_each_stream_s
     assert sum(chunks_by_replica.values()) == sum(len(c) for c in streams) + len(offline)
     for name in REHEARSED:
         assert metrics[("token2wav_failed_total", name)] == 0 and metrics[("token2wav_active_streams", name)] == 0
+    # every stream's first chunk counted once in each layer (the replicas' counts add up), the offline ones in none
+    first_chunks = sum(metrics.get(("token2wav_first_chunks_total", name), 0) for name in REHEARSED)
+    assert first_chunks == metrics[("llm_first_chunks_total", "llm")] == len(streams)
+    assert metrics[("orchestrator_first_chunks_total", contract.STREAMING_MODEL)] == len(streams)
     # cancelled streams: the close reaches the replica holding the stream (else it would stay open there)
     async with aio.InferenceServerClient(rehearsal.server.grpc_url) as client:
         await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=40 + i), cancel_after=1)

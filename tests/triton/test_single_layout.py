@@ -41,4 +41,9 @@ async def test_offline_and_streaming_requests_run_through_llm_and_token2wav(sing
     assert metrics[("llm_finished_total", "llm")] == 2  # both sequences ran in the separate llm model
     assert metrics[("token2wav_chunks_total", "token2wav")] == 1 + len(chunks)
     assert metrics[("llm_active_sequences", "llm")] == metrics[("token2wav_active_streams", "token2wav")] == 0
+    # the streaming request's first chunk, counted once in each layer's own model
+    counts = [metrics[("orchestrator_first_chunks_total", contract.STREAMING_MODEL)],
+              metrics[("llm_first_chunks_total", "llm")], metrics[("token2wav_first_chunks_total", "token2wav")]]
+    assert counts == [1, 1, 1]
+    assert metrics[("token2wav_first_chunk_call_seconds_total", "token2wav")] > 0
     assert not any(model == "engine" for _, model in metrics)

@@ -65,7 +65,7 @@ class LLMHandler:
         )  # fmt: skip
         # not streaming: the caller reads one response, so the scheduler hands over nothing before the end
         deliver_at = llm_request.deliver_at if llm_request.streaming else ()
-        stream = self.scheduler.submit(request_id, decode_request, deliver_at)
+        stream = self.scheduler.submit(request_id, decode_request, deliver_at, streaming=llm_request.streaming)
         try:
             async for delivery in stream.deliveries():
                 flags = FINAL if delivery.last else 0
