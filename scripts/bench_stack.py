@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from triton_repo.render import RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from triton_repo.server import REPO_ROOT, TritonServer, free_port, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
@@ -207,9 +207,5 @@ class BenchStack:
 
     def stop(self) -> None:
         if self.gateway is not None:
-            self.gateway.terminate()
-            try:
-                self.gateway.wait(10)
-            except subprocess.TimeoutExpired:
-                self.gateway.kill()
+            stop_process(self.gateway, 10)
         self.server.cleanup()

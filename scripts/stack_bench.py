@@ -91,7 +91,7 @@ from scripts.bench_stack import (
     render_stack,
 )
 from triton_repo.render import TOKEN2WAVS
-from triton_repo.server import REPO_ROOT, TritonServer
+from triton_repo.server import REPO_ROOT, TritonServer, stop_process
 from ttsbench.cli import concurrency_list
 
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
@@ -336,11 +336,7 @@ class GpuSampler:
     def stop(self) -> None:
         self._stop.set()
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
+            stop_process(self._proc, 5)
         if self._thread is not None:
             self._thread.join(5)
 

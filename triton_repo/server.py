@@ -41,6 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, grace: float, sig: int = signal.SIGTERM) -> None:
+    """Send `sig` to a child still running, give it `grace` seconds to exit, then KILL it and reap it."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _pytriton_dir() -> Path:
     # Locate the wheel without importing it: only its binaries are needed, not its client's dependencies.
     spec = importlib.util.find_spec("pytriton")

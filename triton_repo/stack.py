@@ -48,7 +48,7 @@ from typing import Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer
+from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
@@ -331,13 +331,8 @@ class Supervisor:
 
     def shutdown(self) -> None:
         _log("stopping: draining the gateway")
-        if self.gateway is not None and self.gateway.poll() is None:
-            self.gateway.send_signal(signal.SIGTERM)
-            try:
-                self.gateway.wait(GATEWAY_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.gateway.kill()
-                self.gateway.wait()
+        if self.gateway is not None:
+            stop_process(self.gateway, GATEWAY_STOP_TIMEOUT_S)
         _log("gateway stopped; stopping tritonserver")
         self.server.cleanup()
 
