@@ -32,6 +32,17 @@ def fit(values: Sequence[int], sizes: Sequence[Sequence[int]]) -> Optional[tuple
     return tuple(picked)
 
 
+def concrete_device(device: "torch.device") -> "torch.device":
+    """`cuda` -> `cuda:<current device>`. A tensor's device always carries an index, so an index-less device
+    never compares equal to it: a cache keyed on the device would be rebuilt on every call."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def capture(run: Callable[[], T], device: "torch.device", pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
     """`run` (static shapes, no host syncs) captured into a new CUDA graph in `pool`; returns the graph and the
     outputs of the captured call, which each replay overwrites.

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from ..graph_buckets import capture, fit, round_up
+from ..graph_buckets import capture, concrete_device, fit, round_up
 from .flow import ConditionalCFM, PaddedChunks, StepInputs
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ class DiTStepGraphs:
     def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
         """Capture every bucket now (before a server reports ready); returns how many graphs were captured."""
         before = self.captured
+        device = concrete_device(device)
         with self.lock, torch.inference_mode():
             for shape in self.buckets.shapes():
                 self._entry(shape, device, dtype, capture_graph=True)
@@ -192,8 +193,12 @@ class DiTStepGraphs:
         if entry is not None and (entry.inputs.x.device, entry.inputs.x.dtype) == (device, dtype):
             if entry.graph is not None or not capture_graph:
                 return entry
+        device = concrete_device(device)
         if self._kv is None or (self._kv.device, self._kv.dtype) != (device, dtype):
+            # the graphs of the old buffers go, and with them their pool: a pool whose graphs are all gone must
+            # not take a new capture (the caching allocator asserts), so the next capture starts a new one
             self._entries.clear()
+            self._pool = None
             self._allocate(device, dtype)
         assert self._kv is not None and self._conv is not None
         rows, frames, cached = shape

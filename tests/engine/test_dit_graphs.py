@@ -12,6 +12,7 @@ import torch
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.dit.flow import FlowState
 from cosyvoice2.dit.graphs import DiTGraphBuckets, DiTStepGraphs, max_prompt_frames
+from cosyvoice2.graph_buckets import concrete_device
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.dit.token2wav import DiTToken2Wav
 from cosyvoice2.streaming import Chunk, ChunkSchedule
@@ -252,3 +253,12 @@ def test_replayed_graphs_equal_eager_on_cuda(tmp_path) -> None:
         for a_stream, b_stream in zip(eager, replayed):
             for a, b in zip(a_stream, b_stream):
                 assert (a - b).abs().max() <= 1e-4, name
+
+
+def test_an_index_less_cuda_device_names_the_current_one(monkeypatch) -> None:
+    """Tensors report `cuda:N`; a device given as plain `cuda` must compare equal to them, or the step graphs
+    would drop their buffers and graphs (and with them their memory pool) on every capture."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert concrete_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert concrete_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert concrete_device(torch.device("cpu")) == torch.device("cpu")

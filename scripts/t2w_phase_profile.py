@@ -1,0 +1,135 @@
+"""Where a streaming token2wav call's time goes, phase by phase (engine alone, no LLM, no server).
+
+Released-size random flow and HiFT, flow caches on (`chunked`), step graphs captured, one voice whose prefix is
+cached; for each `--streams N` it times calls of N first chunks (and of N later chunks: 50 new tokens over a
+history) three ways:
+- wall: the call as the server runs it (no added syncs);
+- phases: the same call with the device synchronised around each phase (encoder pass, step inputs, each Euler
+  step, the mel out, HiFT, emit), so each phase's time is its own (the sum is a little above the wall time);
+- kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
+  waited for the host.
+
+    PYTHONUNBUFFERED=1 python -m scripts.t2w_phase_profile --streams 1 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+import cosyvoice2.kernels  # noqa: F401 - the fused kernels the server uses
+from cosyvoice2.config import EngineConfig, resolve_dtype
+from cosyvoice2.flow.cached import CachedFlowRunner
+from cosyvoice2.streaming import FlowPrompt, Token2Wav
+from scripts.gpu_microbench import kernel_profile, random_flow, random_hift
+from scripts.gpu_timing import sync
+
+PROMPT_TOKENS = 150
+
+
+class Phases:
+    """Wraps methods so that each call is timed with the device synchronised before and after."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.totals: dict[str, float] = defaultdict(float)
+        self.active = False
+
+    def wrap(self, owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            if not self.active:
+                return inner(*args, **kwargs)
+            sync(self.device)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                sync(self.device)
+                self.totals[label] += (time.perf_counter() - start) * 1e3
+
+        setattr(owner, name, timed)
+
+
+def median_ms(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = resolve_dtype(args.dtype)
+    config = EngineConfig()
+    engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
+                       flow_cache="chunked")
+    start = time.perf_counter()
+    count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
+    sync(device)
+    print(f"captured {count} step graphs in {time.perf_counter() - start:.1f} s", flush=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    vocab = config.flow.vocab_size
+    voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
+                       torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype),
+                       torch.randn(1, 192, device=device, generator=gen).to(dtype), key="voice")
+    engine.prefix(voice)
+    tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    phases = Phases(device)
+    runner = engine.cached
+    for name, label in (("_encode", "encoder"), ("step_batch", "step inputs"), ("advance", "Euler steps"),
+                        ("result", "mel out")):
+        phases.wrap(runner, name, label)
+    phases.wrap(engine, "vocode_batch", "HiFT")
+
+    def work(n: int, earlier: int) -> list:
+        out = []
+        for i in range(n):
+            stream = engine.open_stream(voice, engine.new_generator(i))
+            stream.extend(tokens)
+            for _ in range(earlier):
+                engine.run_chunks([(stream, stream.next_chunk(finished=False))])
+            out.append((stream, stream.next_chunk(finished=False)))
+        return out
+
+    print(f"\n{'call':<28} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9} | phases (synchronised, ms)")
+    for n in args.streams:
+        for label, earlier in (("first chunks", 0), ("2nd chunks", 1)):
+            prepared = [work(n, earlier) for _ in range(args.repeats + 2)]
+            wall = median_ms(device, lambda: engine.run_chunks(prepared.pop()), args.repeats)
+            kernels = (kernel_profile(device, lambda: engine.run_chunks(prepared.pop()), top=6)
+                       if device.type == "cuda" else {"kernels": 0, "busy_ms": 0.0, "top": []})
+            timed_calls = 3
+            prepared = [work(n, earlier) for _ in range(timed_calls)]
+            phases.totals.clear()
+            phases.active = True
+            for _ in range(timed_calls):
+                engine.run_chunks(prepared.pop())
+            phases.active = False
+            split = ", ".join(f"{k} {v / timed_calls:.1f}" for k, v in phases.totals.items())
+            print(f"{label + ' x ' + str(n):<28} | {wall:8.1f} | {kernels['kernels']:7d} | {kernels['busy_ms']:9.1f} | "
+                  f"{split}", flush=True)
+            for kernel, ms in kernels["top"]:
+                print(f"{'':<30}{ms:8.2f} ms  {kernel}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
