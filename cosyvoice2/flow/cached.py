@@ -561,12 +561,18 @@ class CachedFlowRunner:
         """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, heads, N, d),
         new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, heads, hist_p + N, d) holds
         the history in its first hist_p frames; the new keys/values are written after them, so attention reads
-        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe."""
+        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe.
+
+        The activations stay time-major, (2B, N, channels), from the first layer to the last, unlike the module's
+        own forward (channels first around every conv, time-major in the transformer blocks). Flipping between
+        the two made every LayerNorm, Mish, mask and conv input a strided copy, about a fifth of a step's GPU
+        time; time-major, the causal convs are one GEMM over three stacked frames (`_ConvTails.conv`)."""
         est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
         blocks = _BlockKV(keys, hist_p)
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1)
+        mask = mask.transpose(1, 2)  # (2B, N, 1)
+        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1).transpose(1, 2)
 
         down = est.down_blocks[0]
         skip = self._stage(down, h, mask, temb, bias, convs, blocks)
@@ -574,27 +580,27 @@ class CachedFlowRunner:
         for stage in est.mid_blocks:
             h = self._stage(stage, h, mask, temb, bias, convs, blocks)
         up = est.up_blocks[0]
-        h = self._stage(up, torch.cat([h, skip], dim=1), mask, temb, bias, convs, blocks)
+        h = self._stage(up, torch.cat([h, skip], dim=2), mask, temb, bias, convs, blocks)
         h = convs.conv(up[2], h * mask)
         h = self._block(est.final_block, h, mask, convs)
-        velocity = est.final_proj(h * mask) * mask
-        return velocity, blocks.collected(), convs.collected()
+        velocity = _pointwise(est.final_proj, h * mask) * mask
+        return velocity.transpose(1, 2), blocks.collected(), convs.collected()
 
     def _stage(self, stage, x, mask, temb, bias, convs, blocks):
+        """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C)."""
         resnet: CausalResnetBlock1D = stage[0]
-        h = self._block(resnet.block1, x, mask, convs) + resnet.mlp(temb).unsqueeze(-1)
+        h = self._block(resnet.block1, x, mask, convs) + resnet.mlp(temb).unsqueeze(1)
         h = self._block(resnet.block2, h, mask, convs)
-        h = (h + resnet.res_conv(x * mask)).transpose(1, 2)
+        h = h + _pointwise(resnet.res_conv, x * mask)
         for block in stage[1]:
             h = blocks.run(block, h, bias)
-        return h.transpose(1, 2)
+        return h
 
     @staticmethod
     def _block(block: CausalBlock1D, x, mask, convs) -> torch.Tensor:
         conv, _, norm, _, mish = block.block
         h = convs.conv(conv, x * mask)
-        h = mish(norm(h.transpose(1, 2)).transpose(1, 2))
-        return h * mask
+        return mish(norm(h)) * mask
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     @staticmethod
@@ -614,10 +620,17 @@ class CachedFlowRunner:
         s.frames += est.frames
 
 
+def _pointwise(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
+    """A kernel-1 conv over time-major x (B, N, C_in) -> (B, N, C_out): a linear layer on the same weights."""
+    return F.linear(x, conv.weight.squeeze(-1), conv.bias)
+
+
 class _ConvTails:
     """Causal convs with the previous call's last inputs as left context, in call order; collects the new tails.
 
-    All convs' tails travel as one tensor (2B, sum of input channels, 2), each conv reading its channel slice."""
+    All convs' tails travel as one tensor (2B, sum of input channels, 2), each conv reading its channel slice.
+    Inputs are time-major (2B, N, C): a kernel-3 conv is then one GEMM of the weight, viewed (C_out, 3 C), over
+    each frame's window of three frames (its 2 predecessors and itself) laid side by side."""
 
     def __init__(self, tails: Optional[torch.Tensor], tail_at: torch.Tensor) -> None:
         self.tails, self.tail_at = tails, tail_at  # tail_at (2B, 1, 2): positions in [context | new] to keep
@@ -625,17 +638,20 @@ class _ConvTails:
         self.out: list[torch.Tensor] = []
 
     def conv(self, conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
-        """x (2B, C, N) masked input -> conv output (2B, C', N)."""
-        context, channels = conv.kernel_size[0] - 1, x.size(1)
+        """x (2B, N, C) masked input -> conv output (2B, N, C')."""
+        context, channels = conv.kernel_size[0] - 1, x.size(2)
         assert context == CONV_CONTEXT
         if self.tails is None:
-            left = x.new_zeros(x.size(0), channels, context)
+            left = x.new_zeros(x.size(0), context, channels)
         else:
-            left = self.tails[:, self.offset : self.offset + channels]
+            left = self.tails[:, self.offset : self.offset + channels].transpose(1, 2)
         self.offset += channels
-        seq = torch.cat([left, x], dim=2)
-        self.out.append(seq.gather(2, self.tail_at.expand(-1, channels, -1)))
-        return F.conv1d(seq, conv.weight, conv.bias)
+        seq = torch.cat([left, x], dim=1)  # (2B, 2 + N, C)
+        at = self.tail_at.view(-1, CONV_CONTEXT, 1).expand(-1, -1, channels)
+        self.out.append(seq.gather(1, at).transpose(1, 2))
+        # (2B, N, C, 3) windows -> (2B, N, 3C) in the weight's (channel, tap) order
+        windows = seq.unfold(1, context + 1, 1).reshape(x.size(0), x.size(1), channels * (context + 1))
+        return F.linear(windows, conv.weight.reshape(conv.out_channels, -1), conv.bias)
 
     def collected(self) -> torch.Tensor:
         return torch.cat(self.out, dim=1)
