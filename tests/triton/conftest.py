@@ -4,8 +4,11 @@ shared by the session's tests."""
 from __future__ import annotations
 
 import asyncio
+import importlib
 import re
+import sys
 import time
+import types
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,3 +126,17 @@ async def settled_metrics(pipeline):
             previous, since = current, time.monotonic()
         elif time.monotonic() - since >= SETTLE_S:
             return current
+
+
+@pytest.fixture
+def adapters(monkeypatch):
+    """The adapter modules imported outside tritonserver, over a stand-in for `triton_python_backend_utils`
+    (only what they read at import); removed again afterwards."""
+    stub = types.ModuleType("triton_python_backend_utils")
+    stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
+    for name in [n for n in sys.modules if n.startswith("triton_repo.adapters")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield lambda name: importlib.import_module(f"triton_repo.adapters.{name}")
+    for name in [n for n in sys.modules if n.startswith("triton_repo.adapters")]:
+        del sys.modules[name]

@@ -10,11 +10,8 @@ and every chunk of a stream reaches the replica that holds its caches.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import json
 import os
-import sys
-import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -151,20 +148,6 @@ def test_a_kind_gpu_instance_and_the_rendered_device_must_agree():
 
 
 # -- the adapters take the GPU Triton gives each instance ---------------------------------------------------------
-@pytest.fixture
-def adapters(monkeypatch):
-    """The adapter modules imported outside tritonserver, over a stand-in for `triton_python_backend_utils`
-    (only what they read at import); removed again afterwards."""
-    stub = types.ModuleType("triton_python_backend_utils")
-    stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
-    for name in [n for n in sys.modules if n.startswith("triton_repo.adapters")]:
-        monkeypatch.delitem(sys.modules, name)
-    yield lambda name: importlib.import_module(f"triton_repo.adapters.{name}")
-    for name in [n for n in sys.modules if n.startswith("triton_repo.adapters")]:
-        del sys.modules[name]
-
-
 class Recorder:
     """Stands in for what an adapter builds from its parameters and records them."""
 
