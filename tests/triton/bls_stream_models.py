@@ -36,7 +36,7 @@ class Caller:
         self.ticker = model_params(args)["ticker"]
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         inputs = read_inputs(request, (STREAMS, TICKS, TAKE))

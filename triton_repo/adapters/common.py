@@ -79,17 +79,8 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-# The python backend's stub starts an async `execute` with `asyncio.run_coroutine_threadsafe` and only then adds
-# the returned future to its set of background futures, whose done callback removes it again. An `execute` that is
-# already finished by then makes that callback fail ("Cannot remove future from background; KeyError", once per
-# call in the server log) and leaves the future in the set for good. `serve` therefore outlives the stub's
-# bookkeeping by this long; its requests do not wait for it.
-EXECUTE_LINGER_S = 0.1
-
-
-async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]) -> None:
-    """Start one task per request and return soon after (no head-of-line blocking): a model's async `execute`
-    is `await serve(requests, handle)`.
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+    """Start one task per request; the model's async `execute` returns at once (no head-of-line blocking).
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. A client cancellation cancels the task.
@@ -99,7 +90,6 @@ async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[
         task = loop.create_task(_serve_one(request, handle))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
-    await asyncio.sleep(EXECUTE_LINGER_S)
 
 
 async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> None:
@@ -263,7 +253,7 @@ class PipelineEntryModel:
     streaming: bool
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))

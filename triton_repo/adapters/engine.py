@@ -27,7 +27,7 @@ class TritonPythonModel:
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats, self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())

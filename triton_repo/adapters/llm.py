@@ -92,7 +92,7 @@ class TritonPythonModel:
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self.llm.handle)
+        serve(requests, self.llm.handle)
 
     def finalize(self) -> None:
         self.llm.close()

@@ -158,7 +158,7 @@ class SparkVoicePromptModel:
         self.cache: VoicePromptCache[SparkVoicePrompt] = VoicePromptCache(params.cache_capacity, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         arrays = read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS)
@@ -222,7 +222,7 @@ class SparkEngineModel:
         self.metrics = MetricsExporter(args["model_name"], self.engine.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())

@@ -95,7 +95,7 @@ class TritonPythonModel:
         self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self.token2wav.handle)
+        serve(requests, self.token2wav.handle)
 
     def finalize(self) -> None:
         self.token2wav.close()

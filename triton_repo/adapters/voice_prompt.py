@@ -28,7 +28,7 @@ class TritonPythonModel:
         self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(params.cache_capacity, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle)
+        serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         arrays = read_inputs(request, io.VOICE_PROMPT_INPUTS)
