@@ -40,7 +40,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..graph_buckets import capture, fit
 from .encoder import ConformerLayer, relative_position_table
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
@@ -599,9 +598,9 @@ class CachedFlowRunner:
 
     @staticmethod
     def _block(block: CausalBlock1D, x, mask, convs) -> torch.Tensor:
-        conv, _, norm, _, _ = block.block  # conv -> LayerNorm -> Mish (then the mask): the norm's kernel does all three
+        conv, _, norm, _, mish = block.block
         h = convs.conv(conv, x * mask)
-        return kernels.layer_norm(h, norm.weight, norm.bias, norm.eps, mish=True, mask=mask)
+        return mish(norm(h)) * mask
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     @staticmethod
@@ -671,17 +670,15 @@ class _BlockKV:
     def run(self, block: TransformerBlock, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         attn = block.attn1
         batch, length, _ = x.shape
-        norm1, norm3 = block.norm1, block.norm3
-        h = kernels.layer_norm(x, norm1.weight, norm1.bias, norm1.eps)
+        h = block.norm1(x)
         q = attn._split_heads(attn.to_q(h))
         k, v = self.keys[self.index, 0], self.keys[self.index, 1]
         k[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_k(h)))
         v[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_v(h)))
         self.index += 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-        attended = attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
-        h, x = kernels.add_layer_norm(attended, x, norm3.weight, norm3.bias, norm3.eps)  # x + attention, norm3
-        return x + block.ff(h)
+        x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
+        return x + block.ff(block.norm3(x))
 
     def collected(self) -> torch.Tensor:
         return self.keys[..., self.hist_p :, :]  # (blocks, 2, 2B, heads, N, d): a view of the buffer

@@ -3,9 +3,14 @@
 - ``add_rms_norm(x, residual, weight, eps) -> (normed, summed)``: the residual add and the RMSNorm that follows it;
 - ``silu_mul(gate_up) -> silu(gate) * up`` over the fused ``[..., 2 * I]`` gate|up projection;
 - ``layer_norm(x, weight, bias, eps, mish, mask)``: LayerNorm over the last dimension, optionally followed by Mish
-  and a per-row mask (``mask`` has one value per row of ``x``), as the estimator's causal blocks apply them;
+  and a per-row mask (``mask`` has one value per row of ``x``), as the flow estimator's causal blocks apply them;
 - ``add_layer_norm(x, residual, weight, bias, eps) -> (normed, summed)``: the residual add and the LayerNorm after
   it, as in the estimator's transformer blocks.
+
+The two LayerNorm kernels are not wired into the estimator yet. In its CUDA graphs they make a step ~9 % faster
+(H200, bf16, 1-16 rows), but a Triton launch from Python costs several times a PyTorch op's host time, and the
+estimator's eager calls (offline, more than 16 rows) launch ~1 400 of them per call: used everywhere they made
+the whole stack slower (docs/PERFORMANCE.md). They belong in graph captures only.
 
 On CUDA with OpenAI Triton installed they run as one Triton kernel each (``triton_kernels``, graph-capturable:
 no host syncs, shapes fixed per call); elsewhere as the PyTorch compositions in ``reference``, which define the
