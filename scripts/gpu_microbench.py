@@ -296,6 +296,19 @@ def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offlin
     del engine
 
 
+def advanced_streams(engine: Token2Wav, voice: FlowPrompt, tokens: list[int], n: int, chunks: int) -> list:
+    """`n` fresh streams of `voice` over `tokens`, each already run through `chunks` chunks, with their next
+    chunk: the work list of one `run_chunks` call (the advancing is not part of it)."""
+    work = []
+    for i in range(n):
+        stream = engine.open_stream(voice, engine.new_generator(i))
+        stream.extend(tokens)
+        for _ in range(chunks):
+            engine.run_chunks([(stream, stream.next_chunk(finished=False))])
+        work.append((stream, stream.next_chunk(finished=False)))
+    return work
+
+
 def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes: list[str],
                      config: EngineConfig = EngineConfig()) -> None:
     """Streaming chunks with and without flow caches (`Token2Wav(flow_cache=...)`): N streams' first chunks
@@ -321,23 +334,13 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
                   flush=True)
             engine.prefix(voice)
 
-        def advanced(n: int, chunks: int) -> list:
-            work = []
-            for i in range(n):
-                stream = engine.open_stream(voice, engine.new_generator(i))
-                stream.extend(tokens)
-                for _ in range(chunks):
-                    engine.run_chunks([(stream, stream.next_chunk(finished=False))])
-                work.append((stream, stream.next_chunk(finished=False)))
-            return work
-
         for label, chunks in (("first chunk", 0), ("4th chunk (100 tok after 185)", 3)):
             for n in streams:
                 samples = []
                 work: list = []
                 for repeat in range(bench.warmup + max(3, bench.repeats // 5)):
                     del work[:]  # free the previous streams' caches before building new ones
-                    work = advanced(n, chunks)
+                    work = advanced_streams(engine, voice, tokens, n, chunks)
                     bench.sync()
                     start = time.perf_counter()
                     engine.run_chunks(work)

@@ -26,7 +26,7 @@ import cosyvoice2.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow.cached import CachedFlowRunner
 from cosyvoice2.streaming import FlowPrompt, Token2Wav
-from scripts.gpu_microbench import kernel_profile, random_flow, random_hift
+from scripts.gpu_microbench import advanced_streams, kernel_profile, random_flow, random_hift
 from scripts.gpu_timing import sync
 
 PROMPT_TOKENS = 150
@@ -99,25 +99,15 @@ def main() -> int:
         phases.wrap(runner, name, label)
     phases.wrap(engine, "vocode_batch", "HiFT")
 
-    def work(n: int, earlier: int) -> list:
-        out = []
-        for i in range(n):
-            stream = engine.open_stream(voice, engine.new_generator(i))
-            stream.extend(tokens)
-            for _ in range(earlier):
-                engine.run_chunks([(stream, stream.next_chunk(finished=False))])
-            out.append((stream, stream.next_chunk(finished=False)))
-        return out
-
     print(f"\n{'call':<28} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9} | phases (synchronised, ms)")
     for n in args.streams:
         for label, earlier in (("first chunks", 0), ("2nd chunks", 1)):
-            prepared = [work(n, earlier) for _ in range(args.repeats + 2)]
+            prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(args.repeats + 2)]
             wall = median_ms(device, lambda: engine.run_chunks(prepared.pop()), args.repeats)
             kernels = (kernel_profile(device, lambda: engine.run_chunks(prepared.pop()), top=6)
                        if device.type == "cuda" else {"kernels": 0, "busy_ms": 0.0, "top": []})
             timed_calls = 3
-            prepared = [work(n, earlier) for _ in range(timed_calls)]
+            prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(timed_calls)]
             phases.totals.clear()
             phases.active = True
             for _ in range(timed_calls):

@@ -13,10 +13,9 @@ import pytest
 
 from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving import llm_scheduler, orchestrator as orchestrator_module, token2wav
-from cosyvoice2_serving.llm_scheduler import ContinuousBatchingScheduler
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import Token2WavService
-from tests.serving.test_llm_scheduler import Script, ScriptedDecoder
+from tests.serving.test_llm_scheduler import Script, ScriptedDecoder, scheduling
 from tests.serving.test_orchestrator import FakeClients, orchestrator, request
 from tests.serving.test_token2wav_service import PROMPT, FakeEngine
 from tests.serving.test_token2wav_steps import FakeStepEngine
@@ -85,8 +84,7 @@ async def drain(stream) -> list[int]:
 
 async def test_llm_counts_a_streaming_request_once_at_its_first_boundary():
     decoder = SlowDecoder(num_slots=2, prefill_s=0.03, step_s=0.005)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
-    try:
+    with scheduling(decoder, max_waiting=4) as scheduler:
         started = time.monotonic()
         stream = scheduler.submit("r", Script(base=0, count=12), deliver_at=(5, 8, 11))
         deliveries = stream.deliveries()
@@ -101,14 +99,11 @@ async def test_llm_counts_a_streaming_request_once_at_its_first_boundary():
         assert stats["prefill"] >= decoder.prefill_s
         assert stats["decode"] >= 5 * decoder.step_s
         assert stats["wait"] >= 0 and stats["wait"] + stats["prefill"] + stats["decode"] <= seen
-    finally:
-        scheduler.close()
 
 
 async def test_llm_counts_the_queue_wait_of_a_request_admitted_later():
     decoder = SlowDecoder(num_slots=1)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
-    try:
+    with scheduling(decoder, max_waiting=4) as scheduler:
         decoder.gate.clear()
         holder = scheduler.submit("holder", Script(base=0, count=3), deliver_at=(1,))
         queued = scheduler.submit("queued", Script(base=100, count=3), deliver_at=(1,))
@@ -118,13 +113,10 @@ async def test_llm_counts_the_queue_wait_of_a_request_admitted_later():
         stats = llm_stats(scheduler)
         assert stats["count"] == 2 and stats["steps"] == 2
         assert stats["wait"] >= HOLD_S  # the queued one's (the holder was admitted at once)
-    finally:
-        scheduler.close()
 
 
 async def test_llm_counts_a_request_that_ends_before_its_first_boundary_at_its_end():
-    scheduler = ContinuousBatchingScheduler(SlowDecoder(num_slots=1), max_waiting=4)
-    try:
+    with scheduling(SlowDecoder(num_slots=1), max_waiting=4) as scheduler:
         assert await drain(scheduler.submit("short", Script(base=0, count=3), deliver_at=(10,))) == [0, 1, 2]
         stats = llm_stats(scheduler)
         assert stats["count"] == 1 and stats["steps"] == 3
@@ -133,27 +125,21 @@ async def test_llm_counts_a_request_that_ends_before_its_first_boundary_at_its_e
         assert await drain(shorter) == [0, 1]
         stats = llm_stats(scheduler)
         assert stats["count"] == 2 and stats["steps"] == 3 + 2
-    finally:
-        scheduler.close()
 
 
 async def test_llm_without_a_schedule_counts_the_first_token_and_offline_requests_not_at_all():
-    scheduler = ContinuousBatchingScheduler(SlowDecoder(num_slots=2), max_waiting=4)
-    try:
+    with scheduling(SlowDecoder(num_slots=2), max_waiting=4) as scheduler:
         assert await drain(scheduler.submit("offline", Script(base=0, count=4), deliver_at=())) == [0, 1, 2, 3]
         assert await drain(scheduler.submit("told", Script(base=0, count=4), (2,), streaming=False)) == [0, 1, 2, 3]
         assert llm_stats(scheduler)["count"] == 0  # offline: no first chunk
         assert await drain(scheduler.submit("tokens", Script(base=0, count=4))) == [0, 1, 2, 3]
         stats = llm_stats(scheduler)
         assert stats["count"] == 1 and stats["steps"] == 1
-    finally:
-        scheduler.close()
 
 
 async def test_llm_does_not_count_cancelled_or_failed_requests():
     decoder = SlowDecoder(num_slots=1)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
-    try:
+    with scheduling(decoder, max_waiting=4) as scheduler:
         running = scheduler.submit("running", Script(base=0, count=None), deliver_at=(10_000,))
         waiting = scheduler.submit("waiting", Script(base=0, count=None), deliver_at=(1,))
         await asyncio.sleep(0.05)
@@ -168,8 +154,6 @@ async def test_llm_does_not_count_cancelled_or_failed_requests():
         stats = scheduler.stats.snapshot()
         assert stats["llm_cancelled_total"] == 2 and stats["llm_failed_total"] == 2
         assert llm_stats(scheduler) == dict.fromkeys(["count", "wait", "prefill", "decode", "steps"], 0.0)
-    finally:
-        scheduler.close()
 
 
 # -- the token2wav service ---------------------------------------------------------------------------------------

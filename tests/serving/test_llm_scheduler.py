@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -65,10 +67,20 @@ async def collect(stream) -> list[int]:
     return [t async for batch in stream for t in batch]
 
 
+
+@contextmanager
+def scheduling(decoder, **options) -> Iterator[ContinuousBatchingScheduler]:
+    """A scheduler over `decoder`, closed (its thread stopped) however the test ends."""
+    scheduler = ContinuousBatchingScheduler(decoder, **options)
+    try:
+        yield scheduler
+    finally:
+        scheduler.close()
+
+
 async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
     decoder = ScriptedDecoder(num_slots=2)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
-    try:
+    with scheduling(decoder, max_waiting=8) as scheduler:
         streams = [scheduler.submit(f"r{i}", Script(base=100 * i, count=5 + i)) for i in range(4)]
         results = await asyncio.gather(*(collect(s) for s in streams))
         assert results == [list(range(100 * i, 100 * i + 5 + i)) for i in range(4)]
@@ -78,14 +90,11 @@ async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
         assert stats["llm_finished_total"] == 4 and stats["llm_active_sequences"] == 0
         # step counters are published in bulk, but completely by the time the last sequence has ended
         assert stats["llm_steps_total"] == len(decoder.batches) and stats["llm_step_seconds_total"] > 0
-    finally:
-        scheduler.close()
 
 
 async def test_a_new_request_joins_the_running_batch():
     decoder = ScriptedDecoder(num_slots=4)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=8)
-    try:
+    with scheduling(decoder, max_waiting=8) as scheduler:
         long = scheduler.submit("long", Script(base=0, count=None))
         it = long.__aiter__()
         await it.__anext__()  # the long sequence is decoding
@@ -97,8 +106,6 @@ async def test_a_new_request_joins_the_running_batch():
         assert rest == sorted(rest)  # the cancelled stream ends cleanly
         assert scheduler.active_request_ids() == set()
         assert scheduler.stats.get("llm_cancelled_total") == 1
-    finally:
-        scheduler.close()
 
 
 async def test_overload_rejects_beyond_slots_plus_queue_and_bad_requests_fail_alone():
@@ -218,21 +225,17 @@ async def test_one_wake_up_per_event_loop_and_step_however_many_requests_got_tok
 )
 async def test_a_delivery_schedule_hands_over_tokens_only_at_its_boundaries_and_the_end(count, deliver_at, expected):
     decoder = ScriptedDecoder(num_slots=2)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
-    try:
+    with scheduling(decoder, max_waiting=4) as scheduler:
         busy = scheduler.submit("busy", Script(base=1000, count=25))  # shares the steps, delivered per token
         scheduled = scheduler.submit("scheduled", Script(base=0, count=count), deliver_at=deliver_at)
         got, other = await asyncio.gather(deliveries(scheduled), collect(busy))
-    finally:
-        scheduler.close()
     assert got == [(list(tokens), last) for tokens, last in expected]
     assert other == list(range(1000, 1025))
 
 
 async def test_a_scheduled_stream_ends_cleanly_on_cancel_and_raises_after_its_tokens_on_failure():
     decoder = ScriptedDecoder(num_slots=2)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=4)
-    try:
+    with scheduling(decoder, max_waiting=4) as scheduler:
         stream = scheduler.submit("endless", Script(base=0, count=None), deliver_at=(2, 5))
         it = stream.deliveries().__aiter__()
         first = await it.__anext__()
@@ -259,5 +262,3 @@ async def test_a_scheduled_stream_ends_cleanly_on_cancel_and_raises_after_its_to
                 received += tokens
         assert received == [50, 51, 52]  # buffered until the end, then handed over before the error
         assert scheduler.stats.get("llm_failed_total") == 1
-    finally:
-        scheduler.close()
