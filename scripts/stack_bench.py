@@ -138,8 +138,7 @@ WARMUP_CONCURRENCY = 8
 
 def triton_metrics(server: TritonServer) -> dict[str, float]:
     """stat name -> value of every `cosyvoice2_*` metric of the server (`parse_metrics`)."""
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    return parse_metrics(urllib.request.urlopen(url).read().decode())  # noqa: S310
+    return parse_metrics(urllib.request.urlopen(server.metrics_url).read().decode())  # noqa: S310
 
 
 def settled_metrics(server: TritonServer, quiet_s: float = METRICS_SETTLE_S,

@@ -197,22 +197,33 @@ class TritonServer:
             raise TritonLaunchError(f"no python backend stub for Python {version} in {stub.parent.parent}")
         shutil.copy2(stub, py / stub.name)
 
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=1) as r:  # noqa: S310
-                return r.status == 200
-        except OSError:
-            return False
+        return self._answers(f"{self.http_url}/v2/health/ready")
 
     def wait_ready(self, timeout: float) -> None:
+        """Until the models are ready and the metrics endpoint answers too: tritonserver reports ready over
+        HTTP/gRPC a few milliseconds before it opens its metrics port, and a caller that reads the metrics first
+        thing (a benchmark taking its baseline) would find it closed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc is None or self._proc.poll() is not None:
                 raise TritonLaunchError(f"tritonserver exited early; log:\n{self.log_tail()}")
-            if self.is_ready():
+            if self.is_ready() and self._answers(self.metrics_url):
                 return
             time.sleep(0.2)
         raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    @staticmethod
+    def _answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310
+                return r.status == 200
+        except OSError:
+            return False
 
     def log_tail(self, n: int = 60) -> str:
         if self.log_path is None or not self.log_path.exists():

@@ -33,7 +33,7 @@ class Pipeline:
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """(stat, model) -> value of every `cosyvoice2_*` metric."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.server.metrics_port}/metrics").read().decode()
+        text = urllib.request.urlopen(self.server.metrics_url).read().decode()
         out = {}
         for name, model, value in re.findall(r'^cosyvoice2_(\w+)\{model="(\w+)"\} (\S+)$', text, re.M):
             out[(name, model)] = float(value)

@@ -4,6 +4,7 @@ chosen ports retries on new ones, a start on pinned ports reports the conflict."
 from __future__ import annotations
 
 import socket
+import urllib.request
 
 import pytest
 
@@ -37,6 +38,9 @@ def test_chosen_ports_are_chosen_again_after_a_conflict(tmp_path, taken_port, mo
         server.start(ready_timeout=120)
         assert handed_out[0] == taken_port and taken_port not in (server.http_port, server.grpc_port)
         assert server.is_ready()
+        # ready means every endpoint answers, the metrics too (tritonserver opens that port last)
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+            assert response.status == 200
         assert "already in use" in server.log_path.read_text()  # the first attempt did meet the conflict
     finally:
         server.cleanup()
