@@ -51,15 +51,44 @@ def capture(run: Callable[[], T], device: "torch.device", pool: object) -> tuple
     must not happen during capture."""
     import torch
 
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = run()
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
+            outputs = run()
     return graph, outputs
+
+
+def capture_stream(device: "torch.device") -> "torch.cuda.Stream":
+    """A side stream of `device` to capture on. `torch.cuda.graph` otherwise captures on one stream it creates
+    once per process on whatever device is current then: with the tensors on another GPU (an instance on GPU 1
+    of a process whose current device is 0), the capture runs on the wrong device and is invalidated."""
+    import torch
+
+    device = concrete_device(device)
+    stream = _CAPTURE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
+
+
+_CAPTURE_STREAMS: dict = {}
+
+
+def on_device(device: "torch.device | str | None"):
+    """A context in which `device` is the current CUDA device (nothing for CPU devices): what is created without a
+    device (streams, events, graphs, `torch.cuda.current_stream()`) then lands on the GPU the model owns."""
+    import contextlib
+
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(concrete_device(torch.device(device)))
 
 
 class ReplayOrder:

@@ -8,15 +8,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import httpx
-import openai
 import pytest
-import uvicorn
 
-from gateway.app import create_app
 from gateway.settings import Settings
 from triton_repo.server import TritonServer
+
+if TYPE_CHECKING:
+    import httpx
+    import openai
+
+# The gateway's own dependencies (uvicorn, the OpenAI SDK, httpx, audio encoders) are imported where a gateway
+# starts: a GPU machine runs tests/gpu with the engine and tritonserver installed, without them.
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The parity oracles: micro models (seeded random weights, released file layout) with the upstream
@@ -67,6 +71,10 @@ class RunningGateway:
     to ``settings.port``) when given."""
 
     def __init__(self, settings: Settings, sock: socket.socket | None = None) -> None:
+        import uvicorn
+
+        from gateway.app import create_app
+
         self.settings = settings
         self.app = create_app(settings)
         self._server = uvicorn.Server(
@@ -97,16 +105,24 @@ class RunningGateway:
             self._sock.close()
 
     def client(self, api_key: str = "unused", **options: object) -> openai.OpenAI:
+        import openai
+
         return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
 
     def async_client(self, api_key: str = "unused", **options: object) -> openai.AsyncOpenAI:
+        import openai
+
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, **options)
 
     def http(self) -> httpx.Client:
+        import httpx
+
         return httpx.Client(base_url=self.base_url, timeout=30)
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
         """A sample of the gateway's /metrics (0 when absent)."""
+        import httpx
+
         wanted = name + ("{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}" if labels else "")
         for line in httpx.get(f"{self.base_url}/metrics").text.splitlines():
             if line.startswith(wanted + " "):

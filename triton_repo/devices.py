@@ -27,3 +27,16 @@ def instance_device(args: Mapping[str, str], rendered: str) -> str:
     if rendered == "cuda":
         raise ValueError('device "cuda" (the GPU of the instance) needs a KIND_GPU instance group')
     return rendered
+
+
+def make_current(device: str) -> None:
+    """Make `device` the stub's current CUDA device (nothing for the CPU).
+
+    Each model instance is a stub process of its own, but CUDA starts every process on GPU 0: whatever the engine
+    creates without naming a device (streams, events, CUDA graphs and their capture stream, index-less "cuda"
+    tensors) would otherwise land on GPU 0 while the instance's weights sit on its own GPU."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    torch.cuda.set_device(torch.device(device))

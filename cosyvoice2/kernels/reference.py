@@ -16,17 +16,3 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-    out = F.layer_norm(x, weight.shape, weight, bias, eps)
-    if mish:
-        out = F.mish(out)
-    return out if mask is None else out * mask
-
-
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
-    return F.layer_norm(summed, weight.shape, weight, bias, eps), summed

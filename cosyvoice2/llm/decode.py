@@ -52,6 +52,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from cosyvoice2.graph_buckets import capture_stream, on_device
 from cosyvoice2.llm.model import CosyVoice2LM
 from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
 
@@ -150,20 +151,22 @@ Shape = tuple[int, int]  # (rows, kv_len) of one decode step
 class _StepGraphs:
     """One CUDA graph of the decode step per shape, sharing one memory pool (replays never overlap)."""
 
-    def __init__(self, step: Callable[[int, int], None], shapes: Sequence[Shape]) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles)
-            for shape in shapes:
-                step(*shape)
-        torch.cuda.current_stream().wait_stream(side)
+    def __init__(self, step: Callable[[int, int], None], shapes: Sequence[Shape], device: torch.device) -> None:
         self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
-        for shape in shapes:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                step(*shape)
-            self._graphs[shape] = graph
+        with on_device(device):  # the decoder's GPU, whichever is current (a model instance on GPU 1)
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles)
+                for shape in shapes:
+                    step(*shape)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for shape in shapes:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
+                                      capture_error_mode="thread_local"):
+                    step(*shape)
+                self._graphs[shape] = graph
 
     def replay(self, shape: Shape) -> None:
         self._graphs[shape].replay()
@@ -199,7 +202,7 @@ class BatchedDecoder:
         if cuda_graphs:
             shapes = [(rows, kv_len) for rows in self.buckets for kv_len in self.length_buckets]
             with torch.inference_mode():
-                self._graphs = _StepGraphs(self._advance, shapes)
+                self._graphs = _StepGraphs(self._advance, shapes, self.device)
 
     @property
     def active_slots(self) -> list[int]:

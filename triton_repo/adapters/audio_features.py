@@ -21,7 +21,7 @@ from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
-from triton_repo.devices import instance_device
+from triton_repo.devices import instance_device, make_current
 from triton_repo.model_params import AudioModelParams
 
 
@@ -59,6 +59,7 @@ class AudioTokenizerModel(_AudioModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         device = instance_device(args, params.device)
+        make_current(device)
         self.model = SpeechTokenizer(params.model_dir / SPEECH_TOKENIZER_FILE, _providers(device))
 
 

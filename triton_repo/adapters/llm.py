@@ -28,7 +28,7 @@ from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingSchedu
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
-from triton_repo.devices import instance_device
+from triton_repo.devices import instance_device, make_current
 from triton_repo.model_params import LLMParams
 
 
@@ -88,7 +88,9 @@ class LLMHandler:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = LLMParams.from_parameters(model_params(args), args["model_name"])
-        self.llm = LLMHandler(dataclasses.replace(params, device=instance_device(args, params.device)))
+        device = instance_device(args, params.device)
+        make_current(device)
+        self.llm = LLMHandler(dataclasses.replace(params, device=device))
         self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
 
     async def execute(self, requests: list[Any]) -> None:

@@ -26,7 +26,7 @@ from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
-from triton_repo.devices import instance_device
+from triton_repo.devices import instance_device, make_current
 from triton_repo.model_params import ParameterError, Token2WavParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,9 @@ class Token2WavHandler:
 class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = Token2WavParams.from_parameters(model_params(args), args["model_name"])
-        self.token2wav = Token2WavHandler(dataclasses.replace(params, device=instance_device(args, params.device)))
+        device = instance_device(args, params.device)
+        make_current(device)
+        self.token2wav = Token2WavHandler(dataclasses.replace(params, device=device))
         self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
 
     async def execute(self, requests: list[Any]) -> None:

@@ -1,0 +1,38 @@
+"""GPU checks: correctness on real CUDA devices, run on a GPU machine with `pytest -m gpu tests/gpu`.
+
+Every test here is marked `gpu` and skips where torch sees no CUDA device (CI, laptops). What needs several GPUs
+asks for them with the `gpus` fixture's count and skips on smaller machines."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001 - pytest's hook signature
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+
+
+def cuda_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.fixture(scope="session")
+def gpus() -> int:
+    """How many CUDA devices this machine has (the test skips where there is none)."""
+    count = cuda_count()
+    if count == 0:
+        pytest.skip("needs a CUDA device")
+    return count
+
+
+@pytest.fixture(scope="session")
+def several_gpus(gpus: int) -> int:
+    if gpus < 2:
+        pytest.skip("needs two or more CUDA devices")
+    return gpus
