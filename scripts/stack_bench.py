@@ -102,7 +102,7 @@ from scripts.bench_stack import (
 )
 from triton_repo.render import TOKEN2WAVS
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
-from ttsbench.cli import concurrency_list, positive_rate
+from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
 from ttsbench.ratesearch import ListenerBound, SearchSettings, SearchSettingsError
 
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
@@ -775,8 +775,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--open-loop-scenario", default=REALTIME_SCENARIO,
                         choices=[s.name for s in SCENARIOS if s.mode == "streaming"],
                         help=f"the streaming scenario the search loads (default {REALTIME_SCENARIO})")
-    parser.add_argument("--open-loop-min", type=positive_rate, default=0.25, help="lowest rate the search may try")
-    parser.add_argument("--open-loop-max", type=positive_rate, default=64.0, help="highest rate the search may try")
+    low, high = DEFAULT_RATE_BOUNDS  # tts-bench's
+    parser.add_argument("--open-loop-min", type=positive_rate, default=low, help="lowest rate the search may try")
+    parser.add_argument("--open-loop-max", type=positive_rate, default=high, help="highest rate the search may try")
     parser.add_argument("--open-loop-step-seconds", type=positive_rate, default=30.0,
                         help="seconds of arrivals per search step (the step then waits for what is still running)")
     parser.add_argument("--open-loop-steps", type=_positive, default=8, help="most rates one search measures")

@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="find the highest rate that meets the bound below, starting at START requests/s: grow "
                             "geometrically until a rate misses it, then bisect")
     open_loop.add_argument("--rate-bounds", type=rate_bounds, default=DEFAULT_RATE_BOUNDS, metavar="LOW,HIGH",
-                           help="the rates the search may try (default 0.25,64)")
+                           help="the rates the search may try (default {:g},{:g})".format(*DEFAULT_RATE_BOUNDS))
     open_loop.add_argument("--search-steps", type=int, default=8, help="most rates the search measures (default 8)")
     open_loop.add_argument("--search-precision", type=float, default=0.1,
                            help="bisect until the bracket is within this share of its lower end (default 0.1)")
