@@ -20,7 +20,11 @@ and call, send, and the other time they leave of the pipeline's first-chunk time
 sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
 playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams per GPU:
 the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error,
-in every run. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
+in every run. With `--open-loop START` each run also searches, after its levels, the sustained open-loop rate: the
+highest rate of Poisson arrivals (requests sent when they arrive, however many are running: what a service facing
+independent listeners sees) at which first chunk p95 is <= 500 ms with no stream stalling and no error (`tts-bench
+--rate-search`: grow from START by x2 until a rate misses, then bisect; each step a fixed stretch of arrivals), and
+reports the lowest over the runs. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
 settings name the token2wav, e.g. cuda-bf16-b32-dit-r3, and the summary says it too): summary.md (the tables:
 measures, stages, first chunk by stage), results.json (every level's measures, with its stages), stages.json (the
 stages per level), levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
@@ -59,6 +63,12 @@ Options:
   --spark                       benchmark the Spark-TTS pipeline instead of CosyVoice2
   --spark-dir DIR               Spark weights (default: released-size random weights under WORK)
   --spark-benchmark-ratio R     semantic tokens per Spark text token (0 = off, for real weights)
+  --open-loop START             also search the sustained open-loop rate from START requests/s, each run (default: off)
+  --open-loop-scenario NAME     the streaming scenario the search loads (default triton-stream)
+  --open-loop-min R             lowest rate the search may try, requests/s (default 0.25)
+  --open-loop-max R             highest rate the search may try, requests/s (default 64)
+  --open-loop-step-seconds S    arrivals offered per search step (default 30)
+  --open-loop-steps N           most rates one search measures (default 8)
 """
 
 from __future__ import annotations
@@ -75,7 +85,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -92,7 +102,8 @@ from scripts.bench_stack import (
 )
 from triton_repo.render import TOKEN2WAVS
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
-from ttsbench.cli import concurrency_list
+from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
+from ttsbench.ratesearch import ListenerBound, SearchSettings, SearchSettingsError
 
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
 REALTIME_FIRST_CHUNK_P90_S = 0.5
@@ -109,6 +120,8 @@ LOG_TAIL_LINES = 400
 OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
 #: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
 SPARK_PIPELINE = "spark-tts"
+#: The open-loop rule: the first audio within this p95 for requests arriving at random, no stall, no error.
+OPEN_LOOP_BOUND = ListenerBound(first_chunk_p95=0.5)
 
 
 @dataclass(frozen=True)
@@ -407,11 +420,39 @@ def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, r
                "--warmup", str(warmup), *pipeline_args(scenario.target, pipeline), *scenario.extra]  # fmt: skip
     if requests:
         command += ["--requests", str(max(requests, 2 * concurrency))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
-    print(f"\n## {scenario.name} c={concurrency}: {' '.join(command[1:])}", flush=True)
-    subprocess.run(command, check=True, env=env)  # noqa: S603 - our own module
-    (level,) = json.loads(json_path.read_text())["levels"]
+    (level,) = tts_bench(command, f"{scenario.name} c={concurrency}")["levels"]
     return level
+
+
+def tts_bench(command: list[str], title: str) -> dict[str, Any]:
+    """Run one `tts-bench` command line and return the document it wrote (where its ``--json`` says)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
+    print(f"\n## {title}: {' '.join(command[1:])}", flush=True)
+    subprocess.run(command, check=True, env=env)  # noqa: S603 - our own module
+    return json.loads(Path(command[command.index("--json") + 1]).read_text())
+
+
+def open_loop_settings(args: argparse.Namespace) -> SearchSettings | None:
+    """The rate search ``--open-loop`` asks for (None without it); SystemExit for settings that cannot work."""
+    if args.open_loop is None:
+        return None
+    try:
+        return SearchSettings(args.open_loop, args.open_loop_min, args.open_loop_max, max_steps=args.open_loop_steps)
+    except SearchSettingsError as exc:
+        raise SystemExit(f"stack_bench: --open-loop: {exc}") from None
+
+
+def run_rate_search(scenario: Scenario, url: str, json_path: Path, search: SearchSettings, step_seconds: float,
+                    timeout: float, warmup: int, pipeline: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One open-loop rate search on a scenario: one `tts-bench --rate-search` run, every step ``step_seconds`` of
+    Poisson arrivals (one arrival seed for every run: the runs offer the same load). Returns its document."""
+    command = [sys.executable, "-m", "ttsbench", scenario.target, "--url", url, "--mode", "streaming",
+               "--rate-search", str(search.start), "--rate-bounds", f"{search.low},{search.high}",
+               "--search-steps", str(search.max_steps), "--search-precision", str(search.precision),
+               "--first-chunk-p95", str(OPEN_LOOP_BOUND.first_chunk_p95), "--duration", str(step_seconds),
+               "--json", str(json_path), "--timeout", str(timeout), "--warmup", str(warmup),
+               *pipeline_args(scenario.target, pipeline), *scenario.extra]  # fmt: skip
+    return tts_bench(command, f"{scenario.name} open-loop rate search")
 
 
 def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, Any], gpu_busy: float | None,
@@ -467,6 +508,41 @@ def realtime_streams(rows: Sequence[dict[str, Any]], scenario: str = REALTIME_SC
     return max((c for c, ok in runs.items() if all(ok)), default=0)
 
 
+def rate_rows(document: dict[str, Any], run: int, busy: Callable[[Sequence[float] | None], float | None]
+              ) -> list[dict[str, Any]]:  # fmt: skip
+    """The measures of each step of a `tts-bench --rate-search` document, in the order measured (seconds, shares
+    0..1), with the search's verdict; ``busy`` gives the GPU busy share of a step's window."""
+    rows = []
+    for step, rate in zip(document["rate_search"]["steps"], document["rates"], strict=True):
+        first = rate.get("first_chunk") or {}
+        stalls = rate.get("stalls")
+        rows.append({
+            "run": run,
+            "rate": rate["rate"],
+            "achieved_rate": rate["achieved_rate"],
+            "requests": rate["requests"],
+            "errors": rate["errors"],
+            **{f"first_chunk_{q}": first.get(q) for q in ("p50", "p90", "p95", "p99")},
+            "streams": stalls["streams"] if stalls else None,
+            "stalled_streams": stalls["stalled"] if stalls else None,
+            "stalled_share": stalls["stalled_share"] if stalls else None,
+            "audio_seconds_per_second": rate["audio_seconds_per_second"],
+            "max_in_flight": rate["max_in_flight"],
+            "send_lag_p99": (rate.get("send_lag") or {}).get("p99"),
+            "gpu_busy": busy(rate.get("window")),
+            "met": step["met"],
+            "misses": step["misses"],
+        })  # fmt: skip
+    return rows
+
+
+def sustained_open_loop_rate(runs: Sequence[dict[str, Any]]) -> float | None:
+    """The sustained open-loop rate over the runs: the lowest run's (0.0 when a run found none); None without runs."""
+    if not runs:
+        return None
+    return min(run["sustained_rate"] or 0.0 for run in runs)
+
+
 # Summary --------------------------------------------------------------------------------------------
 
 #: (column title, row key, scale, format) of the summary table.
@@ -519,9 +595,10 @@ def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
 
 
 def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
-                     pipeline: str | None = None) -> str:  # fmt: skip
+                     pipeline: str | None = None, open_loop: dict[str, Any] | None = None) -> str:  # fmt: skip
     """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
-    vocoder), then one table row per scenario and concurrency, each cell all runs' values and their spread."""
+    vocoder), then one table row per scenario and concurrency, each cell all runs' values and their spread; with
+    ``open_loop`` (results.json's) the sustained open-loop rate and its search's steps."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
@@ -558,7 +635,44 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
     shown = NA if realtime is None else str(realtime)
     lines += ["", f"Real-time streams per GPU ({REALTIME_SCENARIO}: first chunk p90 <= "
               f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run): **{shown}**", ""]  # fmt: skip
+    if open_loop is not None:
+        lines += open_loop_markdown(open_loop)
     return "\n".join(lines)
+
+
+#: (column title, rate_rows key, scale, format) of the open-loop table.
+OPEN_LOOP_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
+    ("achieved (req/s)", "achieved_rate", 1.0, "{:.2f}"),
+    ("first chunk p50 (ms)", "first_chunk_p50", 1000.0, "{:.0f}"),
+    ("p90", "first_chunk_p90", 1000.0, "{:.0f}"),
+    ("p95", "first_chunk_p95", 1000.0, "{:.0f}"),
+    ("p99", "first_chunk_p99", 1000.0, "{:.0f}"),
+    ("stalled streams (%)", "stalled_share", 100.0, "{:.0f}"),
+    ("audio s/s", "audio_seconds_per_second", 1.0, "{:.1f}"),
+    ("most in flight", "max_in_flight", 1.0, "{:.0f}"),
+    ("GPU busy (%)", "gpu_busy", 100.0, "{:.0f}"),
+)
+
+
+def open_loop_markdown(open_loop: dict[str, Any]) -> list[str]:
+    """The sustained open-loop rate and a row per search step (each run's steps in the order measured)."""
+    rate = open_loop["sustained_rate"]
+    low = open_loop["search"]["low"]
+    shown = NA if rate is None else (f"{rate:g} req/s" if rate else f"none (below {low:g} req/s)")
+    lines = [f"Sustained open-loop rate ({open_loop['scenario']}, Poisson arrivals: {OPEN_LOOP_BOUND.describe()}, "
+             f"lowest over the runs): **{shown}**", "",
+             f"Open-loop rate search (each step {open_loop['step_seconds']:g} s of Poisson arrivals; grow x2 from "
+             f"{open_loop['search']['start']:g} req/s until a rate misses, then bisect):", ""]  # fmt: skip
+    header = ["run", "rate (req/s)", "requests (errors)", *(t for t, *_ in OPEN_LOOP_COLUMNS), "meets"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in open_loop["runs"]:
+        for row in run["steps"]:
+            cells = [str(row["run"]), f"{row['rate']:g}", f"{row['requests']} ({row['errors']})"]
+            cells += [NA if row[key] is None else fmt.format(row[key] * scale)
+                      for _, key, scale, fmt in OPEN_LOOP_COLUMNS]  # fmt: skip
+            cells.append("yes" if row["met"] else "no: " + ", ".join(row["misses"]))
+            lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 # Results directory ---------------------------------------------------------------------------------
@@ -655,6 +769,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spark-benchmark-ratio", type=float,
                         help="semantic tokens per Spark text token (0 = off: real weights); default: what makes the "
                              f"built-in sentences last {SPARK_TOKENS_PER_CHAR} tokens per character")
+    parser.add_argument("--open-loop", type=positive_rate, metavar="START",
+                        help="each run, after its levels: search the highest rate of Poisson arrivals (requests/s) "
+                             f"with {OPEN_LOOP_BOUND.describe()}, starting at START")
+    parser.add_argument("--open-loop-scenario", default=REALTIME_SCENARIO,
+                        choices=[s.name for s in SCENARIOS if s.mode == "streaming"],
+                        help=f"the streaming scenario the search loads (default {REALTIME_SCENARIO})")
+    low, high = DEFAULT_RATE_BOUNDS  # tts-bench's
+    parser.add_argument("--open-loop-min", type=positive_rate, default=low, help="lowest rate the search may try")
+    parser.add_argument("--open-loop-max", type=positive_rate, default=high, help="highest rate the search may try")
+    parser.add_argument("--open-loop-step-seconds", type=positive_rate, default=30.0,
+                        help="seconds of arrivals per search step (the step then waits for what is still running)")
+    parser.add_argument("--open-loop-steps", type=_positive, default=8, help="most rates one search measures")
     return parser
 
 
@@ -683,6 +809,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except FileNotFoundError as exc:
             raise SystemExit(f"stack_bench: --dit-dir: {exc}") from None
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    search = open_loop_settings(args)
+    open_loop_scenario = next(s for s in SCENARIOS if s.name == args.open_loop_scenario)
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
     levels_dir = out_dir / "levels"
@@ -714,6 +842,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
     }
+    if search is not None:
+        document["open_loop"] = {
+            "scenario": open_loop_scenario.name,
+            "rule": {"first_chunk_p95_max_s": OPEN_LOOP_BOUND.first_chunk_p95, "stalled_streams": 0, "errors": 0,
+                     "lowest_over_runs": True},
+            "search": asdict(search),
+            "step_seconds": args.open_loop_step_seconds,
+            "runs": [],
+            "sustained_rate": None,
+        }  # fmt: skip
     rows: list[dict[str, Any]] = document["levels"]
     stages: dict[str, Any] = {"render": document["render"]}
     started = time.perf_counter()
@@ -721,7 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack.start_triton()
         document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
         print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
-        if any(s.target == "gateway" for s in scenarios):
+        loaded = scenarios + ([open_loop_scenario] if search is not None else [])
+        if any(s.target == "gateway" for s in loaded):
             stack.start_gateway()
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
@@ -750,6 +889,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     (out_dir / "results.json").write_text(json.dumps(document, indent=1))
                     if level["errors"] == level["requests"]:
                         raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
+            if search is not None:
+                url = server.grpc_url if open_loop_scenario.target == "triton" else stack.gateway_url
+                found = run_rate_search(open_loop_scenario, url, levels_dir / f"open-loop-r{run}.json", search,
+                                        args.open_loop_step_seconds, args.timeout, args.warmup, pipeline)  # fmt: skip
+                outcome = found["rate_search"]
+                document["open_loop"]["runs"].append({
+                    "run": run, "sustained_rate": outcome["sustained_rate"], "failed_above": outcome["failed_above"],
+                    "steps": rate_rows(found, run, sampler.busy_share),
+                })  # fmt: skip
+                document["open_loop"]["sustained_rate"] = sustained_open_loop_rate(document["open_loop"]["runs"])
+                print(json.dumps({k: v for k, v in document["open_loop"]["runs"][-1].items() if k != "steps"}),
+                      flush=True)  # fmt: skip
+                (out_dir / "results.json").write_text(json.dumps(document, indent=1))
     except BaseException:
         print(server.log_tail(80), flush=True)
         raise
@@ -764,10 +916,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline)
+        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline,
+                                   document.get("open_loop"))  # fmt: skip
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)
+        if search is not None:
+            print(f"sustained open-loop rate: {document['open_loop']['sustained_rate']} req/s", flush=True)
         print(f"results: {out_dir}", flush=True)
     return 0
 

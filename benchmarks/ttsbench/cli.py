@@ -22,12 +22,31 @@ from ttsbench.inputs import (
     load_seed_tts,
     prepare_requests,
 )
-from ttsbench.report import LevelSummary, render_report, report_document, summarize_level
-from ttsbench.runner import Target, run_level
+from ttsbench.ratesearch import (
+    DEFAULT_FIRST_CHUNK_P95_S,
+    ListenerBound,
+    RateSearch,
+    SearchSettings,
+    SearchSettingsError,
+    search_rate,
+)
+from ttsbench.report import (
+    LevelSummary,
+    RateSummary,
+    rate_table,
+    render_report,
+    report_document,
+    summarize_level,
+    summarize_rate,
+)
+from ttsbench.runner import Target, measure, run_level, run_open_loop
 from ttsbench.sentences import SENTENCES
 from ttsbench.targets import DEFAULT_PIPELINE, PIPELINES, GatewayTarget, TritonTarget
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
+#: Open loop without --duration or --requests: each rate offers arrivals for this long.
+DEFAULT_RATE_SECONDS = 30.0
+DEFAULT_RATE_BOUNDS = (0.25, 64.0)
 
 
 def concurrency_list(text: str) -> list[int]:
@@ -40,19 +59,66 @@ def concurrency_list(text: str) -> list[int]:
     return levels
 
 
+def positive_rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from exc
+    if not 0 < rate < float("inf"):
+        raise argparse.ArgumentTypeError(f"rates are requests per second > 0, got {text!r}")
+    return rate
+
+
+def rate_list(text: str) -> list[float]:
+    rates = [positive_rate(x) for x in text.split(",") if x.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError("no rate given")
+    return rates
+
+
+def rate_bounds(text: str) -> tuple[float, float]:
+    rates = rate_list(text)
+    if len(rates) != 2 or rates[0] > rates[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
+    return rates[0], rates[1]
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     load = common.add_argument_group("load")
-    load.add_argument("--mode", choices=("streaming", "offline", "both"), default="both")
-    load.add_argument("--concurrency", type=concurrency_list, default=list(DEFAULT_CONCURRENCY),
-                      help="comma-separated levels (default 1,2,4,8,16,32)")
+    load.add_argument("--mode", choices=("streaming", "offline", "both"),
+                      help="default: both (closed loop), streaming (open loop, which only streams)")
+    load.add_argument("--concurrency", type=concurrency_list,
+                      help="closed loop: comma-separated levels (default 1,2,4,8,16,32)")
     amount = load.add_mutually_exclusive_group()
     amount.add_argument("--requests", type=int,
-                        help="measured requests per level (default: max(input size, 2 x concurrency))")
-    amount.add_argument("--duration", type=float, help="measure each level for this many seconds instead")
-    load.add_argument("--warmup", type=int, default=1, help="warm-up requests per worker, per level (not measured)")
+                        help="measured requests per level (default: max(input size, 2 x concurrency)) or per rate")
+    amount.add_argument("--duration", type=float,
+                        help="measure each level for this many seconds instead; open loop: offer arrivals for this "
+                             f"long per rate (default {DEFAULT_RATE_SECONDS:g})")
+    load.add_argument("--warmup", type=int, default=1,
+                      help="warm-up requests per worker, per level (not measured); open loop: sent one at a time "
+                           "before the first rate")
     load.add_argument("--timeout", type=float, default=300.0, help="deadline of one request, seconds")
     load.add_argument("--seed", type=int, help="sampling seed sent with every request")
+
+    open_loop = common.add_argument_group(
+        "open loop (instead of --concurrency): Poisson arrivals, each request sent when it arrives, however many "
+        "are still running")
+    rates = open_loop.add_mutually_exclusive_group()
+    rates.add_argument("--rates", type=rate_list, metavar="LIST", help="comma-separated arrival rates, requests/s")
+    rates.add_argument("--rate-search", type=positive_rate, metavar="START",
+                       help="find the highest rate that meets the bound below, starting at START requests/s: grow "
+                            "geometrically until a rate misses it, then bisect")
+    open_loop.add_argument("--rate-bounds", type=rate_bounds, default=DEFAULT_RATE_BOUNDS, metavar="LOW,HIGH",
+                           help="the rates the search may try (default {:g},{:g})".format(*DEFAULT_RATE_BOUNDS))
+    open_loop.add_argument("--search-steps", type=int, default=8, help="most rates the search measures (default 8)")
+    open_loop.add_argument("--search-precision", type=float, default=0.1,
+                           help="bisect until the bracket is within this share of its lower end (default 0.1)")
+    open_loop.add_argument("--first-chunk-p95", type=float, default=DEFAULT_FIRST_CHUNK_P95_S, metavar="SECONDS",
+                           help="the search's bound, with no stalled stream and no error (default 0.5)")
+    open_loop.add_argument("--arrival-seed", type=int, default=0,
+                           help="seed of the arrival times and the request picks (default 0)")
 
     inputs = common.add_argument_group("inputs (default: the built-in sentences spoken by the voices in --voices-dir)")
     source = inputs.add_mutually_exclusive_group()
@@ -99,8 +165,37 @@ def load_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], str]:
     return (requests[: args.limit] if args.limit else requests), source
 
 
+def is_open_loop(args: argparse.Namespace) -> bool:
+    return args.rates is not None or args.rate_search is not None
+
+
+def load_mode(args: argparse.Namespace) -> str:
+    """--mode, or its default for the load shape: open loop only streams."""
+    return args.mode or ("streaming" if is_open_loop(args) else "both")
+
+
+def check_load(args: argparse.Namespace) -> None:
+    """Fill the defaults that depend on the load shape; refuse combinations that do not mean anything."""
+    if not is_open_loop(args):
+        args.mode = load_mode(args)
+        args.concurrency = args.concurrency or list(DEFAULT_CONCURRENCY)
+        return
+    if args.concurrency is not None:
+        raise InputError("--concurrency is for closed loop; open loop (--rates, --rate-search) sets arrival rates")
+    if load_mode(args) != "streaming":
+        raise InputError("open loop measures streams (first chunk, stalls): leave out --mode or give streaming")
+    if args.arrival_seed < 0:
+        raise InputError("--arrival-seed must be >= 0")
+    if (args.requests is not None and args.requests < 1) or (args.duration is not None and not args.duration > 0):
+        raise InputError("open loop needs --requests >= 1 or --duration > 0 per rate")
+    args.mode = load_mode(args)
+    if args.requests is None and args.duration is None:
+        args.duration = DEFAULT_RATE_SECONDS
+
+
 def make_targets(args: argparse.Namespace) -> list[Target]:
-    modes = [True, False] if args.mode == "both" else [args.mode == "streaming"]
+    mode = load_mode(args)
+    modes = [True, False] if mode == "both" else [mode == "streaming"]
     if args.target == "triton":
         return [TritonTarget(args.url, streaming, args.seed, args.fresh_voice_ids, args.pipeline) for streaming in modes]
     return [
@@ -114,18 +209,63 @@ def run_settings(args: argparse.Namespace, source: str, n_inputs: int) -> dict[s
     return {**settings, "inputs": source, "input_count": n_inputs, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-async def run(args: argparse.Namespace) -> list[LevelSummary]:
-    requests, source = load_requests(args)
-    settings = run_settings(args, source, len(requests))
-    print(f"{len(requests)} inputs from {source}", file=sys.stderr)
+async def check_voices(target: Target, requests: Sequence[BenchRequest]) -> None:
+    if isinstance(target, GatewayTarget) and (missing := await target.missing_voices(requests)):
+        raise InputError(
+            f"the gateway does not know {len(missing)} voice(s) of these inputs (e.g. {missing[0]}); "
+            "serve them from its voices dir (TTS_VOICES_DIR) or use that dir as --voices-dir"
+        )
+
+
+async def run_rates(args: argparse.Namespace, target: Target, requests: Sequence[BenchRequest],
+                    settings: dict[str, Any]) -> tuple[list[RateSummary], RateSearch | None]:
+    """The open loop: warm-up one request at a time, then the given rates or the rate search."""
+    search_settings = None
+    if args.rate_search is not None:
+        try:
+            search_settings = SearchSettings(args.rate_search, *args.rate_bounds, max_steps=args.search_steps,
+                                             precision=args.search_precision)  # fmt: skip
+        except SearchSettingsError as exc:
+            raise InputError(str(exc)) from exc
+    for i in range(args.warmup):
+        await measure(target, requests[i % len(requests)], args.timeout)
+    summaries: list[RateSummary] = []
+
+    def write_json(search: RateSearch | None = None) -> None:  # after every rate, and with the search's outcome
+        if args.json:
+            document = report_document([], settings, with_records=not args.no_records, rates=summaries,
+                                       rate_search=None if search is None else search.to_dict())  # fmt: skip
+            args.json.write_text(json.dumps(document, indent=1, ensure_ascii=False))
+
+    async def one_rate(rate: float) -> RateSummary:
+        result = await run_open_loop(target, requests, rate, num_requests=args.requests, duration=args.duration,
+                                     seed=args.arrival_seed, timeout=args.timeout)  # fmt: skip
+        summary = summarize_rate(result)
+        summaries.append(summary)
+        p95 = "-" if summary.first_chunk is None else f"{1000 * summary.first_chunk.p95:.0f} ms"
+        print(f"{summary.mode} rate={rate:g}/s: {summary.requests} requests, {summary.errors} errors, first chunk "
+              f"p95 {p95}, {summary.wall_seconds:.1f} s", file=sys.stderr)  # fmt: skip
+        write_json()
+        return summary
+
+    if search_settings is None:
+        for rate in args.rates:
+            await one_rate(rate)
+        print(f"== {target.mode}, open loop ==\n{rate_table(summaries)}\n")
+        return summaries, None
+    search = await search_rate(one_rate, search_settings, ListenerBound(args.first_chunk_p95))
+    write_json(search)
+    print(f"== {target.mode}, open-loop rate search ==\n{search.table()}\n{search.conclusion()}\n")
+    return summaries, search
+
+
+async def run_levels(args: argparse.Namespace, requests: Sequence[BenchRequest],
+                     settings: dict[str, Any]) -> list[LevelSummary]:
+    """The closed loop: every concurrency level of every mode."""
     summaries: list[LevelSummary] = []
     for target in make_targets(args):
         try:
-            if isinstance(target, GatewayTarget) and (missing := await target.missing_voices(requests)):
-                raise InputError(
-                    f"the gateway does not know {len(missing)} voice(s) of these inputs (e.g. {missing[0]}); "
-                    "serve them from its voices dir (TTS_VOICES_DIR) or use that dir as --voices-dir"
-                )
+            await check_voices(target, requests)
             for concurrency in args.concurrency:
                 n = None if args.duration else (args.requests or max(len(requests), 2 * concurrency))
                 result = await run_level(
@@ -143,6 +283,22 @@ async def run(args: argparse.Namespace) -> list[LevelSummary]:
             await target.aclose()
         print(render_report([s for s in summaries if s.mode == target.mode]) + "\n")
     return summaries
+
+
+async def run(args: argparse.Namespace) -> None:
+    check_load(args)
+    requests, source = load_requests(args)
+    settings = run_settings(args, source, len(requests))
+    print(f"{len(requests)} inputs from {source}", file=sys.stderr)
+    if not is_open_loop(args):
+        await run_levels(args, requests, settings)
+        return
+    (target,) = make_targets(args)
+    try:
+        await check_voices(target, requests)
+        await run_rates(args, target, requests, settings)
+    finally:
+        await target.aclose()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,7 +11,8 @@ from ttsbench.playback import StallSummary, stream_stalls, summarize_stalls
 from ttsbench.stats import Summary, summarize
 
 #: 2: per-piece audio durations in the records, playback stalls and the measured window per level.
-JSON_SCHEMA_VERSION = 2
+#: 3: open-loop rates (``rates``) and the rate search (``rate_search``).
+JSON_SCHEMA_VERSION = 3
 
 
 def is_streaming(mode: str) -> bool:
@@ -124,11 +125,6 @@ def summarize_level(result: LevelResult) -> LevelSummary:
     def present(values: Iterable[float | None]) -> list[float]:
         return [v for v in values if v is not None]
 
-    stalls = None
-    if is_streaming(result.mode):  # a record whose piece durations are unknown cannot be replayed
-        known = [r for r in ok if r.chunk_offsets and len(r.chunk_seconds) == len(r.chunk_offsets)]
-        stalls = summarize_stalls([stream_stalls(r.chunk_offsets, r.chunk_seconds) for r in known])
-
     return LevelSummary(
         mode=result.mode,
         concurrency=result.concurrency,
@@ -142,7 +138,110 @@ def summarize_level(result: LevelResult) -> LevelSummary:
         rtf=summarize(present(r.rtf for r in ok)),
         aggregate_rtf=result.wall_seconds / audio if audio > 0 else None,
         audio_seconds_per_second=audio / result.wall_seconds if result.wall_seconds > 0 else 0.0,
-        stalls=stalls,
+        stalls=stream_stall_summary(result.mode, ok),
+        window=result.window,
+        records=result.records,
+    )
+
+
+def stream_stall_summary(mode: str, ok: Sequence[RequestRecord]) -> StallSummary | None:
+    """Playback stalls over the successful requests ``ok`` of a streaming ``mode`` (None for other modes)."""
+    if not is_streaming(mode):
+        return None
+    # a record whose piece durations are unknown cannot be replayed
+    known = [r for r in ok if r.chunk_offsets and len(r.chunk_seconds) == len(r.chunk_offsets)]
+    return summarize_stalls([stream_stalls(r.chunk_offsets, r.chunk_seconds) for r in known])
+
+
+# Open loop -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RateResult:
+    """All requests of one open-loop run: Poisson arrivals at ``rate`` requests per second (``ttsbench.arrivals``),
+    each sent when it arrives, however many earlier ones are still running."""
+
+    mode: str
+    #: The offered arrival rate (requests per second) and the seed of the arrivals and request picks.
+    rate: float
+    seed: int
+    #: Over how long the arrivals were offered: the duration asked for, or until the last send in count mode.
+    arrival_seconds: float
+    #: From the first send to the last completion.
+    wall_seconds: float
+    records: tuple[RequestRecord, ...]
+    #: How late each request was sent against its arrival time: the load generator's own lag (near zero unless
+    #: the machine running the benchmark cannot keep up, which makes the rate's numbers meaningless).
+    send_lags: tuple[float, ...] = ()
+    #: The most requests running at once.
+    max_in_flight: int = 0
+    #: Wall-clock (epoch seconds) start and end, as ``LevelResult.window``.
+    window: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
+class RateSummary:
+    mode: str
+    rate: float
+    seed: int
+    #: Requests sent per second of the arrival span (a finite Poisson sample is near ``rate``, not on it).
+    achieved_rate: float
+    requests: int
+    errors: int
+    wall_seconds: float
+    audio_seconds: float
+    audio_seconds_per_second: float
+    max_in_flight: int
+    first_chunk: Summary | None
+    total: Summary | None
+    stalls: StallSummary | None
+    send_lag: Summary | None
+    window: tuple[float, float] | None = None
+    records: tuple[RequestRecord, ...] = field(default=(), repr=False)
+
+    def to_dict(self, with_records: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "rate": self.rate,
+            "seed": self.seed,
+            "achieved_rate": self.achieved_rate,
+            "requests": self.requests,
+            "errors": self.errors,
+            "wall_seconds": self.wall_seconds,
+            "audio_seconds": self.audio_seconds,
+            "audio_seconds_per_second": self.audio_seconds_per_second,
+            "max_in_flight": self.max_in_flight,
+            "stalls": self.stalls.to_dict() if self.stalls else None,
+            "window": list(self.window) if self.window else None,
+        }
+        for name in ("first_chunk", "total", "send_lag"):
+            summary: Summary | None = getattr(self, name)
+            out[name] = summary.to_dict() if summary else None
+        if with_records:
+            out["records"] = [r.to_dict() for r in self.records]
+        return out
+
+
+def summarize_rate(result: RateResult) -> RateSummary:
+    """Statistics over the successful requests of one rate; failures only count as errors."""
+    ok = [r for r in result.records if r.ok]
+    audio = math.fsum(r.audio_seconds for r in ok)
+    sent = len(result.records)
+    return RateSummary(
+        mode=result.mode,
+        rate=result.rate,
+        seed=result.seed,
+        achieved_rate=sent / result.arrival_seconds if result.arrival_seconds > 0 else 0.0,
+        requests=sent,
+        errors=sent - len(ok),
+        wall_seconds=result.wall_seconds,
+        audio_seconds=audio,
+        audio_seconds_per_second=audio / result.wall_seconds if result.wall_seconds > 0 else 0.0,
+        max_in_flight=result.max_in_flight,
+        first_chunk=summarize([r.first_chunk for r in ok if r.first_chunk is not None]),
+        total=summarize([r.total for r in ok]),
+        stalls=stream_stall_summary(result.mode, ok),
+        send_lag=summarize(result.send_lags),
         window=result.window,
         records=result.records,
     )
@@ -159,6 +258,8 @@ _GROUPS: tuple[tuple[str, str, float, str], ...] = (
     ("RTF per request", "rtf", 1.0, "{:.4f}"),
 )
 _MISSING = "-"
+#: The first-chunk percentiles of the open-loop table (no mean: the tail is what a listener meets).
+_RATE_FIRST_CHUNK = ("p50", "p90", "p95", "p99")
 
 
 def format_table(
@@ -234,6 +335,38 @@ def level_table(summaries: Sequence[LevelSummary]) -> str:
     return format_table(header, rows, groups)
 
 
+def rate_table(summaries: Sequence[RateSummary], verdicts: Sequence[bool] | None = None) -> str:
+    """One open-loop table: a row per rate, in the order given; ``verdicts`` adds whether each met a bound."""
+    if verdicts is not None and len(verdicts) != len(summaries):
+        raise ValueError(f"{len(verdicts)} verdicts for {len(summaries)} rates")
+    header = ["rate", "achieved", "ok", "err", "in flight"]
+    groups: list[tuple[str, int]] = [("arrivals (req/s)", 2), ("", 3)]
+    header += list(_RATE_FIRST_CHUNK)
+    groups.append(("first chunk (ms)", len(_RATE_FIRST_CHUNK)))
+    header += ["stalled", "share"]
+    groups.append(("stalled streams", 2))
+    header += ["audio s/s", "send lag p99 (ms)"]
+    groups.append(("", 2))
+    if verdicts is not None:
+        header.append("meets")
+        groups.append(("", 1))
+    rows = []
+    for i, s in enumerate(summaries):
+        row = [f"{s.rate:g}", f"{s.achieved_rate:.2f}", str(s.requests - s.errors), str(s.errors), str(s.max_in_flight)]
+        row += [_MISSING if s.first_chunk is None else f"{1000.0 * getattr(s.first_chunk, q):.1f}"
+                for q in _RATE_FIRST_CHUNK]  # fmt: skip
+        if s.stalls is None:
+            row += [_MISSING, _MISSING]
+        else:
+            row += [f"{s.stalls.stalled}/{s.stalls.streams}", f"{100.0 * s.stalls.stalled_share:.0f}%"]
+        lag = _MISSING if s.send_lag is None else f"{1000.0 * s.send_lag.p99:.1f}"
+        row += [f"{s.audio_seconds_per_second:.2f}", lag]
+        if verdicts is not None:
+            row.append("yes" if verdicts[i] else "no")
+        rows.append(row)
+    return format_table(header, rows, groups)
+
+
 def render_report(summaries: Sequence[LevelSummary]) -> str:
     """A titled table per mode, modes in first-seen order."""
     modes = list(dict.fromkeys(s.mode for s in summaries))
@@ -244,10 +377,19 @@ def render_report(summaries: Sequence[LevelSummary]) -> str:
     return "\n\n".join(blocks)
 
 
-def report_document(summaries: Sequence[LevelSummary], run: dict[str, Any], with_records: bool = True) -> dict[str, Any]:
-    """The JSON document ``--json`` writes: the run's settings and one entry per level."""
+def report_document(
+    summaries: Sequence[LevelSummary],
+    run: dict[str, Any],
+    with_records: bool = True,
+    rates: Sequence[RateSummary] = (),
+    rate_search: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON document ``--json`` writes: the run's settings, one entry per closed-loop level, one per open-loop
+    rate and, after a rate search, its outcome (``RateSearch.to_dict``; its steps are the ``rates``)."""
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "run": run,
         "levels": [s.to_dict(with_records=with_records) for s in summaries],
+        "rates": [s.to_dict(with_records=with_records) for s in rates],
+        "rate_search": rate_search,
     }

@@ -1,4 +1,5 @@
-"""Closed-loop load: N workers, each with one request in flight, timing every audio piece."""
+"""Load shapes, timing every audio piece: closed loop (N workers, each with one request in flight) and open loop
+(requests sent at Poisson arrival times, however many are still running)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,14 @@ import asyncio
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from ttsbench.arrivals import draw_requests, poisson_arrivals
 from ttsbench.inputs import BenchRequest
-from ttsbench.report import LevelResult, RequestRecord
+from ttsbench.report import LevelResult, RateResult, RequestRecord
 
 #: What a target yields as audio arrives: a float32 array (Triton) or response bytes (HTTP).
 AudioPiece = np.ndarray | bytes
@@ -35,6 +37,7 @@ class Target(Protocol):
 
 
 Clock = Callable[[], float]
+Sleep = Callable[[float], Awaitable[object]]
 
 
 async def measure(target: Target, request: BenchRequest, timeout: float, clock: Clock = time.perf_counter) -> tuple[float, RequestRecord]:
@@ -123,3 +126,68 @@ async def run_level(
     starts, ends, records = await _drive(target, requests, concurrency, keep_going, timeout, clock)
     wall = max(ends) - min(starts) if records else 0.0
     return LevelResult(target.mode, concurrency, wall, tuple(records), window=(window_start, time.time()))
+
+
+async def run_open_loop(
+    target: Target,
+    requests: Sequence[BenchRequest],
+    rate: float,
+    *,
+    num_requests: int | None = None,
+    duration: float | None = None,
+    seed: int = 0,
+    timeout: float = 300.0,
+    clock: Clock = time.perf_counter,
+    sleep: Sleep = asyncio.sleep,
+) -> RateResult:
+    """Open loop at ``rate`` requests per second: Poisson arrivals (``num_requests`` of them, or all within
+    ``duration`` seconds), each a request drawn from ``requests``, sent at its arrival time as a task of its own.
+
+    Arrivals never wait for earlier requests: whatever the server's backlog, the next request goes out on time
+    (``send_lags`` tells how late the event loop managed). After the last arrival, every request still running is
+    awaited (each has its ``timeout``), so the next rate starts against an idle server. No warm-up here: a caller
+    warms the server once before its first rate.
+    """
+    if not requests:
+        raise ValueError("no requests to send")
+    arrivals = poisson_arrivals(rate, seed, count=num_requests, duration=duration)
+    picks = draw_requests(requests, len(arrivals), seed)
+    in_flight = max_in_flight = 0
+
+    async def send(request: BenchRequest) -> tuple[float, RequestRecord]:
+        nonlocal in_flight, max_in_flight
+        in_flight += 1
+        max_in_flight = max(max_in_flight, in_flight)
+        try:
+            return await measure(target, request, timeout, clock)
+        finally:
+            in_flight -= 1
+
+    window_start = time.time()
+    origin = clock()
+    tasks: list[asyncio.Task[tuple[float, RequestRecord]]] = []
+    try:
+        for at, request in zip(arrivals, picks, strict=True):
+            # always yield, even when behind: the requests created so far start now, not after the last arrival
+            await sleep(max(origin + at - clock(), 0.0))
+            tasks.append(asyncio.create_task(send(request)))
+        done = await asyncio.gather(*tasks)
+    finally:  # interrupted: no request of this rate outlives it
+        for task in tasks:
+            task.cancel()
+    starts = [start for start, _ in done]
+    records = tuple(record for _, record in done)
+    ends = [start + record.total for start, record in done]
+    return RateResult(
+        mode=target.mode,
+        rate=rate,
+        seed=seed,
+        # count mode: the span up to the last send is the sample's own (a Poisson sample of n arrivals spans n / rate
+        # on average); duration mode: the whole duration, quiet stretches at either end included
+        arrival_seconds=duration if duration is not None else (max(starts) - origin if starts else 0.0),
+        wall_seconds=max(ends) - min(starts) if done else 0.0,
+        records=records,
+        send_lags=tuple(start - (origin + at) for (start, _), at in zip(done, arrivals, strict=True)),
+        max_in_flight=max_in_flight,
+        window=(window_start, time.time()),
+    )

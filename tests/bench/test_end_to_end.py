@@ -20,6 +20,7 @@ from tests.gateway.standin_model.repository import render_standin_repository
 from pipeline_contract import OUTPUT_SAMPLE_RATE
 from tests.gateway.standin_model.standin import read_request_log
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
+from ttsbench.arrivals import draw_requests
 from ttsbench.cli import main
 
 pytestmark = pytest.mark.triton
@@ -219,3 +220,59 @@ def test_gateway_refuses_inputs_with_unknown_voices(stack, tmp_path, capsys):
     manifest.write_text(json.dumps({"prompt_audio": "stranger.wav", "prompt_text": "who", "target_text": "zqx hi."}))
     assert main(["gateway", "--url", stack.gateway_url, "--manifest", str(manifest), "--concurrency", "1"]) == 2
     assert "does not know 1 voice" in capsys.readouterr().err
+
+
+def test_open_loop_rates_against_triton(stack, tmp_path, capsys):
+    """Seeded Poisson arrivals at two rates: the requests the seed draws from the mix, each streamed, its audio the
+    stand-in's, failures counted as errors."""
+    texts = {**GOOD_TEXTS, **FAILING_TEXTS}
+    manifest = _manifest(tmp_path / "mixed.jsonl", stack.voices_dir, texts)
+    out = tmp_path / "open.json"
+    argv = ["triton", "--url", stack.triton.grpc_url, "--manifest", str(manifest), "--rates", "5,10",
+            "--requests", "8", "--arrival-seed", "4", "--warmup", "0", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    produced = stack.produced_samples()
+    picks = draw_requests(list(texts), 8, 4)  # the manifest's ids, in its order
+    assert doc["levels"] == [] and doc["rate_search"] is None
+    assert [(r["mode"], r["rate"]) for r in doc["rates"]] == [("triton/streaming", 5.0), ("triton/streaming", 10.0)]
+    for rate in doc["rates"]:
+        assert [r["item_id"] for r in rate["records"]] == picks
+        failed = [r for r in rate["records"] if r["error"]]
+        assert {r["item_id"] for r in failed} == set(FAILING_TEXTS) & set(picks)
+        assert rate["errors"] == len(failed) == sum(p in FAILING_TEXTS for p in picks)
+        good = [r for r in rate["records"] if not r["error"]]
+        assert all(len(r["chunk_offsets"]) == CHUNK_COUNT for r in good)
+        assert rate["audio_seconds"] == pytest.approx(
+            sum(produced[_tag(texts[r["item_id"]])] for r in good) / OUTPUT_SAMPLE_RATE)
+        assert rate["first_chunk"]["count"] == rate["stalls"]["streams"] == len(good)
+        assert rate["achieved_rate"] > 0 and rate["send_lag"]["count"] == 8 and 1 <= rate["max_in_flight"] <= 8
+    printed = capsys.readouterr().out
+    assert "== triton/streaming, open loop ==" in printed and "p95" in printed
+
+
+def test_open_loop_rate_search_through_the_gateway(stack, tmp_path, capsys):
+    """A short search (three steps of four requests): its steps are rates of the document, each verdict is the
+    bound applied to that rate's numbers, and the sustained rate is what the verdicts say."""
+    manifest = _manifest(tmp_path / "good.jsonl", stack.voices_dir, GOOD_TEXTS)
+    out = tmp_path / "search.json"
+    argv = ["gateway", "--url", stack.gateway_url, "--manifest", str(manifest), "--rate-search", "2",
+            "--rate-bounds", "1,4", "--search-steps", "3", "--requests", "4", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    search = doc["rate_search"]
+    steps = search["steps"]
+    assert 1 <= len(steps) <= 3 and steps[0]["rate"] == 2.0
+    assert [s["rate"] for s in steps] == [r["rate"] for r in doc["rates"]]
+    for step, rate in zip(steps, doc["rates"], strict=True):
+        assert rate["mode"] == "gateway/streaming-audio" and rate["requests"] == 4
+        met = rate["errors"] == 0 and rate["stalls"]["stalled"] == 0 and rate["first_chunk"]["p95"] <= 0.5
+        assert step["met"] == met and (step["misses"] == []) == met
+    failed = [s["rate"] for s in steps if not s["met"]]
+    passed = [s["rate"] for s in steps if s["met"] and (not failed or s["rate"] < min(failed))]
+    assert search["sustained_rate"] == (max(passed) if passed else None)
+    assert search["failed_above"] == (min(failed) if failed else None)
+    printed = capsys.readouterr().out
+    assert "== gateway/streaming-audio, open-loop rate search ==" in printed and "meets" in printed
+    assert ("sustained open-loop rate" in printed) == bool(passed)
+

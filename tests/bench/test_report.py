@@ -4,12 +4,15 @@ import pytest
 
 from ttsbench.report import (
     LevelResult,
+    RateResult,
     RequestRecord,
     format_table,
     level_table,
+    rate_table,
     render_report,
     report_document,
     summarize_level,
+    summarize_rate,
 )
 
 
@@ -83,7 +86,8 @@ def test_render_report_one_table_per_mode():
 def test_json_document_shape():
     summary = summarize_level(_level())
     doc = json.loads(json.dumps(report_document([summary], {"target": "triton"})))
-    assert doc["schema_version"] == 2 and doc["run"] == {"target": "triton"}
+    assert doc["schema_version"] == 3 and doc["run"] == {"target": "triton"}
+    assert doc["rates"] == [] and doc["rate_search"] is None
     (level,) = doc["levels"]
     assert level["mode"] == "triton/streaming" and level["concurrency"] == 2
     assert level["requests"] == 3 and level["errors"] == 1
@@ -114,3 +118,48 @@ def test_streaming_levels_report_playback_stalls_offline_levels_do_not():
     assert doc["levels"][0]["stalls"]["stalled_share"] == 0.5 and doc["levels"][1]["stalls"] is None
     assert doc["levels"][0]["window"] == [10.0, 19.5]
     assert doc["levels"][0]["records"][0]["chunk_seconds"] == [0.2, 0.2]
+
+
+def _rate(rate, first_chunks, *, errors=0, stall_first=False):
+    """A rate whose streams have these first chunks (s) and two 0.5 s chunks; the first may stall, some fail."""
+    records = []
+    for i, first in enumerate(first_chunks):
+        gap = 1.0 if stall_first and i == 0 else 0.2
+        records.append(RequestRecord(f"s{i}", (first, first + gap), first + gap, 1.0, chunk_seconds=(0.5, 0.5)))
+    records += [RequestRecord(f"e{i}", (), 0.3, 0.0, error="timeout") for i in range(errors)]
+    return RateResult("triton/streaming", rate, 0, arrival_seconds=4.0, wall_seconds=5.0, records=tuple(records),
+                      send_lags=(0.001, 0.002, 0.004), max_in_flight=3)  # fmt: skip
+
+
+def test_rate_summary_counts_achieved_rate_stalls_and_errors():
+    s = summarize_rate(_rate(2.0, [0.1, 0.2, 0.3, 0.4], errors=2, stall_first=True))
+    assert (s.requests, s.errors, s.max_in_flight) == (6, 2, 3)
+    assert s.achieved_rate == pytest.approx(6 / 4.0)  # every request sent counts, failed ones too
+    assert s.first_chunk.count == 4 and s.first_chunk.p50 == pytest.approx(0.25)
+    assert (s.stalls.streams, s.stalls.stalled) == (4, 1)
+    assert s.audio_seconds == 4.0 and s.audio_seconds_per_second == pytest.approx(4.0 / 5.0)
+    assert s.send_lag.p99 == pytest.approx(0.00396)
+    doc = json.loads(json.dumps(report_document([], {}, rates=[s], rate_search={"sustained_rate": 2.0})))
+    (rate,) = doc["rates"]
+    assert rate["rate"] == 2.0 and rate["achieved_rate"] == 1.5 and rate["stalls"]["stalled_share"] == 0.25
+    assert set(rate["first_chunk"]) == {"count", "avg", "p50", "p90", "p95", "p99"} and len(rate["records"]) == 6
+    assert doc["rate_search"] == {"sustained_rate": 2.0} and doc["levels"] == []
+
+
+def test_rate_table_has_a_row_per_rate_with_the_percentiles_a_listener_meets():
+    summaries = [summarize_rate(_rate(0.5, [0.1, 0.2])), summarize_rate(_rate(8, [0.3, 0.9], errors=1,
+                                                                              stall_first=True))]  # fmt: skip
+    lines = rate_table(summaries, verdicts=[True, False]).splitlines()
+    assert "first chunk (ms)" in lines[0] and "stalled streams" in lines[0]
+    header = lines[1].split()
+    assert header == ["rate", "achieved", "ok", "err", "in", "flight", "p50", "p90", "p95", "p99", "stalled",
+                      "share", "audio", "s/s", "send", "lag", "p99", "(ms)", "meets"]  # fmt: skip
+    rows = [line.split() for line in lines[3:]]
+    assert rows[0] == ["0.5", "0.50", "2", "0", "3", "150.0", "190.0", "195.0", "199.0", "0/2", "0%", "0.40", "4.0",
+                       "yes"]  # fmt: skip
+    assert rows[1][:5] == ["8", "0.75", "2", "1", "3"] and rows[1][9:11] == ["1/2", "50%"] and rows[1][-1] == "no"
+    assert "meets" not in rate_table(summaries)
+    failed = summarize_rate(_rate(1.0, [], errors=2))
+    assert rate_table([failed]).splitlines()[-1].split()[5:11] == ["-"] * 6
+    with pytest.raises(ValueError):
+        rate_table(summaries, verdicts=[True])

@@ -1,11 +1,14 @@
 import asyncio
+import time
 
 import numpy as np
 import pytest
 
 from gateway.services.voices import Voice
+from ttsbench.arrivals import draw_requests, poisson_arrivals
 from ttsbench.inputs import BenchRequest
-from ttsbench.runner import measure, run_level
+from ttsbench.report import summarize_rate
+from ttsbench.runner import measure, run_level, run_open_loop
 
 
 class FakeClock:
@@ -131,3 +134,84 @@ async def test_run_level_rejects_bad_settings(kwargs):
     kwargs.setdefault("concurrency", 1)
     with pytest.raises(ValueError):
         await run_level(ScriptedTarget(), _requests(1), **kwargs)
+
+
+class FakeSleep:
+    """Like asyncio.sleep on a FakeClock: the tasks that are ready run now, then the time passes at once."""
+
+    def __init__(self, clock):
+        self.clock = clock
+
+    async def __call__(self, seconds):
+        await asyncio.sleep(0)
+        self.clock.now += seconds
+
+
+async def test_open_loop_sends_each_request_at_its_arrival_time_drawn_from_the_mix():
+    clock = FakeClock()
+    target = ScriptedTarget(clock, pieces=(2400, 2400), step=0.0)
+    mix = _requests(5)
+    result = await run_open_loop(target, mix, rate=4.0, num_requests=12, seed=9, clock=clock, sleep=FakeSleep(clock))
+    arrivals = poisson_arrivals(4.0, 9, count=12)
+    assert [r.item_id for r in result.records] == [r.id for r in draw_requests(mix, 12, 9)]
+    assert result.send_lags == pytest.approx([0.0] * 12, abs=1e-9)  # each went out exactly when it arrived
+    assert result.arrival_seconds == pytest.approx(arrivals[-1])
+    assert (result.rate, result.seed, result.mode) == (4.0, 9, "fake/streaming")
+    summary = summarize_rate(result)
+    assert summary.achieved_rate == pytest.approx(12 / arrivals[-1])
+    assert summary.requests == 12 and summary.errors == 0 and summary.stalls.streams == 12
+
+
+async def test_open_loop_duration_sends_every_arrival_before_it_and_counts_errors():
+    clock = FakeClock()
+    target = ScriptedTarget(clock, step=0.0, fail_on="r1")
+    mix = _requests(3)
+    result = await run_open_loop(target, mix, rate=10.0, duration=3.0, seed=2, clock=clock, sleep=FakeSleep(clock))
+    expected = draw_requests(mix, len(poisson_arrivals(10.0, 2, duration=3.0)), 2)
+    assert len(result.records) == len(expected) > 10
+    summary = summarize_rate(result)
+    assert summary.errors == sum(r.id == "r1" for r in expected) > 0
+    assert summary.achieved_rate == pytest.approx(len(expected) / 3.0)  # over the whole duration
+
+
+class SlowTarget:
+    """Every request takes ``seconds`` (real time) before its one chunk; records when each was sent and done."""
+
+    mode = "slow/streaming"
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.sent: list[float] = []
+        self.done: list[float] = []
+
+    async def synthesize(self, request):
+        self.sent.append(time.perf_counter())
+        await asyncio.sleep(self.seconds)
+        self.done.append(time.perf_counter())
+        yield np.zeros(24_000, np.float32)
+
+    def chunk_seconds(self, pieces):
+        return [p.size / 24_000 for p in pieces]
+
+    async def aclose(self):
+        pass
+
+
+async def test_open_loop_arrivals_do_not_wait_for_running_requests():
+    target = SlowTarget(seconds=1.0)
+    started = time.perf_counter()
+    # 10 arrivals at 100/s come within about 0.1 s; a generator that waited for running requests would need 10 s
+    result = await run_open_loop(target, _requests(3), rate=100.0, num_requests=10, seed=0)
+    elapsed = time.perf_counter() - started
+    assert len(result.records) == 10 and all(r.ok for r in result.records)
+    assert result.max_in_flight == 10
+    assert max(target.sent) < min(target.done)  # every request was out before the first one finished
+    assert elapsed < 5.0
+    assert min(r.first_chunk for r in result.records) >= 0.9
+
+
+async def test_open_loop_drains_what_is_running_and_leaves_nothing_behind():
+    target = ScriptedTarget(hang_on="r0")
+    result = await run_open_loop(target, _requests(1), rate=50.0, num_requests=3, seed=1, timeout=0.05)
+    assert [r.error for r in result.records] == ["timeout"] * 3
+    assert target.in_flight == 0

@@ -225,6 +225,7 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--spark-benchmark-ratio", "2"], "--spark-dir and --spark-benchmark-ratio need --spark"),
     (["--spark", "--token2wav", "dit"], "--token2wav and --dit-dir do not apply"),
     (["--spark", "--dit-dir", "/x"], "--token2wav and --dit-dir do not apply"),
+    (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -422,3 +423,59 @@ def test_settled_metrics_reads_until_the_metrics_stop_changing(monkeypatch):
     started = time.monotonic()
     last = sb.settled_metrics(None, quiet_s=0.25, timeout_s=0.5)
     assert 0.5 <= time.monotonic() - started < 5 and last["a"] >= 2
+
+
+async def _rate_search_document():
+    """What `tts-bench --rate-search` writes, made by tts-bench's own code: 1 and 2 req/s meet the bound, 4 misses
+    it (first chunk p95 and a stalled stream), 3 meets it."""
+    from ttsbench.ratesearch import ListenerBound, SearchSettings, search_rate
+    from ttsbench.report import RateResult, RequestRecord, report_document, summarize_rate
+
+    def step(rate):
+        first, gap = (0.9, 1.0) if rate >= 4 else (0.1 * rate, 0.2)
+        records = (RequestRecord("a", (first, first + gap), first + gap, 1.0, chunk_seconds=(0.5, 0.5)),
+                   RequestRecord("b", (0.1, 0.3), 0.3, 1.0, chunk_seconds=(0.5, 0.5)))  # fmt: skip
+        return summarize_rate(RateResult("triton/streaming", rate, 0, 2 / rate, 3.0, records, (0.001,), 2,
+                                         window=(100.0 + rate, 101.0 + rate)))  # fmt: skip
+
+    async def measure(rate):
+        return step(rate)
+
+    search = await search_rate(measure, SearchSettings(1.0, 0.5, 8.0, max_steps=4), ListenerBound(0.5))
+    return report_document([], {}, rates=search.steps, rate_search=search.to_dict())
+
+
+async def test_rate_rows_take_each_search_step_from_the_tts_bench_document():
+    document = await _rate_search_document()
+    rows = sb.rate_rows(document, 2, lambda window: None if window is None else window[0] / 1000)
+    assert [(r["rate"], r["met"]) for r in rows] == [(1.0, True), (2.0, True), (4.0, False), (3.0, True)]
+    four = rows[2]
+    assert four["misses"] == ["1 stalled stream(s)", "first chunk p95 860 ms > 500 ms"]
+    assert (four["run"], four["requests"], four["errors"], four["streams"], four["stalled_streams"]) == (2, 2, 0, 2, 1)
+    assert four["first_chunk_p95"] == pytest.approx(0.86) and four["achieved_rate"] == pytest.approx(4.0)
+    assert four["gpu_busy"] == pytest.approx(0.104) and four["max_in_flight"] == 2
+    assert four["send_lag_p99"] == pytest.approx(0.001) and four["audio_seconds_per_second"] == pytest.approx(2 / 3)
+    assert document["rate_search"]["sustained_rate"] == 3.0
+
+
+def test_the_sustained_open_loop_rate_is_the_lowest_runs():
+    assert sb.sustained_open_loop_rate([]) is None
+    assert sb.sustained_open_loop_rate([{"sustained_rate": 6.0}, {"sustained_rate": 4.5}]) == 4.5
+    assert sb.sustained_open_loop_rate([{"sustained_rate": 6.0}, {"sustained_rate": None}]) == 0.0  # a run found none
+
+
+async def test_summary_reports_the_sustained_open_loop_rate_and_every_step():
+    rows = sb.rate_rows(await _rate_search_document(), 1, lambda window: 0.5)
+    open_loop = {"scenario": "triton-stream", "search": {"start": 1.0, "low": 0.5}, "step_seconds": 20.0,
+                 "runs": [{"run": 1, "sustained_rate": 3.0, "steps": rows}], "sustained_rate": 3.0}  # fmt: skip
+    text = sb.summary_markdown([], "title", None, "unet", open_loop=open_loop)
+    assert ("Sustained open-loop rate (triton-stream, Poisson arrivals: first chunk p95 <= 500 ms, no stall, no error, "
+            "lowest over the runs): **3 req/s**") in text  # fmt: skip
+    assert "each step 20 s of Poisson arrivals; grow x2 from 1 req/s" in text
+    step_rows = [line for line in text.splitlines() if line.startswith("| 1 | ")]
+    assert [line.split(" | ")[1] for line in step_rows] == ["1", "2", "4", "3"]
+    assert step_rows[2].startswith("| 1 | 4 | 2 (0) | 4.00 | 500 | 820 | 860 | 892 | 50 | 0.7 | 2 | 50 | no: 1 stalled")
+    assert step_rows[3].endswith("| yes |")
+    none = sb.summary_markdown([], "title", None, "unet", open_loop={**open_loop, "sustained_rate": 0.0})
+    assert "**none (below 0.5 req/s)**" in none
+    assert "open-loop" not in sb.summary_markdown([], "title", None, "unet").lower()

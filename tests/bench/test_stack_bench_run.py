@@ -16,7 +16,7 @@ from triton_repo.server import REPO_ROOT
 pytestmark = pytest.mark.triton
 
 
-@pytest.mark.timeout(1200)  # a whole benchmark run: tritonserver and gateway start, four measured levels
+@pytest.mark.timeout(1200)  # a whole benchmark run: tritonserver and gateway start, four levels, two rate searches
 def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     from cosyvoice2.testing import write_tiny_model
 
@@ -28,7 +28,10 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
                "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
                "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1", "--gateway-levels", "1",
                "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "2",
-               "--render-arg", "first_hop=5", "--timeout", "120"]  # fmt: skip
+               "--render-arg", "first_hop=5", "--timeout", "120",
+               # a short open-loop search after each run's levels: two steps of 2 s of arrivals
+               "--open-loop", "1", "--open-loop-min", "0.5", "--open-loop-max", "2",
+               "--open-loop-step-seconds", "2", "--open-loop-steps", "2"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -38,7 +41,7 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     assert out.parent == work / "results" and out.name.endswith("-cpu-fp32-b4-unet-first_hop5-triton-stream+gateway-stream-pcm-r2")
     assert sorted(p.name for p in (work / "results").iterdir()) == sorted(["earlier", out.name])
     names = {f"{s}-c1-r{r}" for s in ("triton-stream", "gateway-stream-pcm") for r in (1, 2)}
-    assert {p.stem for p in (out / "levels").glob("*.json")} == names
+    assert {p.stem for p in (out / "levels").glob("*.json")} == names | {"open-loop-r1", "open-loop-r2"}
     assert "Started GRPCInferenceService" in (out / "tritonserver_tail.log").read_text()
     assert "Uvicorn running" in (out / "gateway_tail.log").read_text()
 
@@ -64,8 +67,29 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
                                                             "token2wav_queue", "token2wav_call", "send", "other")]
         assert sum(laid) == pytest.approx(stages["first_chunk_ms"]) and stages["first_chunk_other_ms"] >= 0
 
+    # the open-loop search of each run: steps from its tts-bench document, each verdict the rule applied to them
+    open_loop = results["open_loop"]
+    assert open_loop["scenario"] == "triton-stream" and [r["run"] for r in open_loop["runs"]] == [1, 2]
+    for run in open_loop["runs"]:
+        raw = json.loads((out / "levels" / f"open-loop-r{run['run']}.json").read_text())
+        steps = run["steps"]
+        assert 1 <= len(steps) <= 2 and steps[0]["rate"] == 1.0
+        assert [s["rate"] for s in steps] == [r["rate"] for r in raw["rates"]]
+        for step, rate in zip(steps, raw["rates"], strict=True):
+            assert rate["mode"] == "triton/streaming" and step["requests"] == rate["requests"] >= 1
+            met = (step["errors"] == 0 and step["stalled_streams"] == 0 and step["first_chunk_p95"] is not None
+                   and step["first_chunk_p95"] <= 0.5)  # fmt: skip
+            assert step["met"] == met
+        failed = [s["rate"] for s in steps if not s["met"]]
+        passed = [s["rate"] for s in steps if s["met"] and (not failed or s["rate"] < min(failed))]
+        assert run["sustained_rate"] == (max(passed) if passed else None)
+    assert open_loop["sustained_rate"] == min(r["sustained_rate"] or 0.0 for r in open_loop["runs"])
+
     summary = (out / "summary.md").read_text()
     assert summary in done.stdout
+    assert "Sustained open-loop rate (triton-stream, Poisson arrivals: first chunk p95 <= 500 ms" in summary
+    assert len(re.findall(r"^\| [12] \| [\d.]+ \| \d+ \(\d+\) \|", summary, re.M)) == sum(
+        len(r["steps"]) for r in open_loop["runs"])
     assert re.search(r"^\| triton-stream \| 1 \| 4 \(\d\) \| [\d.]+ / [\d.]+ \(", summary, re.M)
     assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
     assert f"**{results['realtime_streams_per_gpu']}**" in summary
