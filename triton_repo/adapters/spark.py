@@ -40,9 +40,7 @@ from triton_repo.adapters.common import (
 )
 from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 
-VOICE_PROMPT_MODEL = "spark_voice_prompt"
-AUDIO_TOKENIZER_MODEL = "spark_audio_tokenizer"
-ENGINE_MODEL = "spark_engine"
+VOICE_PROMPT_MODEL, AUDIO_TOKENIZER_MODEL, ENGINE_MODEL = io.VOICE_PROMPT_MODEL, io.AUDIO_TOKENIZER_MODEL, io.ENGINE_MODEL
 
 
 def _text(value: np.ndarray | None) -> str:
