@@ -182,6 +182,9 @@ class SparkRenderOptions(_Options):
 
 @dataclass(frozen=True)
 class RenderOptions(_Options):
+    """Everything a render is made of, as the command line, `render_repository` and the local stack give it;
+    `__post_init__` fills in what was left open (layout, LLM delivery, device) the same way for all three."""
+
     model_dir: Path = option(help="official CosyVoice2 model directory")
     out: Path = option(help="repository directory to (re)write")
     llm_backend: str = option("pytorch", choices=sorted(LLM_BACKENDS),

@@ -22,10 +22,10 @@ from triton_repo import spark_io as io
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.model_params import AudioModelParams, BenchmarkMode, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 from triton_repo.render_options import RenderOptions, SparkRenderOptions
-from triton_repo.render_templates import ModelSpec, instance_group, model_files
+from triton_repo.render_templates import ModelSpec, instance_group
 from triton_repo.render_trtllm import LOGITS_DTYPE, holds_engine, limit_errors, read_engine_config, trtllm_parameters
 
-__all__ = ["SparkRenderOptions", "check", "files", "model_specs", "models"]
+__all__ = ["SparkRenderOptions", "check", "model_specs", "models"]
 
 VOICE_PROMPT = io.VOICE_PROMPT_MODEL
 AUDIO_TOKENIZER = io.AUDIO_TOKENIZER_MODEL
@@ -41,7 +41,8 @@ KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
 
 
 def models(opts: RenderOptions) -> set[str]:
-    """The Spark models `files` renders (none without `opts.spark`)."""
+    """The Spark models `model_specs` describes (none without `opts.spark`), named independently of it for the
+    validation of the rendered repository."""
     if opts.spark is None:
         return set()
     return set(MODELS) | ({LLM} if opts.spark.engine_dir is not None else set())
@@ -130,11 +131,6 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
             dict(max_batch=opts.max_batch, max_seq_len=spark.max_seq_len),
         ))  # fmt: skip
     return specs
-
-
-def files(opts: RenderOptions) -> dict[str, str]:
-    """Relative path -> content of the Spark models (empty without `opts.spark`)."""
-    return model_files(model_specs(opts))
 
 
 def orchestrator_params(opts: RenderOptions) -> SparkOrchestratorParams:
