@@ -1,7 +1,8 @@
 """CosyVoice2 inference engine (our own PyTorch implementation).
 
-Import-light on purpose: the torch-free gateway imports ``cosyvoice2.text.segment``, so nothing here may
-import torch at package import time. The public entry points are resolved lazily on first access::
+Import-light on purpose: torch-free processes (the orchestrator, the render tool) import its configuration
+and prompt modules, so nothing here may import torch at package import time. The public entry points are
+resolved lazily on first access::
 
     import cosyvoice2
     tts = cosyvoice2.load("/models/CosyVoice2-0.5B", device="cuda")

@@ -1,6 +1,6 @@
 """CosyVoice2: zero-shot text-to-speech from a voice prompt, offline or streaming (docs/reference/cosyvoice2.md).
 
-Per request: the text is normalized and split into segments (`cosyvoice2.text`); each segment is synthesized
+Per request: the text is normalized and split into segments (`speech_text`); each segment is synthesized
 independently with the same prompt, in order: LLM speech tokens (`cosyvoice2.llm`), then flow + HiFT
 (`cosyvoice2.streaming.Token2Wav`). Lower-level pieces (`speech_tokens`, `token2wav`, `open_stream`) are
 public so that serving adapters can run the LLM and token2wav in separate processes/models.
@@ -21,8 +21,8 @@ from cosyvoice2.frontend.prompt import VoicePrompt, build_voice_prompt
 from cosyvoice2.hift import HiFTGenerator
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams, generate_tokens
 from cosyvoice2.streaming import Token2Wav, Token2WavStream
-from cosyvoice2.text.segment import segment_text
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from speech_text.segment import segment_text
 
 
 class CosyVoice2:

@@ -26,6 +26,7 @@ from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
 import numpy as np
 
 from cosyvoice2.frontend.llm_prompt import llm_prompt
+from cosyvoice2.llm import sampling_defaults as defaults
 from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
@@ -66,11 +67,11 @@ ORCHESTRATOR_STATS += FIRST_CHUNK_STATS
 class SamplingConfig:
     """CosyVoice2's decoding defaults (docs/reference/cosyvoice2.md#ras-sampling); temperature 1 as in the reference."""
 
-    top_k: int = 25
-    top_p: float = 0.8
-    temperature: float = 1.0
-    min_token_text_ratio: float = 2.0
-    max_token_text_ratio: float = 20.0
+    top_k: int = defaults.TOP_K
+    top_p: float = defaults.TOP_P
+    temperature: float = defaults.TEMPERATURE
+    min_token_text_ratio: float = defaults.MIN_TOKEN_TEXT_RATIO
+    max_token_text_ratio: float = defaults.MAX_TOKEN_TEXT_RATIO
     # Benchmark mode (random weights stop at random): exactly round(ratio x target text tokens) speech tokens.
     fixed_token_text_ratio: float | None = None
 

@@ -11,7 +11,6 @@ from functools import partial
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cosyvoice2.text.segment import approximate_token_count, pipeline_segments
 from gateway.demo import DemoLabel, banner
 from gateway.errors import install_error_handlers
 from gateway.guard import Drain, RequestGuard
@@ -24,6 +23,7 @@ from gateway.services.voice_store import VoiceStore
 from gateway.services.voices import VoiceRegistry
 from gateway.settings import Settings
 from gateway.triton_client import TritonClient
+from speech_text.segment import approximate_token_count, pipeline_segments
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from cosyvoice2.llm import sampling_defaults
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
@@ -192,9 +193,9 @@ def parse_llm_request(arrays: Arrays) -> tuple[LLMRequest, bool]:
         min_tokens=int(_scalar(arrays, MIN_LENGTH, 0)),
         max_tokens=int(_scalar(arrays, REQUEST_OUTPUT_LEN, 0)),
         seed=int(_scalar(arrays, RANDOM_SEED, 0)),
-        top_k=int(_scalar(arrays, RUNTIME_TOP_K, 25)),
-        top_p=float(_scalar(arrays, RUNTIME_TOP_P, 0.8)),
-        temperature=float(_scalar(arrays, TEMPERATURE, 1.0)),
+        top_k=int(_scalar(arrays, RUNTIME_TOP_K, sampling_defaults.TOP_K)),
+        top_p=float(_scalar(arrays, RUNTIME_TOP_P, sampling_defaults.TOP_P)),
+        temperature=float(_scalar(arrays, TEMPERATURE, sampling_defaults.TEMPERATURE)),
         streaming=bool(_scalar(arrays, STREAMING, False)),
         deliver_at=_deliver_at(arrays.get(DELIVER_AT.name)),
     )

@@ -37,7 +37,7 @@ _P = TypeVar("_P", bound="ModelParams")
 _SCALARS = (str, int, float, bool, Path)
 
 
-def _optional(kind: Any) -> tuple[Any, bool]:
+def optional_type(kind: Any) -> tuple[Any, bool]:
     """(the type, whether None is allowed) of an annotation such as `int | None`."""
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
@@ -89,7 +89,7 @@ def _parse(kind: Any, text: str) -> object:
 def _flatten(obj: object, prefix: str, out: dict[str, str], owner: str) -> None:
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
-        kind, _ = _optional(hints[f.name])
+        kind, _ = optional_type(hints[f.name])
         value = getattr(obj, f.name)
         key = prefix + f.metadata.get("prefix", "" if dataclasses.is_dataclass(kind) else f.name)
         if value is None:
@@ -109,7 +109,7 @@ def _build(cls: type, prefix: str, params: Mapping[str, str], used: set[str], ow
     hints = typing.get_type_hints(cls)
     values: dict[str, object] = {}
     for f in dataclasses.fields(cls):
-        kind, optional = _optional(hints[f.name])
+        kind, optional = optional_type(hints[f.name])
         key = prefix + f.metadata.get("prefix", "" if dataclasses.is_dataclass(kind) else f.name)
         if dataclasses.is_dataclass(kind):
             keys = _keys(kind, key)
@@ -142,7 +142,7 @@ def _keys(cls: type, prefix: str) -> set[str]:
     hints = typing.get_type_hints(cls)
     keys: set[str] = set()
     for f in dataclasses.fields(cls):
-        kind, _ = _optional(hints[f.name])
+        kind, _ = optional_type(hints[f.name])
         key = prefix + f.metadata.get("prefix", "" if dataclasses.is_dataclass(kind) else f.name)
         keys |= _keys(kind, key) if dataclasses.is_dataclass(kind) else {key}
     return keys

@@ -19,6 +19,12 @@ from triton_repo.internal_io import AUDIO_INPUTS, VOICE_PROMPT_INPUTS
 
 Arrays = Mapping[str, "np.ndarray | None"]
 
+# -- the internal models' names (the orchestrators call them; render writes them) ------------------------
+VOICE_PROMPT_MODEL = "spark_voice_prompt"
+AUDIO_TOKENIZER_MODEL = "spark_audio_tokenizer"
+ENGINE_MODEL = "spark_engine"
+LLM_MODEL = "spark_llm"  # the TensorRT-LLM engine of the Spark LLM (`render --spark-engine-dir`)
+
 # -- spark_audio_tokenizer (dynamic batching: dims exclude the batch dimension) / spark_voice_prompt --------
 SPARK_AUDIO_INPUTS = AUDIO_INPUTS
 GLOBAL_TOKENS = TensorSpec("global_tokens", "INT32", (-1,))  # 32 per voice

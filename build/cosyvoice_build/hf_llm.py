@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from cosyvoice2.llm import sampling_defaults
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS, ENDOFTEXT, TOKENIZER_SUBDIR
 from cosyvoice_build.vocab_layout import (
     CHAT_TEMPLATE,
@@ -218,8 +219,8 @@ def convert_llm_to_hf(model_dir: Path, output_dir: Path, dtype: torch.dtype = to
         _write_model_config(body_config, layout, dtype, output_dir)
         # Sampling defaults of the reference (RAS itself is not expressible here); all three end ids stop.
         GenerationConfig(
-            eos_token_id=list(layout.end_ids), pad_token_id=layout.end_ids[0], do_sample=True, top_p=0.8, top_k=25,
-            temperature=1.0,
+            eos_token_id=list(layout.end_ids), pad_token_id=layout.end_ids[0], do_sample=True,
+            top_p=sampling_defaults.TOP_P, top_k=sampling_defaults.TOP_K, temperature=sampling_defaults.TEMPERATURE,
         ).save_pretrained(str(output_dir))
         progress.update()
         _save_tokenizer(tokenizer, layout, output_dir)

@@ -111,12 +111,13 @@ def _engine(settings: BuildSettings) -> None:
 
 # render --------------------------------------------------------------------------------------------------
 def _render_tool_sources() -> list[Path]:
-    """The render tool's code and templates: a changed template re-renders the repository."""
+    """The render tool's code (`render.py` and the `render_*.py`/`spark_render.py` modules it is split into) and
+    templates: a changed template re-renders the repository."""
     spec = importlib.util.find_spec("triton_repo")
     if spec is None or spec.origin is None:
         return []
     root = Path(spec.origin).parent
-    return [p for p in (root / "render.py", root / "templates") if p.exists()]
+    return [p for p in (*sorted(root.glob("*render*.py")), root / "templates") if p.exists()]
 
 
 def _render_inputs(settings: BuildSettings) -> StageInputs:

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from cosyvoice2.text.normalize import normalize
 from cosyvoice2.text.tokenizer import ENDOFPROMPT
+from speech_text.normalize import normalize
 
 
 class VoiceMode(str, Enum):

@@ -21,10 +21,13 @@ from typing import Sequence
 
 import torch
 
+from cosyvoice2.llm import sampling_defaults as defaults
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters; defaults are CosyVoice2's (``cosyvoice2.yaml`` / ``Qwen2LM.inference``).
+    """Per-request decoding parameters; defaults are CosyVoice2's (``cosyvoice2.yaml`` / ``Qwen2LM.inference``,
+    `sampling_defaults`).
 
     Length limits, all per request: EOS (6561) cannot be drawn before ``min_tokens`` speech tokens and the request
     stops after ``max_tokens``; unset, they are ``int(len(text) * min/max_token_text_ratio)`` as upstream.
@@ -32,12 +35,12 @@ class SamplingParams:
     for random weights, which stop at random).
     """
 
-    top_p: float = 0.8
-    top_k: int = 25
-    win_size: int = 10
-    tau_r: float = 0.1
-    min_token_text_ratio: float = 2.0
-    max_token_text_ratio: float = 20.0
+    top_p: float = defaults.TOP_P
+    top_k: int = defaults.TOP_K
+    win_size: int = defaults.WIN_SIZE
+    tau_r: float = defaults.TAU_R
+    min_token_text_ratio: float = defaults.MIN_TOKEN_TEXT_RATIO
+    max_token_text_ratio: float = defaults.MAX_TOKEN_TEXT_RATIO
     seed: int | None = None
     min_tokens: int | None = None
     max_tokens: int | None = None

@@ -1,1 +1,2 @@
-"""Text frontend: tokenizer (needs transformers), normalization and segmentation (pure Python)."""
+"""The CosyVoice2 text tokenizer (needs transformers). Normalization and segmentation, pure Python and shared with
+the gateway, are `speech_text`."""

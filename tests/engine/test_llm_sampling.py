@@ -174,3 +174,22 @@ def test_ignore_eos_runs_to_max_tokens_without_touching_other_requests(end_id: i
                 tokens[slot].append(out.token)
     assert len(tokens[slots[0]]) == 12 and all(t < EOS for t in tokens[slots[0]])
     assert len(tokens[slots[1]]) == (10 if end_id == EOS else 0)  # the neighbour keeps the upstream rules
+
+
+def test_the_decoding_defaults_are_written_once_and_are_cosyvoice2s() -> None:
+    import numpy as np
+
+    from cosyvoice2.llm import sampling_defaults as defaults
+    from cosyvoice2_serving.orchestrator import SamplingConfig
+    from triton_repo import internal_io as io
+
+    # the reference's values (docs/reference/cosyvoice2.md#ras-sampling)
+    assert (defaults.TOP_K, defaults.TOP_P, defaults.TEMPERATURE, defaults.WIN_SIZE, defaults.TAU_R) == (25, 0.8, 1.0, 10, 0.1)
+    engine, orchestrator = SamplingParams(), SamplingConfig()
+    assert (engine.top_k, engine.top_p, engine.win_size, engine.tau_r) == (25, 0.8, 10, 0.1)
+    assert (orchestrator.top_k, orchestrator.top_p, orchestrator.temperature) == (25, 0.8, 1.0)
+    assert (engine.min_token_text_ratio, engine.max_token_text_ratio) == (
+        orchestrator.min_token_text_ratio, orchestrator.max_token_text_ratio) == (2.0, 20.0)
+    # an LLM request without sampling tensors decodes with them
+    request, _ = io.parse_llm_request({io.INPUT_IDS.name: np.array([[1, 2, 3]], np.int32)})
+    assert (request.top_k, request.top_p, request.temperature) == (25, 0.8, 1.0)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from cosyvoice2.text.segment import is_speakable
+from speech_text.segment import is_speakable
 from gateway.app import create_app
 from tests.conftest import IsolatedSettings
 from tests.gateway.conftest import standin_backend  # noqa: F401 - the stand-in as a fixture here

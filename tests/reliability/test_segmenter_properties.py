@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cosyvoice2.text.segment import bound_segment, is_speakable, pipeline_segments, utf8_token_bound
+from speech_text.segment import bound_segment, is_speakable, pipeline_segments, utf8_token_bound
 from gateway.schemas import MAX_INPUT_CHARS
 from pipeline_contract import MAX_SEGMENT_TOKENS
 

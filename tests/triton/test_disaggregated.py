@@ -161,10 +161,9 @@ class Recorder:
 def test_every_adapter_puts_each_instance_on_the_gpu_triton_gives_it(adapters, tiny_model_dir, tmp_path, monkeypatch):
     found = configs(render_four_gpus(tiny_model_dir, tmp_path / "repo"))
     token2wav, llm, audio = adapters("token2wav"), adapters("llm"), adapters("audio_features")
-    for module in (token2wav, llm):
-        monkeypatch.setattr(module, "MetricsExporter", lambda *args: None)
-    monkeypatch.setattr(token2wav, "Token2WavHandler", Recorder)
-    monkeypatch.setattr(llm, "LLMHandler", Recorder)
+    monkeypatch.setattr(adapters("common"), "MetricsExporter", lambda *args: None)
+    for module in (token2wav, llm):  # the handler each model builds from its parameters
+        monkeypatch.setattr(module.TritonPythonModel, "build", staticmethod(Recorder))
     monkeypatch.setattr(audio, "SpeechTokenizer", Recorder)
     monkeypatch.setattr(audio, "default_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
 

@@ -11,7 +11,7 @@ import pytest
 import pipeline_contract as contract
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import StreamScheduleParams
-from triton_repo import render
+from triton_repo import render_models
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
@@ -58,13 +58,13 @@ def adapter_params(model: str) -> type:
 def _expected(opts: RenderOptions, model: str) -> object:
     """What render meant to give `model`, as the typed object."""
     if model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
-        return render.orchestrator_params(opts)
+        return render_models.orchestrator_params(opts)
     if model == "engine":
-        return EngineParams(render.llm_params(opts), render.token2wav_params(opts))
+        return EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts))
     if model == "llm":
-        return render.llm_params(opts)
+        return render_models.llm_params(opts)
     if model.startswith("token2wav"):
-        return render.token2wav_params(opts, model)
+        return render_models.token2wav_params(opts, model)
     if model == "voice_prompt":
         return VoicePromptParams(opts.voice_cache)
     return AudioModelParams(opts.model_dir.resolve(), opts.device_of(model))
@@ -110,7 +110,7 @@ def test_the_token2wav_replicas_and_their_share_of_the_gpu_budget_are_typed_para
     replica = Token2WavParams.from_parameters(parameters(configs["token2wav_gpu2_3"]))
     assert (replica.flow_cache_gb, replica.replicas_per_gpu, replica.flow_cache_budget_gb) == (10.0, 4, 2.5)
     # outside the disaggregated layout the parameter is left out and the whole budget is the model's
-    single = render.token2wav_params(replace(opts, layout="single", gpu_emulation=False, token2wav_gpus=None,
+    single = render_models.token2wav_params(replace(opts, layout="single", gpu_emulation=False, token2wav_gpus=None,
                                              token2wav_instances_per_gpu=1))  # fmt: skip
     assert "replicas_per_gpu" not in single.to_parameters() and single.flow_cache_budget_gb == 10.0
     assert replace(single, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
@@ -181,7 +181,7 @@ def test_bad_values_are_refused_naming_the_model_the_key_and_the_value(change, m
 
 
 def _orchestrator() -> OrchestratorParams:
-    models = render.internal_models(RenderOptions(model_dir=Path("/m"), out=Path("/o")))
+    models = render_models.internal_models(RenderOptions(model_dir=Path("/m"), out=Path("/o")))
     return OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models)
 
 

@@ -12,28 +12,29 @@ from __future__ import annotations
 from typing import Any
 
 from triton_repo import internal_io as io
-from triton_repo.adapters.common import MetricsExporter, model_params, serve
+from triton_repo.adapters.common import handler_model
 from triton_repo.adapters.llm import LLMHandler
 from triton_repo.adapters.token2wav import Token2WavHandler
 from triton_repo.model_params import EngineParams
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = EngineParams.from_parameters(model_params(args), args["model_name"])
+class EngineHandler:
+    """The LLM's and token2wav's handlers in one process; each request goes to the one its inputs name."""
+
+    def __init__(self, params: EngineParams) -> None:
         # The LLM first: its CUDA graphs are captured while no other thread uses the GPU yet.
         self.llm = LLMHandler(params.llm)
         self.token2wav = Token2WavHandler(params.token2wav)
-        self.metrics = MetricsExporter(args["model_name"], self.llm.stats, self.token2wav.stats)
+        self.stats = (self.llm.stats, self.token2wav.stats)
 
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
-
-    async def _handle(self, request: Any, sender: Any) -> None:
+    async def handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())
         handler = self.llm if kind == io.LLM_KIND else self.token2wav
         await handler.handle(request, sender)
 
-    def finalize(self) -> None:
+    def close(self) -> None:
         self.llm.close()
         self.token2wav.close()
+
+
+TritonPythonModel = handler_model(EngineParams, EngineHandler)

@@ -10,7 +10,6 @@ boundary (the last one flagged final) instead of one per token; without it, one 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -27,8 +26,7 @@ from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from cosyvoice2_serving.stats import Stats
 from triton_repo import internal_io as io
-from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
-from triton_repo.devices import instance_device, make_current
+from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import LLMParams
 
 
@@ -85,16 +83,4 @@ class LLMHandler:
         self.scheduler.close()
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = LLMParams.from_parameters(model_params(args), args["model_name"])
-        device = instance_device(args, params.device)
-        make_current(device)
-        self.llm = LLMHandler(dataclasses.replace(params, device=device))
-        self.metrics = MetricsExporter(args["model_name"], self.llm.stats)
-
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self.llm.handle)
-
-    def finalize(self) -> None:
-        self.llm.close()
+TritonPythonModel = handler_model(LLMParams, LLMHandler, on_instance_device=True)

@@ -32,6 +32,7 @@ from triton_repo.adapters.common import (
     bls_one,
     bls_stream,
     error_response,
+    handler_model,
     is_decoupled,
     model_params,
     read_inputs,
@@ -40,9 +41,7 @@ from triton_repo.adapters.common import (
 )
 from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 
-VOICE_PROMPT_MODEL = "spark_voice_prompt"
-AUDIO_TOKENIZER_MODEL = "spark_audio_tokenizer"
-ENGINE_MODEL = "spark_engine"
+VOICE_PROMPT_MODEL, AUDIO_TOKENIZER_MODEL, ENGINE_MODEL = io.VOICE_PROMPT_MODEL, io.AUDIO_TOKENIZER_MODEL, io.ENGINE_MODEL
 
 
 def _text(value: np.ndarray | None) -> str:
@@ -211,20 +210,18 @@ class SparkAudioTokenizerModel:
 
 
 # -- engine ----------------------------------------------------------------------------------------
-class SparkEngineModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = SparkEngineParams.from_parameters(model_params(args), args["model_name"])
+class SparkEngineHandler:
+    """The Spark engine built from the model's parameters, and the answer to one LLM or vocoder request."""
+
+    def __init__(self, params: SparkEngineParams) -> None:
         self.engine = SparkEngine(
             params.model_dir, params.device, resolve_dtype(params.dtype),
             max_batch=params.max_batch, max_seq_len=params.max_seq_len, max_waiting=params.max_waiting,
             benchmark=params.benchmark is not None, with_llm=params.llm,
         )  # fmt: skip
-        self.metrics = MetricsExporter(args["model_name"], self.engine.stats)
+        self.stats = self.engine.stats
 
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
-
-    async def _handle(self, request: Any, sender: Any) -> None:
+    async def handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())
         if kind == io.VOCODER_KIND:
             global_tokens, semantic, start, end = io.parse_vocode_request(read_inputs(request, io.VOCODER_INPUTS))
@@ -251,5 +248,8 @@ class SparkEngineModel:
         finally:
             stream.cancel()  # no-op once finished; frees the slot when the caller went away
 
-    def finalize(self) -> None:
+    def close(self) -> None:
         self.engine.close()
+
+
+SparkEngineModel = handler_model(SparkEngineParams, SparkEngineHandler)

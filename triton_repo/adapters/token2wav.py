@@ -9,7 +9,6 @@ Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either wa
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -25,8 +24,7 @@ from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
-from triton_repo.adapters.common import FINAL, MetricsExporter, model_params, read_inputs, response, serve
-from triton_repo.devices import instance_device, make_current
+from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import ParameterError, Token2WavParams
 
 logger = logging.getLogger(__name__)
@@ -88,16 +86,4 @@ class Token2WavHandler:
         self.service.shutdown()
 
 
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        params = Token2WavParams.from_parameters(model_params(args), args["model_name"])
-        device = instance_device(args, params.device)
-        make_current(device)
-        self.token2wav = Token2WavHandler(dataclasses.replace(params, device=device))
-        self.metrics = MetricsExporter(args["model_name"], self.token2wav.stats)
-
-    async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self.token2wav.handle)
-
-    def finalize(self) -> None:
-        self.token2wav.close()
+TritonPythonModel = handler_model(Token2WavParams, Token2WavHandler, on_instance_device=True)

@@ -3,14 +3,15 @@ Expected values are derived by hand from the rules."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from cosyvoice2.text.normalize import contains_chinese, normalize, normalize_zh, spell_out_numbers
-from cosyvoice2.text.segment import approximate_token_count, is_punctuation_only, segment_text, split_paragraph
+from speech_text.normalize import contains_chinese, normalize, normalize_zh, spell_out_numbers
+from speech_text.segment import approximate_token_count, is_punctuation_only, segment_text, split_paragraph
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,8 +127,38 @@ def test_approximate_token_count() -> None:
 
 def test_segment_module_imports_without_torch() -> None:
     code = (
-        "import sys, cosyvoice2.text.segment; "
+        "import sys, speech_text.segment; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+def imported_modules(*packages: str) -> dict[str, set[str]]:
+    """Top-level module -> the modules it names in its import statements, for every file of ``packages``."""
+    found: dict[str, set[str]] = {}
+    for package in packages:
+        for path in (REPO_ROOT / package).rglob("*.py"):
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+            names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+            names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+            found[str(path.relative_to(REPO_ROOT))] = names
+    return found
+
+
+def test_the_text_package_imports_no_engine_and_no_other_layer() -> None:
+    ours = {"speech_text", "inflect", "__future__"} | set(sys.stdlib_module_names)
+    foreign = {where: sorted(n for n in names if n.split(".")[0] not in ours)
+               for where, names in imported_modules("speech_text").items()}
+    assert {where: names for where, names in foreign.items() if names} == {}
+
+
+def test_the_gateway_and_spark_take_text_rules_from_the_text_package() -> None:
+    # the gateway is model-neutral: no engine at all; Spark-TTS shares CosyVoice2's decoder, not its text frontend
+    gateway = imported_modules("gateway")
+    assert "speech_text.segment" in gateway["gateway/app.py"], "the walk found no gateway import: it proves nothing"
+    engine = {where: sorted(n for n in names if n.split(".")[0] in ("cosyvoice2", "cosyvoice2_serving"))
+              for where, names in gateway.items()}
+    engine_text = {where: sorted(n for n in names if n == "cosyvoice2.text" or n.startswith("cosyvoice2.text."))
+                   for where, names in imported_modules("spark_tts").items()}
+    assert {where: names for where, names in {**engine, **engine_text}.items() if names} == {}

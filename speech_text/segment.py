@@ -1,10 +1,10 @@
-"""Split normalized text into synthesis segments, as CosyVoice2's frontend does
+"""Split normalized text into synthesis segments by CosyVoice2's frontend rules
 (docs/reference/cosyvoice2.md#text-normalization-and-segmentation). Pure Python.
 
 ``segment_text`` = upstream ``text_normalize(text, split=True)``: normalize (``normalize.py``), cut into sentences,
 greedily merge sentences into segments of about 60..80 length units, and drop punctuation-only segments.
 Length units are characters for Chinese and Qwen2 tokens for everything else. The token counter is pluggable:
-pass ``CosyVoice2Tokenizer.count`` where the tokenizer is loaded; without one (the gateway),
+pass a loaded tokenizer's count (the engine passes ``CosyVoice2Tokenizer.count``); without one (the gateway),
 ``approximate_token_count`` estimates it.
 """
 
@@ -15,7 +15,7 @@ import re
 import unicodedata
 from typing import Callable, Literal
 
-from cosyvoice2.text.normalize import contains_chinese, has_special_tokens, normalize_en, normalize_zh
+from speech_text.normalize import contains_chinese, has_special_tokens, normalize_en, normalize_zh
 
 TokenCounter = Callable[[str], int]
 Language = Literal["zh", "en"]

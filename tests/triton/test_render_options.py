@@ -1,0 +1,90 @@
+"""Render options: every option is one field; its flag, its string form and its checks come from that field."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from scripts.bench_stack import render_fields
+from triton_repo.render import add_option_flags, main, option_values
+from triton_repo.render_checks import field_errors
+from triton_repo.render_options import RenderError, RenderOptions, SparkRenderOptions, option
+
+
+def options(**values: object) -> RenderOptions:
+    return RenderOptions(**{"model_dir": Path("/m"), "out": Path("/o"), **values})
+
+
+def test_key_value_strings_parse_by_the_field_type() -> None:
+    # how the benchmark scripts pass --render-arg FIELD=VALUE: integers already as int, the rest as strings
+    opts = options(**render_fields(["token2wav_gpus=1,2,3", "flow_cache_gb=1.5", "gpu_emulation=true",
+                                    "instances=cosyvoice2=2,voice_prompt=3", "first_hop=15", "layout=single"]))
+    assert opts.token2wav_gpus == (1, 2, 3)  # not ('1', ',', '2', ',', '3')
+    assert opts.flow_cache_gb == 1.5 and opts.gpu_emulation is True and opts.first_hop == 15
+    assert opts.instances == {"cosyvoice2": 2, "voice_prompt": 3} and opts.layout == "single"
+    assert options(**render_fields(["token2wav_gpus=2"])).token2wav_gpus == (2,)  # one GPU, read as a number
+    assert options(token2wav_gpus=[1, 2]).token2wav_gpus == (1, 2)
+    assert options(model_dir="/models/x").model_dir == Path("/models/x")
+    spark = options(spark="/spark").spark
+    assert spark == SparkRenderOptions(Path("/spark")) and options(spark=None).spark is None
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"token2wav_gpus": "1,two"}, "--token2wav-gpus expects comma-separated GPU ids"),
+    ({"gpu_emulation": "maybe"}, "--gpu-emulation expects true or false"),
+    ({"max_batch": "many"}, "--max-batch expects a int"),
+    ({"instances": "cosyvoice2"}, "--instances expects MODEL=COUNT"),
+])  # fmt: skip
+def test_bad_strings_are_refused_naming_the_flag(values: dict, message: str) -> None:
+    with pytest.raises(RenderError, match=message):
+        options(**values)
+
+
+def parse(argv: list[str]) -> RenderOptions:
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, RenderOptions)
+    return RenderOptions(**option_values(parser.parse_args(["--model-dir", "/m", "--out", "/o", *argv]),
+                                         RenderOptions))
+
+
+def test_the_command_line_sets_the_fields_the_library_call_sets() -> None:
+    given = parse(["--token2wav-gpus", "1,2", "--instances", "cosyvoice2=2", "--instances", "voice_prompt=3",
+                   "--flow-cache-gb", "2.5", "--no-gpu-emulation", "--t2w-first-chunk-worker", "--llm-backend", "trtllm",
+                   "--spark-dir", "/s", "--spark-first-chunk", "9", "--spark-benchmark-ratio", "2"])
+    assert given == options(token2wav_gpus=(1, 2), instances={"cosyvoice2": 2, "voice_prompt": 3}, flow_cache_gb=2.5,
+                            t2w_first_chunk_worker=True, llm_backend="tensorrt_llm",
+                            spark=SparkRenderOptions(Path("/s"), first_chunk_tokens=9, benchmark_ratio=2.0))
+    assert parse([]) == options()  # every flag left out keeps the field's default
+
+
+def test_every_field_with_help_has_its_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, RenderOptions)
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    expected = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(RenderOptions) if f.metadata.get("help")}
+    assert expected - {"--spark"} <= flags
+    assert {"--spark-dir", "--spark-first-chunk", "--spark-max-new-tokens", "--token2wav-gpus"} <= flags
+    assert "--max-target-text-tokens" not in flags  # a library option: no help, no flag
+
+
+def test_a_new_option_is_one_field() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        model_dir: Path = option(help="where")
+        replicas: tuple[int, ...] = option((1,), help="ids", minimum=None)
+        depth: int = option(3, minimum=2, help="how deep")
+
+    parser = argparse.ArgumentParser()
+    add_option_flags(parser, Options)
+    args = parser.parse_args(["--model-dir", "/x", "--depth", "1", "--replicas", "4,5"])
+    values = option_values(args, Options)
+    assert values == {"model_dir": Path("/x"), "depth": 1, "replicas": "4,5"}  # the options parse the tuple
+    assert field_errors(Options(**{**values, "replicas": (4, 5)})) == ["--depth must be >= 2, got 1"]
+
+
+def test_spark_flags_without_the_spark_dir_are_refused(tmp_path, capsys) -> None:
+    assert main(["--model-dir", str(tmp_path), "--out", str(tmp_path / "r"), "--spark-first-chunk", "5"]) == 2
+    assert "--spark-first-chunk need --spark-dir" in capsys.readouterr().err

@@ -1,0 +1,212 @@
+"""Every render option and input checked before anything is written: the bounds and choices the options'
+fields declare (`field_errors`), what the options mean together, and the model, engine and DiT directories they
+name. `check_options` raises one RenderError naming every problem."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from cosyvoice2.config import EngineConfig
+from cosyvoice2.dit.config import DiTFlowConfig
+from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
+from cosyvoice2.dit.loading import check_dit_dir
+from cosyvoice2.layout import MODEL_FILES
+from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
+from triton_repo import spark_render
+from triton_repo import trtllm_backend_facts as facts
+from triton_repo.render_options import LLM_GPU, SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
+from triton_repo.render_trtllm import (
+    LOGITS_DTYPE,
+    engine_tp_size,
+    holds_engine,
+    limit_errors,
+    read_engine_config,
+)
+
+
+def field_errors(opts: object, prefix: str = "") -> list[str]:
+    """The choices and lower bounds the fields of `opts` declare (`render_options.option`); None passes."""
+    errors = []
+    for f in dataclasses.fields(opts):  # type: ignore[arg-type]
+        value, choices, minimum = getattr(opts, f.name), f.metadata.get("choices"), f.metadata.get("minimum")
+        if value is None:
+            continue
+        if choices is not None and value not in choices:
+            errors.append(f"{flag_of(f, prefix)} must be one of {', '.join(choices)}, got {value!r}")
+        if minimum is not None and not value >= minimum:
+            errors.append(f"{flag_of(f, prefix)} must be >= {minimum}, got {value}")
+    return errors
+
+
+def check_options(opts: RenderOptions) -> None:
+    """Every option and input, before anything is written; raises RenderError naming every problem."""
+    errors = field_errors(opts)
+    if not opts.model_dir.is_dir():
+        errors.append(f"--model-dir {opts.model_dir} is not a directory (expected an official CosyVoice2 model dir)")
+    else:
+        missing = [name for name in MODEL_FILES if not (opts.model_dir / name).exists()]
+        if missing:
+            errors.append(f"--model-dir {opts.model_dir} lacks {', '.join(missing)}")
+    if opts.device == "cpu" and opts.dtype != "fp32":
+        errors.append(f"--dtype {opts.dtype} needs --device cuda (CPU runs fp32)")
+    if opts.layout == "colocated" and opts.llm_backend == "tensorrt_llm":
+        errors.append(
+            "--layout colocated needs --llm-backend pytorch: TensorRT-LLM runs inside tritonserver itself, so it "
+            "cannot share the token2wav process (use --layout single or disaggregated)"
+        )
+    if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
+        errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
+    errors += _check_placement(opts)
+    if opts.token2wav == "dit":
+        if opts.dit_dir is None:
+            errors.append("--token2wav dit needs --dit-dir (the released token2wav/ directory of Step-Audio-2-mini)")
+        else:
+            try:
+                check_dit_dir(opts.dit_dir)
+            except FileNotFoundError as exc:
+                errors.append(f"--dit-dir: {exc}")
+            else:
+                errors += _dit_fit_errors(opts.model_dir, opts.dit_dir)
+    elif opts.dit_dir is not None and opts.token2wav in TOKEN2WAVS:
+        errors.append("--dit-dir is only used with --token2wav dit")
+    if not opts.repetition_penalty > 0:
+        errors.append(f"--repetition-penalty must be > 0 (1 = off), got {opts.repetition_penalty}")
+    if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:
+        errors.append(f"--benchmark-speech-ratio must be > 0, got {opts.benchmark_speech_ratio}")
+    for model, count in opts.instances.items():
+        if model not in SCALABLE:
+            errors.append(
+                f"--instances {model}={count}: only {', '.join(SCALABLE)} may have several instances "
+                "(llm, token2wav and engine hold per-request state in their process)"
+            )
+        elif count < 1:
+            errors.append(f"--instances {model}={count}: the count must be >= 1")
+    if opts.llm_backend == "tensorrt_llm":
+        errors += _check_trtllm(opts)
+    if opts.spark is not None:
+        errors += field_errors(opts.spark, opts.spark.FLAG_PREFIX) + spark_render.check(opts)
+    if errors:
+        raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
+
+
+def _check_placement(opts: RenderOptions) -> list[str]:
+    """The disaggregated layout's GPUs; its CPU rehearsal (`gpu_emulation`)."""
+    errors = []
+    if opts.gpu_emulation:
+        if opts.layout != "disaggregated" or opts.device != "cpu":
+            errors.append("--gpu-emulation rehearses --layout disaggregated on --device cpu only")
+    elif opts.layout == "disaggregated" and opts.device != "cuda":
+        errors.append(
+            "--layout disaggregated needs --device cuda (the LLM on GPU 0, token2wav on the others; "
+            "--gpu-emulation rehearses it on the CPU)"
+        )
+    if opts.layout != "disaggregated":
+        if opts.token2wav_gpus is not None or opts.token2wav_instances_per_gpu != 1:
+            errors.append("--token2wav-gpus and --token2wav-instances-per-gpu need --layout disaggregated")
+        return errors
+    gpus = opts.resolved_token2wav_gpus
+    if not gpus:
+        errors.append("--token2wav-gpus names no GPU (give GPU ids, e.g. 1,2,3)")
+    if any(gpu < 0 for gpu in gpus):
+        errors.append(f"--token2wav-gpus: GPU ids are >= 0, got {','.join(map(str, gpus))}")
+    if len(set(gpus)) != len(gpus):
+        errors.append(f"--token2wav-gpus names a GPU twice ({','.join(map(str, gpus))}); use "
+                      "--token2wav-instances-per-gpu for several replicas on one GPU")
+    if opts.token2wav_instances_per_gpu < 1:
+        errors.append(f"--token2wav-instances-per-gpu must be >= 1, got {opts.token2wav_instances_per_gpu}")
+    return errors
+
+
+def _check_trtllm(opts: RenderOptions) -> list[str]:
+    errors = []
+    if opts.device != "cuda":
+        errors.append("--llm-backend tensorrt_llm needs --device cuda")
+    if opts.engine_dir is None:
+        errors.append("--llm-backend tensorrt_llm needs --engine-dir (the trtllm-build output)")
+    elif not holds_engine(opts.engine_dir):
+        errors.append(f"--engine-dir {opts.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)")
+    else:
+        engine = read_engine_config(opts.engine_dir)
+        errors += limit_errors(engine, (("--max-batch", opts.max_batch, "max_batch_size"),
+                                        ("--max-seq-len", opts.max_seq_len, "max_seq_len")), "the engine")
+        errors += _check_engine_facts(opts, engine)
+    if opts.llm_dir is None:
+        errors.append(f"--llm-backend tensorrt_llm needs --llm-dir (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
+    elif not (opts.llm_dir / LOGITS_BIAS_FILE).is_file():
+        errors.append(f"--llm-dir {opts.llm_dir} lacks {LOGITS_BIAS_FILE} (written by the build's convert stage)")
+    elif opts.engine_dir is not None and (opts.engine_dir / "config.json").is_file():
+        errors += _check_logits_bias(opts.llm_dir / LOGITS_BIAS_FILE, read_engine_config(opts.engine_dir))
+    return errors
+
+
+def _check_engine_facts(opts: RenderOptions, engine: dict) -> list[str]:
+    """What the engine was built with against what this repository sends it (docs/deploy.md)."""
+    errors = facts.engine_version_problems(engine, "--engine-dir", opts.engine_dir)
+    pretrained = engine.get("pretrained_config", {})
+    logits_dtype = pretrained.get("logits_dtype")
+    if logits_dtype != LOGITS_DTYPE:
+        errors.append(
+            f"the engine's logits are {logits_dtype or 'of unknown type'}, not {LOGITS_DTYPE}: every request would fail "
+            '("Embedding bias data type must be same as model logits type"); rebuild it with trtllm-build '
+            f"--logits_dtype {LOGITS_DTYPE} (cosyvoice-build --from engine --to engine --force)"
+        )
+    tp = engine_tp_size(engine)
+    if tp > 1 and opts.layout == "disaggregated":
+        errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns GPU {LLM_GPU} only)")
+    return errors
+
+
+def _check_logits_bias(path: Path, engine: dict) -> list[str]:
+    """The per-request embedding bias must have one value per row of the engine's logits."""
+    vocab = engine.get("pretrained_config", {}).get("vocab_size")
+    try:
+        length = safetensors_length(path, LOGITS_BIAS_KEY)
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"{path} is not a safetensors file with a 1-D {LOGITS_BIAS_KEY!r} tensor ({exc})"]
+    if vocab is None:
+        return ["the engine's config.json has no pretrained_config.vocab_size to check the logits bias against"]
+    errors = []
+    if length != int(vocab):
+        errors.append(
+            f"{path} holds {length} values but the engine's vocab_size is {vocab}: the bias must match the engine's "
+            "logits row for row (convert and build from the same checkpoint)"
+        )
+    tp = engine_tp_size(engine)
+    if int(vocab) % tp:
+        errors.append(f"vocab_size {vocab} is not a multiple of the tensor-parallel size {tp}: the logits would be padded")
+    return errors
+
+
+def safetensors_length(path: Path, key: str) -> int:
+    """Length of the 1-D tensor `key` from the file's header alone (8-byte size + JSON; no tensor is read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100_000_000:
+            raise ValueError("bad header size")
+        header = json.loads(f.read(size))
+    shape = header[key]["shape"]
+    if len(shape) != 1:
+        raise ValueError(f"shape {shape} is not 1-D")
+    return int(shape[0])
+
+
+def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:
+    """The DiT flow must take every speech token the LLM can emit, and the lookahead the orchestrators' chunks
+    carry (CosyVoice2's schedule drives the DiT streams)."""
+    try:
+        dit = DiTFlowConfig.from_flow_yaml(dit_dir / DIT_FLOW_CONFIG)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError) as exc:  # a malformed yaml, any shape
+        return [f"--dit-dir: {dit_dir / DIT_FLOW_CONFIG} is not a DiT flow config ({exc})"]
+    if not model_dir.is_dir():
+        return []  # reported above
+    engine = EngineConfig.for_model_dir(model_dir)
+    errors = []
+    if dit.vocab_size < engine.llm.speech_token_size:
+        errors.append(f"--dit-dir: the DiT flow knows {dit.vocab_size} speech tokens, the LLM emits "
+                      f"{engine.llm.speech_token_size}")
+    if dit.pre_lookahead_len != engine.flow.pre_lookahead_len:
+        errors.append(f"--dit-dir: the DiT flow's lookahead is {dit.pre_lookahead_len} tokens, the chunk schedule "
+                      f"sends {engine.flow.pre_lookahead_len}")
+    return errors

@@ -1,0 +1,180 @@
+"""The models of the rendered repository: CosyVoice2's table of `ModelSpec`s (per layout), Spark-TTS's beside
+them (`spark_render`), every model's typed parameters, and the record of the options (`MARKER`).
+
+`render_files` is pure: options in, relative path -> content out (it reads only the templates and an engine's
+`config.json`); checking the options first and writing the files is `triton_repo.render`'s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import TypeVar
+
+from cosyvoice2.vocab import LOGITS_BIAS_FILE
+from cosyvoice2_serving.schedule import StreamScheduleParams
+import pipeline_contract as contract
+from triton_repo import internal_io as io
+from triton_repo import spark_render
+from triton_repo.model_params import (
+    AudioModelParams,
+    BenchmarkMode,
+    EngineParams,
+    InternalModels,
+    LLMParams,
+    ModelParams,
+    OrchestratorParams,
+    Token2WavParams,
+    VoicePromptParams,
+)
+from triton_repo.render_options import LLM_GPU, RenderOptions, token2wav_replicas
+from triton_repo.render_templates import ModelSpec, instance_group, model_files
+from triton_repo.render_trtllm import trtllm_parameters
+
+MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
+ENGINE_MODEL = "engine"
+#: Models that must run as exactly one instance (per-request state in their process), besides every token2wav.
+SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE)
+_P = TypeVar("_P", bound=ModelParams)
+
+
+def render_files(opts: RenderOptions) -> dict[str, str]:
+    """Relative path -> file content of the whole repository (no I/O besides reading templates and the engine's
+    config.json)."""
+    files = model_files(model_specs(opts) + spark_render.model_specs(opts))
+    files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
+    return files
+
+
+def model_specs(opts: RenderOptions) -> list[ModelSpec]:
+    """CosyVoice2's models: both pipeline models, the voice front-end, then the LLM and token2wav of the layout."""
+    specs = [
+        ModelSpec(name, "orchestrator.pbtxt", contract.INPUTS, contract.OUTPUTS, orchestrator_params(opts),
+                  ("orchestrator", "TritonPythonModel"),
+                  dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
+        for name, decoupled, description in (
+            (contract.OFFLINE_MODEL, "false", "Offline pipeline: one response with the whole waveform of one segment."),
+            (contract.STREAMING_MODEL, "true", "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
+        )
+    ]  # fmt: skip
+    specs.append(ModelSpec("voice_prompt", "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
+                           VoicePromptParams(cache_capacity=opts.voice_cache), ("voice_prompt", "TritonPythonModel"),
+                           dict(instances=opts.instances_of("voice_prompt"))))
+    specs += [
+        ModelSpec(name, "audio_model.pbtxt", io.AUDIO_INPUTS, (output,),
+                  AudioModelParams(opts.model_dir.resolve(), opts.device_of(name)), ("audio_features", cls),
+                  dict(description=description, max_batch=opts.audio_max_batch,
+                       max_queue_delay_us=opts.max_queue_delay_us,
+                       instance_group=instance_group(opts, name, opts.instances_of(name))))
+        for name, output, cls, description in (
+            ("audio_tokenizer", io.SPEECH_TOKENS, "AudioTokenizerModel", "Speech tokenizer (ONNX), 25 Hz tokens of 16 kHz audio."),
+            ("speaker_embedding", io.XVECTOR, "SpeakerEmbeddingModel", "CAM++ x-vector (ONNX) of 16 kHz audio."),
+        )
+    ]  # fmt: skip
+    if opts.layout == "colocated":
+        specs.append(ModelSpec(ENGINE_MODEL, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS,
+                               EngineParams(llm_params(opts), token2wav_params(opts)), ("engine", "TritonPythonModel")))
+        return specs
+    specs.append(_llm_spec(opts))
+    specs += [
+        ModelSpec(name, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,), token2wav_params(opts, name),
+                  ("token2wav", "TritonPythonModel"), dict(instance_group=instance_group(opts, name)))
+        for name, _ in token2wav_replicas(opts)
+    ]
+    return specs
+
+
+def _llm_spec(opts: RenderOptions) -> ModelSpec:
+    """The separate `llm` model (single/disaggregated layouts) of either backend."""
+    limits = dict(max_batch=opts.max_batch, max_seq_len=opts.max_seq_len)
+    if opts.llm_backend == "pytorch":
+        return ModelSpec("llm", "llm_pytorch.pbtxt", io.PYTORCH_LLM_INPUTS, io.LLM_OUTPUTS, llm_params(opts),
+                         ("llm", "TritonPythonModel"), dict(limits, instance_group=instance_group(opts, "llm")))
+    kv_cache_share = 0.5 if llm_shares_its_gpu(opts) else 0.9
+    return ModelSpec("llm", "llm_tensorrt_llm.pbtxt", io.LLM_INPUTS, io.LLM_OUTPUTS,
+                     trtllm_parameters(opts, opts.engine_dir, opts.max_seq_len, kv_cache_share), None, limits)
+
+
+def expected_models(opts: RenderOptions) -> set[str]:
+    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
+    frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
+    return frontend | internal | spark_render.models(opts)
+
+
+def llm_shares_its_gpu(opts: RenderOptions) -> bool:
+    """Whether other models run on the LLM's GPU (TensorRT-LLM then leaves them half of the free memory)."""
+    return opts.layout != "disaggregated" or LLM_GPU in opts.resolved_token2wav_gpus
+
+
+def internal_models(opts: RenderOptions) -> InternalModels:
+    """The orchestrator's targets for its LLM and token2wav calls."""
+    colocated = opts.layout == "colocated"
+    return InternalModels(
+        llm_model=ENGINE_MODEL if colocated else "llm",
+        token2wav_model=(ENGINE_MODEL,) if colocated else tuple(name for name, _ in token2wav_replicas(opts)),
+        token2wav_decoupled=colocated,
+        llm_deliver_at=opts.llm_delivery == "chunk",
+    )
+
+
+def _benchmark(opts: RenderOptions) -> BenchmarkMode | None:
+    return None if opts.benchmark_speech_ratio is None else BenchmarkMode(opts.benchmark_speech_ratio)
+
+
+def _schedule(opts: RenderOptions) -> StreamScheduleParams:
+    return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth)
+
+
+def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
+    """Parameters of both pipeline models (`adapters.orchestrator`)."""
+    trtllm = opts.llm_backend == "tensorrt_llm"
+    return OrchestratorParams(
+        model_dir=opts.model_dir.resolve(),
+        llm_backend=opts.llm_backend,
+        max_sequence_len=opts.max_seq_len,
+        max_target_text_tokens=opts.max_target_text_tokens,
+        schedule=_schedule(opts),
+        models=internal_models(opts),
+        benchmark=_benchmark(opts),
+        llm_logits_bias=(opts.llm_dir / LOGITS_BIAS_FILE).resolve() if trtllm and opts.llm_dir else None,
+        llm_repetition_penalty=opts.repetition_penalty if trtllm else None,
+        loop_guard=opts.loop_guard if trtllm else None,
+    )
+
+
+def _with_options(params: type[_P], opts: RenderOptions, **given: object) -> _P:
+    """`params` built from `given`, its other fields taken from the options' fields of the same name: an option
+    that passes straight into a model's parameters is named alike on both sides and written nowhere else."""
+    shared = {f.name for f in fields(params)} & {f.name for f in fields(opts)}
+    return params(**{name: getattr(opts, name) for name in shared - given.keys()}, **given)
+
+
+def llm_params(opts: RenderOptions) -> LLMParams:
+    """Parameters of the PyTorch LLM (`adapters.llm.LLMHandler`): dtype, max_batch, max_seq_len, max_waiting."""
+    return _with_options(LLMParams, opts, model_dir=opts.model_dir.resolve(), device=opts.device_of("llm"),
+                         benchmark=_benchmark(opts))
+
+
+def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavParams:
+    """Parameters of the token2wav model `name` (`adapters.token2wav.Token2WavHandler`), one of `token2wav_replicas`:
+    dtype, token2wav, flow_cache* and the scheduling options as rendered."""
+    disaggregated = opts.layout == "disaggregated"
+    return _with_options(
+        Token2WavParams, opts,
+        model_dir=opts.model_dir.resolve(),
+        device=opts.device_of(name),
+        schedule=_schedule(opts),
+        dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
+        # the budget is per GPU: the replicas sharing one split it
+        replicas_per_gpu=opts.token2wav_instances_per_gpu if disaggregated else None,
+    )  # fmt: skip
+
+
+def _options_record(opts: RenderOptions) -> dict[str, object]:
+    record = asdict(opts)
+    record.pop("out")
+    record = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
+    if opts.spark is not None:
+        record["spark"] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record["spark"].items()}
+    return record

@@ -1,0 +1,324 @@
+"""The render tool's options: `RenderOptions` (and its Spark part, `SparkRenderOptions`), each option ONE field.
+
+A field's metadata (`option(...)`) carries everything else that option has: its command-line help, flag name,
+choices, metavar and lower bound. The command line (`triton_repo.render`) and the generic checks
+(`triton_repo.render_checks`) are built by walking the fields, so adding, changing or deleting an option is an
+edit of its field here. A field without `help` is a library option only (no flag).
+
+Values may come as strings from wherever options are written as ``FIELD=VALUE`` (benchmark scripts, settings):
+every field parses its string form by its type (`parse_option`), a tuple from comma-separated items (``"1,2,3"``
+-> ``(1, 2, 3)``), a ``dict[str, int]`` from ``MODEL=COUNT`` items.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import MISSING, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from cosyvoice2.streaming import FLOW_CACHE_MODES
+from cosyvoice2.vocab import LOGITS_BIAS_FILE
+from cosyvoice2_serving.repetition import LoopGuardConfig
+from cosyvoice2_serving.schedule import StreamScheduleParams
+from cosyvoice2_serving.token2wav import T2W_SCHEDULING
+from spark_tts.llm import SparkSampling
+from spark_tts.streaming import ChunkSchedule
+import pipeline_contract as contract
+from triton_repo import spark_io
+from triton_repo.model_params import optional_type
+
+
+class RenderError(ValueError):
+    """A render option or input is wrong; the message says which and what to do."""
+
+
+LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm"}
+DTYPES = ("fp32", "fp16", "bf16")
+DEVICES = ("cpu", "cuda")
+#: colocated: the PyTorch LLM and token2wav in one model (`engine`, one process: concurrent CUDA streams);
+#: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, token2wav
+#: replicas on GPUs 1..N (`token2wav_gpus`, `token2wav_instances_per_gpu`; see `token2wav_replicas`).
+LAYOUTS = ("colocated", "single", "disaggregated")
+DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
+#: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
+#: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
+LLM_DELIVERIES = ("chunk", "token")
+DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
+#: unet: CosyVoice2's own flow (`--model-dir`); dit: the DiT flow of Step-Audio-2-mini (`--dit-dir`, docs/engine.md).
+TOKEN2WAVS = ("unet", "dit")
+#: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process (and
+#: so does `spark_engine`).
+SCALABLE = (
+    contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding",
+    contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, spark_io.VOICE_PROMPT_MODEL,
+    spark_io.AUDIO_TOKENIZER_MODEL,
+)  # fmt: skip
+#: The GPU of the LLM in the disaggregated layout (TensorRT-LLM's `gpu_device_ids`, the PyTorch LLM's instance group).
+LLM_GPU = 0
+#: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
+DEFAULT_TOKEN2WAV_GPUS = (1,)
+_SPARK_SCHEDULE = ChunkSchedule()
+
+
+def option(
+    default: Any = MISSING,
+    *,
+    help: str | None = None,  # noqa: A002 - argparse's word; None: no command-line flag
+    flag: str | None = None,  # the flag without "--" and prefix; default: the field name with hyphens
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    minimum: float | None = None,  # refused below this (`render_checks.field_errors`)
+    items: str | None = None,  # a tuple's items in words, for its parse error (default: "<type> values")
+    default_factory: Any = MISSING,
+) -> Any:
+    """A field of an options class with what its command line and its checks need."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "minimum": minimum,
+                "items": items}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def default_device(llm_backend: str, layout: str | None, gpu_emulation: bool = False) -> str:
+    """TensorRT-LLM and the disaggregated layout (several GPUs) need CUDA, except the layout's CPU rehearsal
+    (`gpu_emulation`); anything else renders for the CPU."""
+    if gpu_emulation:
+        return "cpu"
+    return "cuda" if llm_backend == "tensorrt_llm" or layout == "disaggregated" else "cpu"
+
+
+# -- string forms ----------------------------------------------------------------------------------
+def _items(value: str | Sequence[str]) -> list[str]:
+    """Comma-separated items of a string, or of each string of a sequence (a repeated flag); blanks dropped."""
+    texts = [value] if isinstance(value, str) else list(value)
+    return [part.strip() for text in texts for part in str(text).split(",") if part.strip()]
+
+
+def parse_option(kind: Any, value: Any, flag: str, items: str | None = None) -> Any:
+    """`value` as the field type `kind` when it is written as a string (a tuple also from a list or one item,
+    a dict also from a list of ``KEY=VALUE`` strings); values of the field's type pass unchanged. `items` names
+    a tuple's items in its error message."""
+    kind, _ = optional_type(kind)
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if isinstance(value, tuple):
+            return value
+        if isinstance(value, (str, list)):
+            parts = _items(value)
+            try:
+                return tuple(args[0](part) for part in parts)
+            except ValueError:
+                raise RenderError(f"{flag} expects comma-separated {items or args[0].__name__ + ' values'} "
+                                  f"(e.g. 1,2,3), got {value!r}") from None
+        return (value,) if isinstance(value, args[0]) else value  # one item (a FIELD=1 parsed as a number)
+    if origin is dict:
+        if not isinstance(value, (str, list, tuple)):
+            return value
+        out = {}
+        for item in _items(value):
+            key, sep, count = item.partition("=")
+            if not sep or not count.strip().lstrip("-").isdigit():
+                raise RenderError(f"{flag} expects MODEL=COUNT, got {item!r}")
+            out[key.strip()] = args[1](count)
+        return out
+    if not isinstance(value, str) or kind is str or not isinstance(kind, type):
+        return value
+    if kind is bool:
+        if value.lower() not in ("true", "false"):
+            raise RenderError(f"{flag} expects true or false, got {value!r}")
+        return value.lower() == "true"
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise RenderError(f"{flag} expects a {kind.__name__}, got {value!r}") from None
+
+
+def flag_of(f: dataclasses.Field, prefix: str = "") -> str:
+    """The command-line flag of field `f` (also how errors name the option), e.g. "--max-batch"."""
+    return "--" + prefix + (f.metadata.get("flag") or f.name.replace("_", "-"))
+
+
+class _Options:
+    """Base of the options classes (frozen dataclasses): string values parsed by their field types."""
+
+    #: the flags' prefix of this class's fields on the command line
+    FLAG_PREFIX = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            parsed = parse_option(hints[f.name], value, flag_of(f, self.FLAG_PREFIX), f.metadata.get("items"))
+            if parsed is not value:
+                object.__setattr__(self, f.name, parsed)
+
+
+@dataclass(frozen=True)
+class SparkRenderOptions(_Options):
+    """The Spark part of a render (`RenderOptions.spark`); defaults are the served runtime's."""
+
+    FLAG_PREFIX = "spark-"
+
+    # the released layout (SparkAudio/Spark-TTS-0.5B)
+    model_dir: Path = option(help="a Spark-TTS model directory: render the spark_tts models too", flag="dir")
+    max_new_tokens: int = option(SparkSampling().max_new_tokens, minimum=1,  # 512 = 10.24 s per segment
+                                 help="Spark LLM tokens per segment (50 per second of audio)")
+    first_chunk_tokens: int = option(_SPARK_SCHEDULE.first_chunk_tokens, flag="first-chunk", minimum=1,
+                                     help="Spark streaming: tokens in the first piece")
+    chunk_scale: float = option(_SPARK_SCHEDULE.scale, minimum=1, help="Spark streaming: growth of each next piece")
+    max_chunk_tokens: int = _SPARK_SCHEDULE.max_chunk_tokens
+    # prompt + generated tokens per sequence: a 10 s reference (500 tokens) + 200 text tokens + 512 fit in 2048
+    max_seq_len: int = option(2048, minimum=64, help="Spark LLM prompt + generated tokens per sequence")
+    # Benchmark mode for random weights (they stop at random): every request generates exactly
+    # round(ratio x target text tokens) semantic tokens and the stop id is never drawn. None = off. Spark's own
+    # ratio: its tokenizer and token rate (50 per second) are not CosyVoice2's.
+    benchmark_ratio: float | None = option(None, metavar="R", help="Spark benchmarks on random weights only: every "
+                                           "request generates round(R x text tokens) semantic tokens")
+    # A TensorRT-LLM engine of the Spark LLM (`python -m cosyvoice_build.spark_trtllm`): rendered as `spark_llm`
+    # (tensorrtllm backend) and the orchestrators' LLM; None: the PyTorch LLM inside `spark_engine`.
+    engine_dir: Path | None = option(None, help="a TensorRT-LLM engine of the Spark LLM (python -m "
+                                     "cosyvoice_build.spark_trtllm): rendered as spark_llm on the tensorrtllm backend")
+
+
+@dataclass(frozen=True)
+class RenderOptions(_Options):
+    """Everything a render is made of, as the command line, `render_repository` and the local stack give it;
+    `__post_init__` fills in what was left open (layout, LLM delivery, device) the same way for all three."""
+
+    model_dir: Path = option(help="official CosyVoice2 model directory")
+    out: Path = option(help="repository directory to (re)write")
+    llm_backend: str = option("pytorch", choices=sorted(LLM_BACKENDS),
+                              help="the LLM's backend (torch and trtllm name the same two)")
+    engine_dir: Path | None = option(None, help="TensorRT-LLM engine directory (tensorrt_llm backend)")
+    # HF checkpoint dir with logits_bias.safetensors (tensorrt_llm backend)
+    llm_dir: Path | None = option(None, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)")
+    # None: default_device(llm_backend, layout, gpu_emulation)
+    device: str | None = option(None, choices=DEVICES,
+                                help="default: cuda for tensorrt_llm or the disaggregated layout, else cpu")
+    dtype: str = option("fp32", choices=DTYPES, help="LLM and flow dtype")
+    max_batch: int = option(16, minimum=1, help="LLM sequences decoded together")  # KV slots
+    max_seq_len: int = option(4096, minimum=64, help="prompt + generated tokens")  # per sequence
+    # LLM requests queued beyond the slots before [overloaded]
+    max_waiting: int = option(64, minimum=0, help="queued LLM requests before overload")
+    instances: dict[str, int] = option(default_factory=dict, metavar="MODEL=COUNT", help=f"one of {', '.join(SCALABLE)}")
+    first_hop: int = option(StreamScheduleParams.first_hop, minimum=4, help="tokens in the first streaming chunk")
+    chunk_growth: int = option(StreamScheduleParams.chunk_growth, minimum=1, help="hop multiplier per chunk")
+    # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
+    # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
+    # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
+    flow_cache: str = option("chunked", choices=FLOW_CACHE_MODES,
+                             help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
+                                  "like upstream), off (every chunk recomputed)")
+    flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
+    # How token2wav schedules streaming chunks (cosyvoice2_serving.token2wav.T2W_SCHEDULING): "step" advances
+    # every chunk in flight one estimator step at a time, so a new stream's first chunk starts at the next step;
+    # "call" runs each batch of chunks as one whole call. "call" is the default: on the GPU it measured faster at
+    # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). Both token2wavs (unet, dit) can step.
+    t2w_scheduling: str = option("call", choices=T2W_SCHEDULING,
+                                 help="token2wav: step (one estimator step at a time across streams; new streams "
+                                      "join at the next step) or call (whole batched calls)")
+    # With call scheduling, a second token2wav worker that runs only first chunks, concurrently with the calls of
+    # later chunks on its own higher-priority CUDA stream (and its own CUDA graphs: more GPU memory), so a new
+    # stream's first chunk never waits for a running call (cosyvoice2_serving.token2wav).
+    t2w_first_chunk_worker: bool = option(
+        False, help="call scheduling: a second token2wav worker (own CUDA stream and graphs) runs only first chunks")
+    # With call scheduling and one worker, a running call of later chunks lets the first chunks that arrived
+    # meanwhile run as their own call before its next Euler step (UNet token2wav, flow caches on).
+    t2w_first_chunks_between_steps: bool = option(
+        False, help="call scheduling: first chunks run between two Euler steps of a running call of later chunks")
+    # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
+    # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
+    token2wav: str = option("unet", choices=TOKEN2WAVS, help="unet: CosyVoice2's flow from --model-dir; dit: the DiT "
+                            "flow of Step-Audio-2-mini from --dit-dir")
+    dit_dir: Path | None = option(None, help="the released token2wav/ directory (flow.yaml, flow.pt, hift.pt)")
+    # Benchmark mode for random-weight models (they stop at random): every request generates exactly
+    # round(ratio x target text tokens) speech tokens and the stop ids are never sampled. None = off.
+    benchmark_speech_ratio: float | None = option(None, metavar="R", help="benchmarks on random weights only: every "
+                                                  "request generates round(R x text tokens) speech tokens")
+    # None: DEFAULT_LAYOUT of the LLM backend
+    layout: str | None = option(None, choices=LAYOUTS, help="default: colocated for the pytorch LLM (LLM + token2wav "
+                                "in one process), single for tensorrt_llm")
+    # None: DEFAULT_LLM_DELIVERY of the LLM backend
+    llm_delivery: str | None = option(None, choices=LLM_DELIVERIES, help="tokens to the streaming orchestrator per "
+                                      "chunk boundary (default for pytorch) or per token (tensorrt_llm)")
+    voice_cache: int = option(64, minimum=1, help="voices kept in the prompt cache")
+    max_target_text_tokens: int = option(contract.MAX_SEGMENT_TOKENS, minimum=1)
+    audio_max_batch: int = option(8, minimum=1)
+    max_queue_delay_us: int = option(1000, minimum=0)
+    # TensorRT-LLM only (the PyTorch LLM samples with RAS): the backend's repetition penalty (upstream's 1.1) and
+    # the orchestrator's loop guard, together the nearest the C++ backend gets to RAS (docs/deploy.md)
+    repetition_penalty: float = option(1.1, help="tensorrt_llm only: the backend's repetition penalty (1 = off; the "
+                                       "PyTorch LLM uses RAS instead)")
+    loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
+    # Disaggregated layout only: the GPUs of the token2wav replicas (None: DEFAULT_TOKEN2WAV_GPUS) and how many
+    # replicas each GPU runs. Each replica is a model of its own with one instance (see `token2wav_replicas`).
+    token2wav_gpus: tuple[int, ...] | None = option(
+        None, metavar="IDS", items="GPU ids", help=f"disaggregated: GPUs of the token2wav replicas, e.g. 1,2,3 (default "
+        f"{','.join(map(str, DEFAULT_TOKEN2WAV_GPUS))}; the LLM has GPU {LLM_GPU})")
+    token2wav_instances_per_gpu: int = option(1, metavar="N", help="disaggregated: token2wav replicas on each of "
+                                              "those GPUs")
+    # Rehearse the disaggregated GPU placement on a machine without GPUs (tests, CI): every GPU instance group
+    # renders as a CPU one and every device as cpu; the models, replicas and routing stay those of the GPU render.
+    gpu_emulation: bool = option(False, help="tests/CI: rehearse --layout disaggregated on --device cpu (same models "
+                                 "and routing, every device cpu)")
+    # Spark-TTS beside CosyVoice2 (`--spark-dir`); None: CosyVoice2 only
+    spark: SparkRenderOptions | None = None
+
+    def __post_init__(self) -> None:
+        # The one place that fills in what was left open, for the command line, the library call and the stack alike.
+        super().__post_init__()
+        object.__setattr__(self, "llm_backend", LLM_BACKENDS.get(self.llm_backend, self.llm_backend))
+        if self.layout is None:
+            object.__setattr__(self, "layout", DEFAULT_LAYOUT.get(self.llm_backend, "single"))
+        if self.llm_delivery is None:
+            object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
+        if self.device is None:
+            object.__setattr__(self, "device", default_device(self.llm_backend, self.layout, self.gpu_emulation))
+
+    def instances_of(self, model: str) -> int:
+        return self.instances.get(model, 1)
+
+    def device_of(self, model: str) -> str:
+        """The `device` parameter of `model`'s adapter. `disaggregated` renders "cuda" for the models it pins to a
+        GPU by their instance group (`gpus_of`): the adapter takes the GPU Triton gives the instance
+        (`triton_repo.devices.instance_device`); other layouts run every model on cuda:0 or the CPU."""
+        if self.device == "cpu" or self.gpu_emulation:
+            return "cpu"
+        if self.layout != "disaggregated":
+            return "cuda:0"
+        return "cuda" if self.gpus_of(model) is not None else "cuda:0"
+
+    def gpus_of(self, model: str) -> tuple[int, ...] | None:
+        """The GPUs of `model`'s KIND_GPU instance group in the disaggregated layout; None: a KIND_CPU group.
+
+        The PyTorch LLM gets LLM_GPU (TensorRT-LLM places itself: `gpu_device_ids`); each token2wav replica its
+        GPU; the audio front-end (`audio_tokenizer`, `speaker_embedding`: once per new voice, then cached) the
+        first token2wav GPU, which keeps the LLM's GPU to the LLM's KV cache."""
+        if self.layout != "disaggregated":
+            return None
+        if model == "llm":
+            return (LLM_GPU,) if self.llm_backend == "pytorch" else None
+        replicas = dict(token2wav_replicas(self))
+        if model in replicas:
+            return (replicas[model],)
+        if model in ("audio_tokenizer", "speaker_embedding"):
+            return (self.resolved_token2wav_gpus[0],)
+        return None
+
+    @property
+    def resolved_token2wav_gpus(self) -> tuple[int, ...]:
+        return DEFAULT_TOKEN2WAV_GPUS if self.token2wav_gpus is None else tuple(self.token2wav_gpus)
+
+
+def token2wav_replicas(opts: RenderOptions) -> list[tuple[str, int | None]]:
+    """(model name, GPU) of every token2wav model. One model per replica, each with exactly one instance: a
+    stream's caches live in the process that served its first chunk, and Triton spreads the requests of one model
+    over all its instances, so the orchestrator addresses a replica by name and keeps each stream on the one it
+    picked (`cosyvoice2_serving.replicas.StickyRouter`). Outside the disaggregated layout: the one `token2wav`."""
+    if opts.layout != "disaggregated":
+        return [("token2wav", None)]
+    return [
+        (f"token2wav_gpu{gpu}_{k}", gpu)
+        for gpu in opts.resolved_token2wav_gpus
+        for k in range(opts.token2wav_instances_per_gpu)
+    ]

@@ -1,0 +1,90 @@
+"""Template filling: a model of the rendered repository is one `ModelSpec` (its template, tensors, typed
+parameters, adapter and the template's other placeholders); `model_files` turns a table of them into files.
+
+Every template (`templates/*.pbtxt`) has `${name}`, `${inputs}`, `${outputs}` and `${parameters}`; the rest of a
+template's placeholders come from the spec's `values`. A placeholder left unfilled is an error. Shared by
+CosyVoice2's models (`triton_repo.render_models`) and Spark-TTS's (`triton_repo.spark_render`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from string import Template
+from typing import Mapping, Sequence
+
+import pipeline_contract as contract
+from pipeline_contract import TensorSpec
+from triton_repo.model_params import ModelParams
+from triton_repo.render_options import RenderError, RenderOptions
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+ADAPTERS = "triton_repo.adapters"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model of the repository. `adapter`: (module of `triton_repo.adapters`, class) of a python-backend model;
+    None for a backend that needs only the version directory (tensorrtllm: the engine stays where it was built)."""
+
+    name: str
+    template: str
+    inputs: Sequence[TensorSpec]
+    outputs: Sequence[TensorSpec]
+    parameters: ModelParams | Mapping[str, object]
+    adapter: tuple[str, str] | None
+    values: Mapping[str, object] = field(default_factory=dict)
+
+
+def parameters_block(values: ModelParams | Mapping[str, object]) -> str:
+    """The `parameters { ... }` entries of a config, sorted by key."""
+    if isinstance(values, ModelParams):
+        values = dict(values.to_parameters())
+    return "\n".join(
+        f'parameters: {{ key: "{key}" value: {{ string_value: "{value}" }} }}' for key, value in sorted(values.items())
+    )
+
+
+def fill(template: str, **values: object) -> str:
+    text = Template((TEMPLATES / template).read_text()).safe_substitute({k: str(v) for k, v in values.items()})
+    leftover = sorted(set(re.findall(r"\$\{(\w+)\}", text)))
+    if leftover:
+        raise RenderError(f"template {template}: unresolved placeholders {', '.join(leftover)}")
+    return text
+
+
+def python_model(module: str, cls: str = "TritonPythonModel") -> str:
+    """The rendered `model.py` of a python-backend model: an import of its adapter class."""
+    return fill("model.py.tmpl", module=f"{ADAPTERS}.{module}", cls=cls)
+
+
+def instance_group(opts: RenderOptions, model: str, count: int = 1) -> str:
+    """`model`'s instance group: `count` instances on each GPU of `gpus_of` (Triton passes each instance its GPU as
+    `model_instance_device_id`), else `count` CPU-kind instances (their adapters use the rendered `device`)."""
+    gpus = opts.gpus_of(model)
+    if gpus is None:
+        return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]"
+    gpu_list = ", ".join(map(str, gpus))
+    if opts.gpu_emulation:  # the CPU rehearsal: same model and count, the GPU only named
+        return f"# gpu_emulation of: KIND_GPU gpus [ {gpu_list} ]\ninstance_group [ {{ kind: KIND_CPU count: {count} }} ]"
+    return f"instance_group [ {{ kind: KIND_GPU count: {count} gpus: [ {gpu_list} ] }} ]"
+
+
+def model_files(specs: Sequence[ModelSpec]) -> dict[str, str]:
+    """Relative path -> content of every model of `specs`: its config and its version directory."""
+    files: dict[str, str] = {}
+    for spec in specs:
+        files[f"{spec.name}/config.pbtxt"] = fill(
+            spec.template,
+            name=spec.name,
+            inputs=contract.pbtxt_io_block("input", spec.inputs),
+            outputs=contract.pbtxt_io_block("output", spec.outputs),
+            parameters=parameters_block(spec.parameters),
+            **spec.values,
+        )
+        if spec.adapter is None:
+            files[f"{spec.name}/1/.keep"] = ""  # the backend needs the version directory
+        else:
+            files[f"{spec.name}/1/model.py"] = python_model(*spec.adapter)
+    return files
