@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from cosyvoice2.host_copies import to_host
+
 if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
     import torch
 
@@ -437,8 +439,8 @@ class Token2Wav(FlowAndVocoder):
             raise
         results = dict(zip(rows, vocoded))
         with torch.inference_mode():
-            return [stream.emit(chunk, inputs[i][0], *results[i]) if i in results else stream.emit_nothing(chunk)
-                    for i, (stream, chunk) in enumerate(work)]
+            return to_host([stream.emit(chunk, inputs[i][0], *results[i]) if i in results
+                            else stream.emit_nothing(chunk) for i, (stream, chunk) in enumerate(work)])
 
     # ---- one estimator step at a time (a scheduler interleaving streams) -------------------------------
     def steppable(self, stream: "Token2WavStream", chunk: Chunk) -> bool:
@@ -647,8 +649,9 @@ class Token2WavStream(ChunkedStream):
             return mel, None
         return torch.cat([self._cache.mel, mel], dim=2), self._cache.source
 
-    def emit(self, chunk: Chunk, mel: "torch.Tensor", audio: "torch.Tensor", source: "torch.Tensor") -> np.ndarray:
-        """Cross-fade with the held-back audio, keep this chunk's cache, return its audio."""
+    def emit(self, chunk: Chunk, mel: "torch.Tensor", audio: "torch.Tensor", source: "torch.Tensor") -> "torch.Tensor":
+        """Cross-fade with the held-back audio, keep this chunk's cache, return its audio (on the device: the
+        caller copies a whole call's audio to the host at once)."""
         import torch
 
         engine, cache = self.engine, self._cache
@@ -662,7 +665,7 @@ class Token2WavStream(ChunkedStream):
                                     audio[-engine.overlap :])
             audio = audio[: -engine.overlap]
         self._advance(chunk)
-        return audio.cpu().numpy()
+        return audio
 
     def emit_nothing(self, chunk: Chunk) -> np.ndarray:
         """A chunk of an empty stream (no tokens, nothing cached): no audio."""

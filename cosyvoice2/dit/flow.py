@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice2.host_copies import to_device
+
 from .config import DiTEstimatorConfig, DiTFlowConfig
 from .encoder import EncoderCache, UpsampleConformerEncoderV2
 from .estimator import DiT
@@ -308,8 +310,8 @@ class PaddedChunks:
         padded = partial(_padded, rows=rows_p, frames=frames_p)
         lengths = frames + [frames_p] * (rows_p - batch)
         cached = [c.frames for c in caches] + [0] * (rows_p - batch)
-        lengths_t = torch.tensor(lengths + lengths, device=device)
-        cached_t = torch.tensor(cached + cached, device=device)
+        lengths_t = to_device(lengths + lengths, device)
+        cached_t = to_device(cached + cached, device)
         chunk_real = torch.arange(frames_p, device=device)[None, :] < lengths_t[:, None]
         cache_real = torch.arange(cached_p, device=device)[None, :] < cached_t[:, None]
         key_mask = torch.cat([chunk_real, cache_real], dim=1)[:, None, None, :]

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.hift import HiFTGenerator
+from cosyvoice2.host_copies import to_host
 from cosyvoice2.streaming import (  # the same chunk, HiFT state and cross-fade as the UNet path
     Chunk, ChunkedStream, FlowAndVocoder, HiFTCache,
 )
@@ -265,7 +266,7 @@ class DiTToken2Wav(FlowAndVocoder):
                 out.append(stream.emit(chunk, flow_state, inputs[i][0], *results[i]))
             else:
                 out.append(stream.emit_nothing(chunk, flow_state))
-        return out
+        return to_host(out)
 
     # ---- one Euler step at a time -----------------------------------------------------------------------
     @staticmethod
@@ -385,7 +386,8 @@ class DiTStream(ChunkedStream):
         return torch.cat([self._hift.mel, mel], dim=2), self._hift.source
 
     def emit(self, chunk: Chunk, flow_state: FlowState, mel_in: torch.Tensor, audio: torch.Tensor,
-             source: torch.Tensor) -> np.ndarray:
+             source: torch.Tensor) -> torch.Tensor:
+        """Cross-fade, keep this chunk's HiFT cache, return its audio (on the device; `to_host` copies a call's)."""
         engine, cache = self.engine, self._hift
         if cache is not None:
             head = audio[: engine.overlap].double() * engine.fade_in + cache.speech.double() * engine.fade_out
@@ -397,7 +399,7 @@ class DiTStream(ChunkedStream):
                                    audio[-engine.overlap:])
             audio = audio[: -engine.overlap]
         self._advance(chunk, flow_state)
-        return audio.cpu().numpy()
+        return audio
 
     def emit_nothing(self, chunk: Chunk, flow_state: FlowState) -> np.ndarray:
         self._advance(chunk, flow_state)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ..graph_buckets import capture, fit
+from ..host_copies import to_device
 from .encoder import ConformerLayer, relative_position_table
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
 
@@ -287,8 +288,8 @@ class CachedFlowRunner:
         heads = layers[0].self_attn.heads
         head_dim = layers[0].self_attn.head_dim
         # keys: [history padded to longest_hist | new padded to longest]
-        hist_t = torch.tensor(hist, device=device)
-        news_t = torch.tensor(news, device=device)
+        hist_t = to_device(hist, device)
+        news_t = to_device(news, device)
         slot = torch.arange(total, device=device)
         query = torch.arange(longest, device=device)
         is_new = slot >= longest_hist
@@ -297,7 +298,7 @@ class CachedFlowRunner:
         query_pos = hist_t.unsqueeze(1) + query.unsqueeze(0)  # (B, longest)
         real_key = torch.where(is_new.unsqueeze(0), (slot - longest_hist).unsqueeze(0) < news_t.unsqueeze(1),
                                slot.unsqueeze(0) < hist_t.unsqueeze(1))
-        finals = torch.tensor([row.final for row in rows], device=device)
+        finals = to_device([row.final for row in rows], device)
         same_or_earlier = (key_pos // chunk).unsqueeze(1) <= (query_pos // chunk).unsqueeze(2)  # (B, Nq, total)
         visible = real_key.unsqueeze(1) & (same_or_earlier | finals.view(-1, 1, 1))
         visible = visible.unsqueeze(1)  # (B, 1, Nq, total)
@@ -391,7 +392,7 @@ class CachedFlowRunner:
         rows_p, longest, hist_p = shape or (batch, max(news), max(hist))
         pad = rows_p - batch
         news_p = news + [0] * pad
-        mask = (torch.arange(longest, device=device) < torch.tensor(news_p, device=device).unsqueeze(1))
+        mask = (torch.arange(longest, device=device) < to_device(news_p, device).unsqueeze(1))
         mask = mask.unsqueeze(1).to(dtype)  # (Bp, 1, longest)
         mu = like.new_zeros(rows_p, like.size(0), longest)
         cond = torch.zeros_like(mu)
@@ -404,7 +405,7 @@ class CachedFlowRunner:
         bias = self._estimator_bias(finals, hist + [0] * pad, news_p, hist_p, longest,
                                     estimator.config.static_chunk_size, device, dtype)
         kept_p = [s.kept for s in solving] + [0] * pad
-        tail_at = torch.tensor(kept_p * 2, device=device).view(-1, 1, 1) + torch.arange(CONV_CONTEXT, device=device)
+        tail_at = to_device(kept_p * 2, device).view(-1, 1, 1) + torch.arange(CONV_CONTEXT, device=device)
         return StepBatch(tuple(solving), shape, (rows_p, longest, hist_p), torch.cat([mask, mask]),
                          torch.cat([mu, torch.zeros_like(mu)]), torch.cat([spks, torch.zeros_like(spks)]),
                          torch.cat([cond, torch.zeros_like(cond)]), bias, tail_at)
@@ -429,7 +430,7 @@ class CachedFlowRunner:
             x[b, :, : s.new] = s.x
         steps = [s.step for s in solving]
         rows = [s.row for s in solving]
-        t_in = torch.tensor([schedule[i][0] for i in steps] + [0.0] * (rows_p - count), dtype=dtype, device=device)
+        t_in = to_device([schedule[i][0] for i in steps] + [0.0] * (rows_p - count), device, dtype)
         t_in = torch.cat([t_in, t_in])
         x_in = torch.cat([x, x])
         if batch.shape is not None:
@@ -446,8 +447,7 @@ class CachedFlowRunner:
         if len(set(steps)) == 1:  # lock step (a whole call): the scalar dt, as the uncached solver
             dt: float | torch.Tensor = schedule[steps[0]][1]
         else:
-            dt = torch.tensor([schedule[i][1] for i in steps] + [0.0] * (rows_p - count), dtype=dtype,
-                              device=device).view(-1, 1, 1)
+            dt = to_device([schedule[i][1] for i in steps] + [0.0] * (rows_p - count), device, dtype).view(-1, 1, 1)
         x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
         # keep what the rows cache (graph outputs are overwritten by the next replay; slices and stack: an index
         # list would be a host-to-device copy, i.e. a sync, per row and step)
@@ -481,8 +481,8 @@ class CachedFlowRunner:
         """(2B, 1, longest, hist_p + longest) additive bias: history keys (padded to hist_p), then new keys
         (chunk-causal unless final)."""
         slot = torch.arange(hist_p + longest, device=device)
-        hist_t = torch.tensor(hist, device=device)
-        news_t = torch.tensor(news, device=device)
+        hist_t = to_device(hist, device)
+        news_t = to_device(news, device)
         is_new = slot >= hist_p
         new_index = slot - hist_p
         real = torch.where(is_new.unsqueeze(0), new_index.unsqueeze(0) < news_t.unsqueeze(1),
@@ -490,7 +490,7 @@ class CachedFlowRunner:
         query = torch.arange(longest, device=device)
         # new frames start on the chunk grid (hist is a multiple of the chunk), so chunk ids compare locally
         later_chunk = is_new.view(1, 1, -1) & ((new_index // chunk).view(1, 1, -1) > (query // chunk).view(1, -1, 1))
-        finals_t = torch.tensor(finals, device=device).view(-1, 1, 1)
+        finals_t = to_device(finals, device).view(-1, 1, 1)
         visible = real.unsqueeze(1) & (~later_chunk | finals_t)  # (B, Nq, total)
         bias = (1.0 - visible.to(dtype)) * _MASKED_BIAS
         return torch.cat([bias, bias]).unsqueeze(1)

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice2.host_copies import to_device
+
 from .cfm import CausalCFM
 from .config import FlowConfig
 from .encoder import UpsampleConformerEncoder
@@ -94,7 +96,7 @@ class CausalFlow(nn.Module):
         ids = torch.stack([F.pad(s[:n], (0, longest - n)) for s, n in zip(sequences, lengths)])
         context = torch.stack([s[n:] for s, n in zip(sequences, lengths)]) if lookahead else None
         stride = self.config.token_mel_ratio
-        frames = torch.tensor(lengths, device=ids.device) * stride
+        frames = to_device(lengths, ids.device) * stride
         mu = self.encode_padded(ids, context, frames // stride, streaming)
         mask = (torch.arange(mu.size(-1), device=mu.device) < frames.unsqueeze(1)).unsqueeze(1).to(mu.dtype)
         mu = mu * mask

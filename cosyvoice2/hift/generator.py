@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice2.host_copies import to_device
+
 from ..graph_buckets import batch_bucket, capture, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
@@ -208,7 +210,7 @@ class HiFTGenerator(nn.Module):
         cache_len = max(c.shape[2] for c in caches)
 
         def lengths(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=mels[0].device)
+            return to_device(values, mels[0].device, torch.long)
 
         audio, source = self._run(
             torch.cat([F.pad(mel, (0, longest - mel.shape[2])) for mel in mels]),
