@@ -76,6 +76,18 @@ class ModelNotFound(NotFound):
 
 
 class VoiceNotFound(NotFound):
+    """A voice resource (``/v1/audio/voices/{id}``) that does not exist: the path names something absent."""
+
+    default_code = "voice_not_found"
+
+
+class UnknownVoice(InvalidRequest):
+    """A request body whose ``voice`` names no voice: a 400 like OpenAI's answer to an unsupported voice.
+
+    Not a 404: the route exists and works, the request is what is wrong. Routers in front of several
+    deployments (LiteLLM) take a 404 for a broken deployment and stop sending it anyone's traffic for a
+    while, so one client's typo would take the model down for every client behind the router."""
+
     default_code = "voice_not_found"
 
 
