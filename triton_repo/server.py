@@ -112,15 +112,20 @@ class TritonServer:
         for attempt in range(1, PORT_CONFLICT_ATTEMPTS + 1):
             for attr in chosen:
                 setattr(self, attr, free_port())
-            log_start = self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+            log_start = self.log_size()
             try:
                 return self._start_once(ready_timeout)
             except TritonLaunchError:
-                if not chosen or attempt == PORT_CONFLICT_ATTEMPTS or not self._port_conflict_since(log_start):
+                if not chosen or attempt == PORT_CONFLICT_ATTEMPTS or not self.port_conflict_since(log_start):
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _port_conflict_since(self, offset: int) -> bool:
+    def log_size(self) -> int:
+        """Bytes in the log now: what a later `port_conflict_since` reads from."""
+        return self.log_path.stat().st_size if self.log_path is not None and self.log_path.exists() else 0
+
+    def port_conflict_since(self, offset: int) -> bool:
+        """Whether tritonserver reported a port another process holds in its log after `offset`."""
         if self.log_path is None or not self.log_path.exists():
             return False
         with open(self.log_path, "rb") as log:

@@ -8,10 +8,16 @@ front of it, and keep both running.
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
     python -m triton_repo.stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
-Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
+Start-up: what a restart cannot fix stops the launcher at once (exit status 2) with a message that says what
+to change: the gateway's settings and port are checked first (`python -m gateway --check`: a port in use names
+`TTS_PORT`), then the model directory, the rendering and tritonserver's first start (a pinned tritonserver port in
+use names its `COSYVOICE_TRITON_*_PORT`); a gateway that cannot start (its exit status `GATEWAY_CANNOT_START`)
+is not restarted either.
+
+Supervision: once serving, if tritonserver exits, loses a model process (a python-backend stub), or stays unready
 for `UNHEALTHY_RESTART_S`, it is restarted on the same ports with exponential back-off; the gateway
 keeps running meanwhile (503 + `Retry-After`, `/ready` 503) and reconnects by itself. If the gateway
-exits it is restarted the same way. Ctrl-C
+exits after it was serving it is restarted the same way. Ctrl-C
 (SIGINT) or SIGTERM drains: the gateway finishes the requests in flight (`TTS_DRAIN_GRACE_S`) and
 exits, then tritonserver is stopped; a second signal stops at once.
 
@@ -183,6 +189,11 @@ UNHEALTHY_RESTART_S = 60.0
 #: a wedged gateway from blocking the stop forever.
 GATEWAY_STOP_TIMEOUT_S = 600.0
 POLL_S = 0.5
+#: `python -m gateway`'s exit status when it could not start (gateway/__main__.py, `EXIT_CANNOT_START`): the
+#: gateway said why, and starting it again would fail the same way.
+GATEWAY_CANNOT_START = 3
+#: Upper bound of the gateway's start-up check (settings and port); it imports the gateway's settings only.
+GATEWAY_CHECK_TIMEOUT_S = 120.0
 
 
 def _child_pids(pid: int | None) -> set[int]:
@@ -298,6 +309,10 @@ class Supervisor:
         assert self.gateway is not None
         if self.gateway.poll() is None:
             return
+        if self.gateway.returncode == GATEWAY_CANNOT_START:
+            raise StackError(
+                "the gateway could not start (its message is above); restarting it would fail the same way"
+            )
         delay = self._gateway_backoff.delay(time.monotonic() - self._gateway_since)
         _log(f"the gateway exited with {self.gateway.returncode}; restarting in {delay:.0f} s")
         if not self.stop.wait(delay):
@@ -305,9 +320,12 @@ class Supervisor:
 
     # Lifecycle ------------------------------------------------------------------------------------
     def run(self) -> int:
+        log_start = self.server.log_size()
         self._start_triton(ready_timeout=900)
         if not self._wait_started():
             if self._start_error is not None and not self.stop.is_set():
+                if self.server.port_conflict_since(log_start):
+                    raise StackError(self._triton_port_conflict()) from self._start_error
                 raise self._start_error
             return 0  # stopped by a signal while the models loaded
         _log(
@@ -322,6 +340,18 @@ class Supervisor:
             if not self.stop.is_set():
                 self._check_gateway()
         return 0
+
+    def _triton_port_conflict(self) -> str:
+        ports = ", ".join(
+            f"{kind} {port} (COSYVOICE_TRITON_{kind.upper()}_PORT)"
+            for kind, port in (("http", self.server.http_port), ("grpc", self.server.grpc_port),
+                               ("metrics", self.server.metrics_port))
+        )  # fmt: skip
+        return (
+            f"a tritonserver port is already in use: {ports}. Another program listens there, perhaps a stack "
+            "started earlier. Set those variables (or --triton-*-port) to free ports, or unset them (0: free ports "
+            f"are chosen). tritonserver's log: {self.server.log_path}"
+        )
 
     def on_signal(self, sig: int) -> None:
         self.signals += 1
@@ -352,16 +382,21 @@ def run_stack(
 ) -> int:
     """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`)."""
     gateway_env = dict(os.environ)
+    if gateway_port is not None:
+        gateway_env["TTS_PORT"] = str(gateway_port)
     if demo_dir is not None:
         if token2wav != "unet":
             raise StackError("the demo runs its tiny model's own flow: leave --token2wav / COSYVOICE_TOKEN2WAV unset")
+        gateway_env["TTS_DEMO"] = "true"
+    else:
+        check_model_dir(model_dir)
+    # Before anything slow (the demo model, the models' loading): a port in use or a bad setting is known at once.
+    check_gateway(gateway_env)
+    if demo_dir is not None:
         model_dir = ensure_demo_model(demo_dir)
         if benchmark_speech_ratio is None:
             benchmark_speech_ratio = DEMO_SPEECH_RATIO
-        gateway_env["TTS_DEMO"] = "true"
         _log("DEMO: the pipeline runs random weights, its audio is NOISE; `make run` serves the real model")
-    else:
-        check_model_dir(model_dir)
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
@@ -376,8 +411,6 @@ def run_stack(
         metrics_port=ports.metrics,
     )
     # Triton ports left at 0 are chosen by the first start (retried on a conflict) and kept by every restart.
-    if gateway_port is not None:
-        gateway_env["TTS_PORT"] = str(gateway_port)
     supervisor = Supervisor(server, gateway_env, threading.Event())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: supervisor.on_signal(number))
@@ -385,6 +418,17 @@ def run_stack(
         return supervisor.run()
     finally:
         supervisor.shutdown()
+
+
+def check_gateway(gateway_env: dict[str, str]) -> None:
+    """StackError unless the gateway would start with these settings: `python -m gateway --check` in the
+    gateway's own environment (its settings, its `.env`), which prints what to change."""
+    check = subprocess.run(  # noqa: S603 - our own module
+        [sys.executable, "-m", "gateway", "--check"], env=gateway_env, timeout=GATEWAY_CHECK_TIMEOUT_S, check=False
+    )
+    if check.returncode != 0:
+        raise StackError(f"the gateway cannot start (its message is above; `python -m gateway --check` exited "
+                         f"with {check.returncode}); nothing was started")
 
 
 def _env_port(name: str) -> int:
