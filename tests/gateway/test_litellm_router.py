@@ -13,8 +13,10 @@ import importlib
 import os
 
 import pytest
+import yaml
 
 from tests.gateway.audio_checks import decode
+from triton_repo.server import REPO_ROOT
 
 pytestmark = pytest.mark.triton
 
@@ -82,3 +84,44 @@ def test_a_404_does_take_the_deployment_out(litellm, gateway):
     first, second = asyncio.run(twice())
     assert "The model 'tts-none' does not exist" in str(first)
     assert "No deployments available" in str(second)
+
+
+def _documented_config() -> dict:
+    """The LiteLLM proxy config of docs/clients.md (its first YAML block under "LiteLLM proxy")."""
+    text = (REPO_ROOT / "docs" / "clients.md").read_text(encoding="utf-8")
+    section = text.split("## LiteLLM proxy", 1)[1]
+    return yaml.safe_load(section.split("```yaml", 1)[1].split("```", 1)[0])
+
+
+def test_the_documented_proxy_config_starts_and_routes_to_the_gateway(litellm, gateway, monkeypatch):
+    config = _documented_config()
+    # the proxy refuses to start without a master key
+    assert str(config["general_settings"]["master_key"]).startswith("os.environ/")
+    [deployment] = config["model_list"]
+    params = deployment["litellm_params"]
+    assert params["model"].split("/", 1)[1] in gateway.settings.served_models
+    monkeypatch.setenv(params["api_key"].split("/", 1)[1], "unused")
+    routed = {**deployment, "litellm_params": {**params, "api_base": f"{gateway.base_url}/v1"}}
+    router = litellm.Router(model_list=[routed], num_retries=0)
+    speech = asyncio.run(router.aspeech(model=deployment["model_name"], voice="alloy", input="Routed through LiteLLM."))
+    assert decode(speech.content, "mp3")[0].size > 0
+
+
+def test_what_reaches_the_gateway_through_the_router(litellm, gateway, standin_backend):
+    """What docs/clients.md says of LiteLLM: OpenAI's parameters reach the gateway, SSE and the extensions do not
+    (not even in extra_body)."""
+    router = router_for(litellm, gateway.base_url)
+
+    async def call(**options) -> bytes:
+        return (await router.aspeech(model=MODEL_NAME, voice="alloy", **options)).content
+
+    openai_params = asyncio.run(call(input="zqrouterparams Hi.", instructions="calm", response_format="wav"))
+    assert openai_params[:4] == b"RIFF"
+    [record] = standin_backend.requests_tagged("zqrouterparams")
+    assert record["instruction_text"] == "calm"
+    for tag, options in (("zqroutersse", {"stream_format": "sse", "seed": 7}),
+                         ("zqrouterextra", {"extra_body": {"stream_format": "sse", "seed": 9}})):
+        audio = asyncio.run(call(input=f"{tag} Hi.", **options))
+        assert not audio.startswith(b"data:") and decode(audio, "mp3")[0].size > 0  # the audio file, not SSE
+        [record] = standin_backend.requests_tagged(tag)
+        assert record["seed"] is None
