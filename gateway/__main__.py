@@ -99,7 +99,9 @@ def check_port(host: str, port: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="check the settings and the port, then exit (0: ok)")
+    parser.add_argument(
+        "--check", action="store_true", help="check the settings and the port, print host:port and exit (0: ok)"
+    )
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[gateway] cannot start: {exc}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_START
     if args.check:
+        print(f"{settings.host}:{settings.port}", flush=True)  # where it would listen (the stack names its files so)
         return 0
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from gateway.app import create_app  # noqa: PLC0415 - after the checks: they answer fast

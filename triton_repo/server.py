@@ -30,6 +30,13 @@ class TritonLaunchError(RuntimeError):
     """tritonserver could not be found, started, or did not become ready."""
 
 
+#: tritonserver's own deadline, after SIGTERM, for the requests in flight and for unloading every model
+#: (`--exit-timeout-secs`). The pipeline's python-backend models take seconds each to finalize on a loaded CPU;
+#: at 3 s every stop ended in "Exit timeout expired. Exiting immediately." with the models still loaded.
+EXIT_TIMEOUT_S = 30
+#: A clean stop waits this long for tritonserver to exit by itself (then KILL): its exit timeout and a margin.
+CLEAN_STOP_S = EXIT_TIMEOUT_S + 5.0
+
 #: How tritonserver (gRPC and HTTP) reports a port another process holds.
 PORT_CONFLICT_MARK = "already in use"
 PORT_CONFLICT_ATTEMPTS = 3
@@ -156,7 +163,7 @@ class TritonServer:
             "--disable-auto-complete-config",
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
-            "--exit-timeout-secs=3",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
@@ -236,11 +243,14 @@ class TritonServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, grace: float = 5.0) -> None:
-        """TERM, a grace period, then KILL the process group; remove leaked shm regions."""
+        """TERM tritonserver, a grace period, then KILL the process group; remove leaked shm regions. With a
+        grace of `CLEAN_STOP_S` tritonserver unloads every model (their `finalize`) before it exits; the test
+        fixtures keep the short default (a teardown needs no clean unload)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
+            # tritonserver alone: it finalizes its model processes itself (they must not get the TERM first)
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(grace)
             except subprocess.TimeoutExpired:

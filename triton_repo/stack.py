@@ -31,6 +31,9 @@ variables (its port, voices, ...). When the model directory lacks a file the eng
 stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
 about 3 GB), the variable that points elsewhere, or the demo.
 
+Files: each stack renders into its own `var/stack-<gateway port>/triton_repo` (`--repo-dir` elsewhere) and
+tritonserver logs to `tritonserver.log` beside it.
+
 `--demo` (`make demo`) needs no weights: it writes a tiny random-weight model into `--demo-dir`
 (`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, runs it in benchmark
 mode (random weights never stop by themselves) and starts the gateway with `TTS_DEMO=true`, which labels
@@ -54,11 +57,19 @@ from typing import Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, stop_process
+from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
-DEFAULT_REPO_DIR = REPO_ROOT / "var" / "triton_repo"
+#: Each stack started from this checkout writes into its own directory here, named after its gateway's port (no two
+#: stacks share one): the rendered repository (`triton_repo/`) and `tritonserver.log`. A demo beside `make run`,
+#: or a second checkout's test run, no longer overwrites another stack's repository or mixes its log.
+STACKS_DIR = REPO_ROOT / "var"
+
+
+def default_stack_dir(gateway_port: int) -> Path:
+    """`var/stack-<gateway port>`; a gateway on a free port (0) has no port yet: the launcher's pid then."""
+    return STACKS_DIR / (f"stack-{gateway_port}" if gateway_port else f"stack-pid{os.getpid()}")
 
 
 class StackError(RuntimeError):
@@ -364,12 +375,13 @@ class Supervisor:
         if self.gateway is not None:
             stop_process(self.gateway, GATEWAY_STOP_TIMEOUT_S)
         _log("gateway stopped; stopping tritonserver")
+        self.server.stop(grace=CLEAN_STOP_S)  # every model unloaded, then it exits by itself
         self.server.cleanup()
 
 
 def run_stack(
     model_dir: Path,
-    repo_dir: Path,
+    repo_dir: Path | None,
     device: str,
     dtype: str,
     gateway_port: int | None,
@@ -380,7 +392,8 @@ def run_stack(
     demo_dir: Path | None = None,
     spark_dir: Path | None = None,
 ) -> int:
-    """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`)."""
+    """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`); `repo_dir`
+    None: `triton_repo/` in the stack's own directory (`default_stack_dir`), the log beside it."""
     gateway_env = dict(os.environ)
     if gateway_port is not None:
         gateway_env["TTS_PORT"] = str(gateway_port)
@@ -391,7 +404,8 @@ def run_stack(
     else:
         check_model_dir(model_dir)
     # Before anything slow (the demo model, the models' loading): a port in use or a bad setting is known at once.
-    check_gateway(gateway_env)
+    port = check_gateway(gateway_env)
+    repo_dir = repo_dir or default_stack_dir(port) / "triton_repo"
     if demo_dir is not None:
         model_dir = ensure_demo_model(demo_dir)
         if benchmark_speech_ratio is None:
@@ -420,15 +434,17 @@ def run_stack(
         supervisor.shutdown()
 
 
-def check_gateway(gateway_env: dict[str, str]) -> None:
-    """StackError unless the gateway would start with these settings: `python -m gateway --check` in the
-    gateway's own environment (its settings, its `.env`), which prints what to change."""
+def check_gateway(gateway_env: dict[str, str]) -> int:
+    """The gateway's port, or StackError unless the gateway would start with these settings: `python -m gateway
+    --check` in the gateway's own environment (its settings, its `.env`), which prints what to change."""
     check = subprocess.run(  # noqa: S603 - our own module
-        [sys.executable, "-m", "gateway", "--check"], env=gateway_env, timeout=GATEWAY_CHECK_TIMEOUT_S, check=False
-    )
+        [sys.executable, "-m", "gateway", "--check"], env=gateway_env, timeout=GATEWAY_CHECK_TIMEOUT_S, check=False,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     if check.returncode != 0:
         raise StackError(f"the gateway cannot start (its message is above; `python -m gateway --check` exited "
                          f"with {check.returncode}); nothing was started")
+    return int(check.stdout.strip().rsplit(":", 1)[1])
 
 
 def _env_port(name: str) -> int:
@@ -443,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", type=Path, default=Path(os.environ.get("COSYVOICE_MODEL_DIR", DEFAULT_MODEL_DIR))
     )
-    parser.add_argument("--repo-dir", type=Path, default=DEFAULT_REPO_DIR, help="where the repository is rendered")
+    parser.add_argument("--repo-dir", type=Path, default=None,
+                        help="where the repository is rendered, tritonserver.log beside it "
+                             "(default: var/stack-<gateway port>/triton_repo)")
     parser.add_argument("--device", default=os.environ.get("COSYVOICE_DEVICE", "cpu"), choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=os.environ.get("COSYVOICE_DTYPE", "fp32"), choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--port", type=int, default=None, help="gateway port (default: TTS_PORT or 8080)")
@@ -477,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         return run_stack(
-            args.model_dir.resolve(), args.repo_dir.resolve(), args.device, args.dtype, args.port, ports,
+            args.model_dir.resolve(), args.repo_dir.resolve() if args.repo_dir else None, args.device, args.dtype, args.port, ports,
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from triton_repo.server import REPO_ROOT
-from triton_repo.stack import GATEWAY_CANNOT_START, StackError, Supervisor
+from triton_repo import stack as stack_module
+from triton_repo.stack import GATEWAY_CANNOT_START, StackError, Supervisor, default_stack_dir
 
 #: Far below a tritonserver start: a launcher that gets as far as loading models has not failed fast.
 FAIL_FAST_S = 90
@@ -103,3 +104,32 @@ def test_a_gateway_that_died_while_serving_is_restarted():
     supervisor, starts = _supervised_gateway(1)
     supervisor._check_gateway()
     assert starts == ["start"]
+
+
+class _Rendered(Exception):
+    """Stops the launcher where it renders: the test needs to know where, not a running stack."""
+
+
+def test_each_stack_renders_into_its_own_directory(tiny_model, monkeypatch):
+    """Two stacks from one checkout (a demo beside `make run`) never share a repository or a log: the default
+    directory is named after the gateway's port, which two running stacks cannot share."""
+    rendered: list[Path] = []
+
+    def render(options):
+        rendered.append(options.out)
+        raise _Rendered
+
+    monkeypatch.setattr(stack_module, "write_repository", render)
+    for key in [k for k in os.environ if k.startswith(("TTS_", "COSYVOICE_"))]:
+        monkeypatch.delenv(key)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    for port in ports:
+        monkeypatch.setenv("TTS_PORT", str(port))
+        with pytest.raises(_Rendered):
+            stack_module.main(["--model-dir", str(tiny_model)])
+    assert rendered == [default_stack_dir(port) / "triton_repo" for port in ports]
+    assert rendered[0].parent != rendered[1].parent and rendered[0].parent.parent == REPO_ROOT / "var"
