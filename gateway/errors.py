@@ -223,7 +223,8 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
 
 def _path_pattern(template: str) -> str:
     """An OpenAPI path template as a regular expression: each ``{parameter}`` is one path segment."""
-    return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in re.split(r"(\{[^/}]+\})", template))
+    parts = re.split(r"(\{[^/}]+\})", template)
+    return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
 
 
 def unknown_route(request: Request, status: int) -> ApiError:

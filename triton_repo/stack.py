@@ -495,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         return run_stack(
-            args.model_dir.resolve(), args.repo_dir.resolve() if args.repo_dir else None, args.device, args.dtype, args.port, ports,
+            args.model_dir.resolve(), args.repo_dir.resolve() if args.repo_dir else None, args.device, args.dtype,
+            args.port, ports,
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,

@@ -244,9 +244,9 @@ class VoiceLibrary:
             voice = self.get(key)
             if not voice.uploaded:
                 # Say it in the client's words: it asked for `key`, perhaps an alias of the voice.
-                what = (
-                    f"Voice '{voice.name}'" if _names(voice, key) else f"'{key}' is an alias of voice '{voice.name}', which"
-                )
+                what = f"Voice '{voice.name}'"
+                if not _names(voice, key):
+                    what = f"'{key}' is an alias of voice '{voice.name}', which"
                 raise Forbidden(
                     f"{what} ships with the deployment and cannot be deleted.",
                     param="voice_id",

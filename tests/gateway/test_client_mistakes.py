@@ -41,7 +41,8 @@ def test_a_wrong_method_names_the_right_one(gateway):
     with gateway.http() as http:
         response = http.get("/v1/audio/speech")
     assert response.status_code == 405
-    assert (_error(response)["code"], "takes POST, not GET" in _error(response)["message"]) == ("method_not_allowed", True)
+    error = _error(response)
+    assert error["code"] == "method_not_allowed" and "takes POST, not GET" in error["message"]
 
 
 def test_the_favicon_is_no_error(gateway):
@@ -141,7 +142,7 @@ def test_an_unreachable_backend_is_reported_without_its_address(orphan_gateway, 
             assert response.status_code == 503
             error = _error(response)
             assert error["code"] == "backend_unavailable"
-            assert str(port) not in error["message"] and "ipv4" not in error["message"] and "127.0.0.1" not in error["message"]
+            assert not any(internal in error["message"] for internal in (str(port), "ipv4", "127.0.0.1"))
     # the operator still gets the details
     assert any(str(port) in record.getMessage() for record in caplog.records)
 

@@ -84,7 +84,8 @@ class _Served:
 
 
 def _supervised_gateway(exit_status: int) -> tuple[Supervisor, list[str]]:
-    supervisor = Supervisor(_Served(), {**os.environ, "PYTHONPATH": str(REPO_ROOT)}, threading.Event())  # type: ignore[arg-type]
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    supervisor = Supervisor(_Served(), environment, threading.Event())  # type: ignore[arg-type]
     starts: list[str] = []
     supervisor._start_gateway = lambda: starts.append("start")  # type: ignore[method-assign]
     supervisor.gateway = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({exit_status})"])
