@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -76,6 +77,18 @@ class ModelNotFound(NotFound):
 
 
 class VoiceNotFound(NotFound):
+    """A voice resource (``/v1/audio/voices/{id}``) that does not exist: the path names something absent."""
+
+    default_code = "voice_not_found"
+
+
+class UnknownVoice(InvalidRequest):
+    """A request body whose ``voice`` names no voice: a 400 like OpenAI's answer to an unsupported voice.
+
+    Not a 404: the route exists and works, the request is what is wrong. Routers in front of several
+    deployments (LiteLLM) take a 404 for a broken deployment and stop sending it anyone's traffic for a
+    while, so one client's typo would take the model down for every client behind the router."""
+
     default_code = "voice_not_found"
 
 
@@ -167,6 +180,23 @@ _VALIDATION_CODES = {
 }
 
 
+def unparsable_json() -> InvalidRequest:
+    """A body that is not JSON at all (malformed, not UTF-8, nested too deep to read): one answer for all."""
+    return InvalidRequest(
+        "We could not parse the JSON body of your request. Send valid JSON (UTF-8).", code="invalid_json"
+    )
+
+
+#: What a field takes, for a value of the wrong type where the schema's own words would name internal types.
+_FIELD_FORMS = {"voice": 'a voice name or id (a string), or an object {"id": "<voice id>"}'}
+
+
+def _is_type_tag(part: object) -> bool:
+    """A union member's type name that pydantic adds to an error location (voice -> "str", "VoiceRef"): our
+    field names are lower_snake_case, type names are a builtin's name or CamelCase."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "dict", "list"} or part[:1].isupper())
+
+
 def validation_error(exc: RequestValidationError) -> InvalidRequest:
     """The first problem of a request validation failure, as one OpenAI error."""
     errors = exc.errors()
@@ -178,16 +208,49 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
         same_field = [e for e in errors if e.get("loc", ())[:2] == first.get("loc", ())[:2]]
         first = next((e for e in same_field if not e.get("type", "").endswith("_type")), first)
     if first.get("type") == "json_invalid":
-        return InvalidRequest(
-            "We could not parse the JSON body of your request. Send valid JSON.", code="invalid_json"
-        )
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # Union members add their type name to the location (voice -> "str"/"VoiceRef"): keep the field.
+        return unparsable_json()
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = loc[0] if loc else None
     if param is None:
         return InvalidRequest("The request body must be a JSON object.", code="invalid_type")
-    message = f"Invalid value for '{'.'.join(loc)}': {first.get('msg', 'invalid')}."
-    return InvalidRequest(message, param=param, code=_VALIDATION_CODES.get(first.get("type", ""), "invalid_value"))
+    kind = first.get("type", "")
+    if kind.endswith("_type") and param in _FIELD_FORMS and len(loc) == 1:
+        message = f"Invalid type for '{param}': give {_FIELD_FORMS[param]}."
+    else:
+        message = f"Invalid value for '{'.'.join(loc)}': {first.get('msg', 'invalid')}."
+    return InvalidRequest(message, param=param, code=_VALIDATION_CODES.get(kind, "invalid_value"))
+
+
+def _path_pattern(template: str) -> str:
+    """An OpenAPI path template as a regular expression: each ``{parameter}`` is one path segment."""
+    parts = re.split(r"(\{[^/}]+\})", template)
+    return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
+
+
+def unknown_route(request: Request, status: int) -> ApiError:
+    """404/405 that say what exists: OpenAI's "Invalid URL (METHOD path)", and the right path or method when the
+    request only missed the `/v1` prefix or used another method."""
+    method, path = request.method, request.url.path
+    # The API's routes as its OpenAPI document lists them (built once and cached by FastAPI).
+    routes = {
+        (route_method.upper(), route_path)
+        for route_path, operations in request.app.openapi().get("paths", {}).items()
+        for route_method in operations
+    }
+    def matches(template: str, candidate: str) -> bool:
+        return re.fullmatch(_path_pattern(template), candidate) is not None
+
+    message = f"Invalid URL ({method} {path})."
+    if status == 405:
+        allowed = sorted(m for m, p in routes if matches(p, path))
+        return InvalidRequest(
+            f"{message} {path} takes {' or '.join(allowed)}, not {method}.", code="method_not_allowed"
+        )
+    prefixed = "/v1" + path
+    methods = sorted(m for m, p in routes if matches(p, prefixed))
+    if not path.startswith("/v1/") and methods:
+        message += f" The API is under /v1: {' or '.join(methods)} {prefixed}."
+    return NotFound(message)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -199,10 +262,15 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(validation_error(exc))
 
-    async def on_http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        error_cls: type[ApiError] = NotFound if exc.status_code == 404 else InvalidRequest
-        error = error_cls(str(exc.detail))
+        error: ApiError
+        if exc.status_code in (404, 405):
+            error = unknown_route(request, exc.status_code)
+        elif exc.status_code == 400:
+            error = unparsable_json()  # FastAPI's only 400: a JSON body it could not read (not UTF-8, too deep)
+        else:
+            error = InvalidRequest(str(exc.detail))
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def on_client_gone(request: Request, exc: Exception) -> Response:

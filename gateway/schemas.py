@@ -31,7 +31,7 @@ class SpeechRequest(BaseModel):
     voice: str | VoiceRef
     instructions: str | None = Field(None, max_length=MAX_INPUT_CHARS)
     response_format: ResponseFormat = "mp3"
-    speed: float = Field(1.0, ge=0.25, le=4.0)
+    speed: float = Field(1.0, ge=0.25, le=4.0, allow_inf_nan=False)  # NaN compares false with both bounds
     stream_format: StreamFormat = "audio"
     # Extensions ---------------------------------------------------------------------------------
     seed: int | None = Field(None, ge=0, le=2**64 - 1, description="Sampling seed (reproducible output).")

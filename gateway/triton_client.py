@@ -88,7 +88,10 @@ def map_error(message: str, status: str | None, *, retry_after: int) -> ApiError
     if status == "StatusCode.DEADLINE_EXCEEDED":
         return SynthesisTimeout("The speech backend did not finish in time.")
     if status in _UNAVAILABLE_CODES or "failed to connect" in message.lower() or "not ready" in message.lower():
-        return BackendUnavailable(f"The speech backend is unavailable: {message}", retry_after=retry_after)
+        # gRPC's words name internal addresses ("ipv4:10.0.0.7:8001: Failed to connect"): the log gets them,
+        # the client gets what it can act on.
+        logger.warning("speech backend unavailable (%s): %s", status, message)
+        return BackendUnavailable("The speech backend is unavailable; retry later.", retry_after=retry_after)
     return SynthesisFailed(f"Synthesis failed: {message}")
 
 
@@ -133,7 +136,8 @@ class TritonClient:
                 if not await self._client.is_model_ready(model, client_timeout=timeout_s):
                     raise BackendUnavailable(f"Model '{model}' is not ready.", retry_after=self._retry_after_s)
         except (InferenceServerException, grpc.RpcError) as exc:
-            raise BackendUnavailable(f"Triton is unreachable: {exc}", retry_after=self._retry_after_s) from exc
+            logger.info("readiness: Triton unreachable: %s", exc)  # probes come often: not a warning each time
+            raise BackendUnavailable("The speech backend is unreachable.", retry_after=self._retry_after_s) from exc
 
     async def synthesize_offline(
         self, request: SegmentRequest, *, timeout_s: float | None = None, pipeline: Pipeline | None = None

@@ -8,10 +8,16 @@ front of it, and keep both running.
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
     python -m triton_repo.stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
-Supervision: if tritonserver exits, loses a model process (a python-backend stub), or stays unready
+Start-up: what a restart cannot fix stops the launcher at once (exit status 2) with a message that says what
+to change: the gateway's settings and port are checked first (`python -m gateway --check`: a port in use names
+`TTS_PORT`), then the model directory, the rendering and tritonserver's first start (a pinned tritonserver port in
+use names its `COSYVOICE_TRITON_*_PORT`); a gateway that cannot start (its exit status `GATEWAY_CANNOT_START`)
+is not restarted either.
+
+Supervision: once serving, if tritonserver exits, loses a model process (a python-backend stub), or stays unready
 for `UNHEALTHY_RESTART_S`, it is restarted on the same ports with exponential back-off; the gateway
 keeps running meanwhile (503 + `Retry-After`, `/ready` 503) and reconnects by itself. If the gateway
-exits it is restarted the same way. Ctrl-C
+exits after it was serving it is restarted the same way. Ctrl-C
 (SIGINT) or SIGTERM drains: the gateway finishes the requests in flight (`TTS_DRAIN_GRACE_S`) and
 exits, then tritonserver is stopped; a second signal stops at once.
 
@@ -24,6 +30,9 @@ CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HT
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
 stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
 about 3 GB), the variable that points elsewhere, or the demo.
+
+Files: each stack renders into its own `var/stack-<gateway port>/triton_repo` (`--repo-dir` elsewhere) and
+tritonserver logs to `tritonserver.log` beside it.
 
 `--demo` (`make demo`) needs no weights: it writes a tiny random-weight model into `--demo-dir`
 (`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, runs it in benchmark
@@ -48,11 +57,19 @@ from typing import Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonLaunchError, TritonServer, stop_process
+from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
-DEFAULT_REPO_DIR = REPO_ROOT / "var" / "triton_repo"
+#: Each stack started from this checkout writes into its own directory here, named after its gateway's port (no two
+#: stacks share one): the rendered repository (`triton_repo/`) and `tritonserver.log`. A demo beside `make run`,
+#: or a second checkout's test run, no longer overwrites another stack's repository or mixes its log.
+STACKS_DIR = REPO_ROOT / "var"
+
+
+def default_stack_dir(gateway_port: int) -> Path:
+    """`var/stack-<gateway port>`; a gateway on a free port (0) has no port yet: the launcher's pid then."""
+    return STACKS_DIR / (f"stack-{gateway_port}" if gateway_port else f"stack-pid{os.getpid()}")
 
 
 class StackError(RuntimeError):
@@ -183,6 +200,11 @@ UNHEALTHY_RESTART_S = 60.0
 #: a wedged gateway from blocking the stop forever.
 GATEWAY_STOP_TIMEOUT_S = 600.0
 POLL_S = 0.5
+#: `python -m gateway`'s exit status when it could not start (gateway/__main__.py, `EXIT_CANNOT_START`): the
+#: gateway said why, and starting it again would fail the same way.
+GATEWAY_CANNOT_START = 3
+#: Upper bound of the gateway's start-up check (settings and port); it imports the gateway's settings only.
+GATEWAY_CHECK_TIMEOUT_S = 120.0
 
 
 def _child_pids(pid: int | None) -> set[int]:
@@ -298,6 +320,10 @@ class Supervisor:
         assert self.gateway is not None
         if self.gateway.poll() is None:
             return
+        if self.gateway.returncode == GATEWAY_CANNOT_START:
+            raise StackError(
+                "the gateway could not start (its message is above); restarting it would fail the same way"
+            )
         delay = self._gateway_backoff.delay(time.monotonic() - self._gateway_since)
         _log(f"the gateway exited with {self.gateway.returncode}; restarting in {delay:.0f} s")
         if not self.stop.wait(delay):
@@ -305,9 +331,12 @@ class Supervisor:
 
     # Lifecycle ------------------------------------------------------------------------------------
     def run(self) -> int:
+        log_start = self.server.log_size()
         self._start_triton(ready_timeout=900)
         if not self._wait_started():
             if self._start_error is not None and not self.stop.is_set():
+                if self.server.port_conflict_since(log_start):
+                    raise StackError(self._triton_port_conflict()) from self._start_error
                 raise self._start_error
             return 0  # stopped by a signal while the models loaded
         _log(
@@ -323,6 +352,18 @@ class Supervisor:
                 self._check_gateway()
         return 0
 
+    def _triton_port_conflict(self) -> str:
+        ports = ", ".join(
+            f"{kind} {port} (COSYVOICE_TRITON_{kind.upper()}_PORT)"
+            for kind, port in (("http", self.server.http_port), ("grpc", self.server.grpc_port),
+                               ("metrics", self.server.metrics_port))
+        )  # fmt: skip
+        return (
+            f"a tritonserver port is already in use: {ports}. Another program listens there, perhaps a stack "
+            "started earlier. Set those variables (or --triton-*-port) to free ports, or unset them (0: free ports "
+            f"are chosen). tritonserver's log: {self.server.log_path}"
+        )
+
     def on_signal(self, sig: int) -> None:
         self.signals += 1
         self.stop.set()
@@ -334,12 +375,13 @@ class Supervisor:
         if self.gateway is not None:
             stop_process(self.gateway, GATEWAY_STOP_TIMEOUT_S)
         _log("gateway stopped; stopping tritonserver")
+        self.server.stop(grace=CLEAN_STOP_S)  # every model unloaded, then it exits by itself
         self.server.cleanup()
 
 
 def run_stack(
     model_dir: Path,
-    repo_dir: Path,
+    repo_dir: Path | None,
     device: str,
     dtype: str,
     gateway_port: int | None,
@@ -350,18 +392,25 @@ def run_stack(
     demo_dir: Path | None = None,
     spark_dir: Path | None = None,
 ) -> int:
-    """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`)."""
+    """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`); `repo_dir`
+    None: `triton_repo/` in the stack's own directory (`default_stack_dir`), the log beside it."""
     gateway_env = dict(os.environ)
+    if gateway_port is not None:
+        gateway_env["TTS_PORT"] = str(gateway_port)
     if demo_dir is not None:
         if token2wav != "unet":
             raise StackError("the demo runs its tiny model's own flow: leave --token2wav / COSYVOICE_TOKEN2WAV unset")
+        gateway_env["TTS_DEMO"] = "true"
+    else:
+        check_model_dir(model_dir)
+    # Before anything slow (the demo model, the models' loading): a port in use or a bad setting is known at once.
+    port = check_gateway(gateway_env)
+    repo_dir = repo_dir or default_stack_dir(port) / "triton_repo"
+    if demo_dir is not None:
         model_dir = ensure_demo_model(demo_dir)
         if benchmark_speech_ratio is None:
             benchmark_speech_ratio = DEMO_SPEECH_RATIO
-        gateway_env["TTS_DEMO"] = "true"
         _log("DEMO: the pipeline runs random weights, its audio is NOISE; `make run` serves the real model")
-    else:
-        check_model_dir(model_dir)
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
@@ -376,8 +425,6 @@ def run_stack(
         metrics_port=ports.metrics,
     )
     # Triton ports left at 0 are chosen by the first start (retried on a conflict) and kept by every restart.
-    if gateway_port is not None:
-        gateway_env["TTS_PORT"] = str(gateway_port)
     supervisor = Supervisor(server, gateway_env, threading.Event())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda number, _frame: supervisor.on_signal(number))
@@ -385,6 +432,19 @@ def run_stack(
         return supervisor.run()
     finally:
         supervisor.shutdown()
+
+
+def check_gateway(gateway_env: dict[str, str]) -> int:
+    """The gateway's port, or StackError unless the gateway would start with these settings: `python -m gateway
+    --check` in the gateway's own environment (its settings, its `.env`), which prints what to change."""
+    check = subprocess.run(  # noqa: S603 - our own module
+        [sys.executable, "-m", "gateway", "--check"], env=gateway_env, timeout=GATEWAY_CHECK_TIMEOUT_S, check=False,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if check.returncode != 0:
+        raise StackError(f"the gateway cannot start (its message is above; `python -m gateway --check` exited "
+                         f"with {check.returncode}); nothing was started")
+    return int(check.stdout.strip().rsplit(":", 1)[1])
 
 
 def _env_port(name: str) -> int:
@@ -399,7 +459,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", type=Path, default=Path(os.environ.get("COSYVOICE_MODEL_DIR", DEFAULT_MODEL_DIR))
     )
-    parser.add_argument("--repo-dir", type=Path, default=DEFAULT_REPO_DIR, help="where the repository is rendered")
+    parser.add_argument("--repo-dir", type=Path, default=None,
+                        help="where the repository is rendered, tritonserver.log beside it "
+                             "(default: var/stack-<gateway port>/triton_repo)")
     parser.add_argument("--device", default=os.environ.get("COSYVOICE_DEVICE", "cpu"), choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default=os.environ.get("COSYVOICE_DTYPE", "fp32"), choices=("fp32", "fp16", "bf16"))
     parser.add_argument("--port", type=int, default=None, help="gateway port (default: TTS_PORT or 8080)")
@@ -433,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         )
         return run_stack(
-            args.model_dir.resolve(), args.repo_dir.resolve(), args.device, args.dtype, args.port, ports,
+            args.model_dir.resolve(), args.repo_dir.resolve() if args.repo_dir else None, args.device, args.dtype,
+            args.port, ports,
             args.benchmark_speech_ratio, args.token2wav,
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, Response
 
 router = APIRouter()
 
@@ -19,3 +19,9 @@ PLAYGROUND_PAGE = Path(__file__).resolve().parent.parent / "playground" / "index
 @router.get("/playground", include_in_schema=False)
 async def playground() -> FileResponse:
     return FileResponse(PLAYGROUND_PAGE, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> Response:
+    """Browsers ask every origin for one (the playground's page too): nothing to show, and no 404 to log."""
+    return Response(status_code=204, headers={"Cache-Control": "max-age=86400"})

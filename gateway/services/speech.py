@@ -97,6 +97,9 @@ class _Progress:
     input_tokens: int = 0
     output_tokens: int = 0
     outcome: str = "ok"
+    #: The server failed the request (a 5xx, an unexpected error), e.g. a stream cut by a Triton crash: logged
+    #: as a warning, where an operator looks; a client's mistake or a client leaving stays an info line.
+    server_failed: bool = False
 
     @property
     def audio_seconds(self) -> float:
@@ -290,6 +293,7 @@ class SpeechService:
                     yield part
         except ApiError as exc:
             progress.outcome = f"error {exc.status} {exc.code}"
+            progress.server_failed = exc.status >= 500
             if sent_any:
                 self._metrics.stream_failures.labels(plan.response_format).inc()
             raise
@@ -298,6 +302,7 @@ class SpeechService:
             raise
         except Exception as exc:
             progress.outcome = f"error {type(exc).__name__}"
+            progress.server_failed = True
             raise
         finally:
             slot.release()
@@ -337,6 +342,7 @@ class SpeechService:
                 raise  # nothing sent yet: still a proper HTTP error
             self._metrics.stream_failures.labels(plan.response_format).inc()
             progress.outcome = f"error {exc.status} {exc.code} (sse event)"
+            progress.server_failed = exc.status >= 500
             yield _sse_event({"type": "error", **exc.body()})
             return
         yield _sse_event({"type": "speech.audio.done", "usage": progress.usage().model_dump()})
@@ -385,7 +391,8 @@ class SpeechService:
         if rtf is not None and progress.outcome == "ok":
             self._metrics.real_time_factor.observe(rtf)
         self._metrics.audio_seconds.inc(progress.audio_seconds)
-        logger.info(
+        logger.log(
+            logging.WARNING if progress.server_failed else logging.INFO,
             "speech request_id=%s model=%s voice=%s characters=%d segments=%d format=%s speed=%g stream=%s "
             "sse=%s first_byte_ms=%s total_ms=%.1f audio_s=%.3f rtf=%s tokens_in=%d tokens_out=%d outcome=%s",
             plan.request_id, plan.model, plan.voice.name, plan.characters, len(plan.segments),

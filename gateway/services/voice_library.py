@@ -136,6 +136,11 @@ def decode_sample(audio: BinaryIO) -> np.ndarray:
     return samples
 
 
+def _names(voice: Voice, key: str) -> bool:
+    """Whether `key` is the voice's own name or id (not an alias of it)."""
+    return key.casefold() in {voice.name.casefold(), voice.id.casefold()}
+
+
 class VoiceLibrary:
     """Create, look up and delete voices; the registry it shares with SpeechService is the truth
     for speech requests, the store keeps uploads across restarts."""
@@ -218,7 +223,7 @@ class VoiceLibrary:
             try:
                 await asyncio.to_thread(self._store.save, voice)
             except NameTaken as exc:  # another replica sharing the directory claimed it first
-                raise self._name_taken(name, exc.voice_id or None) from None
+                raise self._name_taken(name, f"voice {exc.voice_id} has it" if exc.voice_id else None) from None
             except VoiceExists:
                 raise Conflict(
                     "This audio sample and transcript are already a voice.",
@@ -238,8 +243,12 @@ class VoiceLibrary:
         async with self._lock:
             voice = self.get(key)
             if not voice.uploaded:
+                # Say it in the client's words: it asked for `key`, perhaps an alias of the voice.
+                what = f"Voice '{voice.name}'"
+                if not _names(voice, key):
+                    what = f"'{key}' is an alias of voice '{voice.name}', which"
                 raise Forbidden(
-                    f"Voice '{voice.name}' ships with the deployment and cannot be deleted.",
+                    f"{what} ships with the deployment and cannot be deleted.",
                     param="voice_id",
                     code="voice_not_deletable",
                 )
@@ -251,14 +260,17 @@ class VoiceLibrary:
 
     def _check_name_free(self, name: str) -> None:
         taken = self._registry.find(name)
-        if taken is not None or name.casefold() in OPENAI_VOICE_NAMES:
-            raise self._name_taken(name, taken.id if taken is not None else None)
+        if name.casefold() in OPENAI_VOICE_NAMES:
+            alias = f", here an alias of voice '{taken.name}'" if taken is not None else ""
+            raise self._name_taken(name, f"it is an OpenAI voice name{alias}")
+        if taken is not None:
+            holder = f"voice '{taken.name}' ({taken.id})"
+            raise self._name_taken(name, holder if _names(taken, name) else f"it is an alias of {holder}")
 
     @staticmethod
-    def _name_taken(name: str, holder: str | None) -> Conflict:
+    def _name_taken(name: str, why: str | None) -> Conflict:
         return Conflict(
-            f"The voice name '{name}' is taken"
-            + (f" by voice {holder}." if holder else " (an OpenAI voice name or another upload).")
+            f"The voice name '{name}' is taken" + (f": {why}." if why else " (by another upload).")
             + " Choose another name.",
             param="name",
             code="voice_name_taken",

@@ -16,7 +16,7 @@ from typing import BinaryIO, Protocol
 import av
 import numpy as np
 
-from gateway.errors import VoiceNotFound
+from gateway.errors import UnknownVoice
 from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class VoiceRegistry:
     def resolve(self, key: str) -> Voice:
         voice = self.find(key)
         if voice is None:
-            raise VoiceNotFound(
+            raise UnknownVoice(
                 f"Voice '{key}' not found. GET /v1/audio/voices lists the available voices.", param="voice"
             )
         return voice

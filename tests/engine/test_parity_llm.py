@@ -81,7 +81,7 @@ def test_static_kv_cache_steps(model: CosyVoice2LM, dump) -> None:
     """Prefill into slot 1 of a 2-slot cache, then one teacher token per step over both slots."""
     prefix = torch.from_numpy(dump["llm_lm_input"])
     prefix_len = prefix.shape[1]
-    cache = model.new_cache(num_slots=2, max_len=96)
+    cache = model.new_cache(num_slots=2, max_len=prefix_len + dump["in_teacher_speech_token"].shape[1])
     rows = [model(prefix, cache=cache, slots=[1])[0, -1]]
     for i, token in enumerate(dump["in_teacher_speech_token"][0].tolist()):
         embeds = model.embed_speech(torch.tensor([[7], [token]]))

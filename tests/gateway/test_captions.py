@@ -91,7 +91,7 @@ def test_captioned_route_returns_the_file_and_captions_that_add_up_to_it(gateway
 def test_captioned_route_errors_are_openai_shaped(gateway):
     with gateway.http() as http:
         response = http.post("/v1/audio/speech/captioned", json={"model": "tts-1", "voice": "nobody", "input": "Hi."})
-        assert response.status_code == 404 and response.json()["error"]["code"] == "voice_not_found"
+        assert response.status_code == 400 and response.json()["error"]["code"] == "voice_not_found"
         # the route ignores the streaming options (it always answers one JSON document)
         ok = http.post("/v1/audio/speech/captioned",
                        json={"model": "tts-1", "voice": "amy", "input": "Hi.", "stream_format": "sse", "captions": True})

@@ -6,7 +6,7 @@ import av
 import numpy as np
 import pytest
 
-from gateway.errors import VoiceNotFound
+from gateway.errors import UnknownVoice
 from gateway.services.voices import VoiceRegistry
 from triton_repo.server import REPO_ROOT
 from tests.gateway.conftest import IsolatedSettings
@@ -50,7 +50,7 @@ def test_voice_id_is_a_content_hash_of_audio_and_transcript(tmp_path):
     assert ids["a"] == ids["b"] != ids["c"]
     assert registry.resolve("alloy").name == "c"
     assert registry.resolve(ids["c"]).name == "c"
-    with pytest.raises(VoiceNotFound):
+    with pytest.raises(UnknownVoice):
         registry.resolve("d")
 
 

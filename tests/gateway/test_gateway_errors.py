@@ -26,8 +26,9 @@ ERROR_KEYS = {"message", "type", "param", "code"}
         ({"response_format": "ogg"}, openai.BadRequestError, "response_format", "invalid_value"),
         ({"stream_format": "chunks"}, openai.BadRequestError, "stream_format", "invalid_value"),
         ({"instructions": "x" * 4097}, openai.BadRequestError, "instructions", "string_above_max_length"),
-        ({"voice": "nobody"}, openai.NotFoundError, "voice", "voice_not_found"),
-        ({"voice": {"id": "voice_nope"}}, openai.NotFoundError, "voice", "voice_not_found"),
+        # 400, not 404: OpenAI's answer to an unsupported voice, and no router takes the deployment for broken
+        ({"voice": "nobody"}, openai.BadRequestError, "voice", "voice_not_found"),
+        ({"voice": {"id": "voice_nope"}}, openai.BadRequestError, "voice", "voice_not_found"),
         ({"voice": {"id": "amy", "extra": 1}}, openai.BadRequestError, "voice", "unknown_parameter"),
         ({"model": "tts-2"}, openai.NotFoundError, "model", "model_not_found"),
         ({"sample_rate": 16000}, openai.BadRequestError, "sample_rate", "unsupported_value"),

@@ -110,7 +110,7 @@ def test_uploaded_voice_is_listed_spoken_with_and_deleted(voice_gateway, standin
         assert http.delete(f"/v1/audio/voices/{voice_id}").status_code == 404
     assert not list(voice_gateway.settings.uploaded_voices_dir.glob(f"{voice_id}.*"))
     for voice in ({"id": voice_id}, name):
-        with pytest.raises(openai.NotFoundError) as caught:
+        with pytest.raises(openai.BadRequestError) as caught:
             client.audio.speech.create(model="tts-1", voice=voice, input="Still there?")
         assert (caught.value.code, caught.value.param) == ("voice_not_found", "voice")
 

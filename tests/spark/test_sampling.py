@@ -35,9 +35,10 @@ def test_sampling_validation() -> None:
         SparkSampling(top_p=1.5)
 
 
-def test_request_uses_the_whole_prompt_as_prefix(engine, dump) -> None:
+def test_request_uses_the_whole_prompt_as_prefix(engine, any_dump) -> None:
+    dump = any_dump
     request = spark_request(_prompt(engine, dump), seed=1)
-    assert request.prefix_length == 154
+    assert request.prefix_length == dump["llm_input_ids"].shape[1]
     assert request.sampling.max_tokens == 512 and request.sampling.min_tokens == 0 and request.sampling.win_size == 0
 
 

@@ -112,6 +112,9 @@ def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tm
         stack.proc.send_signal(signal.SIGINT)
         assert stack.proc.wait(120) == 0
         assert "[stack] stopping" in stack.log_path.read_text()
+        # tritonserver unloaded every model before it exited (its log beside the stack's repository)
+        triton_log = (tmp_path / "tritonserver.log").read_text(errors="replace").split("Signal (15) received.")[-1]
+        assert "Exit timeout expired" not in triton_log and "successfully unloaded 'engine'" in triton_log
     finally:
         stack.stop()
     with pytest.raises(OSError):
