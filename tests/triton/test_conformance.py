@@ -203,12 +203,18 @@ def test_an_id_only_request_for_a_held_voice_is_served_by_both_models(backend):
     assert chunks[-1][3] and sum(c[0].size for c in chunks) > 0
 
 
+#: The gateway's response modes: streamed audio, the whole file, SSE events.
+MODES = {"audio": {"stream": True}, "whole": {"stream": False}, "sse": {"stream_format": "sse"}}
+
+
 @pytest.fixture(scope="module")
 def voice_gateway(backend, gateway_factory, tmp_path_factory):
-    """A gateway whose voices are `fine` (1.5 s) and `tiny` (0.05 s: under the pipeline's reference minimum)."""
+    """A gateway whose voices are `fine<mode>` (1.5 s, one per response mode: each test needs a voice the pipeline
+    has never seen) and `tiny` (0.05 s: under the pipeline's reference minimum)."""
     voices = tmp_path_factory.mktemp(f"voices-{backend.name}")
-    for name, seconds in (("fine", 1.5), ("tiny", 0.05)):
-        (voices / f"{name}.wav").write_bytes(wav_bytes(voiced_signal(16_000, seconds)))
+    clips = {f"fine{mode}": voiced_signal(16_000, 1.5, fundamental=120 + 10 * i) for i, mode in enumerate(MODES)}
+    for name, samples in {**clips, "tiny": voiced_signal(16_000, 0.05)}.items():
+        (voices / f"{name}.wav").write_bytes(wav_bytes(samples))
     return gateway_factory(backend.grpc_url, voices_dir=voices, voice_aliases={})
 
 
@@ -221,12 +227,12 @@ def _believe_held(gateway, name: str) -> None:
     triton.voices.remember(triton.pipeline, voice_id)
 
 
-@pytest.mark.parametrize("mode", ["audio", "whole", "sse"])
+@pytest.mark.parametrize("mode", MODES)
 def test_an_unknown_id_is_resent_with_the_audio_and_served(voice_gateway, mode):
-    _believe_held(voice_gateway, "fine")
+    _believe_held(voice_gateway, f"fine{mode}")
     resent = voice_gateway.metric("tts_pipeline_requests_total", {"voice": "resent_with_audio"})
-    body = {"model": "tts-1", "voice": "fine", "input": "Served after one resend.", "response_format": "pcm",
-            **{"audio": {"stream": True}, "whole": {"stream": False}, "sse": {"stream_format": "sse"}}[mode]}
+    body = {"model": "tts-1", "voice": f"fine{mode}", "input": "Served after one resend.", "response_format": "pcm",
+            **MODES[mode]}
     with voice_gateway.http() as http:
         response = http.post("/v1/audio/speech", json=body)
     assert response.status_code == 200, response.text
@@ -240,11 +246,10 @@ def test_an_unknown_id_is_resent_with_the_audio_and_served(voice_gateway, mode):
     assert voice_gateway.metric("tts_pipeline_requests_total", {"voice": "resent_with_audio"}) == resent + 1
 
 
-@pytest.mark.parametrize("mode", ["audio", "whole", "sse"])
+@pytest.mark.parametrize("mode", MODES)
 def test_an_unknown_id_whose_resend_fails_is_an_openai_error_before_any_audio(voice_gateway, mode):
     _believe_held(voice_gateway, "tiny")
-    body = {"model": "tts-1", "voice": "tiny", "input": "Never spoken.", "response_format": "pcm",
-            **{"audio": {"stream": True}, "whole": {"stream": False}, "sse": {"stream_format": "sse"}}[mode]}
+    body = {"model": "tts-1", "voice": "tiny", "input": "Never spoken.", "response_format": "pcm", **MODES[mode]}
     with voice_gateway.http() as http:
         response = http.post("/v1/audio/speech", json=body)
     assert response.status_code == 400  # the resend's own refusal (the reference is too short), not a 200
