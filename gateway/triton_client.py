@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -260,19 +261,24 @@ class TritonClient:
         sent, voice = self._first_try(request, pipeline)
         answered = False
         try:
-            async for chunk in self._stream_once(sent, voice, pipeline):
-                answered = True
-                self.voices.remember(pipeline, request.voice_id)
-                yield chunk
+            # aclosing: a consumer leaving mid-stream cancels the gRPC call now, not when the generator is collected
+            async with aclosing(self._stream_once(sent, voice, pipeline)) as chunks:
+                async for chunk in chunks:
+                    answered = True
+                    self.voices.remember(pipeline, request.voice_id)
+                    yield chunk
             return
         except VoiceNotHeld:
             if sent is request or answered:
                 raise
             self.voices.forget(pipeline, request.voice_id)
-        async for chunk in self._stream_once(request, RESENT_WITH_AUDIO, pipeline):
-            yield chunk
+        async with aclosing(self._stream_once(request, RESENT_WITH_AUDIO, pipeline)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
-    async def _stream_once(self, request: SegmentRequest, voice: str, pipeline: Pipeline) -> AsyncIterator[contract.SpeechChunk]:
+    async def _stream_once(
+        self, request: SegmentRequest, voice: str, pipeline: Pipeline
+    ) -> AsyncIterator[contract.SpeechChunk]:
         """One streaming call.
 
         The request stream is half-closed right after the request, so the call ends by itself after
