@@ -113,7 +113,8 @@ async def test_voices_by_id_are_per_model(both_server):
     assert tokens > 0 and waveform.size == tokens * HOP
     async with aio.InferenceServerClient(url) as client:
         streamed = await _stream(client, synthesis_inputs(TEXT, voice=voice, seed=5, by_id=True))
-    np.testing.assert_array_equal(np.concatenate([w for w, *_ in streamed]), waveform)
+    # the same voice tokens, hence the same speech: equal up to the windows' float rounding (as streaming is)
+    np.testing.assert_allclose(np.concatenate([w for w, *_ in streamed]), waveform, atol=1e-4)
 
 
 async def test_spark_refuses_instructions_and_keeps_the_warm_up_rule(both_server):
