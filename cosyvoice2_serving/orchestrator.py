@@ -1,7 +1,8 @@
 """The per-request state machine of the pipeline, written against small client protocols.
 
-One request: validate -> voice prompt (cached per voice id, here and in the voice-prompt model) -> LLM token stream -> token2wav in the
-chunks of the streaming schedule (or once, offline) -> audio chunks with cumulative token usage.
+One request: validate -> voice prompt (cached per voice id, here and in the voice-prompt model) -> LLM token
+stream -> token2wav in the chunks of the streaming schedule (or once, offline) -> audio chunks with cumulative
+token usage.
 
 Every request gets a server-generated id (never the client's: upstream's empty client ids made
 concurrent streams share state). Whatever ends a request - completion, an error, or cancellation -
@@ -188,7 +189,9 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.clients = clients
         self.stats = stats or Stats(ORCHESTRATOR_STATS)
-        self.voices: VoicePrompts[PromptTensors] = VoicePrompts(config.voice_cache, lambda r: self.clients.voice_prompt(r))
+        self.voices: VoicePrompts[PromptTensors] = VoicePrompts(
+            config.voice_cache, lambda request: self.clients.voice_prompt(request)
+        )
 
     def build_llm_request(
         self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
