@@ -7,13 +7,28 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gateway.triton_client import Pipeline, VoiceMemory
 from tests.gateway.conftest import start_standin_backend, wait_for
 from tests.gateway.standin_model.standin import samples_for, voice_cache_entry
 from tests.gateway.voice_clips import make_clip, upload
 
-pytestmark = pytest.mark.triton
-
 TEXT = "Hello from a voice named by its id."
+
+
+def test_the_voice_memory_is_bounded_per_pipeline_and_least_recently_used_goes_first():
+    cosyvoice2, spark = Pipeline("cosyvoice2", "cosyvoice2_stream"), Pipeline("spark_tts", "spark_tts_stream")
+    memory = VoiceMemory(capacity=2)
+    memory.remember(cosyvoice2, "a")
+    memory.remember(cosyvoice2, "b")
+    assert memory.knows(cosyvoice2, "a")  # now the most recent
+    memory.remember(cosyvoice2, "c")  # drops "b"
+    assert [memory.knows(cosyvoice2, v) for v in "abc"] == [True, False, True]
+    assert not memory.knows(spark, "a")  # each pipeline keeps its own voice cache
+    memory.forget(cosyvoice2, "a")
+    assert not memory.knows(cosyvoice2, "a")
+    never = VoiceMemory(capacity=0)
+    never.remember(cosyvoice2, "a")
+    assert not never.knows(cosyvoice2, "a")
 
 
 @pytest.fixture
@@ -43,6 +58,7 @@ def forget(backend, voice_id: str) -> None:
     voice_cache_entry(backend.marker_dir, voice_id).unlink()
 
 
+@pytest.mark.triton
 def test_a_voice_travels_with_its_audio_once_then_by_id(fresh_gateway, standin_backend):
     voice_id = uploaded_voice(fresh_gateway, "Byid Once")
     [warmup] = [r for r in standin_backend.requests() if r["voice_id"] == voice_id]
@@ -74,6 +90,7 @@ def test_a_voice_travels_with_its_audio_once_then_by_id(fresh_gateway, standin_b
     assert metric("tts_pipeline_request_bytes_total", {"voice": "with_audio"}) == warmup["request_bytes"]
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("mode", ["audio", "whole", "sse"])
 def test_an_unknown_id_is_resent_once_with_the_audio(fresh_gateway, standin_backend, mode):
     voice_id = uploaded_voice(fresh_gateway, f"Byid Resend {mode}")
@@ -96,6 +113,7 @@ def test_an_unknown_id_is_resent_once_with_the_audio(fresh_gateway, standin_back
     assert following["carries_audio"] and not last["carries_audio"] and last["outcome"] == "done"
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("mode", ["audio", "whole", "sse"])
 @pytest.mark.parametrize(
     "word, status, code", [("failstart", 500, "synthesis_failed"), ("overloaded", 503, "backend_overloaded")]
@@ -114,6 +132,7 @@ def test_a_failed_resend_is_an_openai_error_before_any_audio(fresh_gateway, stan
     assert (failed["outcome"], failed["carries_audio"]) == ("failed", True)
 
 
+@pytest.mark.triton
 def test_a_pipeline_refusing_a_voice_sent_with_its_audio_is_a_server_error(fresh_gateway, standin_backend):
     """[unknown_voice] for a request that carried the audio breaks the contract: one resend, then a 500."""
     voice_id = uploaded_voice(fresh_gateway, "Byid Refused")
@@ -123,6 +142,7 @@ def test_a_pipeline_refusing_a_voice_sent_with_its_audio_is_a_server_error(fresh
     assert [r["carries_audio"] for r in standin_backend.requests_tagged("zqnoloop")] == [False, True]
 
 
+@pytest.mark.triton
 def test_with_no_voice_memory_every_request_carries_the_audio(standin_backend, gateway_factory):
     gateway = gateway_factory(standin_backend.server.grpc_url, known_voices_per_model=0)
     voice_id = uploaded_voice(gateway, "Byid Never")
@@ -133,6 +153,7 @@ def test_with_no_voice_memory_every_request_carries_the_audio(standin_backend, g
     assert gateway.metric("tts_pipeline_requests_total", {"voice": "by_id"}) == 0
 
 
+@pytest.mark.triton
 def test_a_replica_that_never_saw_the_voice_gets_it_through_the_resend(
     standin_backend, gateway_factory, triton_server_factory, tmp_path_factory
 ):
