@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline_contract import ERROR_INVALID_INPUT, ERROR_OVERLOADED
+from pipeline_contract import ERROR_INVALID_INPUT, ERROR_OVERLOADED, ERROR_UNKNOWN_VOICE
 
 
 class ServingError(RuntimeError):
@@ -23,6 +23,16 @@ class Overloaded(ServingError):
     """No capacity now; the client may retry later."""
 
     tag = ERROR_OVERLOADED
+
+
+class UnknownVoice(ServingError):
+    """An id-only request named a voice this pipeline does not hold; the client resends it with the audio."""
+
+    tag = ERROR_UNKNOWN_VOICE
+
+    @classmethod
+    def of(cls, voice_id: str) -> UnknownVoice:
+        return cls(f"voice {voice_id!r} is not held here; send the request again with its reference audio")
 
 
 class RemoteError(ServingError):

@@ -1,7 +1,8 @@
 """The per-request state machine of the pipeline, written against small client protocols.
 
-One request: validate -> voice prompt (cached per voice id) -> LLM token stream -> token2wav in the
-chunks of the streaming schedule (or once, offline) -> audio chunks with cumulative token usage.
+One request: validate -> voice prompt (cached per voice id, here and in the voice-prompt model) -> LLM token
+stream -> token2wav in the chunks of the streaming schedule (or once, offline) -> audio chunks with cumulative
+token usage.
 
 Every request gets a server-generated id (never the client's: upstream's empty client ids made
 concurrent streams share state). Whatever ends a request - completion, an error, or cancellation -
@@ -35,6 +36,7 @@ from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import for_prompt
 from cosyvoice2_serving.stats import Stats
+from cosyvoice2_serving.voice_cache import VoicePrompts
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest
 
@@ -97,12 +99,15 @@ class OrchestratorConfig:
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
     loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
+    voice_cache: int = 64  # voice prompts this orchestrator keeps (a hit makes no voice-prompt call)
 
 
 # -- the clients the orchestrator drives ----------------------------------------------------------
 class PipelineClients(Protocol):
     async def voice_prompt(self, request: SpeechRequest) -> PromptTensors:
-        """The voice's prompt tensors (computed once per voice id, cached by the callee)."""
+        """The voice's prompt tensors from the pipeline's voice-prompt model: computed from the request's audio
+        once per voice id (cached by the callee), or for an id-only request looked up there (`UnknownVoice` when
+        it does not hold the voice). Called only when the orchestrator's own cache misses."""
 
     def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
         """Generated LLM ids as they are decoded (one list per response; ends when the sequence ends)."""
@@ -185,6 +190,9 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.clients = clients
         self.stats = stats or Stats(ORCHESTRATOR_STATS)
+        self.voices: VoicePrompts[PromptTensors] = VoicePrompts(
+            config.voice_cache, lambda request: self.clients.voice_prompt(request)
+        )
 
     def build_llm_request(
         self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
@@ -241,7 +249,7 @@ class Orchestrator:
         first = FirstChunkTimes(self.stats, streaming)
         run = _Run(request_id, self.clients, first)
         async with accounted(self.stats, run.release):
-            prompt = await self.clients.voice_prompt(request)
+            prompt = await self.voices.prompt(request)
             first.mark()
             if not request.target_text:
                 # Contract: empty target text only computes and caches the voice prompt (voice upload

@@ -40,6 +40,7 @@ from cosyvoice2_serving.orchestrator import (
     new_request_id,
 )
 from cosyvoice2_serving.stats import Stats
+from cosyvoice2_serving.voice_cache import VoicePrompts
 from spark_tts.audio_tokenizer import AudioTokenizer
 from spark_tts.config import BiCodecConfig
 from spark_tts.engine import SAMPLE_RATE as SPARK_SAMPLE_RATE
@@ -68,6 +69,7 @@ class SparkOrchestratorConfig:
     # counted as one semantic code (`SparkTokenizer.benchmark_codes`); the engine must not stop early either
     # (`SparkEngine(benchmark=True)`). None: off.
     fixed_token_text_ratio: float | None = None
+    voice_cache: int = 64  # voices this orchestrator keeps (a hit makes no voice-prompt call)
 
     def fixed_tokens(self, num_text_tokens: int) -> int | None:
         """Benchmark mode's LLM tokens for ``num_text_tokens`` target text tokens; None when off."""
@@ -83,7 +85,9 @@ class SparkOrchestratorConfig:
 
 class SparkClients(Protocol):
     async def voice_prompt(self, request: SpeechRequest) -> SparkVoicePrompt:
-        """The voice's tokens (computed once per voice id, cached by the callee)."""
+        """The voice's tokens from the pipeline's voice-prompt model: computed from the request's audio once per
+        voice id (cached by the callee), or for an id-only request looked up there (`UnknownVoice` when it does
+        not hold the voice). Called only when the orchestrator's own cache misses."""
 
     def llm(self, request_id: str, request: SparkLLMRequest) -> AsyncIterator[list[int]]:
         """Generated LLM ids as they are decoded (one list per delivery; ends when the sequence ends)."""
@@ -116,6 +120,8 @@ class SparkOrchestrator:
         self.tokenizer = tokenizer
         self.clients = clients
         self.stats = stats or Stats(ORCHESTRATOR_STATS)
+        self.voices: VoicePrompts[SparkVoicePrompt] = VoicePrompts(config.voice_cache,
+                                                                   lambda r: self.clients.voice_prompt(r))
 
     def build_llm_request(self, request: SpeechRequest, voice: SparkVoicePrompt, streaming: bool
                           ) -> tuple[SparkLLMRequest, int]:
@@ -162,7 +168,7 @@ class SparkOrchestrator:
                     logger.warning("request %s: stopping its LLM sequence failed", request_id)
 
         async with accounted(self.stats, release):
-            voice = await self.clients.voice_prompt(request)
+            voice = await self.voices.prompt(request)
             first.mark()
             if not request.target_text:  # the contract's warm-up rule: the voice is now cached
                 yield self._chunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)

@@ -76,6 +76,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.streaming_model,
             timeout_s=settings.request_timeout_s,
             retry_after_s=settings.retry_after_s,
+            known_voices=settings.known_voices_per_model,
+            metrics=metrics,
         )
         app.state.triton = triton
         app.state.models = ModelCatalog(settings, triton)

@@ -50,3 +50,17 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.voice_deletions = Counter("tts_voice_deletions", "Uploaded voices deleted.", registry=self.registry)
+        # How each request to Triton (one per segment, and each voice warm-up) carried its voice: by id alone,
+        # with the reference audio, or with it again after the pipeline answered [unknown_voice].
+        self.pipeline_requests = Counter(
+            "tts_pipeline_requests",
+            "Requests sent to Triton, by how the voice travelled (by_id, with_audio, resent_with_audio).",
+            ["voice"],
+            registry=self.registry,
+        )
+        self.pipeline_request_bytes = Counter(
+            "tts_pipeline_request_bytes",
+            "Tensor bytes of the requests sent to Triton, by how the voice travelled.",
+            ["voice"],
+            registry=self.registry,
+        )

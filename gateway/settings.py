@@ -59,6 +59,13 @@ class Settings(BaseSettings):
     spark_offline_model: str = Field(contract.SPARK_OFFLINE_MODEL, description="Spark-TTS whole-segment model.")
     spark_streaming_model: str = Field(contract.SPARK_STREAMING_MODEL, description="Spark-TTS streaming model.")
 
+    known_voices_per_model: int = Field(
+        1024,
+        ge=0,
+        description="Voices remembered per Triton model pair as sent to it with their audio: their later requests "
+        "carry only the voice id (docs/pipeline-contract.md#voices-by-id). 0: every request carries the audio.",
+    )
+
     voices_dir: Path = Field(SHIPPED_VOICES_DIR, description="Reference voices: <name>.<audio> + <name>.txt.")
     voice_aliases: dict[str, str] = Field(
         default_factory=lambda: dict(_DEFAULT_VOICE_ALIASES),

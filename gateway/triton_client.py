@@ -3,12 +3,18 @@
 Maps every failure to the gateway's errors: unreachable or not-ready Triton -> BackendUnavailable,
 model errors tagged ``[invalid_input]`` -> InvalidRequest, ``[overloaded]`` -> BackendOverloaded,
 deadlines -> SynthesisTimeout, anything else -> SynthesisFailed.
+
+A voice goes to a pipeline with its reference audio once; later requests name it by id alone (`VoiceMemory`). A
+pipeline that does not hold it (a restart, an eviction, a replica behind the same target that never saw it)
+answers ``[unknown_voice]`` before any audio, and the request is sent once more with the audio.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +29,7 @@ from gateway.errors import (
     SynthesisFailed,
     SynthesisTimeout,
 )
+from gateway.metrics import GatewayMetrics
 import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
@@ -61,6 +68,55 @@ class Pipeline:
     streaming: str
 
 
+class VoiceNotHeld(SynthesisFailed):
+    """The pipeline does not hold the voice an id-only request named (``[unknown_voice]``, sent before any audio):
+    the request goes again with the audio. A client sees it only from a pipeline that refuses a request carrying the
+    audio, which is a failure inside the pipeline."""
+
+
+class VoiceMemory:
+    """Which voices each pipeline of one Triton target was sent with their audio and accepted: their next requests
+    name them by id alone.
+
+    A voice the pipeline did not hold when named by id is forgotten: its resend carries the audio, and so does its
+    next request before it is remembered again. Behind a round-robin target that next request reaches another
+    replica than the resend did, so with two replicas both hold the voice after one miss (strict turn-taking
+    would otherwise send every id-only request to the replica that lacks it and every resend to the other).
+
+    Bounded: the `capacity` most recently used voices per pipeline (0: none, every request carries its audio); a
+    forgotten voice only travels with its audio once more. Used from the event loop only.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"voice memory capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._known: dict[Pipeline, OrderedDict[str, None]] = {}
+
+    def knows(self, pipeline: Pipeline, voice_id: str) -> bool:
+        known = self._known.get(pipeline)
+        if known is None or voice_id not in known:
+            return False
+        known.move_to_end(voice_id)
+        return True
+
+    def remember(self, pipeline: Pipeline, voice_id: str) -> None:
+        if not self.capacity:
+            return
+        known = self._known.setdefault(pipeline, OrderedDict())
+        known[voice_id] = None
+        known.move_to_end(voice_id)
+        while len(known) > self.capacity:
+            known.popitem(last=False)
+
+    def forget(self, pipeline: Pipeline, voice_id: str) -> None:
+        self._known.get(pipeline, {}).pop(voice_id, None)
+
+
+#: How a request's voice travelled, the label of the gateway's pipeline-request metrics.
+BY_ID, WITH_AUDIO, RESENT_WITH_AUDIO = "by_id", "with_audio", "resent_with_audio"
+
+
 def _requested_outputs() -> list[InferRequestedOutput]:
     return [InferRequestedOutput(spec.name) for spec in contract.OUTPUTS]
 
@@ -81,6 +137,8 @@ def _is_final(result: object) -> bool:
 
 def map_error(message: str, status: str | None, *, retry_after: int) -> ApiError:
     """A Triton/gRPC failure as the gateway error the client should see."""
+    if contract.ERROR_UNKNOWN_VOICE in message:
+        return VoiceNotHeld(f"Synthesis failed: the pipeline does not hold the voice: {message}")
     if contract.ERROR_INVALID_INPUT in message:
         return InvalidRequest(message.split(contract.ERROR_INVALID_INPUT, 1)[1].strip() or message)
     if contract.ERROR_OVERLOADED in message:
@@ -104,15 +162,29 @@ def _from_exception(exc: Exception, retry_after: int) -> ApiError:
 
 
 class TritonClient:
-    """gRPC client of the offline and streaming pipeline models. Create it inside the event loop."""
+    """gRPC client of the offline and streaming pipeline models. Create it inside the event loop.
+
+    `url` is one target: one Triton, or several behind one name (a ``dns:///`` Service, an ``ipv4:a,b`` list)
+    spread round-robin; `known_voices` voices per pipeline are remembered as sent to it (`VoiceMemory`).
+    """
 
     def __init__(
-        self, url: str, offline_model: str, streaming_model: str, *, timeout_s: float, retry_after_s: int
+        self,
+        url: str,
+        offline_model: str,
+        streaming_model: str,
+        *,
+        timeout_s: float,
+        retry_after_s: int,
+        known_voices: int = 1024,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
         self.pipeline = Pipeline(offline_model, streaming_model)  # the default: CosyVoice2's
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
+        self.voices = VoiceMemory(known_voices)
+        self._metrics = metrics
 
     async def close(self) -> None:
         await self._client.close()
@@ -139,15 +211,43 @@ class TritonClient:
             logger.info("readiness: Triton unreachable: %s", exc)  # probes come often: not a warning each time
             raise BackendUnavailable("The speech backend is unreachable.", retry_after=self._retry_after_s) from exc
 
+    def _first_try(self, request: SegmentRequest, pipeline: Pipeline) -> tuple[SegmentRequest, str]:
+        """`request` by voice id alone when `pipeline` was sent its voice before, else as it is."""
+        if request.carries_audio and self.voices.knows(pipeline, request.voice_id):
+            return contract.id_only(request), BY_ID
+        return request, WITH_AUDIO if request.carries_audio else BY_ID
+
+    def _inputs(self, request: SegmentRequest, voice: str) -> list:
+        arrays = contract.encode_request(request)
+        if self._metrics is not None:
+            self._metrics.pipeline_requests.labels(voice).inc()
+            self._metrics.pipeline_request_bytes.labels(voice).inc(contract.payload_bytes(arrays))
+        return contract.grpc_tensors(arrays)
+
     async def synthesize_offline(
         self, request: SegmentRequest, *, timeout_s: float | None = None, pipeline: Pipeline | None = None
     ) -> contract.SpeechChunk:
         """One unary request on the offline model (of `pipeline`, default CosyVoice2's): the whole waveform of one
         segment (with empty ``target_text``: only the voice prompt is computed and cached, per the contract)."""
+        pipeline = pipeline or self.pipeline
+        sent, voice = self._first_try(request, pipeline)
+        try:
+            chunk = await self._offline_once(sent, voice, pipeline, timeout_s)
+        except VoiceNotHeld:
+            if sent is request:
+                raise
+            self.voices.forget(pipeline, request.voice_id)
+            return await self._offline_once(request, RESENT_WITH_AUDIO, pipeline, timeout_s)
+        self.voices.remember(pipeline, request.voice_id)
+        return chunk
+
+    async def _offline_once(
+        self, request: SegmentRequest, voice: str, pipeline: Pipeline, timeout_s: float | None
+    ) -> contract.SpeechChunk:
         try:
             result = await self._client.infer(
-                (pipeline or self.pipeline).offline,
-                contract.grpc_inputs(request),
+                pipeline.offline,
+                self._inputs(request, voice),
                 outputs=_requested_outputs(),
                 request_id=request.request_id,
                 client_timeout=timeout_s or self._timeout_s,
@@ -159,7 +259,31 @@ class TritonClient:
     async def synthesize_stream(
         self, request: SegmentRequest, pipeline: Pipeline | None = None
     ) -> AsyncIterator[contract.SpeechChunk]:
-        """The decoupled model's chunks for one segment, in order.
+        """The decoupled model's chunks for one segment, in order (sent by voice id alone when the pipeline was sent
+        the voice before; again with the audio if it answers ``[unknown_voice]``, which comes before any chunk)."""
+        pipeline = pipeline or self.pipeline
+        sent, voice = self._first_try(request, pipeline)
+        answered = False
+        try:
+            # aclosing: a consumer leaving mid-stream cancels the gRPC call now, not when the generator is collected
+            async with aclosing(self._stream_once(sent, voice, pipeline)) as chunks:
+                async for chunk in chunks:
+                    answered = True
+                    self.voices.remember(pipeline, request.voice_id)
+                    yield chunk
+            return
+        except VoiceNotHeld:
+            if sent is request or answered:
+                raise
+            self.voices.forget(pipeline, request.voice_id)
+        async with aclosing(self._stream_once(request, RESENT_WITH_AUDIO, pipeline)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _stream_once(
+        self, request: SegmentRequest, voice: str, pipeline: Pipeline
+    ) -> AsyncIterator[contract.SpeechChunk]:
+        """One streaming call.
 
         The request stream is half-closed right after the request, so the call ends by itself after
         the FINAL response and is read to that end. If the consumer stops early (cancelled task,
@@ -169,8 +293,8 @@ class TritonClient:
 
         async def one_request() -> AsyncIterator[dict[str, object]]:
             yield {
-                "model_name": (pipeline or self.pipeline).streaming,
-                "inputs": contract.grpc_inputs(request),
+                "model_name": pipeline.streaming,
+                "inputs": self._inputs(request, voice),
                 "outputs": _requested_outputs(),
                 "request_id": request.request_id,
             }

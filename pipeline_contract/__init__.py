@@ -12,6 +12,10 @@ A request whose ``target_text`` is empty only computes and caches the voice prom
 (voice registration warms the cache this way): its single response has an empty waveform and zero
 tokens. The gateway never sends empty text for speech (it rejects empty input with 400).
 
+A request may name its voice by ``voice_id`` alone, without ``reference_wav``/``reference_wav_len`` (an *id-only*
+request): the pipeline takes the voice from its voice cache, or, when it does not hold it, answers with an error
+tagged ``ERROR_UNKNOWN_VOICE`` before any audio, and the client sends the request again with the audio.
+
 Both take ``max_batch_size: 0`` shapes (no batch dimension): batching happens inside the pipeline.
 The gateway sends one request per text segment, in order. This module is import-light (numpy only)
 because the torch-free gateway, the Triton model adapters and the stand-in test model all use it.
@@ -20,8 +24,8 @@ See docs/pipeline-contract.md for the prose version.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Callable, Mapping, TypeVar
 
 import numpy as np
 
@@ -73,13 +77,15 @@ _NUMPY_DTYPES: dict[str, type] = {
 }
 
 # Inputs ---------------------------------------------------------------------------------------
-REFERENCE_WAV = TensorSpec("reference_wav", "FP32", (-1,))  # 16 kHz mono float in [-1, 1]
-REFERENCE_WAV_LEN = TensorSpec("reference_wav_len", "INT32", (1,))  # valid samples in reference_wav
+#: The reference voice, 16 kHz mono float in [-1, 1], and its valid samples: both or neither (an id-only request).
+REFERENCE_WAV = TensorSpec("reference_wav", "FP32", (-1,), optional=True)
+REFERENCE_WAV_LEN = TensorSpec("reference_wav_len", "INT32", (1,), optional=True)
 #: UTF-8 transcript of the reference; empty = none (the pipeline then uses CosyVoice2's cross-lingual mode).
 REFERENCE_TEXT = TensorSpec("reference_text", "BYTES", (1,))
 TARGET_TEXT = TensorSpec("target_text", "BYTES", (1,))  # UTF-8 text of ONE segment to speak
 #: Keys the server-side voice-prompt cache: a content hash of (audio, transcript), computed by the
-#: gateway once per voice. Never a bare name: two voices with one transcript must not collide.
+#: gateway once per voice. Never a bare name: two voices with one transcript must not collide, and a voice
+#: replaced under its name (new audio or transcript) gets a new id, so a cache never serves the old one.
 VOICE_ID = TensorSpec("voice_id", "BYTES", (1,))
 SEED = TensorSpec("seed", "UINT64", (1,), optional=True)  # sampling seed; absent = random per request
 #: UTF-8 style instruction ("Speak slowly and sadly"); absent or empty = none. Given, the pipeline uses
@@ -105,6 +111,9 @@ OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS, SAMPLE
 #: them to HTTP statuses without parsing free text (Triton's gRPC status codes are coarse).
 ERROR_INVALID_INPUT = "[invalid_input]"  # -> 400
 ERROR_OVERLOADED = "[overloaded]"  # -> 503 with Retry-After
+#: An id-only request named a voice the pipeline does not hold (never seen, evicted, or another replica's): sent
+#: before any audio; the client sends the request again with the reference audio.
+ERROR_UNKNOWN_VOICE = "[unknown_voice]"
 
 
 def pbtxt_io_block(kind: str, specs: tuple[TensorSpec, ...]) -> str:
@@ -142,12 +151,28 @@ class ContractViolation(ValueError):
 class SpeechRequest:
     """One pipeline request: one text segment spoken with one reference voice."""
 
-    reference_wav: np.ndarray  # float32, 16 kHz mono; decoded: exactly the reference_wav_len valid samples
+    #: float32, 16 kHz mono; decoded: exactly the reference_wav_len valid samples. Empty: an id-only request (the
+    #: voice is named by `voice_id` alone and taken from the pipeline's voice cache).
+    reference_wav: np.ndarray
     reference_text: str  # "" = the voice has no transcript (cross-lingual mode)
     target_text: str  # "" = the warm-up rule: only compute and cache the voice prompt
     voice_id: str
     seed: int | None = None  # None = random per request
     instruction: str = ""  # "" = none; else CosyVoice2's instruct mode (the transcript is then unused)
+
+    @property
+    def carries_audio(self) -> bool:
+        """False for an id-only request."""
+        return self.reference_wav.size > 0
+
+
+_Request = TypeVar("_Request", bound=SpeechRequest)
+
+
+def id_only(request: _Request) -> _Request:
+    """``request`` naming its voice by ``voice_id`` alone: the reference audio stays home (the transcript still
+    travels: it is small and decides the voice mode)."""
+    return replace(request, reference_wav=np.zeros(0, dtype=np.float32))
 
 
 @dataclass(frozen=True)
@@ -166,15 +191,18 @@ def _text(value: str) -> np.ndarray:
 
 
 def encode_request(request: SpeechRequest) -> dict[str, np.ndarray]:
-    """The input tensors of ``request`` by name, in ``INPUTS`` order; optional inputs only when set."""
-    wav = np.ascontiguousarray(request.reference_wav, dtype=np.float32).reshape(-1)
-    arrays = {
-        REFERENCE_WAV.name: wav,
-        REFERENCE_WAV_LEN.name: np.array([wav.size], dtype=np.int32),
+    """The input tensors of ``request`` by name, in ``INPUTS`` order; optional inputs only when set (an id-only
+    request has no reference tensors)."""
+    arrays: dict[str, np.ndarray] = {}
+    if request.carries_audio:
+        wav = np.ascontiguousarray(request.reference_wav, dtype=np.float32).reshape(-1)
+        arrays[REFERENCE_WAV.name] = wav
+        arrays[REFERENCE_WAV_LEN.name] = np.array([wav.size], dtype=np.int32)
+    arrays.update({
         REFERENCE_TEXT.name: _text(request.reference_text),
         TARGET_TEXT.name: _text(request.target_text),
         VOICE_ID.name: _text(request.voice_id),
-    }
+    })  # fmt: skip
     if request.seed is not None:
         arrays[SEED.name] = np.array([request.seed], dtype=np.uint64)
     if request.instruction:
@@ -182,12 +210,29 @@ def encode_request(request: SpeechRequest) -> dict[str, np.ndarray]:
     return arrays
 
 
+def payload_bytes(arrays: Mapping[str, np.ndarray]) -> int:
+    """The tensor data that ``arrays`` put on the wire: numeric tensors' bytes, BYTES elements as Triton serializes
+    them (a 4-byte length, then the bytes). What a request costs to carry, without the protocol's framing."""
+    total = 0
+    for value in arrays.values():
+        if value.dtype == np.object_:
+            total += sum(4 + len(item if isinstance(item, bytes) else str(item).encode()) for item in value.flat)
+        else:
+            total += value.nbytes
+    return total
+
+
 def grpc_inputs(request: SpeechRequest) -> list:
     """``encode_request`` as ``tritonclient.grpc.InferInput`` objects (what the gRPC clients send)."""
+    return grpc_tensors(encode_request(request))
+
+
+def grpc_tensors(arrays: Mapping[str, np.ndarray]) -> list:
+    """Encoded request tensors (``encode_request``) as ``tritonclient.grpc.InferInput`` objects."""
     from tritonclient.grpc import InferInput  # noqa: PLC0415 - clients only; the Triton models never need it
 
     inputs = []
-    for name, value in encode_request(request).items():
+    for name, value in arrays.items():
         tensor = InferInput(name, list(value.shape), _INPUTS_BY_NAME[name].triton_dtype)
         tensor.set_data_from_numpy(value)
         inputs.append(tensor)
@@ -208,12 +253,12 @@ def _scalar_text(arrays: Mapping[str, np.ndarray | None], spec: TensorSpec) -> s
         raise ContractViolation(f"input '{spec.name}' is not valid UTF-8") from exc
 
 
-def decode_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
-    """The inverse of ``encode_request`` with the contract's input rules (numpy arrays by tensor name; absent
-    optional inputs as None). Raises ``ContractViolation`` saying what is wrong."""
-    wav, wav_len = arrays.get(REFERENCE_WAV.name), arrays.get(REFERENCE_WAV_LEN.name)
+def _reference(wav: np.ndarray | None, wav_len: np.ndarray | None) -> np.ndarray:
+    """The valid samples of a request's reference audio, checked."""
     if wav is None or wav_len is None or wav_len.size != 1:
-        raise ContractViolation("reference_wav and a one-element reference_wav_len are required")
+        raise ContractViolation(
+            "reference_wav and a one-element reference_wav_len come together (or neither: an id-only request)"
+        )
     wav = np.asarray(wav, dtype=np.float32).reshape(-1)
     n = int(wav_len.reshape(-1)[0])
     if not MIN_REFERENCE_SAMPLES <= n <= min(wav.size, MAX_REFERENCE_SAMPLES):
@@ -224,6 +269,18 @@ def decode_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
     wav = wav[:n]
     if not np.isfinite(wav).all():
         raise ContractViolation("reference_wav holds NaN or infinite samples")
+    return wav
+
+
+def decode_request(arrays: Mapping[str, np.ndarray | None]) -> SpeechRequest:
+    """The inverse of ``encode_request`` with the contract's input rules (numpy arrays by tensor name; absent
+    optional inputs as None; neither reference tensor: an id-only request, decoded with an empty
+    ``reference_wav``). Raises ``ContractViolation`` saying what is wrong."""
+    wav, wav_len = arrays.get(REFERENCE_WAV.name), arrays.get(REFERENCE_WAV_LEN.name)
+    if wav is None and wav_len is None:
+        wav = np.zeros(0, dtype=np.float32)  # id-only: the pipeline looks the voice up by voice_id
+    else:
+        wav = _reference(wav, wav_len)
     target_text = _scalar_text(arrays, TARGET_TEXT)
     if not target_text.strip():
         target_text = ""  # the warm-up rule: whitespace only counts as empty

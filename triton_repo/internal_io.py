@@ -21,17 +21,18 @@ from cosyvoice2.streaming import Chunk
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
-from pipeline_contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, TensorSpec
+from pipeline_contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, SpeechRequest, TensorSpec
 from triton_repo.trtllm_backend_facts import PINNED
 
 Arrays = Mapping[str, "np.ndarray | None"]
 
 # -- audio_tokenizer / speaker_embedding (dynamic batching: dims exclude the batch dimension) ------
-AUDIO_INPUTS = (replace(REFERENCE_WAV, allow_ragged_batch=True), REFERENCE_WAV_LEN)
+AUDIO_INPUTS = (replace(REFERENCE_WAV, optional=False, allow_ragged_batch=True), replace(REFERENCE_WAV_LEN, optional=False))
 SPEECH_TOKENS = TensorSpec("speech_tokens", "INT32", (-1,))  # raw 25 Hz tokens, not yet 1:2-aligned
 XVECTOR = TensorSpec("xvector", "FP32", (-1,))  # CAM++ 192-d
 
 # -- voice_prompt ----------------------------------------------------------------------------------
+#: The voice id with the reference audio (compute the prompt unless cached), or alone (only look it up).
 VOICE_PROMPT_INPUTS = (REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID)
 PROMPT_SPEECH_TOKENS = TensorSpec("prompt_speech_tokens", "INT32", (-1,))
 PROMPT_MEL = TensorSpec("prompt_mel", "FP32", (-1, 80))
@@ -222,6 +223,27 @@ def llm_response_tensors(ids: list[int]) -> dict[str, np.ndarray]:
 
 
 # -- voice_prompt ----------------------------------------------------------------------------------
+def voice_prompt_tensors(request: SpeechRequest) -> dict[str, np.ndarray]:
+    """A voice-prompt model's inputs (CosyVoice2's `voice_prompt`, Spark's `spark_voice_prompt`) for `request`: its
+    voice id, and its reference audio unless the request is id-only."""
+    tensors = {VOICE_ID.name: np.array([request.voice_id.encode()], dtype=np.object_)}
+    if request.carries_audio:
+        tensors[REFERENCE_WAV.name] = request.reference_wav
+        tensors[REFERENCE_WAV_LEN.name] = np.array([request.reference_wav.size], dtype=np.int32)
+    return tensors
+
+
+def parse_voice_prompt(arrays: Arrays) -> tuple[str, np.ndarray | None]:
+    """(voice id, the reference's valid samples; None for a lookup by id alone): the inverse of
+    `voice_prompt_tensors`."""
+    raw = arrays[VOICE_ID.name].reshape(-1)[0]
+    voice_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    wav, wav_len = arrays.get(REFERENCE_WAV.name), arrays.get(REFERENCE_WAV_LEN.name)
+    if wav is None or wav_len is None:
+        return voice_id, None
+    return voice_id, np.asarray(wav, dtype=np.float32).reshape(-1)[: int(wav_len.reshape(-1)[0])]
+
+
 def prompt_to_tensors(prompt: PromptTensors) -> dict[str, np.ndarray]:
     return {
         PROMPT_SPEECH_TOKENS.name: prompt.speech_tokens.astype(np.int32),

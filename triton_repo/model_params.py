@@ -204,6 +204,7 @@ class OrchestratorParams(ModelParams):
     max_target_text_tokens: int
     schedule: StreamScheduleParams
     models: InternalModels
+    voice_cache: int  # voice prompts each orchestrator keeps in front of `voice_prompt` (a hit makes no call)
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
     # TensorRT-LLM only: the logits bias file (text-id mask), its repetition penalty and the loop guard
     llm_logits_bias: Path | None = None
@@ -300,6 +301,7 @@ class SparkOrchestratorParams(ModelParams):
     max_seq_len: int  # the LLM's prompt + generated tokens per sequence
     max_target_text_tokens: int
     schedule: ChunkSchedule  # the stream's piece sizes (first_chunk_tokens, scale, max_chunk_tokens)
+    voice_cache: int  # voices each orchestrator keeps in front of `spark_voice_prompt` (a hit makes no call)
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
     trtllm_model: str | None = None  # the tensorrtllm model decoding the LLM; None: `spark_engine`'s PyTorch LLM
 

@@ -136,6 +136,7 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
         max_target_text_tokens=opts.max_target_text_tokens,
         schedule=_schedule(opts),
         models=internal_models(opts),
+        voice_cache=opts.voice_cache,
         benchmark=_benchmark(opts),
         llm_logits_bias=(opts.llm_dir / LOGITS_BIAS_FILE).resolve() if trtllm and opts.llm_dir else None,
         llm_repetition_penalty=opts.repetition_penalty if trtllm else None,

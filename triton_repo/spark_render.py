@@ -144,6 +144,7 @@ def orchestrator_params(opts: RenderOptions) -> SparkOrchestratorParams:
         max_seq_len=spark.max_seq_len,
         max_target_text_tokens=opts.max_target_text_tokens,
         schedule=ChunkSchedule(spark.first_chunk_tokens, spark.chunk_scale, spark.max_chunk_tokens),
+        voice_cache=opts.voice_cache,
         benchmark=_benchmark(spark),
         trtllm_model=LLM if spark.engine_dir is not None else None,
     )

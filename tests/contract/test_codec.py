@@ -36,6 +36,31 @@ def test_grpc_inputs_are_the_encoded_tensors_under_their_declared_types():
     assert [(i.name(), i.datatype()) for i in inputs] == [(name, declared[name]) for name in declared]
 
 
+def test_an_id_only_request_carries_no_reference_tensors_and_decodes_as_such():
+    request = contract.id_only(_request(seed=3))
+    assert request.voice_id == "v1" and not request.carries_audio and _request().carries_audio
+    arrays = contract.encode_request(request)
+    assert contract.REFERENCE_WAV.name not in arrays and contract.REFERENCE_WAV_LEN.name not in arrays
+    decoded = contract.decode_request(arrays)
+    assert not decoded.carries_audio and decoded.reference_text == "a transcript" and decoded.seed == 3
+    assert [i.name() for i in contract.grpc_inputs(request)] == list(arrays)
+
+
+@pytest.mark.parametrize("missing", [contract.REFERENCE_WAV.name, contract.REFERENCE_WAV_LEN.name])
+def test_half_a_reference_is_a_violation(missing):
+    arrays = {**contract.encode_request(_request()), missing: None}
+    with pytest.raises(contract.ContractViolation, match="come together"):
+        contract.decode_request(arrays)
+
+
+def test_payload_bytes_count_what_the_tensors_carry():
+    with_audio = contract.payload_bytes(contract.encode_request(_request()))
+    by_id = contract.payload_bytes(contract.encode_request(contract.id_only(_request())))
+    # three strings, each a 4-byte length and its UTF-8 bytes; the audio's float32 samples and its length
+    assert by_id == (4 + len("a transcript")) + (4 + len("Speak this.")) + (4 + len("v1"))
+    assert with_audio == by_id + WAV.nbytes + 4
+
+
 @pytest.mark.parametrize("text", ["", "  \n\t "])
 def test_blank_target_text_is_the_warm_up_request(text):
     assert contract.decode_request(contract.encode_request(_request(target_text=text))).target_text == ""

@@ -81,14 +81,15 @@ def test_unknown_extension_fields_are_ignored_and_the_seed_reaches_the_model(gat
     assert [r["seed"] for r in standin_backend.requests_tagged("zqseed")] == [2**63 + 7]
 
 
-def test_the_model_receives_the_voice_as_the_contract_says(gateway, standin_backend):
+def test_the_model_receives_the_voice_as_the_contract_says(gateway_factory, standin_backend):
+    gateway = gateway_factory(standin_backend.server.grpc_url)  # its own: it has sent no voice yet, so the audio goes
     voices = gateway.client().get("/audio/voices", cast_to=object)["voices"]
     clara = next(v for v in voices if v["name"] == "clara")
     gateway.client().audio.speech.create(model="tts-1", input="zqvoice Hello.", voice="coral", response_format="pcm")
     [record] = standin_backend.requests_tagged("zqvoice")
     assert record["voice_id"] == clara["id"]
     assert record["reference_text"] == (REPO_ROOT / "ref_audios" / "clara.txt").read_text().strip()
-    assert record["reference_samples"] == record["reference_wav_len"]
+    assert record["carries_audio"] and record["reference_samples"] == record["reference_wav_len"]
     assert 3 * 16_000 <= record["reference_wav_len"] <= 8 * 16_000
     assert 0.01 < record["reference_rms"] < 1.0
 

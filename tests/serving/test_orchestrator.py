@@ -9,7 +9,7 @@ import pytest
 
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.errors import InvalidInput
+from cosyvoice2_serving.errors import InvalidInput, UnknownVoice
 from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.orchestrator import (
     Orchestrator,
@@ -279,5 +279,71 @@ async def test_empty_target_text_only_prepares_the_voice(text):
     for streaming in (False, True):
         [chunk] = await collect(orch, req, streaming)
         assert chunk.final and chunk.waveform.size == 0 and (chunk.input_tokens, chunk.output_tokens) == (0, 0)
-    assert prepared == ["abc", "abc"] and clients.llm_requests == [] and clients.calls == []
+    # computed once: the second request finds the voice in the orchestrator's own cache
+    assert prepared == ["abc"] and clients.llm_requests == [] and clients.calls == []
     assert orch.stats.get("orchestrator_active_requests") == 0
+
+
+# -- voices named by id only ------------------------------------------------------------------------------------------
+class VoiceModelClients(FakeClients):
+    """A voice-prompt model that holds the voices it was sent with audio, and refuses id-only requests for others."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        super().__init__(tokens)
+        self.held: set[str] = set()
+        self.prompt_calls: list[tuple[str, bool]] = []  # (voice id, with audio)
+
+    async def voice_prompt(self, request):
+        self.prompt_calls.append((request.voice_id, request.carries_audio))
+        await asyncio.sleep(0)
+        if request.carries_audio:
+            self.held.add(request.voice_id)
+        elif request.voice_id not in self.held:
+            raise UnknownVoice.of(request.voice_id)
+        return PROMPT
+
+
+async def test_an_id_only_request_for_a_held_voice_makes_no_voice_prompt_call():
+    clients = VoiceModelClients(list(range(10)))
+    orch = orchestrator(clients)
+    await collect(orch, request(), streaming=False)  # with its audio: computed by the voice-prompt model
+    chunks = await collect(orch, contract.id_only(request()), streaming=True)
+    assert chunks[-1].final and sum(c.waveform.size for c in chunks) == 10 * SAMPLES_PER_TOKEN
+    assert clients.prompt_calls == [("voice", True)]  # the id-only request was served from the orchestrator's cache
+    assert orch.voices.cache.stats.get("voice_cache_hits_total") == 1
+
+
+async def test_an_id_only_request_missing_here_is_looked_up_in_the_voice_prompt_model():
+    clients = VoiceModelClients(list(range(10)))
+    clients.held.add("voice")  # e.g. prepared through the other pipeline model (offline / streaming)
+    orch = orchestrator(clients)
+    await collect(orch, contract.id_only(request()), streaming=False)
+    await collect(orch, contract.id_only(request()), streaming=False)
+    assert clients.prompt_calls == [("voice", False)]  # looked up once without audio, then held here
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+async def test_an_unknown_voice_is_refused_with_its_tag_before_any_work(streaming):
+    clients = VoiceModelClients(list(range(10)))
+    orch = orchestrator(clients)
+    chunks = []
+    with pytest.raises(UnknownVoice) as info:
+        async for chunk in orch.synthesize(contract.id_only(request()), streaming):
+            chunks.append(chunk)
+    assert str(info.value).startswith(contract.ERROR_UNKNOWN_VOICE) and "voice" in str(info.value)
+    assert chunks == [] and clients.llm_requests == [] and clients.calls == []
+    assert "voice" not in orch.voices.cache  # nothing cached: the resend with the audio computes it
+    assert orch.stats.get("orchestrator_active_requests") == 0
+    [chunk] = await collect(orch, request(), streaming=False)  # the resend
+    assert chunk.waveform.size == 10 * SAMPLES_PER_TOKEN
+
+
+async def test_a_request_with_audio_never_inherits_an_id_only_lookup_failure():
+    clients = VoiceModelClients(list(range(10)))
+    orch = orchestrator(clients)
+    results = await asyncio.gather(
+        collect(orch, contract.id_only(request()), streaming=False), collect(orch, request(), streaming=False),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], UnknownVoice)
+    assert not isinstance(results[1], BaseException) and results[1][0].waveform.size == 10 * SAMPLES_PER_TOKEN

@@ -47,9 +47,12 @@ def synthesis_inputs(
     seconds: float = 1.0,
     reference_text: str = "a reference",
     instruction: str | None = None,
+    by_id: bool = False,
 ) -> list:
+    """One request's inputs; `by_id`: naming the voice by id alone (no reference audio)."""
     wav = (np.random.default_rng(len(voice)).standard_normal(int(16000 * seconds)) * 0.1).astype(np.float32)
-    return contract.grpc_inputs(contract.SpeechRequest(wav, reference_text, text, voice, seed, instruction or ""))
+    request = contract.SpeechRequest(wav, reference_text, text, voice, seed, instruction or "")
+    return contract.grpc_inputs(contract.id_only(request) if by_id else request)
 
 
 @pytest.fixture(scope="session")

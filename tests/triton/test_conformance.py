@@ -1,6 +1,6 @@
 """One pipeline-contract conformance suite, run against BOTH the stand-in model (tests/gateway/standin_model)
 and the real pipeline on the tiny model, so the test double and the real thing cannot drift apart again:
-the warm-up rule, the error tags, cancellation, usage counts (docs/pipeline-contract.md)."""
+the warm-up rule, the error tags, voices by id, cancellation, usage counts (docs/pipeline-contract.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.grpc import InferenceServerException
 
 from tests.gateway.conftest import standin_backend  # noqa: F401 - the stand-in as a fixture here too
-from tests.gateway.voice_clips import make_clip, upload
+from gateway.services.voice_store import wav_bytes
+from tests.gateway.voice_clips import make_clip, upload, voiced_signal
 from tests.triton.conftest import SAMPLES_PER_TOKEN, synthesis_inputs
 import pipeline_contract as contract
 
@@ -167,3 +168,91 @@ def test_a_client_leaving_cancels_the_request_in_the_pipeline(contract_gateway, 
     while time.monotonic() < deadline and contract_gateway.metric("tts_in_flight_requests"):
         time.sleep(0.1)
     assert contract_gateway.metric("tts_in_flight_requests") == 0
+
+
+# -- voices by id --------------------------------------------------------------------------------------------------
+async def _stream_until_error(url: str, inputs: list) -> tuple[int, InferenceServerException | None]:
+    """(audio samples received, the error that ended the stream, if any)."""
+    samples = 0
+    try:
+        for waveform, _, _, _ in await _stream(url, inputs):
+            samples += waveform.size
+    except InferenceServerException as exc:
+        return samples, exc
+    return samples, None
+
+
+def test_an_id_only_request_for_a_voice_not_held_is_refused_before_any_audio(backend):
+    voice = f"never-sent-{backend.name}"
+    with pytest.raises(InferenceServerException, match=r"\[unknown_voice\]"):
+        asyncio.run(_offline(backend.grpc_url, synthesis_inputs("Hello.", voice=voice, by_id=True)))
+    samples, error = asyncio.run(_stream_until_error(backend.grpc_url, synthesis_inputs("Hello.", voice=voice,
+                                                                                         by_id=True)))
+    assert samples == 0 and error is not None and "[unknown_voice]" in error.message()
+    # the warm-up rule by id alone checks the voice is held: refused alike
+    with pytest.raises(InferenceServerException, match=r"\[unknown_voice\]"):
+        asyncio.run(_offline(backend.grpc_url, synthesis_inputs("", voice=voice, by_id=True)))
+
+
+def test_an_id_only_request_for_a_held_voice_is_served_by_both_models(backend):
+    voice = f"sent-once-{backend.name}"
+    asyncio.run(_offline(backend.grpc_url, synthesis_inputs("", voice=voice)))  # the audio once: the warm-up
+    offline = asyncio.run(_offline(backend.grpc_url, synthesis_inputs("Hello by id.", voice=voice, by_id=True)))
+    assert offline.as_numpy(contract.WAVEFORM.name).size > 0
+    chunks = asyncio.run(_stream(backend.grpc_url, synthesis_inputs("Hello by id.", voice=voice, by_id=True)))
+    assert chunks[-1][3] and sum(c[0].size for c in chunks) > 0
+
+
+#: The gateway's response modes: streamed audio, the whole file, SSE events.
+MODES = {"audio": {"stream": True}, "whole": {"stream": False}, "sse": {"stream_format": "sse"}}
+
+
+@pytest.fixture(scope="module")
+def voice_gateway(backend, gateway_factory, tmp_path_factory):
+    """A gateway whose voices are `fine<mode>` (1.5 s, one per response mode: each test needs a voice the pipeline
+    has never seen) and `tiny` (0.05 s: under the pipeline's reference minimum)."""
+    voices = tmp_path_factory.mktemp(f"voices-{backend.name}")
+    clips = {f"fine{mode}": voiced_signal(16_000, 1.5, fundamental=120 + 10 * i) for i, mode in enumerate(MODES)}
+    for name, samples in {**clips, "tiny": voiced_signal(16_000, 0.05)}.items():
+        (voices / f"{name}.wav").write_bytes(wav_bytes(samples))
+    return gateway_factory(backend.grpc_url, voices_dir=voices, voice_aliases={})
+
+
+def _believe_held(gateway, name: str) -> None:
+    """The gateway takes the voice as held by the pipeline without having sent it (as after a pipeline restart, an
+    eviction, or with a replica that never saw it): its next request names it by id alone."""
+    with gateway.http() as http:
+        voice_id = next(v["id"] for v in http.get("/v1/audio/voices").json()["voices"] if v["name"] == name)
+    triton = gateway.app.state.triton
+    triton.voices.remember(triton.pipeline, voice_id)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unknown_id_is_resent_with_the_audio_and_served(voice_gateway, mode):
+    _believe_held(voice_gateway, f"fine{mode}")
+    resent = voice_gateway.metric("tts_pipeline_requests_total", {"voice": "resent_with_audio"})
+    body = {"model": "tts-1", "voice": f"fine{mode}", "input": "Served after one resend.", "response_format": "pcm",
+            **MODES[mode]}
+    with voice_gateway.http() as http:
+        response = http.post("/v1/audio/speech", json=body)
+    assert response.status_code == 200, response.text
+    if mode == "sse":
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] > 0
+        audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    else:
+        audio = response.content
+    assert len(audio) > 0 and len(audio) % (2 * SAMPLES_PER_TOKEN) == 0  # whole tokens, each once
+    assert voice_gateway.metric("tts_pipeline_requests_total", {"voice": "resent_with_audio"}) == resent + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_unknown_id_whose_resend_fails_is_an_openai_error_before_any_audio(voice_gateway, mode):
+    _believe_held(voice_gateway, "tiny")
+    body = {"model": "tts-1", "voice": "tiny", "input": "Never spoken.", "response_format": "pcm", **MODES[mode]}
+    with voice_gateway.http() as http:
+        response = http.post("/v1/audio/speech", json=body)
+    assert response.status_code == 400  # the resend's own refusal (the reference is too short), not a 200
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_value")
+    assert "reference_wav_len" in error["message"] and "unknown_voice" not in error["message"]

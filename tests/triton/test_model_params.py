@@ -182,7 +182,7 @@ def test_bad_values_are_refused_naming_the_model_the_key_and_the_value(change, m
 
 def _orchestrator() -> OrchestratorParams:
     models = render_models.internal_models(RenderOptions(model_dir=Path("/m"), out=Path("/o")))
-    return OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models)
+    return OrchestratorParams(Path("/m"), "pytorch", 4096, 300, StreamScheduleParams(), models, voice_cache=64)
 
 
 def test_booleans_nested_checks_and_shared_keys_are_strict():
@@ -225,6 +225,7 @@ def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, 
         assert read[name] == SparkOrchestratorParams(
             spark_dir.resolve(), sample_rate=16_000, max_new_tokens=99, max_seq_len=999,
             max_target_text_tokens=opts.max_target_text_tokens, schedule=ChunkSchedule(7, 1.5, spark.max_chunk_tokens),
+            voice_cache=5,
         )  # fmt: skip
     assert read[spark_render.VOICE_PROMPT] == VoicePromptParams(5)
     # the Spark models keep CPU-kind instance groups in every layout: their device is the rendered one

@@ -86,14 +86,29 @@ async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
 
 
 async def test_a_repeated_voice_hits_the_prompt_cache(pipeline):
+    """A voice held by an orchestrator costs its requests no voice-prompt call; the other pipeline model finds it in
+    the shared `voice_prompt` model by id alone, without its audio."""
+
+    def calls(metrics, model):
+        return sum(metrics.get((f"voice_cache_{kind}_total", model), 0) for kind in ("hits", "misses"))
+
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("First.", voice="voice-repeat"))
         first = await settled_metrics(pipeline)
         await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("Second.", voice="voice-repeat"))
+        await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("Third.", voice="voice-repeat", by_id=True))
         second = await settled_metrics(pipeline)
-    key = ("voice_cache_hits_total", "voice_prompt")
-    assert second[key] == first[key] + 1
-    assert second[("voice_cache_misses_total", "voice_prompt")] == first[("voice_cache_misses_total", "voice_prompt")]
+        await stream(client, synthesis_inputs("Fourth.", voice="voice-repeat", by_id=True))
+        await stream(client, synthesis_inputs("Fifth.", voice="voice-repeat", by_id=True))
+        third = await settled_metrics(pipeline)
+    offline = ("voice_cache_hits_total", contract.OFFLINE_MODEL)
+    assert second[offline] == first.get(offline, 0) + 2  # with audio or by id: held by the orchestrator
+    assert calls(second, "voice_prompt") == calls(first, "voice_prompt")  # ... so no voice_prompt call
+    # the streaming orchestrator: one lookup by id in voice_prompt (a hit there), then held itself
+    assert third[("voice_cache_hits_total", "voice_prompt")] == second[("voice_cache_hits_total", "voice_prompt")] + 1
+    assert third[("voice_cache_misses_total", "voice_prompt")] == second[("voice_cache_misses_total", "voice_prompt")]
+    streaming = ("voice_cache_hits_total", contract.STREAMING_MODEL)
+    assert third[streaming] == second.get(streaming, 0) + 1
 
 
 async def test_invalid_input_is_reported_with_its_tag(pipeline):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
 
 import pipeline_contract as contract
 from cosyvoice2_serving.spark import SparkVoiceTokenizer
@@ -97,6 +98,23 @@ async def test_spark_streams_one_continuous_waveform_equal_to_the_offline_one(bo
         streamed = np.concatenate([c[0] for c in chunks])
         assert streamed.size == wave.size
         np.testing.assert_allclose(streamed, wave, atol=1e-4)  # no seams: the overlap is resolved on the server
+
+
+async def test_voices_by_id_are_per_model(both_server):
+    """A voice CosyVoice2 holds is unknown to Spark-TTS by id (its prompt is not Spark's tokens); once sent to Spark
+    with its audio, both Spark models serve it by id alone."""
+    url, voice = both_server.grpc_url, "voice-per-model"
+    await _offline(url, contract.OFFLINE_MODEL, synthesis_inputs("", voice=voice))  # CosyVoice2 holds it
+    with pytest.raises(InferenceServerException, match=r"\[unknown_voice\]"):
+        await _offline(url, contract.SPARK_OFFLINE_MODEL, synthesis_inputs(TEXT, voice=voice, by_id=True))
+    await _offline(url, contract.SPARK_OFFLINE_MODEL, synthesis_inputs("", voice=voice))  # the audio once
+    waveform, tokens, _ = await _offline(url, contract.SPARK_OFFLINE_MODEL,
+                                         synthesis_inputs(TEXT, voice=voice, seed=5, by_id=True))
+    assert tokens > 0 and waveform.size == tokens * HOP
+    async with aio.InferenceServerClient(url) as client:
+        streamed = await _stream(client, synthesis_inputs(TEXT, voice=voice, seed=5, by_id=True))
+    # the same voice tokens, hence the same speech: equal up to the windows' float rounding (as streaming is)
+    np.testing.assert_allclose(np.concatenate([w for w, *_ in streamed]), waveform, atol=1e-4)
 
 
 async def test_spark_refuses_instructions_and_keeps_the_warm_up_rule(both_server):

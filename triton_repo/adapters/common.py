@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice2_serving.errors import RemoteError
+from cosyvoice2_serving.errors import RemoteError, UnknownVoice
 from cosyvoice2_serving.orchestrator import parse_request, run_until_cancelled
 from cosyvoice2_serving.stats import Stats
 import pipeline_contract as contract
@@ -102,7 +102,8 @@ async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]
         if cancelled:
             sender.send(flags=FINAL)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the request's error response
-        if not isinstance(exc, RemoteError):
+        # a downstream model's error was logged there; an unknown voice is an answer (the client resends the audio)
+        if not isinstance(exc, (RemoteError, UnknownVoice)):
             logger.exception("request failed")
         try:
             sender.send(error_response(exc), flags=FINAL)

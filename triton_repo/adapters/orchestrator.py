@@ -55,15 +55,7 @@ class TritonClients:
         self.token2wav_router = StickyRouter(replicas, start=secrets.randbelow(len(replicas)))
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> PromptTensors:
-        out = await bls(
-            "voice_prompt",
-            {
-                contract.REFERENCE_WAV.name: request.reference_wav,
-                contract.REFERENCE_WAV_LEN.name: np.array([request.reference_wav.size], dtype=np.int32),
-                contract.VOICE_ID.name: np.array([request.voice_id.encode()], dtype=np.object_),
-            },
-            [spec.name for spec in io.VOICE_PROMPT_OUTPUTS],
-        )
+        out = await bls("voice_prompt", io.voice_prompt_tensors(request), [spec.name for spec in io.VOICE_PROMPT_OUTPUTS])
         prompt = io.prompt_from_tensors(out)
         assert prompt is not None
         return prompt
@@ -118,6 +110,7 @@ class TritonPythonModel(PipelineEntryModel):
             max_sequence_len=params.max_sequence_len,
             max_target_text_tokens=params.max_target_text_tokens,
             loop_guard=None if benchmark else params.loop_guard,  # TensorRT-LLM only (the PyTorch LLM runs RAS)
+            voice_cache=params.voice_cache,
         )
         logits_bias = None
         if params.llm_logits_bias is not None:
@@ -126,6 +119,6 @@ class TritonPythonModel(PipelineEntryModel):
                 logits_bias[list(vocab.end_ids)] = -1e9
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
-        self.metrics = MetricsExporter(args["model_name"], self.stats)
         clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty)
         self.orchestrator = Orchestrator(config, tokenizer, clients, self.stats)
+        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)

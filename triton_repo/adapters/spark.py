@@ -17,7 +17,7 @@ from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from cosyvoice2_serving.orchestrator import ORCHESTRATOR_STATS
 from cosyvoice2_serving.spark import SparkEngine, SparkOrchestrator, SparkOrchestratorConfig, SparkVoiceTokenizer
 from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
+from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
 from spark_tts.llm import SparkSampling
 from spark_tts.loading import read_llm_config
 from spark_tts.prompt import SparkTokenizer
@@ -44,11 +44,6 @@ from triton_repo.model_params import AudioModelParams, SparkEngineParams, SparkO
 VOICE_PROMPT_MODEL, AUDIO_TOKENIZER_MODEL, ENGINE_MODEL = io.VOICE_PROMPT_MODEL, io.AUDIO_TOKENIZER_MODEL, io.ENGINE_MODEL
 
 
-def _text(value: np.ndarray | None) -> str:
-    item = None if value is None else value.reshape(-1)[0]
-    return item.decode() if isinstance(item, bytes) else str(item)
-
-
 # -- orchestrators ---------------------------------------------------------------------------------
 class TritonSparkClients:
     """`SparkClients` over BLS calls to the Spark internal models; the LLM is `spark_engine`'s, or with
@@ -58,15 +53,7 @@ class TritonSparkClients:
         self.trtllm = trtllm
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> SparkVoicePrompt:
-        out = await bls(
-            VOICE_PROMPT_MODEL,
-            {
-                contract.REFERENCE_WAV.name: request.reference_wav,
-                contract.REFERENCE_WAV_LEN.name: np.array([request.reference_wav.size], dtype=np.int32),
-                contract.VOICE_ID.name: np.array([request.voice_id.encode()], dtype=np.object_),
-            },
-            [spec.name for spec in io.VOICE_TOKENS],
-        )
+        out = await bls(VOICE_PROMPT_MODEL, internal_io.voice_prompt_tensors(request), [s.name for s in io.VOICE_TOKENS])
         return io.voice_from_tensors(out)
 
     async def llm(self, request_id: str, request: SparkLLMRequest) -> AsyncIterator[list[int]]:
@@ -131,6 +118,7 @@ def orchestrator_config(params: SparkOrchestratorParams) -> SparkOrchestratorCon
         max_target_text_tokens=params.max_target_text_tokens,
         sample_rate=params.sample_rate,
         fixed_token_text_ratio=params.benchmark.speech_ratio if params.benchmark else None,
+        voice_cache=params.voice_cache,
     )
 
 
@@ -139,10 +127,10 @@ class SparkOrchestratorModel(PipelineEntryModel):
         params = SparkOrchestratorParams.from_parameters(model_params(args), args["model_name"])
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
-        self.metrics = MetricsExporter(args["model_name"], self.stats)
         tokenizer = SparkTokenizer.from_model_dir(params.model_dir)
         clients = TritonSparkClients(trtllm_llm(params, tokenizer))
         self.orchestrator = SparkOrchestrator(orchestrator_config(params), tokenizer, clients, self.stats)
+        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
 
 
 # -- voice prompt (cache) and audio tokenizer ------------------------------------------------------
@@ -160,10 +148,11 @@ class SparkVoicePromptModel:
         serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
-        arrays = read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS)
-        n = int(arrays[contract.REFERENCE_WAV_LEN.name].reshape(-1)[0])
-        wav = arrays[contract.REFERENCE_WAV.name].reshape(-1)[:n].astype(np.float32)
-        voice = await self.cache.get(_text(arrays[contract.VOICE_ID.name]), lambda: self._compute(wav))
+        voice_id, wav = internal_io.parse_voice_prompt(read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS))
+        if wav is None:  # an id-only request: the held voice, or [unknown_voice]
+            voice = await self.cache.find(voice_id, unknown_voice(voice_id))
+        else:
+            voice = await self.cache.get(voice_id, lambda: self._compute(wav))
         sender.send(response(io.voice_to_tensors(voice)), flags=FINAL)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """`voice_prompt`: the voice-prompt cache in front of `audio_tokenizer` and `speaker_embedding`.
 
-One model (not one cache per orchestrator instance), so each voice is tokenized and embedded once.
+One model behind every orchestrator instance (each also keeps its own cache in front of it), so each voice is
+tokenized and embedded once. A request without audio only looks its voice up: the held prompt, or `[unknown_voice]`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 from cosyvoice2_serving.engines import prompt_tensors
 from cosyvoice2_serving.io_struct import PromptTensors
 from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache
+from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve
@@ -31,13 +32,11 @@ class TritonPythonModel:
         serve(requests, self._handle)
 
     async def _handle(self, request: Any, sender: Any) -> None:
-        arrays = read_inputs(request, io.VOICE_PROMPT_INPUTS)
-        wav = arrays[contract.REFERENCE_WAV.name].reshape(-1)[
-            : int(arrays[contract.REFERENCE_WAV_LEN.name].reshape(-1)[0])
-        ]
-        raw_id = arrays[contract.VOICE_ID.name].reshape(-1)[0]
-        voice_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        prompt = await self.cache.get(voice_id, lambda: self._compute(wav))
+        voice_id, wav = io.parse_voice_prompt(read_inputs(request, io.VOICE_PROMPT_INPUTS))
+        if wav is None:
+            prompt = await self.cache.find(voice_id, unknown_voice(voice_id))
+        else:
+            prompt = await self.cache.get(voice_id, lambda: self._compute(wav))
         sender.send(response(io.prompt_to_tensors(prompt)), flags=FINAL)
 
     async def _compute(self, wav: np.ndarray) -> PromptTensors:

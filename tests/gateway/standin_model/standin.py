@@ -10,17 +10,21 @@ normalization leaves them alone):
 
 * ``failstart``     error before any audio
 * ``failmid``       streaming: one chunk, then an error
-* ``invalidinput``  error tagged ``[invalid_input]``; ``overloaded``: tagged ``[overloaded]``
+* ``invalidinput``  error tagged ``[invalid_input]``; ``overloaded``: tagged ``[overloaded]``; ``unknownvoice``:
+  tagged ``[unknown_voice]`` (even for a request that carries the audio)
 * ``holdstream``    after the first chunk (offline: before the response), wait until
   ``<marker_dir>/<tag>.release`` exists (or the request is cancelled, or 30 s pass -> error)
 * ``zq<letters>``   the request's tag, used for marker files
 
 Voice-prompt cache, as the contract describes it: an EMPTY ``target_text`` only "prepares" the voice
-(one response, empty waveform, zero tokens, outcome ``prepared``); every request marks its
-``voice_id`` prepared. The cache is a directory of marker files (``<marker_dir>/voice_cache/``)
-because the offline and the streaming model are separate processes that share one cache, like the
-real pipeline's. Each logged request says whether its voice was already prepared (``voice_cached``):
-a cache hit.
+(one response, empty waveform, zero tokens, outcome ``prepared``); every request that carries the reference
+audio marks its ``voice_id`` prepared. An id-only request (no reference tensors) for a voice not prepared is
+refused with ``[unknown_voice]`` before any audio (outcome ``unknown_voice``), as the pipeline refuses it. The
+cache is a directory of marker files (``<marker_dir>/voice_cache/``) because the offline and the streaming model
+are separate processes that share one cache, like the real pipeline's; a test removes a marker to make the
+stand-in "forget" a voice (an eviction, a restart). Each logged request says whether its voice was already
+prepared (``voice_cached``: a cache hit), whether it carried the audio (``carries_audio``) and the tensor bytes
+it carried (``request_bytes``, `pipeline_contract.payload_bytes`).
 
 Model parameters: ``chunk_count``, ``chunk_delay_ms``, ``marker_dir``, ``sample_rate`` (default 24000).
 Observations go to
@@ -96,6 +100,10 @@ def _words(text: str) -> set[str]:
     return set(re.findall(r"[a-z]+", text.lower()))
 
 
+def _outcome_of(violation: str) -> str:
+    return "unknown_voice" if violation.startswith(contract.ERROR_UNKNOWN_VOICE) else "failed"
+
+
 class StandinFailure(Exception):
     pass
 
@@ -130,23 +138,27 @@ class TritonPythonModel:
         for spec in contract.INPUTS:
             tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
             arrays[spec.name] = None if tensor is None else tensor.as_numpy()
-        wav = np.asarray(arrays[contract.REFERENCE_WAV.name]).reshape(-1)
+        reference = arrays[contract.REFERENCE_WAV.name]
+        wav = np.zeros(0, np.float32) if reference is None else np.asarray(reference).reshape(-1)
+        wav_len = arrays[contract.REFERENCE_WAV_LEN.name]
         raw = {  # as sent, so that tests see what the gateway sent (not what decoding made of it)
             "model": self.model_name,
             "reference_samples": int(wav.size),
-            "reference_wav_len": int(np.asarray(arrays[contract.REFERENCE_WAV_LEN.name]).reshape(-1)[0]),
+            "reference_wav_len": 0 if wav_len is None else int(np.asarray(wav_len).reshape(-1)[0]),
             "reference_rms": float(np.sqrt(np.mean(wav.astype(np.float64) ** 2))) if wav.size else 0.0,
+            "request_bytes": contract.payload_bytes({k: v for k, v in arrays.items() if v is not None}),
         }
         try:
             speech = contract.decode_request(arrays)
         except contract.ContractViolation as exc:
             info = {**raw, "tag": None, "words": set(), "target_text": "", "reference_text": "", "voice_id": "",
-                    "voice_cached": False, "seed": None, "instruction_text": None}  # fmt: skip
+                    "voice_cached": False, "carries_audio": False, "seed": None, "instruction_text": None}  # fmt: skip
             return info, f"{contract.ERROR_INVALID_INPUT} {exc}"
         words = _words(speech.target_text)
         cache_entry = voice_cache_entry(self.marker_dir, speech.voice_id)
         voice_cached = cache_entry.exists()
-        cache_entry.touch()  # a miss computes the prompt and caches it
+        if speech.carries_audio:
+            cache_entry.touch()  # a miss computes the prompt and caches it
         info = {
             **raw,
             "tag": next((w for w in sorted(words) if w.startswith("zq")), None),
@@ -155,9 +167,13 @@ class TritonPythonModel:
             "reference_text": speech.reference_text,
             "voice_id": speech.voice_id,
             "voice_cached": voice_cached,
+            "carries_audio": speech.carries_audio,
             "seed": speech.seed,
             "instruction_text": speech.instruction or None,
         }
+        if not speech.carries_audio and not voice_cached:
+            return info, (f"{contract.ERROR_UNKNOWN_VOICE} voice {speech.voice_id!r} is not held here; send the "
+                          "request again with its reference audio")  # fmt: skip
         return info, self._segment_violation(info)
 
     @staticmethod
@@ -181,6 +197,8 @@ class TritonPythonModel:
             return "[invalid_input] the stand-in was asked to reject this text"
         if "overloaded" in words:
             return "[overloaded] the stand-in was asked to be overloaded"
+        if "unknownvoice" in words:
+            return f"{contract.ERROR_UNKNOWN_VOICE} the stand-in was asked not to hold this voice, audio or not"
         if "failstart" in words:
             return "stand-in failure at start"
         return None
@@ -205,7 +223,7 @@ class TritonPythonModel:
     async def _offline(self, request: Any) -> Any:
         info, violation = self._read(request)
         if violation:
-            self._log(info, "failed", 0)
+            self._log(info, _outcome_of(violation), 0)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(violation))
         if not info["target_text"]:
             return self._prepared(info)
@@ -233,7 +251,7 @@ class TritonPythonModel:
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         info, violation = self._read(request)
         if violation:
-            self._log(info, "failed", 0)
+            self._log(info, _outcome_of(violation), 0)
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(violation)), flags=final)
             return
         if not info["target_text"]:
