@@ -122,7 +122,9 @@ class CausalHiFT(HiFTGenerator):
         self.f0_predictor.double()  # f0 in float64 (the reference computes it so)
 
     def fold_weight_norm(self) -> int:
-        """Fold g * v / |v| once; the f0 predictor's in float64, as the reference evaluates it."""
+        """Fold g * v / |v| once; the f0 predictor's in float64, as the reference evaluates it (a checkpoint
+        loaded with `assign=True` brought float32 tensors, so cast first)."""
+        self.f0_predictor.double()
         return fold_weight_norm(self)
 
     # ---- forward ---------------------------------------------------------------------------------------
