@@ -68,3 +68,21 @@ def micro_config(micro_model_dir):
     from cosyvoice3.config import CosyVoice3Config
 
     return CosyVoice3Config.from_model_dir(micro_model_dir, endofprompt_id=harness()["micro_text"]["endofprompt_row"])
+
+
+@pytest.fixture(scope="session")
+def micro_token2wav(micro_model_dir, dump):
+    """Flow + HiFT of the oracle, the HiFT noise tables seeded as the dump says."""
+    from cosyvoice3.loading import load_config, load_flow, load_hift
+    from cosyvoice3.token2wav import CosyVoice3Token2Wav
+
+    config = load_config(micro_model_dir, hift_noise_seed=int(dump["in_hift_noise_seed"]))
+    return CosyVoice3Token2Wav(load_flow(micro_model_dir / "flow.pt", config),
+                               load_hift(micro_model_dir / "hift.pt", config))
+
+
+@pytest.fixture(scope="session")
+def voice(dump):
+    from cosyvoice3.token2wav import VoicePrompt
+
+    return VoicePrompt.from_arrays(dump["in_prompt_speech_token"][0], dump["in_prompt_feat"][0], dump["in_xvector"][0])
