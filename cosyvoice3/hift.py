@@ -66,7 +66,8 @@ class NoiseTables:
     def __init__(self, seed: int, harmonics: int, max_samples: int) -> None:
         self.seed, self.harmonics, self.max_samples = seed, harmonics, max_samples
         self._lock = threading.Lock()
-        self._phases, self._noise = self._draw(0)
+        self._phases: torch.Tensor | None = None  # drawn on first use (not at construction, which may be on meta)
+        self._noise = torch.zeros(1, 0, harmonics, device="cpu")
 
     def _draw(self, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -79,7 +80,7 @@ class NoiseTables:
             raise CosyVoice3InputError(f"a vocoder call of {samples} samples exceeds the {self.max_samples}-sample "
                                        "noise table")
         with self._lock:
-            if self._noise.shape[1] < samples:
+            if self._phases is None or self._noise.shape[1] < samples:
                 self._phases, self._noise = self._draw(min(self.max_samples, max(samples, 2 * self._noise.shape[1])))
             phases, noise = self._phases, self._noise[:, :samples]
         return SourceNoise(phases.to(device), noise.to(device))
