@@ -105,6 +105,17 @@ def cached_solve(flow: CosyVoice3Flow, inputs: FlowInputs, cache: FlowCache) -> 
     return x.float(), new
 
 
+@dataclass(frozen=True)
+class PendingChunk:
+    """A computed chunk not yet applied to its stream (`CosyVoice3Stream.prepare` / `commit`)."""
+
+    stream: "CosyVoice3Stream"
+    chunk: Chunk
+    mel: Optional[torch.Tensor]
+    cache: Optional[FlowCache]
+    audio: np.ndarray
+
+
 class CosyVoice3Token2Wav:
     """Flow + causal HiFT; offline synthesis and streams."""
 
@@ -156,8 +167,18 @@ class CosyVoice3Token2Wav:
 
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]]) -> list[np.ndarray]:
-        """Run the next chunk of each stream (one after another) and return each one's new audio."""
-        return [stream.run(chunk) for stream, chunk in work]
+        """Run the next chunk of each stream (one after another) and return each one's new audio. All or
+        nothing: the chunks are computed first and applied only when every one succeeded, so a call that raises
+        leaves every stream as it was (a caller may retry each job alone)."""
+        pending = [stream.prepare(chunk) for stream, chunk in work]
+        return [p.stream.commit(p) for p in pending]
+
+    def offline_job(self, tokens: Sequence[int], prompt: VoicePrompt) -> tuple["CosyVoice3Stream", Chunk]:
+        """A whole utterance as a one-chunk stream (a final chunk over all tokens: full attention, final vocoder
+        call, the same audio as `offline`), to run in `run_chunks` beside streaming chunks."""
+        stream = self.open_stream(prompt)
+        stream.extend(tokens)
+        return stream, Chunk(0, len(stream.tokens), len(stream.tokens), final=True)
 
 
 class CosyVoice3Stream(ChunkedStream):
@@ -185,35 +206,42 @@ class CosyVoice3Stream(ChunkedStream):
         if not chunk.final and chunk.feed - chunk.stop != self.engine.lookahead:
             raise CosyVoice3InputError(f"a non-final chunk carries exactly {self.engine.lookahead} lookahead tokens")
 
-    def chunk_mel(self, chunk: Chunk) -> torch.Tensor:
-        """The mel frames of tokens [start, stop) (final: [start, end)) of this chunk, (1, 80, frames)."""
+    def chunk_mel(self, chunk: Chunk) -> tuple[torch.Tensor, Optional[FlowCache]]:
+        """The mel frames of tokens [start, stop) (final: [start, end)) of this chunk, (1, 80, frames), and the
+        flow cache after it (None without one). Changes nothing in the stream."""
         engine, ratio = self.engine, self.engine.flow.config.token_mel_ratio
         tokens = self.tokens[: chunk.feed]
         if chunk.final or self.flow_cache is None:  # the final chunk has full attention: nothing carries over
             mel = engine.mel(tokens, self.prompt, streaming=not chunk.final, finalize=chunk.final)
-            return mel[:, :, ratio * chunk.start:]
+            return mel[:, :, ratio * chunk.start:], None
         inputs = engine.flow_inputs(tokens, self.prompt, finalize=False)
         solved_from = self.flow_cache.committed  # the solve returns frames [solved_from, T), prompt frames counted
-        mel, self.flow_cache = cached_solve(engine.flow, inputs, self.flow_cache)
-        return mel[:, :, inputs.prompt_frames + ratio * chunk.start - solved_from:]
+        mel, cache = cached_solve(engine.flow, inputs, self.flow_cache)
+        return mel[:, :, inputs.prompt_frames + ratio * chunk.start - solved_from:], cache
+
+    def prepare(self, chunk: Chunk) -> "PendingChunk":
+        """Compute `chunk` (the schedule's next one) without changing the stream; `commit` applies it."""
+        self.check_next(chunk)
+        if not self.tokens:  # an empty stream: nothing to vocode
+            return PendingChunk(self, chunk, None, None, np.zeros(0, dtype=np.float32))
+        mel, cache = self.chunk_mel(chunk)
+        mel = mel.to(self.engine.hift_device, torch.float32)
+        audio = self.engine.vocode(torch.cat([*self._mels, mel], dim=2), finalize=chunk.final)
+        return PendingChunk(self, chunk, mel, cache, audio[self._sent:].numpy())
+
+    def commit(self, pending: "PendingChunk") -> np.ndarray:
+        if pending.mel is not None:
+            self._mels.append(pending.mel)
+        self._sent += pending.audio.shape[0]
+        self.flow_cache = None if pending.chunk.final or pending.cache is None else pending.cache
+        self.chunks.append(pending.chunk)
+        self.finished = pending.chunk.final
+        return pending.audio
 
     @torch.inference_mode()
     def run(self, chunk: Chunk) -> np.ndarray:
-        """Run `chunk` (the schedule's next one) and return its new audio."""
-        self.check_next(chunk)
-        if not self.tokens:  # an empty stream: nothing to vocode
-            self.chunks.append(chunk)
-            self.finished = chunk.final
-            return np.zeros(0, dtype=np.float32)
-        self._mels.append(self.chunk_mel(chunk).to(self.engine.hift_device, torch.float32))
-        audio = self.engine.vocode(torch.cat(self._mels, dim=2), finalize=chunk.final)
-        new = audio[self._sent:]
-        self._sent += new.shape[0]
-        self.chunks.append(chunk)
-        self.finished = chunk.final
-        if chunk.final:
-            self.flow_cache = None
-        return new.numpy()
+        """Run `chunk` (the schedule's next one) and return its new audio; if it raises, the stream is unchanged."""
+        return self.commit(self.prepare(chunk))
 
     def audio(self, tokens: Iterable[int]) -> np.ndarray:
         """Convenience: push all `tokens`, finish, and return the whole stream's audio."""

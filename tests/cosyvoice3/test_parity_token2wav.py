@@ -69,7 +69,7 @@ def test_streaming_chunks(micro_token2wav: CosyVoice3Token2Wav, voice: VoiceProm
         assert chunk is not None and chunk.final == bool(row["finalize"])
         audio = stream.run(chunk)
         k = row["chunk"]
-        mel = stream._mels[-1]
+        mel = stream._mels[-1]  # this chunk's own frames
         assert mel.shape[2] == row["mel_frames"]
         assert max_abs(mel, dump[f"stream{k}_mel"]) <= MEL_TOL, k
         assert audio.shape[0] == row["emitted"]
@@ -118,3 +118,19 @@ def test_bad_inputs_are_refused(micro_token2wav: CosyVoice3Token2Wav, voice: Voi
     with pytest.raises(CosyVoice3InputError, match="prompt mel"):
         micro_token2wav.offline([1, 2, 3], short)
     assert micro_token2wav.offline([], voice).shape == (0,)
+
+
+def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_token2wav: CosyVoice3Token2Wav,
+                                                                      voice: VoicePrompt, dump) -> None:
+    tokens = dump["in_speech_token"][0].tolist()
+    job = micro_token2wav.offline_job(tokens, voice)
+    good = micro_token2wav.open_stream(voice, cached=True)
+    good.extend(tokens[:20])
+    bad = micro_token2wav.open_stream(voice)
+    bad.extend([1, 2, 3, 4, 7000, 5, 6])  # an id outside the flow vocabulary
+    with pytest.raises(CosyVoice3InputError):
+        micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), (bad, bad.next_chunk(finished=True))])
+    assert not good.chunks and good.flow_cache is not None and good.flow_cache.committed == 0
+    first, offline = micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), job])
+    assert good.chunks and good.flow_cache.committed > 0 and first.shape[0] > 0
+    assert max_abs(offline, micro_token2wav.offline(tokens, voice)) == 0.0
