@@ -105,7 +105,9 @@ class CosyVoice3Flow(nn.Module):
         mu = h.repeat_interleave(ratio, dim=1).transpose(1, 2).contiguous()
         cond = torch.zeros_like(mu)
         prompt_frames = prompt_feat.shape[1]
-        cond[:, :, :prompt_frames] = prompt_feat.to(mu).transpose(1, 2)
+        # a non-final call over the prompt alone (a voice's flow cache) has fewer frames than the prompt mel
+        shown = min(prompt_frames, mu.shape[2])
+        cond[:, :, :shown] = prompt_feat[:, :shown].to(mu).transpose(1, 2)
         return FlowInputs(mu, cond, self.speaker(xvector.reshape(1, -1)), prompt_frames)
 
     # ---- a whole call -------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-from cosyvoice2.dit.token2wav import DiTChunkSchedule, DiTStreamingConfig
+from cosyvoice2.dit.token2wav import DiTChunkSchedule, DiTStreamingConfig, VoiceCaches, prompt_key
 from cosyvoice2.streaming import Chunk, ChunkedStream
 
 from .errors import CosyVoice3InputError
@@ -119,9 +119,13 @@ class PendingChunk:
 class CosyVoice3Token2Wav:
     """Flow + causal HiFT; offline synthesis and streams."""
 
-    def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None) -> None:
+    def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
+                 voice_capacity: int = 8) -> None:
+        """voice_capacity: voices whose prompt flow cache (`prompt_flow_cache`) is kept for cached streams, least
+        recently used dropped first (each holds its committed prompt frames' keys/values: see docs)."""
         self.flow = flow
         self.hift = hift
+        self.voice_caches = VoiceCaches(voice_capacity)
         self.schedule = schedule or runtime_schedule(lookahead=flow.config.pre_lookahead_len)
         self.lookahead = flow.config.pre_lookahead_len
         weight = flow.input_embedding.weight
@@ -162,8 +166,26 @@ class CosyVoice3Token2Wav:
         return self.vocode(self.mel(tokens, prompt)).numpy()
 
     # ---- streaming --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prompt_flow_cache(self, prompt: VoicePrompt) -> FlowCache:
+        """The flow cache every cached stream of this voice starts from: the complete 50-frame chunks among the
+        frames that depend on the prompt alone (each prompt token's features read the 3 tokens after it, so the
+        last 3 prompt tokens' frames wait for the stream's own tokens). Computed once per voice; streams never
+        modify it (a chunk builds a new cache)."""
+        if prompt.tokens.numel() <= self.lookahead:
+            return FlowCache()
+        key = prompt_key(prompt.tokens.cpu().numpy(), prompt.mel.cpu().numpy(), prompt.xvector.cpu().numpy())
+
+        def compute() -> FlowCache:
+            inputs = self.flow.inputs([], prompt.tokens, prompt.mel.unsqueeze(0).to(self.flow_device, self.flow_dtype),
+                                      prompt.xvector.unsqueeze(0).to(self.flow_device), finalize=False)
+            return cached_solve(self.flow, inputs, FlowCache())[1]
+
+        return self.voice_caches.get(key, compute)  # type: ignore[arg-type, return-value]
+
     def open_stream(self, prompt: VoicePrompt, cached: bool = False) -> "CosyVoice3Stream":
-        return CosyVoice3Stream(self, prompt, cached)
+        """cached: run non-final chunks over flow caches, starting from the voice's `prompt_flow_cache`."""
+        return CosyVoice3Stream(self, prompt, self.prompt_flow_cache(prompt) if cached else None)
 
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]]) -> list[np.ndarray]:
@@ -185,15 +207,16 @@ class CosyVoice3Stream(ChunkedStream):
     """All state of one stream: tokens, chunks run, the accumulated mel, samples sent, the optional flow cache.
     `extend` / `next_chunk` / `push` / `finish` as CosyVoice2's streams (`cosyvoice2.streaming.ChunkedStream`)."""
 
-    def __init__(self, engine: CosyVoice3Token2Wav, prompt: VoicePrompt, cached: bool = False) -> None:
+    def __init__(self, engine: CosyVoice3Token2Wav, prompt: VoicePrompt, flow_cache: Optional[FlowCache] = None) -> None:
+        """flow_cache: where the cached flow path starts (None: every chunk recomputes, the reference path)."""
         self.engine = engine
         self.prompt = prompt
         self.schedule = engine.schedule
         self.tokens: list[int] = []
         self.chunks: list[Chunk] = []
         self.finished = False
-        self.cached = cached
-        self.flow_cache: Optional[FlowCache] = FlowCache() if cached else None
+        self.cached = flow_cache is not None
+        self.flow_cache = flow_cache
         self._mels: list[torch.Tensor] = []
         self._sent = 0
 

@@ -102,6 +102,10 @@ def test_cached_path_keeps_only_complete_chunks(micro_token2wav: CosyVoice3Token
     stream.extend(dump["in_speech_token"][0].tolist())
     chunk_frames = micro_token2wav.flow.config.dit.static_chunk_size
     ratio = micro_token2wav.flow.config.token_mel_ratio
+    # the voice's own cache: complete chunks of the frames that depend on the prompt alone
+    voice_only = ratio * (voice.tokens.numel() - micro_token2wav.lookahead)
+    assert stream.flow_cache is micro_token2wav.prompt_flow_cache(voice)
+    assert stream.flow_cache.committed == voice_only // chunk_frames * chunk_frames
     for row in schedule_rows(dump)[:-1]:
         stream.run(stream.next_chunk(finished=True))
         frames = voice.mel.shape[0] + ratio * (row["tokens_end"] - micro_token2wav.lookahead)
@@ -130,7 +134,29 @@ def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_toke
     bad.extend([1, 2, 3, 4, 7000, 5, 6])  # an id outside the flow vocabulary
     with pytest.raises(CosyVoice3InputError):
         micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), (bad, bad.next_chunk(finished=True))])
-    assert not good.chunks and good.flow_cache is not None and good.flow_cache.committed == 0
+    assert not good.chunks and good.flow_cache is micro_token2wav.prompt_flow_cache(voice)
     first, offline = micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), job])
     assert good.chunks and good.flow_cache.committed > 0 and first.shape[0] > 0
     assert max_abs(offline, micro_token2wav.offline(tokens, voice)) == 0.0
+
+
+def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wav, voice: VoicePrompt, dump) -> None:
+    """A prompt long enough for the voice's own cache to hold complete chunks: a cached stream still emits what
+    the recompute path emits, chunk by chunk, and leaves the shared voice cache as it was."""
+    extra = dump["in_speech_token"].shape[1] // 2
+    long_voice = VoicePrompt(torch.cat([voice.tokens, torch.as_tensor(dump["in_speech_token"][0, :extra]).long()]),
+                             torch.cat([voice.mel, torch.from_numpy(dump["offline_mel"][0, :, : 2 * extra].T)]),
+                             voice.xvector)
+    shared = micro_token2wav.prompt_flow_cache(long_voice)
+    chunk_frames = micro_token2wav.flow.config.dit.static_chunk_size
+    assert shared.committed >= chunk_frames
+    held = [k.clone() for k, _ in shared.kv[0]]
+    tokens = dump["in_speech_token"][0, extra:].tolist()
+    streams = [micro_token2wav.open_stream(long_voice, cached=c) for c in (False, True)]
+    for stream in streams:
+        stream.extend(tokens)
+    while not streams[0].finished:
+        pieces = [stream.run(stream.next_chunk(finished=True)) for stream in streams]
+        assert max_abs(pieces[1], pieces[0]) <= 1e-4
+    assert all(torch.equal(k, h) for (k, _), h in zip(shared.kv[0], held))  # the shared cache is unchanged
+    assert micro_token2wav.open_stream(long_voice, cached=True).flow_cache is shared
