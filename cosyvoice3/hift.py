@@ -61,13 +61,15 @@ class CausalF0Predictor(nn.Module):
 
 class NoiseTables:
     """The fixed source noise, drawn from `seed`: phases (1, H) (fundamental zeroed), then (1, T, H) uniform noise
-    for as many samples as asked so far (re-drawn from the seed when a longer call comes)."""
+    for as many samples as asked so far (re-drawn from the seed when a longer call comes). Drawn on the CPU (the
+    recipe's numbers), kept per device, so a streaming vocoder call does not copy its noise to the GPU again."""
 
     def __init__(self, seed: int, harmonics: int, max_samples: int) -> None:
         self.seed, self.harmonics, self.max_samples = seed, harmonics, max_samples
         self._lock = threading.Lock()
         self._phases: torch.Tensor | None = None  # drawn on first use (not at construction, which may be on meta)
         self._noise = torch.zeros(1, 0, harmonics, device="cpu")
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _draw(self, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -79,11 +81,15 @@ class NoiseTables:
         if samples > self.max_samples:
             raise CosyVoice3InputError(f"a vocoder call of {samples} samples exceeds the {self.max_samples}-sample "
                                        "noise table")
+        device = torch.device(device)
         with self._lock:
             if self._phases is None or self._noise.shape[1] < samples:
                 self._phases, self._noise = self._draw(min(self.max_samples, max(samples, 2 * self._noise.shape[1])))
-            phases, noise = self._phases, self._noise[:, :samples]
-        return SourceNoise(phases.to(device), noise.to(device))
+                self._on_device.clear()
+            if device not in self._on_device:
+                self._on_device[device] = (self._phases.to(device), self._noise.to(device))
+            phases, noise = self._on_device[device]
+        return SourceNoise(phases, noise[:, :samples])
 
 
 class CausalHiFT(HiFTGenerator):

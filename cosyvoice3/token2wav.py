@@ -97,12 +97,21 @@ def cached_solve(flow: CosyVoice3Flow, inputs: FlowInputs, cache: FlowCache) -> 
         velocity, own = estimator.forward_window(torch.cat([window, window]), mu_in, t_in, spks_in, cond_in,
                                                  start, past)  # type: ignore[arg-type]
         x = x + dt * ((1.0 + rate) * velocity[:1] - rate * velocity[1:])
-        keep = commit - start
-        new.kv.append([(torch.cat([p[0], k[:, :, :keep]], dim=2), torch.cat([p[1], v[:, :, :keep]], dim=2))
-                       if p is not None else (k[:, :, :keep], v[:, :, :keep]) for p, (k, v) in zip(past, own)])
+        new.kv.append([_extend(p, k, v, commit - start) for p, (k, v) in zip(past, own)])
         offset = commit - kept - (start - context)  # where the kept context starts inside `window`
         new.context.append(window[:, :, offset:offset + kept].clone())
     return x.float(), new
+
+
+def _extend(past: Optional[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor, values: torch.Tensor,
+            keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """past ++ the first `keep` new frames, as new tensors (caches are shared read-only, never written); the new
+    frames are copied so the call's whole key/value tensors are not kept alive by a slice."""
+    if past is None:
+        return keys[:, :, :keep].clone(), values[:, :, :keep].clone()
+    if keep == 0:
+        return past
+    return torch.cat([past[0], keys[:, :, :keep]], dim=2), torch.cat([past[1], values[:, :, :keep]], dim=2)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ def tiny_engine(tmp_path_factory: pytest.TempPathFactory):
 
 def tiny_voice(prompt_tokens: int = 12) -> VoicePrompt:
     rng = np.random.default_rng(0)
-    return VoicePrompt.from_arrays(rng.integers(0, 6561, prompt_tokens), rng.normal(-5, 2, (2 * prompt_tokens, 80)),
+    vocab = tiny_config().flow.vocab_size
+    return VoicePrompt.from_arrays(rng.integers(0, vocab, prompt_tokens), rng.normal(-5, 2, (2 * prompt_tokens, 80)),
                                    rng.normal(size=192))
 
 

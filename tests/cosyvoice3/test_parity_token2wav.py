@@ -85,7 +85,7 @@ def test_streams_emit_960_samples_per_token(micro_token2wav: CosyVoice3Token2Wav
     """Tokens pushed one at a time, other lengths than the dump's: the same total as offline, and the cached
     path emits what the recompute path emits."""
     tokens = dump["in_speech_token"][0].tolist()
-    for n in (1, 17, 77):
+    for n in (1, len(tokens) // 5, len(tokens) * 4 // 5):
         pieces = {}
         for cached in (False, True):
             stream = micro_token2wav.open_stream(voice, cached=cached)
@@ -116,8 +116,9 @@ def test_cached_path_keeps_only_complete_chunks(micro_token2wav: CosyVoice3Token
 
 
 def test_bad_inputs_are_refused(micro_token2wav: CosyVoice3Token2Wav, voice: VoicePrompt) -> None:
+    vocab = micro_token2wav.flow.config.vocab_size
     with pytest.raises(CosyVoice3InputError, match="speech tokens"):
-        micro_token2wav.offline([1, 2, 6561], voice)
+        micro_token2wav.offline([1, 2, vocab], voice)
     short = VoicePrompt(voice.tokens, voice.mel[:-1], voice.xvector)
     with pytest.raises(CosyVoice3InputError, match="prompt mel"):
         micro_token2wav.offline([1, 2, 3], short)
@@ -129,9 +130,9 @@ def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_toke
     tokens = dump["in_speech_token"][0].tolist()
     job = micro_token2wav.offline_job(tokens, voice)
     good = micro_token2wav.open_stream(voice, cached=True)
-    good.extend(tokens[:20])
+    good.extend(tokens[: micro_token2wav.schedule.hop(0) + micro_token2wav.lookahead])  # exactly a first chunk
     bad = micro_token2wav.open_stream(voice)
-    bad.extend([1, 2, 3, 4, 7000, 5, 6])  # an id outside the flow vocabulary
+    bad.extend([1, 2, 3, 4, micro_token2wav.flow.config.vocab_size + 5, 5, 6])  # outside the flow vocabulary
     with pytest.raises(CosyVoice3InputError):
         micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), (bad, bad.next_chunk(finished=True))])
     assert not good.chunks and good.flow_cache is micro_token2wav.prompt_flow_cache(voice)
