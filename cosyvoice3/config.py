@@ -288,9 +288,15 @@ def _resolve(value: Any, top: Mapping[str, Any], depth: int = 0) -> Any:
                 raise CosyVoice3ConfigError(f"!ref {value.expression!r} names an unknown key {name!r}")
         if re.fullmatch(r"\s*<[^<>]+>\s*", value.expression):  # a plain reference keeps its type
             return _resolve(_lookup(top, names[0]), top, depth + 1)
-        text = re.sub(r"<([^<>]+)>", lambda m: repr(_resolve(_lookup(top, m.group(1)), top, depth + 1)),
-                      value.expression)
-        return _arithmetic(ast.parse(text, mode="eval"))
+        values = {name: _resolve(_lookup(top, name), top, depth + 1) for name in names}
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values.values()):
+            text = re.sub(r"<([^<>]+)>", lambda m: repr(values[m.group(1)]), value.expression)
+            try:
+                return _arithmetic(ast.parse(text, mode="eval"))
+            except SyntaxError:
+                pass
+        # otherwise string interpolation, e.g. `!ref <model_dir>/file.txt`
+        return re.sub(r"<([^<>]+)>", lambda m: str(values[m.group(1)]), value.expression)
     if isinstance(value, dict):
         return {k: _resolve(v, top, depth) for k, v in value.items()}
     if isinstance(value, list):

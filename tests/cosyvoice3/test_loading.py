@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from cosyvoice3.config import CosyVoice3Config, read_release_yaml
 from cosyvoice3.errors import CosyVoice3ConfigError, CosyVoice3ModelError
@@ -83,6 +82,7 @@ def test_a_foreign_yaml_is_refused(micro_model_dir: Path) -> None:
 def test_ref_expressions_resolve() -> None:
     data = read_release_yaml("a: 25\nb: 2\nc: !ref <a> * <b>\nd: !ref <a>\ne: !new:x.Y\n  k: !ref <c>\n")
     assert (data["c"], data["d"], data["e"]) == (50, 25, {"__class__": "x.Y", "k": 50})
+    paths = read_release_yaml("root: /m\nf: !ref <root>/BlankEN\nitems: [!ref <root>, 2]\n")
+    assert (paths["f"], paths["items"]) == ("/m/BlankEN", ["/m", 2])
     with pytest.raises(CosyVoice3ConfigError):
         read_release_yaml("a: !ref <missing>\n")
-    assert yaml  # the parser is PyYAML's safe loader underneath
