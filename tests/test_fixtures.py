@@ -13,6 +13,7 @@ from tests.conftest import FIXTURES_DIR
 #: Each oracle: its micro model's files the parity tests load, besides README.md, harness_config.json and the dump.
 ORACLES = {
     "parity": ["llm.pt", "flow.pt", "hift.pt"],
+    "parity_cv3": ["llm.pt", "flow.pt", "hift.pt", "cosyvoice3.yaml"],
     "parity_dit": ["flow.pt", "flow.yaml", "hift.pt"],
     "parity_spark": ["config.yaml", "BiCodec", "LLM", "wav2vec2-large-xlsr-53"],
 }

@@ -158,13 +158,16 @@ class ConformerLayer(nn.Module):
 
 
 class PreLookaheadLayer(nn.Module):
-    """Residual conv pair giving every frame `lookahead` frames of right context (zeros at the end of input)."""
+    """Residual conv pair giving every frame `lookahead` frames of right context (zeros at the end of input).
 
-    def __init__(self, width: int, lookahead: int) -> None:
+    `channels`: width between the two convs (default `width`; CosyVoice3's flow widens it, 80 -> 1024 -> 80)."""
+
+    def __init__(self, width: int, lookahead: int, channels: Optional[int] = None) -> None:
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(width, width, lookahead + 1)
-        self.conv2 = nn.Conv1d(width, width, 3)
+        channels = width if channels is None else channels
+        self.conv1 = nn.Conv1d(width, channels, lookahead + 1)
+        self.conv2 = nn.Conv1d(channels, width, 3)
 
     def forward(self, x: torch.Tensor, context: Optional[torch.Tensor], lengths: torch.Tensor) -> torch.Tensor:
         """x (B, T, W) with `lengths` (B,) real frames per row; context (B, lookahead, W) follows each row's end."""

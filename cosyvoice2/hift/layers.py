@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
@@ -54,12 +55,19 @@ class Snake(nn.Module):
 class ResBlock(nn.Module):
     """HiFi-GAN/BigVGAN residual block: per dilation, Snake -> dilated conv -> Snake -> conv, plus skip."""
 
-    def __init__(self, channels: int, kernel: int, dilations: Sequence[int]) -> None:
+    def __init__(self, channels: int, kernel: int, dilations: Sequence[int], causal: bool = False) -> None:
+        """causal: every conv sees only the current and earlier frames (left zero padding of its receptive
+        field; CosyVoice3's causal HiFT) instead of centred "same" padding."""
         super().__init__()
+        self.causal = causal
+        self.dilations = tuple(dilations)
+
+        def padding(d: int) -> int:
+            return 0 if causal else same_padding(kernel, d)
+
         self.convs1 = nn.ModuleList(
-            wn_conv1d(channels, channels, kernel, dilation=d, padding=same_padding(kernel, d)) for d in dilations)
-        self.convs2 = nn.ModuleList(
-            wn_conv1d(channels, channels, kernel, padding=same_padding(kernel, 1)) for _ in dilations)
+            wn_conv1d(channels, channels, kernel, dilation=d, padding=padding(d)) for d in dilations)
+        self.convs2 = nn.ModuleList(wn_conv1d(channels, channels, kernel, padding=padding(1)) for _ in dilations)
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
@@ -68,10 +76,15 @@ class ResBlock(nn.Module):
         the zero "same" padding it would see alone (Snake(0) = 0), so its real frames do not depend on the
         batch's padded length."""
         for act1, conv1, act2, conv2 in zip(self.activations1, self.convs1, self.activations2, self.convs2):
-            h = conv1(act1(x))
+            h = conv1(self._left_pad(act1(x), conv1))
             if mask is not None:
                 h = h * mask
-            x = x + conv2(act2(h))
+            x = x + conv2(self._left_pad(act2(h), conv2))
             if mask is not None:
                 x = x * mask
         return x
+
+    def _left_pad(self, x: torch.Tensor, conv: nn.Conv1d) -> torch.Tensor:
+        if not self.causal:
+            return x
+        return F.pad(x, (conv.dilation[0] * (conv.kernel_size[0] - 1), 0))

@@ -46,8 +46,13 @@ class HarmonicSource(nn.Module):
     """F0 at the audio rate -> merged harmonic excitation in (-1, 1) (upstream `m_source`)."""
 
     def __init__(self, sampling_rate: int, upsample_scale: int, nb_harmonics: int, sine_amp: float,
-                 noise_std: float, voiced_threshold: float) -> None:
+                 noise_std: float, voiced_threshold: float, phase_upsampling: str = "linear") -> None:
+        """phase_upsampling: how the frame-rate phase returns to the audio rate, "linear" (CosyVoice2) or
+        "nearest" (CosyVoice3's causal HiFT: a sample's phase then depends on no later frame)."""
         super().__init__()
+        if phase_upsampling not in ("linear", "nearest"):
+            raise ValueError(f"phase_upsampling must be 'linear' or 'nearest', got {phase_upsampling!r}")
+        self.phase_upsampling = phase_upsampling
         self.sampling_rate = sampling_rate
         self.upsample_scale = upsample_scale
         self.num_harmonics = nb_harmonics + 1
@@ -59,8 +64,8 @@ class HarmonicSource(nn.Module):
     def harmonic_sines(self, f0: torch.Tensor, initial_phase: torch.Tensor) -> torch.Tensor:
         """f0 (B, T, 1) Hz -> noiseless sines (B, T, H).
 
-        The phase is integrated at the frame rate (linear down-sampling, cumulative sum, linear
-        up-sampling), which keeps fp32 phase error small over long signals.
+        The phase is integrated at the frame rate (linear down-sampling, cumulative sum, up-sampling by
+        `phase_upsampling`), which keeps fp32 phase error small over long signals.
         """
         harmonic_numbers = torch.arange(1, self.num_harmonics + 1, device=f0.device, dtype=f0.dtype)
         rad = (f0 * harmonic_numbers / self.sampling_rate) % 1
@@ -70,7 +75,7 @@ class HarmonicSource(nn.Module):
         rad_frames = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.upsample_scale, mode="linear")
         phase_frames = torch.cumsum(rad_frames.transpose(1, 2), dim=1) * 2 * math.pi
         phase = F.interpolate(phase_frames.transpose(1, 2) * self.upsample_scale,
-                              scale_factor=self.upsample_scale, mode="linear").transpose(1, 2)
+                              scale_factor=self.upsample_scale, mode=self.phase_upsampling).transpose(1, 2)
         return torch.sin(phase) * self.sine_amp
 
     def forward(self, f0: torch.Tensor, noise: SourceNoise) -> torch.Tensor:
