@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 import httpx
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
 
 import pipeline_contract as contract
 from ttsbench.inputs import BenchRequest
@@ -34,8 +35,10 @@ class TritonTarget:
     """The pipeline's Triton models over gRPC: unary infer (offline) or a decoupled stream.
 
     ``fresh_voice_ids`` gives every request its own voice id, so the server's prompt cache never
-    hits (the "without speaker cache" numbers). ``pipeline`` picks the models (``PIPELINES``); audio
-    durations use the rate the responses state, which must be one rate for the whole run.
+    hits (the "without speaker cache" numbers). Otherwise a voice's requests carry its audio until one has been
+    served, then only its id, as the gateway sends them (docs/pipeline-contract.md, "Voices by id"); a pipeline
+    that answers "unknown voice" gets the request again with the audio. ``pipeline`` picks the models
+    (``PIPELINES``); audio durations use the rate the responses state, which must be one rate for the whole run.
     """
 
     def __init__(self, url: str, streaming: bool, seed: int | None = None, fresh_voice_ids: bool = False,
@@ -51,16 +54,30 @@ class TritonTarget:
         self._seed = seed
         self._fresh_voice_ids = fresh_voice_ids
         self._ids = itertools.count()
+        self._held: set[str] = set()  # voices the pipeline has served: sent by id
 
-    def _inputs(self, request: BenchRequest) -> list[grpcclient.InferInput]:
+    def _inputs(self, request: BenchRequest, by_id: bool) -> list[grpcclient.InferInput]:
         voice = request.voice
         vid = f"{voice.id}-{uuid.uuid4().hex}" if self._fresh_voice_ids else voice.id
-        return contract.grpc_inputs(
-            contract.SpeechRequest(voice.samples, voice.transcript, request.target_text, vid, self._seed)
-        )
+        speech = contract.SpeechRequest(voice.samples, voice.transcript, request.target_text, vid, self._seed)
+        return contract.grpc_inputs(contract.id_only(speech) if by_id else speech)
 
     async def synthesize(self, request: BenchRequest) -> AsyncIterator[np.ndarray]:
-        inputs = self._inputs(request)
+        voice = request.voice.id
+        by_id = not self._fresh_voice_ids and voice in self._held
+        try:
+            async for piece in self._synthesize(request, by_id):
+                yield piece
+        except InferenceServerException as exc:
+            if not by_id or contract.ERROR_UNKNOWN_VOICE not in str(exc):
+                raise
+            self._held.discard(voice)  # refused before any audio: once more, with the audio
+            async for piece in self._synthesize(request, False):
+                yield piece
+        self._held.add(voice)
+
+    async def _synthesize(self, request: BenchRequest, by_id: bool) -> AsyncIterator[np.ndarray]:
+        inputs = self._inputs(request, by_id)
         request_id = f"bench-{next(self._ids)}"
         if not self.streaming:
             result = await self._client.infer(self.model, inputs, request_id=request_id)

@@ -18,7 +18,7 @@ import pytest
 from tests.bench.wavfiles import write_wav
 from tests.gateway.standin_model.repository import render_standin_repository
 from pipeline_contract import OUTPUT_SAMPLE_RATE
-from tests.gateway.standin_model.standin import read_request_log
+from tests.gateway.standin_model.standin import read_request_log, voice_cache_entry
 from triton_repo.server import REPO_ROOT, TritonServer, free_port
 from ttsbench.arrivals import draw_requests
 from ttsbench.cli import main
@@ -276,3 +276,28 @@ def test_open_loop_rate_search_through_the_gateway(stack, tmp_path, capsys):
     assert "== gateway/streaming-audio, open-loop rate search ==" in printed and "meets" in printed
     assert ("sustained open-loop rate" in printed) == bool(passed)
 
+
+
+async def test_the_triton_target_sends_a_served_voice_by_id_and_resends_an_unknown_one(stack, tmp_path):
+    from ttsbench.inputs import default_requests
+    from ttsbench.targets import TritonTarget
+
+    voices = tmp_path / "voices"
+    voices.mkdir()
+    write_wav(voices / "cleo.wav", 0.8, freq=260.0)
+    (voices / "cleo.txt").write_text("Cleo speaks.", encoding="utf-8")
+    first, second, third = default_requests(voices, ["One zqidfirst.", "Two zqidsecond.", "Three zqidthird."])
+    target = TritonTarget(stack.triton.grpc_url, streaming=True)
+    try:
+        for request in (first, second):
+            assert [p async for p in target.synthesize(request)]
+        # the pipeline lost the voice (a restart, another replica): refused by id, served again with the audio
+        voice_cache_entry(stack.marker_dir, first.voice.id).unlink()
+        assert [p async for p in target.synthesize(third)]
+    finally:
+        await target.aclose()
+    sent = {}
+    for entry in read_request_log(stack.marker_dir):
+        if entry.get("tag") in ("zqidfirst", "zqidsecond", "zqidthird"):
+            sent.setdefault(entry["tag"], []).append(entry["carries_audio"])
+    assert sent == {"zqidfirst": [True], "zqidsecond": [False], "zqidthird": [False, True]}
