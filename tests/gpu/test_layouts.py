@@ -12,7 +12,8 @@ import tritonclient.grpc.aio as aio
 
 import pipeline_contract as contract
 from tests.triton.conftest import SAMPLES_PER_TOKEN, settled_metrics, stream, synthesis_inputs, Pipeline
-from triton_repo.render import RenderOptions, token2wav_replicas, write_repository
+from triton_repo.render import RenderOptions, write_repository
+from triton_repo.render_options import token2wav_replicas
 
 FIRST_HOP = 5
 
