@@ -266,3 +266,47 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
             worst = max(worst, (mel - ref).abs().max().item())
     assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
     assert worst <= MEL_TOL
+
+
+# ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
+def test_buckets_cover_the_served_schedule(tiny_model_dir) -> None:
+    """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
+    (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
+    captured (rows, new frames, history frames) bucket of the engine, while the stream's history fits the table's
+    longest (a longer stream runs eagerly); one row more than the service's cap fits none."""
+    from cosyvoice2.config import EngineConfig
+    from cosyvoice2.flow.cached import EncoderCache
+    from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
+    from cosyvoice2_serving.engines import BatchedToken2Wav
+    from cosyvoice2_serving.schedule import StreamScheduleParams, for_prompt
+
+    config = EngineConfig.for_model_dir(tiny_model_dir)
+    served = StreamScheduleParams().schedule(config)
+    engine = BatchedToken2Wav(load_flow(tiny_model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32),
+                              load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config, served,
+                              flow_cache="chunked")
+    runner = engine.engine.cached
+    graphs = runner.graphs
+    longest_history = max(graphs.history_frames)
+    none = torch.zeros(0)
+    checked = 0
+    for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
+                                 *range(runner.lookahead, longest_history // runner.stride, 53)}):
+        schedule = for_prompt(served, prompt_tokens)
+        for tokens in range(1, 300):  # every final-chunk size once hops reach 100
+            # the rows of the stream's calls, with the caches each one leaves (the same arithmetic as `CachedRow`)
+            prefix = CachedSegment(EncoderCache(tokens=runner.prefix_tokens(prompt_tokens)))
+            own = CachedSegment()
+            for chunk in schedule.chunks(tokens):
+                row = CachedRow(none, none, none, prefix, own, stop=prompt_tokens + chunk.stop, final=chunk.final,
+                                keep=not chunk.final)
+                history, new = row.start * runner.stride, (row.stop - row.start) * runner.stride
+                if history > longest_history:
+                    break
+                for rows in (1, 3, engine.max_rows):
+                    assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new, history)
+                own.encoder.tokens += row.kept_tokens(runner.grid)
+                checked += 1
+    assert checked > 30_000
+    assert engine.max_rows == max(graphs.rows)  # the service's cap is the largest bucket of rows
+    assert graphs.bucket(engine.max_rows + 1, min(graphs.new_frames), min(graphs.history_frames)) is None
