@@ -83,6 +83,9 @@ class Work(Generic[S]):
 
 
 class Token2WavEngine(Protocol[S]):
+    """What the service calls. An engine may also have `max_rows` (jobs per call at most: its largest CUDA-graph
+    bucket of rows) and `sample_rate` (of the audio `run` returns, to follow each stream's buffered audio)."""
+
     def open(self, prompt: PromptTensors, seed: int | None) -> S:
         """A fresh stream state for one request."""
 

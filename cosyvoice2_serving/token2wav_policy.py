@@ -4,7 +4,9 @@ The token2wav service runs one call at a time; when it forms the next call, each
 job (a stream's chunks stay in order) and this policy ranks them:
 
 1. **Starving**: a stream whose listener runs out of buffered audio before this call could finish (its deadline
-   lies before now + the expected call time). Every later call would only make its gap longer.
+   lies before now + the expected call time). Every later call would only make its gap longer. A job with nothing
+   playing that is not a first chunk (an offline utterance) counts as starving once its deadline has passed, so
+   a stream of first chunks cannot hold it back for ever.
 2. **First chunks**: a new stream's listener hears nothing until its first chunk is answered, while a stream
    past its first chunk is already playing and has slack; so a first chunk goes into the very next call, ahead
    of any later chunk that still has audio buffered.
@@ -62,7 +64,11 @@ class SchedulePolicy:
         """The job's rank if the next call starts at `now` and takes `call_s`."""
         if job.runs_dry_at is not None and job.runs_dry_at < now + call_s:
             return Urgency.STARVING
-        return Urgency.FIRST_CHUNK if job.first_chunk else Urgency.SCHEDULED
+        if job.first_chunk:
+            return Urgency.FIRST_CHUNK
+        if job.runs_dry_at is None and self.deadline(job) < now:  # waited past `max_defer_s`
+            return Urgency.STARVING
+        return Urgency.SCHEDULED
 
     def order(self, jobs: Sequence[PendingJob], now: float, call_s: float) -> list[int]:
         """Indices of `jobs`, most urgent first (a stable sort: ties keep the given order)."""

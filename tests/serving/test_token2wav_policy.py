@@ -20,13 +20,14 @@ def test_starving_streams_then_first_chunks_then_the_earliest_deadline():
         PendingJob(queued_at=99.2, first_chunk=True),  # 4: an earlier new stream
         PendingJob(queued_at=99.6, first_chunk=False, runs_dry_at=99.0),  # 5: already ran dry
         PendingJob(queued_at=99.9, first_chunk=False),  # 6: offline (nothing playing): due at 100.15
+        PendingJob(queued_at=99.7, first_chunk=False),  # 7: offline, overdue since 99.95
     ]
     assert [policy.urgency(job, NOW, CALL_S) for job in jobs] == [
         Urgency.SCHEDULED, Urgency.FIRST_CHUNK, Urgency.STARVING, Urgency.SCHEDULED, Urgency.FIRST_CHUNK,
-        Urgency.STARVING, Urgency.SCHEDULED]
-    # starving by deadline (5 ran dry first), first chunks by arrival, the rest by deadline (the offline job is
-    # due before the streams that still have audio buffered)
-    assert policy.order(jobs, NOW, CALL_S) == [5, 2, 4, 1, 6, 3, 0]
+        Urgency.STARVING, Urgency.SCHEDULED, Urgency.STARVING]
+    # starving by deadline (5 ran dry first, then the overdue offline job), first chunks by arrival, the rest by
+    # deadline (the offline job is due before the streams that still have audio buffered)
+    assert policy.order(jobs, NOW, CALL_S) == [5, 7, 2, 4, 1, 6, 3, 0]
 
 
 def test_a_stream_is_starving_only_when_its_audio_runs_out_before_the_call_could_end():
@@ -35,6 +36,16 @@ def test_a_stream_is_starving_only_when_its_audio_runs_out_before_the_call_could
     assert policy.urgency(job, NOW, call_s=0.4) == Urgency.SCHEDULED
     assert policy.urgency(job, NOW, call_s=0.6) == Urgency.STARVING
     assert policy.urgency(job, NOW + 0.2, call_s=0.4) == Urgency.STARVING  # later, the same call would be too late
+
+
+def test_a_first_chunk_never_counts_as_overdue_and_an_offline_job_does_once_past_its_deadline():
+    policy = SchedulePolicy(max_defer_s=0.25)
+    first = PendingJob(queued_at=90.0, first_chunk=True)
+    offline = PendingJob(queued_at=99.8, first_chunk=False)
+    assert policy.urgency(first, NOW, CALL_S) == Urgency.FIRST_CHUNK
+    assert policy.urgency(offline, NOW, CALL_S) == Urgency.SCHEDULED  # due at 100.05
+    assert policy.urgency(offline, NOW + 0.1, CALL_S) == Urgency.STARVING
+    assert policy.order([first, offline], NOW + 0.1, CALL_S) == [1, 0]
 
 
 def test_ties_keep_the_given_order():
