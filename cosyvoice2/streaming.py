@@ -12,12 +12,11 @@ Three layers, each with one job:
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
     import torch
 
     from cosyvoice2.config import EngineConfig
-    from cosyvoice2.flow.cached import CachedRow, CachedSegment, SolvingRow, StepBatch
+    from cosyvoice2.flow.cached import CachedRow, CachedSegment
     from cosyvoice2.frontend.prompt import VoicePrompt
 
 #: How streaming chunks use the flow: "off" recomputes prompt + all tokens for every chunk (upstream's way);
@@ -199,25 +198,6 @@ class FlowCall:
     cache: StreamFlowCache | None = None  # run over the stream's caches instead of recomputing the prefix
 
 
-@dataclass(eq=False)
-class SteppedChunk:
-    """A stream's chunk whose flow is being solved one Euler step at a time (`Token2Wav.begin_chunks`)."""
-
-    stream: "Token2WavStream"
-    chunk: Chunk
-    call: FlowCall
-    solving: "SolvingRow"
-
-    @property
-    def step(self) -> int:
-        """Euler steps done."""
-        return self.solving.step
-
-    @property
-    def done(self) -> bool:
-        return self.solving.done(len(self.stream.engine.flow.decoder.schedule))
-
-
 @dataclass(frozen=True)
 class HiFTCache:
     """What a non-final chunk leaves for the next one (upstream hift_cache_dict entry)."""
@@ -229,8 +209,8 @@ class HiFTCache:
 
 @dataclass(eq=False)
 class FlowCacheBook:
-    """What every lane of one `Token2Wav` shares: the voice prefixes (LRU by prompt digest) and the bytes that
-    live streams' own caches hold against the budget."""
+    """The flow caches of one `Token2Wav`: the voice prefixes (LRU by prompt digest) and the bytes that live
+    streams' own caches hold against the budget."""
 
     budget_bytes: int | None = None
     prefixes: "OrderedDict[str, CachedSegment]" = field(default_factory=OrderedDict)
@@ -262,28 +242,12 @@ class Token2Wav(FlowAndVocoder):
         self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
-        self.hift_graphs = None  # None: the HiFT module's own CUDA graphs (a `lane` has its own)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame)
         self.config = config
 
-    def lane(self) -> "Token2Wav":
-        """Another `Token2Wav` over the same modules and the same `book`, with its own flow-cache step graphs
-        (their static buffers serve one CUDA stream at a time), for a worker that runs calls concurrently with
-        this one on another CUDA stream. A stream opened on one lane may run its later chunks on another once
-        its tensors are handed over (`Token2WavStream.tensors`)."""
-        from cosyvoice2.flow.cached import CachedFlowRunner
-
-        from cosyvoice2.hift.generator import HiFTGraphs
-
-        other = copy.copy(self)
-        other.cached = CachedFlowRunner(self.flow, graphs=self.cached.graphs is not None)
-        # HiFT graphs of its own too: shared ones would make this lane's replays wait for the other's
-        other.hift_graphs = HiFTGraphs(self.hift) if self.hift.cuda_graphs is not None else None
-        return other
-
     @property
     def cache_bytes(self) -> int:
-        """Bytes of live streams' own flow caches (every lane's)."""
+        """Bytes of live streams' own flow caches."""
         return self.book.nbytes
 
     def flow_prompt(self, prompt: "VoicePrompt") -> FlowPrompt:
@@ -329,10 +293,8 @@ class Token2Wav(FlowAndVocoder):
         with self.book.lock:
             self.book.nbytes -= nbytes
 
-    def mels(self, calls: Sequence[FlowCall],
-             between_steps: "Callable[[], None] | None" = None) -> "list[torch.Tensor]":
+    def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.
-        `between_steps`: called before each Euler step of the cached calls (`CachedFlowRunner.run_pending`).
 
         Non-final calls use chunk attention and treat the last `pre_lookahead_len` tokens as context only;
         final calls use full attention, as upstream (docs/reference/cosyvoice2.md#streaming-at-the-flow-level).
@@ -342,7 +304,7 @@ class Token2Wav(FlowAndVocoder):
         out: "list[torch.Tensor | None]" = [None] * len(calls)
         cached = [i for i, call in enumerate(calls) if call.cache is not None]
         if cached:
-            for i, mel in zip(cached, self._cached_mels([calls[i] for i in cached], between_steps)):
+            for i, mel in zip(cached, self._cached_mels([calls[i] for i in cached])):
                 out[i] = mel
         for final in (False, True):
             rows = [i for i, call in enumerate(calls) if call.final == final and call.cache is None]
@@ -374,12 +336,11 @@ class Token2Wav(FlowAndVocoder):
         return CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
                          stop=offset + call.stop, final=call.final, keep=not call.final, emit_from=offset + call.start)
 
-    def _cached_mels(self, calls: Sequence[FlowCall],
-                     between_steps: "Callable[[], None] | None" = None) -> "list[torch.Tensor]":
+    def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
         import torch
 
-        mels, updates = self.cached.run_pending([self._cached_row(call) for call in calls], between_steps)
+        mels, updates = self.cached.run_pending([self._cached_row(call) for call in calls])
         for call, update in zip(calls, updates):
             assert call.cache is not None
             call.cache.pending = update
@@ -394,21 +355,19 @@ class Token2Wav(FlowAndVocoder):
         """(1, 80, M_i) mels -> [(audio (480 M_i,), source (1, 1, 480 M_i))] in one HiFT forward; each row's
         noise is drawn from its own generator for its own length, exactly as a call alone draws it."""
         noises = [self.hift.draw_noise(1, mel.shape[2], generator) for mel, generator in zip(mels, generators)]
-        return self.hift.inference_batch(mels, cache_sources, noises, graphs=self.hift_graphs)
+        return self.hift.inference_batch(mels, cache_sources, noises)
 
     def vocode(self, mel: "torch.Tensor", cache_source: "torch.Tensor | None",
                generator: "torch.Generator") -> "tuple[torch.Tensor, torch.Tensor]":
         """`vocode_batch` of one call."""
         return self.vocode_batch([mel], [cache_source], [generator])[0]
 
-    def run_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
-                   between_steps: "Callable[[], None] | None" = None) -> list[np.ndarray]:
+    def run_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]") -> list[np.ndarray]:
         """Run the next chunk of each of several streams (one chunk per stream) in one batched flow + HiFT pass.
 
         Each chunk must continue its stream (start where the last one stopped, its tokens already added). A call
         that raises leaves every stream as it was (tokens, caches and generator state), so its chunks can be
-        retried one by one. `between_steps` is called before each Euler step of the chunks that run over flow
-        caches: a scheduler may run a call of OTHER streams' chunks there (never of these streams).
+        retried one by one.
         """
         streams = [stream for stream, _ in work]
         if len({id(stream) for stream in streams}) != len(streams):
@@ -416,7 +375,7 @@ class Token2Wav(FlowAndVocoder):
         for stream, chunk in work:
             stream.check_next(chunk)
         return self._vocode_and_emit(
-            work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work], between_steps))
+            work, lambda: self.mels([stream.flow_call(chunk) for stream, chunk in work]))
 
     def _vocode_and_emit(self, work: "Sequence[tuple[Token2WavStream, Chunk]]",
                          mels: "Callable[[], list[torch.Tensor]]") -> list[np.ndarray]:
@@ -441,51 +400,6 @@ class Token2Wav(FlowAndVocoder):
         with torch.inference_mode():
             return to_host([stream.emit(chunk, inputs[i][0], *results[i]) if i in results
                             else stream.emit_nothing(chunk) for i, (stream, chunk) in enumerate(work)])
-
-    # ---- one estimator step at a time (a scheduler interleaving streams) -------------------------------
-    def steppable(self, stream: "Token2WavStream", chunk: Chunk) -> bool:
-        """Whether `chunk` runs over the stream's flow caches, and so can be solved one Euler step at a time
-        (`begin_chunks`); the others (recomputing chunks) run as whole calls (`run_chunks`)."""
-        return stream.uses_flow_cache(chunk)
-
-    def begin_chunks(self, work: "Sequence[tuple[Token2WavStream, Chunk]]") -> "list[SteppedChunk]":
-        """Admit the next chunk of each of several streams: their encoder pass (batched) and the start of their
-        Euler solves. `advance_chunks` then steps them, `finish_chunks` vocodes and emits them. Raises (changing
-        no stream) when a chunk does not continue its stream, is not `steppable`, or the encoder pass fails."""
-        import torch
-
-        streams = [stream for stream, _ in work]
-        if len({id(stream) for stream in streams}) != len(streams):
-            raise ValueError("begin_chunks takes at most one chunk per stream")
-        for stream, chunk in work:
-            stream.check_next(chunk)
-            if not self.steppable(stream, chunk):
-                raise ValueError(f"{chunk} recomputes the flow: run it with run_chunks")
-        with torch.inference_mode():
-            calls = [stream.flow_call(chunk) for stream, chunk in work]
-            solving = self.cached.admit([self._cached_row(call) for call in calls])
-        return [SteppedChunk(stream, chunk, call, row) for (stream, chunk), call, row in zip(work, calls, solving)]
-
-    def advance_chunks(self, chunks: "Sequence[SteppedChunk]", batch: "StepBatch | None" = None) -> "StepBatch":
-        """One Euler step of every chunk (each at its own step), in one padded estimator evaluation; returns
-        the step batch to pass again while the set of chunks is the same. A failed step changes no chunk."""
-        return self.cached.advance([c.solving for c in chunks], batch)
-
-    def finish_chunks(self, chunks: "Sequence[SteppedChunk]") -> list[np.ndarray]:
-        """Vocode (one batched HiFT pass) and emit chunks that ran all their Euler steps; their flow caches are
-        committed now. Raises, leaving every stream as it was before the chunk, when HiFT fails."""
-        import torch
-
-        def mels() -> "list[torch.Tensor]":
-            out = []
-            for c in chunks:
-                mel, update = self.cached.finish(c.solving)
-                assert c.call.cache is not None
-                c.call.cache.pending = update
-                out.append(mel[None].to(self.hift_device, torch.float32))
-            return out
-
-        return self._vocode_and_emit([(c.stream, c.chunk) for c in chunks], mels)
 
     def offline_job(self, tokens: "Sequence[int]", prompt: FlowPrompt,
                     generator: "torch.Generator") -> "tuple[Token2WavStream, Chunk]":
@@ -629,17 +543,6 @@ class Token2WavStream(ChunkedStream):
             self.release_flow_cache()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-    def tensors(self) -> "Iterator[torch.Tensor]":
-        """Every tensor this stream keeps from one chunk to the next (prompt, flow caches, HiFT caches). A worker
-        on another CUDA stream that runs the stream's later chunks is handed these (`record_stream`), so that
-        the memory they free there is not reused before its kernels have read it."""
-        yield from (self.prompt.tokens, self.prompt.mel, self.prompt.xvector)
-        if self.flow_cache is not None:
-            yield from self.flow_cache.prefix.tensors()
-            yield from self.flow_cache.own.tensors()
-        if self._cache is not None:
-            yield from (self._cache.mel, self._cache.source, self._cache.speech)
 
     def hift_input(self, mel: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor | None]":
         """This chunk's HiFT input: the cached mel frames re-vocoded before the new ones, and the cached source."""

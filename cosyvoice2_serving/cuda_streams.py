@@ -27,13 +27,10 @@ R = TypeVar("R")
 S = TypeVar("S")
 
 #: CUDA stream priorities: a lower number is a higher priority (out-of-range values are clamped to the
-#: device's range, [-5, 0] on recent GPUs). One token2wav worker runs above the LLM. With a first-chunk worker
-#: (`Token2WavService`), first chunks run above the LLM and later chunks below it: a stream past its first
-#: chunk is already playing audio and has slack, while every LLM step brings some stream's first chunk closer.
+#: device's range, [-5, 0] on recent GPUs). The token2wav worker runs above the LLM: its calls hold first chunks
+#: and chunks of streams about to run out of audio (`token2wav_policy`).
 TOKEN2WAV_STREAM_PRIORITY = -2
-TOKEN2WAV_FIRST_CHUNK_PRIORITY = -2
 LLM_STREAM_PRIORITY = -1
-TOKEN2WAV_LATER_CHUNKS_PRIORITY = 0
 
 
 def worker_stream(device: torch.device, priority: int) -> torch.cuda.Stream | None:
@@ -93,23 +90,13 @@ class StreamDecoder(_OnStream, Generic[R]):
 
 
 class StreamToken2Wav(_OnStream, Generic[S]):
-    """`Token2WavEngine` whose stream openings and runs happen on the token2wav worker's stream.
+    """`Token2WavEngine` whose stream openings and runs happen on the token2wav worker's stream."""
 
-    `hand_over_to`: the stream of the worker that runs the later chunks (the first-chunk worker's engine): after
-    each run, every stream that goes on is handed over (`hand_over(state, stream)` of the engine)."""
-
-    def __init__(self, engine: Token2WavEngine[S], stream: torch.cuda.Stream | None,
-                 hand_over_to: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, engine: Token2WavEngine[S], stream: torch.cuda.Stream | None) -> None:
         super().__init__(engine, stream)
-        self.hand_over_to = hand_over_to
 
     def open(self, prompt: PromptTensors, seed: int | None) -> S:
         return self._call(self._target.open, prompt, seed)
 
-    def run(self, work: Sequence[Work[S]], **hooks: Any) -> list[np.ndarray | Exception]:
-        results = self._call(self._target.run, work, **hooks)
-        if self.hand_over_to is not None:
-            for item, result in zip(work, results):
-                if item.chunk is not None and not item.chunk.final and not isinstance(result, Exception):
-                    self._target.hand_over(item.state, self.hand_over_to)
-        return results
+    def run(self, work: Sequence[Work[S]]) -> list[np.ndarray | Exception]:
+        return self._call(self._target.run, work)

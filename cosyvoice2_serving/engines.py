@@ -13,27 +13,24 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.dit.flow import PromptCache
-from cosyvoice2.dit.token2wav import DiTStream, DiTSteppedChunk, DiTToken2Wav, VoiceCaches, prompt_key
+from cosyvoice2.dit.token2wav import DiTStream, DiTToken2Wav, VoiceCaches, prompt_key
 from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
-from cosyvoice2.flow.cached import StepBatch
-from cosyvoice2.streaming import (Chunk, ChunkSchedule, FlowPrompt, SteppedChunk, Token2Wav, Token2WavStream,
-                                  prompt_digest)
+from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
 from cosyvoice2_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice2_serving.io_struct import PromptTensors
@@ -42,6 +39,9 @@ from cosyvoice2_serving.token2wav import Work
 from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
+
+#: Jobs per token2wav call at most when the engine has no CUDA-graph buckets (the buckets' largest row count).
+DEFAULT_MAX_ROWS = 16
 
 
 # -- LLM -------------------------------------------------------------------------------------------
@@ -98,16 +98,12 @@ class _BatchedStreams:
 
     engine: Any
     vocab_size: int
-    #: whether `run` takes `between_steps` (a scheduler's hook before each Euler step of the call)
-    runs_between_steps = False
 
-    def run(self, work: Sequence[Work[Any]],
-            between_steps: Callable[[], None] | None = None) -> list[np.ndarray | Exception]:
+    def run(self, work: Sequence[Work[Any]]) -> list[np.ndarray | Exception]:
         jobs = [self._job(item) for item in work]
         ready = [job for job in jobs if not isinstance(job, Exception)]
-        hook = {} if between_steps is None else {"between_steps": between_steps}
         try:
-            audio = iter(self.engine.run_chunks(ready, **hook))
+            audio = iter(self.engine.run_chunks(ready))
             return [job if isinstance(job, Exception) else next(audio) for job in jobs]
         except Exception:  # noqa: BLE001 - a failed call changed no stream: find the bad job by running each alone
             return [job if isinstance(job, Exception) else self._run_alone(job) for job in jobs]
@@ -131,78 +127,10 @@ class _BatchedStreams:
             return exc
 
 
-@dataclass(eq=False)
-class StepHandle:
-    """One chunk in flight in an engine's step mode."""
-
-    stepped: SteppedChunk | DiTSteppedChunk
-
-    @property
-    def step(self) -> int:
-        return self.stepped.step
-
-
-class _SteppedStreams(_BatchedStreams):
-    """What both engines' step mode shares (`StepToken2WavEngine`): the engine's `begin_chunks` /
-    `advance_chunks` / `finish_chunks` behind the service's `admit` / `step`, retried per job when a batched
-    call fails. Subclasses add `can_step`, `max_rows`, `steppable` and `cancel`."""
-
-    _batch: Any = None  # the padded inputs of the last set of chunks stepped (reused while it is the same)
-
-    def admit(self, work: Sequence[Work[Any]]) -> list[StepHandle | Exception]:
-        """Start each job's chunk (its tokens added, its encoder pass run, batched); if the batched admission
-        fails, which changes no stream, each job is admitted alone so that only the bad one fails."""
-        jobs = [self._job(item) for item in work]
-        ready = [job for job in jobs if not isinstance(job, Exception)]
-        try:
-            started = iter(self.engine.begin_chunks(ready))
-            return [job if isinstance(job, Exception) else StepHandle(next(started)) for job in jobs]
-        except Exception:  # noqa: BLE001
-            return [job if isinstance(job, Exception) else self._admit_alone(job) for job in jobs]
-
-    def _admit_alone(self, job: tuple[Any, Chunk]) -> StepHandle | Exception:
-        try:
-            return StepHandle(self.engine.begin_chunks([job])[0])
-        except Exception as exc:  # noqa: BLE001 - returned per job
-            return exc
-
-    def step(self, handles: Sequence[StepHandle]) -> list[np.ndarray | Exception | None]:
-        """One Euler step of every handle's chunk (one padded estimator evaluation), then the chunks that ran
-        their last step are vocoded and emitted together. Per handle: its audio when it finished, the error
-        when it failed, None while it has steps left. A failing step or vocoder call is retried per handle,
-        so only the bad chunks fail (a failed step or vocoder call changes no stream)."""
-        out: list[np.ndarray | Exception | None] = [None] * len(handles)
-        live = list(range(len(handles)))
-        try:
-            self._batch = self.engine.advance_chunks([t.stepped for t in handles], self._batch)
-        except Exception:  # noqa: BLE001 - find the failing chunks by stepping each alone
-            self._batch = None
-            for i, handle in enumerate(handles):
-                try:
-                    self.engine.advance_chunks([handle.stepped])
-                except Exception as exc:  # noqa: BLE001 - returned per handle
-                    out[i] = exc
-            live = [i for i in live if out[i] is None]
-        done = [i for i in live if handles[i].stepped.done]
-        if done:
-            try:
-                for i, audio in zip(done, self.engine.finish_chunks([handles[i].stepped for i in done])):
-                    out[i] = audio
-            except Exception:  # noqa: BLE001 - vocode each alone
-                for i in done:
-                    try:
-                        out[i] = self.engine.finish_chunks([handles[i].stepped])[0]
-                    except Exception as exc:  # noqa: BLE001 - returned per handle
-                        out[i] = exc
-        return out
-
-
-class BatchedToken2Wav(_SteppedStreams):
+class BatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` for `Token2WavService`: all jobs of a service batch - streaming chunks of any shapes and
     offline utterances (one-chunk streams) - run as one `Token2Wav.run_chunks` call (one flow forward per
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
-
-    runs_between_steps = True
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
                  flow_cache: str = "exact", flow_cache_gb: float | None = None):
@@ -210,27 +138,11 @@ class BatchedToken2Wav(_SteppedStreams):
         self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
-        self._batch: StepBatch | None = None  # step mode: the padded inputs of the last set of chunks stepped
 
     @property
     def sample_rate(self) -> int:
         """Samples per second of the audio `run` returns."""
         return self.engine.config.sample_rate
-
-    def lane(self) -> "BatchedToken2Wav":
-        """A second engine over the same model and flow-cache book with its own step graphs (`Token2Wav.lane`),
-        for the service's first-chunk worker; capture its graphs too."""
-        other = copy.copy(self)
-        other.engine = self.engine.lane()
-        other._batch = None
-        return other
-
-    def hand_over(self, state: StreamState, stream: torch.cuda.Stream) -> None:
-        """The stream's later chunks run on `stream`: the tensors it keeps are marked as used there, so memory
-        that the other worker allocated and this one frees is not reused while `stream` may still read it."""
-        for tensor in state.stream.tensors():
-            if tensor.is_cuda:
-                tensor.record_stream(stream)
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture every flow-cache step graph now (before the server reports ready): (graphs, seconds)."""
@@ -243,27 +155,11 @@ class BatchedToken2Wav(_SteppedStreams):
         torch.cuda.synchronize(self.engine.flow_device)
         return count, time.perf_counter() - started
 
-    # -- step scheduling (`StepToken2WavEngine`) -------------------------------------------------------------
-    @property
-    def can_step(self) -> bool:
-        """Without flow caches every chunk recomputes: nothing can be stepped."""
-        return self.engine.flow_cache != "off"
-
     @property
     def max_rows(self) -> int:
-        """Chunks in flight at most: the largest CUDA-graph bucket of rows (more would run eagerly)."""
+        """Jobs per call at most (the service's cap): the largest CUDA-graph bucket of rows (more would run eagerly)."""
         graphs = self.engine.cached.graphs
-        return max(graphs.rows) if graphs is not None else 16
-
-    def steppable(self, item: Work[StreamState]) -> bool:
-        """A streaming chunk over the flow caches; offline jobs and recomputing chunks run as whole calls."""
-        return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
-
-    def cancel(self, handle: StepHandle) -> None:
-        """Drop a chunk in flight (its stream was closed): the stream's flow caches are freed at once."""
-        stream = handle.stepped.stream
-        stream.discard_pending()
-        stream.release_flow_cache()
+        return max(graphs.rows) if graphs is not None else DEFAULT_MAX_ROWS
 
     def open(self, prompt: PromptTensors, seed: int | None) -> StreamState:
         engine = self.engine
@@ -287,15 +183,14 @@ class DiTStreamState:
     stream: DiTStream
 
 
-class DiTBatchedToken2Wav(_SteppedStreams):
+class DiTBatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` over the DiT token2wav: all jobs of a service batch run as one `DiTToken2Wav.run_chunks`
     call (one batched flow call, one HiFT call); if that call fails, each job runs alone, so only the bad one fails.
 
     The orchestrator's chunks (`cosyvoice2.streaming.Chunk`, the UNet schedule) drive the DiT streams as they are:
     a DiT stream takes any hop >= 4 tokens with the flow's lookahead (3 tokens), and emits 960 samples per token
     in all, like the UNet token2wav. The prompt cache of a voice is computed once (`VoiceCaches`, keyed by the
-    prompt's features) and shared by all its streams. In step mode (`admit` / `step`) streaming chunks advance one
-    Euler step at a time, each at its own step, so a new chunk joins the chunks in flight at their next step."""
+    prompt's features) and shared by all its streams."""
 
     def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64, schedule: ChunkSchedule | None = None) -> None:
         self.engine = engine
@@ -322,20 +217,15 @@ class DiTBatchedToken2Wav(_SteppedStreams):
             return 0, time.perf_counter() - started
         return count, time.perf_counter() - started
 
-    # -- step scheduling (`StepToken2WavEngine`) ---------------------------------------------------------
-    can_step = True
+    @property
+    def sample_rate(self) -> int:
+        """Samples per second of the audio `run` returns."""
+        return self.engine.sample_rate
 
     @property
     def max_rows(self) -> int:
-        """Chunks in flight at most: the largest step-graph bucket of rows (more would run eagerly)."""
-        return max(self.engine.graphs.buckets.rows, default=16)
-
-    def steppable(self, item: Work[DiTStreamState]) -> bool:
-        """A streaming chunk with tokens for the flow; offline jobs run as whole calls."""
-        return item.chunk is not None and self.engine.steppable(item.state.stream, item.chunk)
-
-    def cancel(self, handle: StepHandle) -> None:
-        """Drop a chunk in flight: nothing to free, a DiT stream's state changes only when a chunk is emitted."""
+        """Jobs per call at most (the service's cap): the largest step-graph bucket of rows (more would run eagerly)."""
+        return max(self.engine.graphs.buckets.rows, default=DEFAULT_MAX_ROWS)
 
     def open(self, prompt: PromptTensors, seed: int | None) -> DiTStreamState:
         engine = self.engine

@@ -252,10 +252,6 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "token2wav_call_ms": ratio("token2wav_engine_seconds_total", "token2wav_engine_calls_total"),
         "token2wav_chunks_per_call": ratio("token2wav_call_jobs_total", "token2wav_engine_calls_total", 1.0),
         "token2wav_calls": d.get("token2wav_engine_calls_total"),
-        # step scheduling (docs/triton.md): estimator steps over all chunks in flight
-        "token2wav_step_ms": ratio("token2wav_step_seconds_total", "token2wav_steps_total"),
-        "token2wav_chunks_per_step": ratio("token2wav_step_rows_total", "token2wav_steps_total", 1.0),
-        "token2wav_steps": d.get("token2wav_steps_total"),
         **first_chunk_breakdown(d),
     }
 
@@ -563,8 +559,6 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("LLM step (ms)", "llm_step_ms", "{:.2f}"),
     ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
-    ("token2wav step (ms)", "token2wav_step_ms", "{:.1f}"),
-    ("token2wav chunks per step", "token2wav_chunks_per_step", "{:.1f}"),
 )
 #: (column title, first_chunk_breakdown key, format) of the first-chunk table: the first-chunk time, then its stages
 #: in the order they happen (the rows of calls and decode steps next to their stage), then what they leave.

@@ -244,11 +244,6 @@ class Token2WavParams(_TorchModelParams):
     schedule: StreamScheduleParams
     flow_cache: str
     flow_cache_gb: float  # the flow caches' budget on this model's GPU; 0: no limit
-    t2w_scheduling: str = "call"  # step (one estimator step at a time across streams) or call (whole calls)
-    # call scheduling: a second worker (own CUDA stream, own step graphs) runs only first chunks (unet only)
-    t2w_first_chunk_worker: bool = False
-    # call scheduling, one worker: first chunks run between two Euler steps of a running call of later chunks
-    t2w_first_chunks_between_steps: bool = False
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
     # the disaggregated layout: the token2wav replicas on this model's GPU, which split `flow_cache_gb` evenly

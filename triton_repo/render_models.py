@@ -159,7 +159,7 @@ def llm_params(opts: RenderOptions) -> LLMParams:
 
 def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavParams:
     """Parameters of the token2wav model `name` (`adapters.token2wav.Token2WavHandler`), one of `token2wav_replicas`:
-    dtype, token2wav, flow_cache* and the scheduling options as rendered."""
+    dtype, token2wav and flow_cache* as rendered."""
     disaggregated = opts.layout == "disaggregated"
     return _with_options(
         Token2WavParams, opts,

@@ -22,7 +22,6 @@ from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from cosyvoice2_serving.repetition import LoopGuardConfig
 from cosyvoice2_serving.schedule import StreamScheduleParams
-from cosyvoice2_serving.token2wav import T2W_SCHEDULING
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -210,22 +209,6 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
-    # How token2wav schedules streaming chunks (cosyvoice2_serving.token2wav.T2W_SCHEDULING): "step" advances
-    # every chunk in flight one estimator step at a time, so a new stream's first chunk starts at the next step;
-    # "call" runs each batch of chunks as one whole call. "call" is the default: on the GPU it measured faster at
-    # 16 streams (docs/PERFORMANCE.md, "Step scheduling"). Both token2wavs (unet, dit) can step.
-    t2w_scheduling: str = option("call", choices=T2W_SCHEDULING,
-                                 help="token2wav: step (one estimator step at a time across streams; new streams "
-                                      "join at the next step) or call (whole batched calls)")
-    # With call scheduling, a second token2wav worker that runs only first chunks, concurrently with the calls of
-    # later chunks on its own higher-priority CUDA stream (and its own CUDA graphs: more GPU memory), so a new
-    # stream's first chunk never waits for a running call (cosyvoice2_serving.token2wav).
-    t2w_first_chunk_worker: bool = option(
-        False, help="call scheduling: a second token2wav worker (own CUDA stream and graphs) runs only first chunks")
-    # With call scheduling and one worker, a running call of later chunks lets the first chunks that arrived
-    # meanwhile run as their own call before its next Euler step (UNet token2wav, flow caches on).
-    t2w_first_chunks_between_steps: bool = option(
-        False, help="call scheduling: first chunks run between two Euler steps of a running call of later chunks")
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = option("unet", choices=TOKEN2WAVS, help="unet: CosyVoice2's flow from --model-dir; dit: the DiT "

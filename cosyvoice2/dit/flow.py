@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -198,20 +198,6 @@ class ConditionalCFM(nn.Module):
         inputs = StepInputs.zeros(self.estimator.config, padded.shape, x)
         return self.padded_step(*padded.fill(inputs, steps, x, t, dt).args())
 
-    def advance(self, padded: "PaddedChunks", xs: Sequence[torch.Tensor],
-                steps: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """One Euler step of each stream's chunk at its own step (own t, dt and caches): xs[i] (1, 80, C_i) its ODE
-        state -> per stream the next state, its new conv cache (depth, 2, 2 C, k - 1) and K/V (depth, 2, H,
-        C_i + T_c, 2 D) of that step, all fresh tensors."""
-        schedule = self.time_steps(xs[0].device, xs[0].dtype)
-        t = torch.stack([schedule[s][0] for s in steps])
-        dt = torch.stack([schedule[s][1] for s in steps])
-        with padded.locked():
-            x, conv, own = self.step_padded(padded, steps, padded.stack(xs), t, dt)
-            return [(x[i : i + 1, :, : padded.frames[i]].clone(), conv[:, padded.rows_of(i)].clone(),
-                     torch.cat([own[:, padded.rows_of(i), :, : padded.frames[i]], cache.kv[steps[i]]], dim=3))
-                    for i, cache in enumerate(padded.caches)]
-
     def _solve_padded(self, padded: "PaddedChunks") -> list[tuple[torch.Tensor, EstimatorCache]]:
         """The Euler loop over padded chunks in lock step; each step's outputs are copied out at once (a graph's
         outputs and static buffers are overwritten by its next replay)."""
@@ -283,8 +269,8 @@ class StepInputs:
 
 @dataclass(eq=False)
 class PaddedChunks:
-    """The step-invariant padded inputs of a set of chunks (one `solve_chunks` call, or the chunks `DiTFlow.advance`
-    steps together) at their (rows, chunk frames, cache frames) shape.
+    """The step-invariant padded inputs of a set of chunks (one `solve_chunks` call) at their (rows, chunk frames,
+    cache frames) shape.
 
     Padded rows have every chunk frame real and no cache (finite, and never read back); padded frames of real
     rows are zeros and masked as keys; a row's conv context is taken at its own last frame (`lengths`)."""
@@ -298,7 +284,6 @@ class PaddedChunks:
     spks: torch.Tensor  # (Bp, 80)
     key_mask: torch.Tensor  # (2 Bp, 1, 1, Cp + Tp)
     lengths: torch.Tensor  # (2 Bp,)
-    owners: tuple = ()  # the rows of `DiTFlow.advance` these inputs were built for
 
     @classmethod
     def build(cls, noises: Sequence[torch.Tensor], mus: Sequence[torch.Tensor], spks: torch.Tensor,
@@ -469,56 +454,3 @@ class DiTFlow(nn.Module):
     def _next_state(self, state: FlowState, encoder: EncoderCache, estimator: EstimatorCache) -> FlowState:
         window = estimator.trimmed(state.prompt.prompt_frames, self.config.solver.window_extra_frames)
         return FlowState(state.prompt, encoder, window)
-
-    # ---- streaming, one Euler step at a time ------------------------------------------------------------
-    @torch.inference_mode()
-    def admit(self, tokens: Sequence[torch.Tensor], states: Sequence[FlowState],
-              lasts: Sequence[bool]) -> list["SolvingChunk"]:
-        """`chunks` made resumable: the encoder pass of each chunk now, then `advance` runs one Euler step at a
-        time over any mix of chunks (each at its own step) and `finish` gives what `chunks` gives."""
-        encoded, noises = self._encode(tokens, states, lasts)
-        return [SolvingChunk(state, mu, encoder_cache, noise)
-                for state, (mu, encoder_cache), noise in zip(states, encoded, noises)]
-
-    @torch.inference_mode()
-    def advance(self, rows: Sequence["SolvingChunk"], graphs: Optional["DiTStepGraphs"] = None,
-                batch: Optional["PaddedChunks"] = None) -> "PaddedChunks":
-        """One Euler step of every row, each at its own step, in one padded estimator batch (replayed from
-        `graphs` when it fits a bucket). `batch`: the padded inputs returned by the previous call, reused while
-        the rows are the same. A step that fails changes no row."""
-        steps = self.config.solver.n_timesteps
-        if any(row.step >= steps for row in rows):
-            raise ValueError("advance: a chunk has already run every Euler step")
-        if batch is None or batch.owners != tuple(rows):
-            batch = self.decoder.pad_chunks([row.x for row in rows], [row.mu.transpose(1, 2) for row in rows],
-                                            torch.cat([row.state.prompt.spks for row in rows]),
-                                            [row.state.estimator for row in rows], graphs)
-            batch.owners = tuple(rows)
-        results = self.decoder.advance(batch, [row.x for row in rows], [row.step for row in rows])
-        for row, (x, conv, kv) in zip(rows, results):  # the whole step succeeded: commit it to every row
-            row.x = x
-            row.convs.append(conv)
-            row.kvs.append(kv)
-            row.step += 1
-        return batch
-
-    def finish(self, row: "SolvingChunk") -> tuple[torch.Tensor, torch.Tensor, FlowState]:
-        """A row that ran every Euler step -> (mu, mel, next state), as `chunks` returns them."""
-        if row.step < self.config.solver.n_timesteps:
-            raise ValueError("finish: the chunk has Euler steps left")
-        cache = EstimatorCache(torch.stack(row.convs), torch.stack(row.kvs))
-        return row.mu, row.x, self._next_state(row.state, row.encoder, cache)
-
-
-@dataclass(eq=False)
-class SolvingChunk:
-    """One stream's chunk between `DiTFlow.admit` and `finish`: its encoder output and ODE state, and the
-    estimator caches of the Euler steps it has run (each step sees the stream's caches of that step)."""
-
-    state: FlowState  # the stream's state before the chunk
-    mu: torch.Tensor  # (1, C, 80)
-    encoder: EncoderCache  # the encoder cache after the chunk
-    x: torch.Tensor  # (1, 80, C) the ODE state after `step` steps
-    step: int = 0
-    convs: list[torch.Tensor] = field(default_factory=list)  # per step run: (depth, 2, 2 C, k - 1)
-    kvs: list[torch.Tensor] = field(default_factory=list)  # per step run: (depth, 2, H, C + T_c, 2 D)

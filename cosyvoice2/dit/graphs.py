@@ -10,8 +10,7 @@ inputs from fixed addresses, so every stream's caches must be copied into static
 volume is the same (each step's K/V once). A whole-solve graph would need all ten steps' K/V in static buffers at
 once - ten times the memory (at the released size in fp32 about 1.25 MiB per cached frame per stream, ~37 GiB for
 16 streams with a 30 s prompt) - to save nine replays and a few small copies per step, which cost tens of
-microseconds against a step's milliseconds. A step graph also takes t and dt per row, so rows at different Euler
-steps could share a replay.
+microseconds against a step's milliseconds.
 
 Padding is exact: padded chunk frames and cache frames are masked as attention keys, every other layer is per
 frame or causal (a padded frame lies after every real one), each row's conv context is taken at its own last real

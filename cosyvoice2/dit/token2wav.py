@@ -28,7 +28,7 @@ from cosyvoice2.streaming import (  # the same chunk, HiFT state and cross-fade 
     Chunk, ChunkedStream, FlowAndVocoder, HiFTCache,
 )
 
-from .flow import DiTFlow, FlowState, PaddedChunks, PromptCache, SolvingChunk
+from .flow import DiTFlow, FlowState, PromptCache
 from .graphs import DiTGraphBuckets, DiTStepGraphs, HopSchedule, max_prompt_frames
 
 
@@ -268,46 +268,6 @@ class DiTToken2Wav(FlowAndVocoder):
                 out.append(stream.emit_nothing(chunk, flow_state))
         return to_host(out)
 
-    # ---- one Euler step at a time -----------------------------------------------------------------------
-    @staticmethod
-    def steppable(stream: "DiTStream", chunk: Chunk) -> bool:
-        """Whether the chunk has tokens for the flow (a final chunk without new tokens only vocodes HiFT's cached
-        frames: it runs with `run_chunks`)."""
-        return chunk.feed > chunk.start
-
-    @torch.inference_mode()
-    def begin_chunks(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list["DiTSteppedChunk"]:
-        """Admit the next chunk of each of several streams (their encoder pass); `advance_chunks` then steps them
-        and `finish_chunks` vocodes and emits them. Raises, changing no stream, when a chunk does not continue
-        its stream, is not `steppable`, or the encoder pass fails."""
-        self._check_work(work, "begin_chunks")
-        for stream, chunk in work:
-            if not self.steppable(stream, chunk):
-                raise ValueError(f"{chunk} has no tokens for the flow: run it with run_chunks")
-        rows = self.flow.admit(
-            [torch.tensor(stream.tokens[chunk.start:chunk.feed], dtype=torch.long, device=self.flow_device)[None]
-             for stream, chunk in work],
-            [stream.flow_state for stream, _ in work], [chunk.final for _, chunk in work])
-        return [DiTSteppedChunk(stream, chunk, row) for (stream, chunk), row in zip(work, rows)]
-
-    def advance_chunks(self, chunks: Sequence["DiTSteppedChunk"], batch: Optional[PaddedChunks] = None) -> PaddedChunks:
-        """One Euler step of every chunk, each at its own step, in one padded estimator batch (step graphs when it
-        fits a bucket); returns the padded inputs to pass again while the chunks are the same. A failed step
-        changes no chunk."""
-        return self.flow.advance([c.solving for c in chunks], self.graphs, batch)
-
-    def finish_chunks(self, chunks: Sequence["DiTSteppedChunk"]) -> list[np.ndarray]:
-        """Vocode (one HiFT pass) and emit chunks that ran every Euler step. Raises, leaving every stream as it was
-        before the chunk, when HiFT fails."""
-        def flows() -> list[tuple[torch.Tensor, FlowState]]:
-            out = []
-            for c in chunks:
-                _, mel, state = self.flow.finish(c.solving)
-                out.append((mel.to(self.hift_device, torch.float32), state))
-            return out
-
-        return self._vocode_and_emit([(c.stream, c.chunk) for c in chunks], flows)
-
     def _run_flows(self, work: Sequence[tuple["DiTStream", Chunk]]) -> list[tuple[torch.Tensor, FlowState]]:
         """Each chunk's mel (1, 80, C) fp32 on the HiFT device and its stream's next flow state (not yet
         adopted); the chunks with tokens share one batched flow call."""
@@ -326,24 +286,6 @@ class DiTToken2Wav(FlowAndVocoder):
             for i, (_, mel, state) in zip(rows, results):
                 out[i] = (mel.to(self.hift_device, torch.float32), state)
         return out  # type: ignore[return-value]
-
-
-@dataclass(eq=False)
-class DiTSteppedChunk:
-    """A stream's chunk whose flow is solved one Euler step at a time (`DiTToken2Wav.begin_chunks`)."""
-
-    stream: "DiTStream"
-    chunk: Chunk
-    solving: SolvingChunk
-
-    @property
-    def step(self) -> int:
-        """Euler steps done."""
-        return self.solving.step
-
-    @property
-    def done(self) -> bool:
-        return self.solving.step >= self.stream.engine.flow.config.solver.n_timesteps
 
 
 class DiTStream(ChunkedStream):

@@ -26,16 +26,14 @@ Layout of the caches (per stream, one tensor per kind, appended per chunk along 
 Rows of different histories and lengths run in one batched call: histories and new frames are right-padded and
 masked, as in `CausalFlow.inference_batch`.
 
-The Euler solve is resumable (`admit`, `advance`, `finish`): a scheduler can run one estimator step at a time over
-rows that are at different steps (each with its own t, dt and step-indexed history), so a new chunk joins at the
-next step instead of waiting for a whole call. A whole call (`run_pending`) is the lock-step case.
+A call's rows run their Euler steps in lock step (`advance`, one estimator evaluation of every row per step).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -116,8 +114,8 @@ class CachedRow:
 
 @dataclass(eq=False)
 class SolvingRow:
-    """A cached row between `CachedFlowRunner.admit` and its last Euler step: its encoder output and the ODE
-    state, advanced one step at a time (`advance`), possibly alongside rows at other steps."""
+    """A cached row of a call during its Euler solve: its encoder output and the ODE state, advanced one step at
+    a time (`advance`) with the call's other rows."""
 
     row: CachedRow
     mu: torch.Tensor  # (80, new) encoder output of the new frames
@@ -128,7 +126,6 @@ class SolvingRow:
     new: int  # new frames
     kept: int  # frames whose estimator states are cached afterwards
     step: int = 0  # Euler steps done
-    encoder: Optional[EncoderCache] = None  # what the encoder pass adds to the caches (from `admit`)
     kv: list[torch.Tensor] = field(default_factory=list)  # per step done: (blocks, 2, 2 rows, heads, kept, d)
     tails: list[torch.Tensor] = field(default_factory=list)  # per step done: (2 rows, channels, 2)
 
@@ -203,17 +200,12 @@ class CachedFlowRunner:
         return mels
 
     @torch.inference_mode()
-    def run_pending(self, rows: Sequence[CachedRow], between_steps: Optional[Callable[[], None]] = None,
-                    ) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
+    def run_pending(self, rows: Sequence[CachedRow]) -> tuple[list[torch.Tensor], list[Optional[CachedSegment]]]:
         """Mel (80, frames) float32 of tokens[first_emitted:stop] per row, and the caches each row's call adds
-        (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream.
-
-        `between_steps` is called before each Euler step (after the encoder pass): a scheduler may run another
-        call there (other streams' rows; this call's state lives in its own tensors, and every step copies its
-        inputs into the graphs' static buffers again)."""
+        (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream."""
         self._check(rows)
         mu, enc_out = self._encode(rows)
-        mel, est_out = self._solve(rows, mu, between_steps)
+        mel, est_out = self._solve(rows, mu)
         updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
         return mel, updates
 
@@ -333,29 +325,15 @@ class CachedFlowRunner:
         x = x + layer.feed_forward(layer.norm_ff(x))
         return x, k_new, v_new
 
-    # -- estimator: a resumable Euler solve ----------------------------------------------------------------
-    def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor,
-               between_steps: Optional[Callable[[], None]] = None) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
-        """All Euler steps of a batch of rows at once (one whole call): the rows advance in lock step."""
+    # -- estimator: the Euler solve ---------------------------------------------------------------------------
+    def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
+        """All Euler steps of a batch of rows (one whole call): the rows advance in lock step."""
         solving = self._begin(rows, mu)
         batch = self.step_batch(solving)
         for _ in self.flow.decoder.schedule:
-            if between_steps is not None:
-                between_steps()
             self.advance(solving, batch)
         results = [self.result(s) for s in solving]
         return [mel for mel, _ in results], [est for _, est in results]
-
-    @torch.inference_mode()
-    def admit(self, rows: Sequence[CachedRow]) -> list["SolvingRow"]:
-        """Encode the new tokens of each row (one batched encoder pass) and set up its Euler solve at step 0;
-        `advance` then runs one step at a time, over any mix of rows at different steps."""
-        self._check(rows)
-        mu, enc_out = self._encode(rows)
-        solving = self._begin(rows, mu)
-        for s, enc in zip(solving, enc_out):
-            s.encoder = enc
-        return solving
 
     def _begin(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> list["SolvingRow"]:
         cfm = self.flow.decoder
@@ -412,15 +390,18 @@ class CachedFlowRunner:
 
     @torch.inference_mode()
     def advance(self, solving: Sequence["SolvingRow"], batch: Optional["StepBatch"] = None) -> "StepBatch":
-        """One Euler step for every row, each at its own step index (its own t and dt, and the history keys of
-        that step), in one padded estimator evaluation. `batch` (from `step_batch` over the same rows) is reused
-        when given; returns the batch used. Nothing changes unless the whole step succeeds."""
+        """One Euler step for every row (all at the same step index: a call's rows advance in lock step), in one
+        padded estimator evaluation. `batch` (from `step_batch` over the same rows) is reused when given; returns
+        the batch used. Nothing changes unless the whole step succeeds."""
         if batch is None or batch.rows != tuple(solving):
             batch = self.step_batch(solving)
         cfm = self.flow.decoder
         schedule = cfm.schedule
-        if any(s.done(len(schedule)) for s in solving):
-            raise ValueError("advance: a row has already run every Euler step")
+        step = solving[0].step
+        if any(s.step != step for s in solving):
+            raise ValueError("advance: the rows of a call run their Euler steps in lock step")
+        if step >= len(schedule):
+            raise ValueError("advance: the rows have already run every Euler step")
         rows_p, longest, hist_p = batch.padded
         count = len(solving)
         like = solving[0].x
@@ -428,10 +409,9 @@ class CachedFlowRunner:
         x = like.new_zeros(rows_p, like.size(0), longest)
         for b, s in enumerate(solving):
             x[b, :, : s.new] = s.x
-        steps = [s.step for s in solving]
+        steps = [step] * count
         rows = [s.row for s in solving]
-        t_in = to_device([schedule[i][0] for i in steps] + [0.0] * (rows_p - count), device, dtype)
-        t_in = torch.cat([t_in, t_in])
+        t_in = torch.full((2 * rows_p,), schedule[step][0], device=device, dtype=dtype)
         x_in = torch.cat([x, x])
         if batch.shape is not None:
             velocity, kv, new_tails = self.graphs.run(batch.shape, rows, steps, x_in, batch.mask, batch.mu, t_in,
@@ -444,11 +424,7 @@ class CachedFlowRunner:
                                                     batch.bias, keys, hist_p, tails, batch.tail_at)
         rate = cfm.config.inference_cfg_rate
         v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
-        if len(set(steps)) == 1:  # lock step (a whole call): the scalar dt, as the uncached solver
-            dt: float | torch.Tensor = schedule[steps[0]][1]
-        else:
-            dt = to_device([schedule[i][1] for i in steps] + [0.0] * (rows_p - count), device, dtype).view(-1, 1, 1)
-        x = x + dt * ((1.0 + rate) * v_cond - rate * v_uncond)
+        x = x + schedule[step][1] * ((1.0 + rate) * v_cond - rate * v_uncond)  # the scalar dt, as the uncached solver
         # keep what the rows cache (graph outputs are overwritten by the next replay; slices and stack: an index
         # list would be a host-to-device copy, i.e. a sync, per row and step)
         kept = [(torch.stack([kv[:, :, b, :, : s.kept], kv[:, :, rows_p + b, :, : s.kept]], dim=2),
@@ -469,12 +445,6 @@ class CachedFlowRunner:
         skip = s.row.first_emitted() * self.stride - s.start
         mel = s.x[:, skip : s.new].float()
         return mel, EstimatorCache(s.kept, s.kv, s.tails) if s.kept else EstimatorCache()
-
-    def finish(self, s: "SolvingRow") -> tuple[torch.Tensor, Optional[CachedSegment]]:
-        """`result` of a row from `admit`, with its encoder caches: (mel, caches to `commit`, or None)."""
-        mel, est = self.result(s)
-        assert s.encoder is not None
-        return mel, CachedSegment(s.encoder, est) if s.encoder.tokens else None
 
     @staticmethod
     def _estimator_bias(finals, hist, news, hist_p, longest, chunk, device, dtype) -> torch.Tensor:

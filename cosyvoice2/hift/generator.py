@@ -194,14 +194,12 @@ class HiFTGenerator(nn.Module):
 
     @torch.inference_mode()
     def inference_batch(self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None],
-                        noises: Sequence[SourceNoise],
-                        graphs: "HiFTGraphs | None" = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                        noises: Sequence[SourceNoise]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Several independent calls in one forward: mel (1, 80, M_i), its cache source (1, 1, S_i) or None and
         its noise (drawn for M_i frames, as a call alone would draw it) -> [(audio (480 M_i,), source (1, 1, 480 M_i))].
 
         Rows are right-padded to the longest and masked (see above), so each result equals `inference` of that
-        row alone. `graphs`: a caller's own set of CUDA graphs instead of the module's (`cuda_graphs`), so that
-        workers on different CUDA streams never wait for each other's replays.
+        row alone.
         """
         spf = self.config.samples_per_frame
         frames = [mel.shape[2] for mel in mels]
@@ -219,14 +217,12 @@ class HiFTGenerator(nn.Module):
             torch.cat([F.pad(n.sine_noise, (0, 0, 0, longest * spf - n.sine_noise.shape[1])) for n in noises]),
             torch.cat([F.pad(c, (0, cache_len - c.shape[2])) for c in caches]),
             lengths([c.shape[2] for c in caches]),
-            graphs=graphs,
         )
         return [(audio[i, : m * spf], source[i : i + 1, :, : m * spf]) for i, m in enumerate(frames)]
 
-    def _run(self, *inputs: torch.Tensor, graphs: "HiFTGraphs | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
-        graphs = graphs or self.cuda_graphs
-        if graphs is not None and inputs[0].is_cuda:
-            return graphs.run(*inputs)
+    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cuda_graphs is not None and inputs[0].is_cuda:
+            return self.cuda_graphs.run(*inputs)
         return self.vocode(*inputs)
 
     def vocode(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
@@ -266,7 +262,7 @@ class HiFTGraphs:
     the size), and padding is exact (masks), so a call is padded to a frame bucket (`frame_bucket` mel frames)
     and a batch bucket (1, 2, 4, 8, then multiples of 8) with empty rows. A bucket is captured on its second
     occurrence (one-off shapes stay eager), at most `max_graphs`. One set serves one CUDA stream (its static
-buffers are reused by the next replay): a second token2wav worker gets its own (`Token2Wav.lane`)."""
+    buffers are reused by the next replay)."""
 
     def __init__(self, hift: HiFTGenerator, max_graphs: int = 32, frame_bucket: int = 32) -> None:
         self._hift = [hift]  # a list, so the module is not registered as a child

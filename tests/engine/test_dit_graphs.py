@@ -190,7 +190,9 @@ def steady_shapes(schedule, prompt_tokens: int, tokens: int, ratio: int, window:
 
 def test_buckets_cover_the_served_schedule(engine: DiTToken2Wav) -> None:
     served = StreamScheduleParams().schedule(EngineConfig())
-    buckets = DiTBatchedToken2Wav(engine, schedule=served).engine.graphs.buckets
+    batched = DiTBatchedToken2Wav(engine, schedule=served)
+    buckets = batched.engine.graphs.buckets
+    assert batched.max_rows == max(buckets.rows)  # the token2wav service's cap on jobs per call
     config = engine.flow.config
     longest_prompt = max_prompt_frames() // config.token_mel_ratio
     lookahead = config.pre_lookahead_len

@@ -268,55 +268,45 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
     assert worst <= MEL_TOL
 
 
-@parity
-@pytest.mark.parametrize("emulate", [False, True])
-def test_step_scheduled_chunks_equal_each_chunk_alone(oracle, emulate: bool) -> None:
-    """Rows solved one Euler step at a time, sharing each step with rows of other streams at other steps and
-    joining whenever a row finishes, give every chunk the mel the whole-call path gives it alone."""
-    flow, dump = oracle
-    runner = CachedFlowRunner(flow)
-    if emulate:  # the CUDA-graph path's padded buckets and static buffers, on CPU
-        runner.graphs.emulate = True
-        runner.graphs.rows, runner.graphs.new_frames, runner.graphs.history_frames = (1, 2, 4), (128, 256), (256, 512)
-    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
-    spks = runner.project_speaker(dump["in_xvector"])[0]
-    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
-    chunks = ChunkSchedule(prompt_tokens=40).chunks(90)[:3]  # two non-final chunks, then the final one
-    assert [c.final for c in chunks] == [False, False, True]
-    tokens = [random_tokens(90, seed=50 + s) for s in range(3)]
+# ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
+def test_buckets_cover_the_served_schedule(tiny_model_dir) -> None:
+    """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
+    (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
+    captured (rows, new frames, history frames) bucket of the engine, while the stream's history fits the table's
+    longest (a longer stream runs eagerly); one row more than the service's cap fits none."""
+    from cosyvoice2.config import EngineConfig
+    from cosyvoice2.flow.cached import EncoderCache
+    from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
+    from cosyvoice2_serving.engines import BatchedToken2Wav
+    from cosyvoice2_serving.schedule import StreamScheduleParams, for_prompt
 
-    def row(s: int, own: CachedSegment, chunk) -> CachedRow:
-        return CachedRow(torch.cat([prompt_tokens, tokens[s][: chunk.feed]]), prompt_mel, spks, prefix, own,
-                         stop=40 + chunk.stop, final=chunk.final, keep=not chunk.final, emit_from=40 + chunk.start)
-
-    alone = []
-    for s in range(3):
-        own = CachedSegment()
-        alone.append([runner.run([row(s, own, c)])[0] for c in chunks])
-
-    joins = {0: 0, 1: 3, 2: 7}  # stream s's first chunk joins at tick joins[s]; later chunks once the last finished
-    owns = [CachedSegment() for _ in range(3)]
-    next_chunk = [0, 0, 0]
-    flight: list = []  # (stream, SolvingRow)
-    stepped: list[list[torch.Tensor]] = [[], [], []]
-    mixed_steps, tick = set(), 0
-    while any(n < len(chunks) for n in next_chunk) or flight:
-        busy = {s for s, _ in flight}
-        enter = [s for s in range(3) if s not in busy and tick >= joins[s] and next_chunk[s] < len(chunks)]
-        if enter:
-            admitted = runner.admit([row(s, owns[s], chunks[next_chunk[s]]) for s in enter])
-            flight += list(zip(enter, admitted))
-            for s in enter:
-                next_chunk[s] += 1
-        mixed_steps.add(len({r.step for _, r in flight}))
-        runner.advance([r for _, r in flight])
-        for s, r in [item for item in flight if item[1].done(len(flow.decoder.schedule))]:
-            mel, update = runner.finish(r)
-            runner.commit(owns[s], update)
-            stepped[s].append(mel)
-            flight.remove((s, r))
-        tick += 1
-    assert max(mixed_steps) == 3  # some steps ran rows at three different step indices
-    for s in range(3):
-        for a, b in zip(alone[s], stepped[s], strict=True):
-            assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
+    config = EngineConfig.for_model_dir(tiny_model_dir)
+    served = StreamScheduleParams().schedule(config)
+    engine = BatchedToken2Wav(load_flow(tiny_model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32),
+                              load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config, served,
+                              flow_cache="chunked")
+    runner = engine.engine.cached
+    graphs = runner.graphs
+    longest_history = max(graphs.history_frames)
+    none = torch.zeros(0)
+    checked = 0
+    for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
+                                 *range(runner.lookahead, longest_history // runner.stride, 53)}):
+        schedule = for_prompt(served, prompt_tokens)
+        for tokens in range(1, 300):  # every final-chunk size once hops reach 100
+            # the rows of the stream's calls, with the caches each one leaves (the same arithmetic as `CachedRow`)
+            prefix = CachedSegment(EncoderCache(tokens=runner.prefix_tokens(prompt_tokens)))
+            own = CachedSegment()
+            for chunk in schedule.chunks(tokens):
+                row = CachedRow(none, none, none, prefix, own, stop=prompt_tokens + chunk.stop, final=chunk.final,
+                                keep=not chunk.final)
+                history, new = row.start * runner.stride, (row.stop - row.start) * runner.stride
+                if history > longest_history:
+                    break
+                for rows in (1, 3, engine.max_rows):
+                    assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new, history)
+                own.encoder.tokens += row.kept_tokens(runner.grid)
+                checked += 1
+    assert checked > 30_000
+    assert engine.max_rows == max(graphs.rows)  # the service's cap is the largest bucket of rows
+    assert graphs.bucket(engine.max_rows + 1, min(graphs.new_frames), min(graphs.history_frames)) is None

@@ -18,7 +18,6 @@ from cosyvoice2_serving.token2wav import Token2WavService
 from tests.serving.test_llm_scheduler import Script, ScriptedDecoder, scheduling
 from tests.serving.test_orchestrator import FakeClients, orchestrator, request
 from tests.serving.test_token2wav_service import PROMPT, FakeEngine
-from tests.serving.test_token2wav_steps import FakeStepEngine
 
 HOLD_S = 0.15  # how long a test keeps a resource busy; the measured waits must be at least this
 
@@ -217,23 +216,6 @@ async def test_token2wav_counts_a_one_chunk_stream_and_not_failed_or_closed_firs
         with pytest.raises(Exception, match="closed"):
             await service.process("closed", np.arange(8), PROMPT, chunk(0, 5))
         assert t2w_stats(service)["count"] == 1 and service.stats.get("token2wav_failed_total") == 1
-    finally:
-        service.shutdown()
-
-
-async def test_token2wav_step_mode_counts_a_first_chunk_from_admission_to_answer_and_its_rows_per_step():
-    engine = FakeStepEngine(max_rows=4, steps=3, step_s=0.01)
-    service = Token2WavService(engine, scheduling="step")
-    try:
-        await asyncio.gather(*(service.process(f"s{i}", np.arange(5), PROMPT, chunk(0, 5)) for i in range(2)))
-        stats = t2w_stats(service)
-        assert stats["count"] == 2
-        assert stats["call"] >= 2 * engine.steps * engine.step_s  # each took part in its 3 steps
-        # rows: the mean chunks per step of the steps each took part in (1 or 2, by how their arrivals fell)
-        steps = service.stats.get("token2wav_steps_total")
-        assert 2 <= stats["rows"] <= 4 and (stats["rows"] == 4) == (steps == engine.steps)
-        await service.process("s0", np.arange(5, 10), None, chunk(5, 10))  # a later chunk
-        assert t2w_stats(service)["count"] == 2
     finally:
         service.shutdown()
 

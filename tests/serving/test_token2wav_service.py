@@ -173,29 +173,94 @@ def test_batched_flow_gives_the_same_audio_as_one_stream_at_a_time(tiny_token2wa
     assert offline[0].size == 80 * 960
 
 
-async def test_first_chunks_run_before_later_chunks_unless_those_waited_too_long():
-    for max_defer_s, expected_calls in ((30.0, [[0], [5]]), (0.0, [[5, 0]])):
-        engine = FakeEngine()
-        service = Token2WavService(engine, max_defer_s=max_defer_s)
+class TimedEngine(FakeEngine):
+    """FakeEngine whose audio plays at `sample_rate` (one sample per token) and whose calls hold `max_rows` jobs."""
+
+    def __init__(self, sample_rate: int, max_rows: int) -> None:
+        super().__init__()
+        self.sample_rate, self.max_rows = sample_rate, max_rows
+
+
+async def hold_the_worker(service, engine) -> asyncio.Task:
+    """A first chunk whose call the worker holds (the gate is closed) until the test opens the gate."""
+    engine.gate.clear()
+    entered = engine.entered
+    blocker = asyncio.create_task(service.process("blocker", np.arange(3), PROMPT, chunk(0, 3)))
+    # the worker thread must hold the blocker's call before the others queue (a fixed sleep is not enough when a
+    # loaded machine schedules that thread late: it would batch them with the blocker)
+    for _ in range(3000):
+        if engine.entered > entered:
+            return blocker
+        await asyncio.sleep(0.01)
+    raise AssertionError("the worker never started the blocker's call")
+
+
+async def test_a_new_streams_first_chunk_goes_into_the_next_call_ahead_of_more_later_chunks_than_fit():
+    engine = TimedEngine(sample_rate=1, max_rows=2)  # every answered token is a second of buffered audio
+    service = Token2WavService(engine)
+    try:
+        playing = [f"p{i}" for i in range(3)]
+        for i, stream in enumerate(playing):  # mid-utterance, with different amounts of audio buffered
+            await service.process(stream, np.arange(10 + 10 * i), PROMPT, chunk(0, 5))
+        blocker = await hold_the_worker(service, engine)
+        engine.calls.clear()
+        later = [asyncio.create_task(service.process(s, np.arange(5), None, chunk(5, 10))) for s in playing]
+        await asyncio.sleep(0.02)
+        first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))  # arrives last
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        await asyncio.gather(blocker, first, *later)
+        # calls list the tokens each stream had seen: a new stream 0, p0/p1/p2 10/20/30 (buffered 10/20/30 s)
+        assert engine.calls[1:] == [[0, 10], [20, 30]], engine.calls
+        assert service.stats.get("token2wav_capped_calls_total") == 1
+    finally:
+        service.shutdown()
+
+
+async def test_a_stream_about_to_run_dry_goes_before_a_first_chunk():
+    engine = TimedEngine(sample_rate=10, max_rows=2)
+    service = Token2WavService(engine)
+    try:
+        await service.process("dry", np.arange(1), PROMPT, chunk(0, 5))  # 0.1 s of audio
+        await service.process("rich", np.arange(1000), PROMPT, chunk(0, 5))  # 100 s of audio
+        blocker = await hold_the_worker(service, engine)
+        engine.calls.clear()
+        later = [asyncio.create_task(service.process(s, np.arange(5), None, chunk(5, 10))) for s in ("rich", "dry")]
+        await asyncio.sleep(0.02)
+        first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))
+        await asyncio.sleep(0.2)  # "dry" has played all it had
+        engine.gate.set()
+        await asyncio.gather(blocker, first, *later)
+        assert engine.calls[1:] == [[1, 0], [1000]], engine.calls  # dry, then the new stream; rich waits
+        assert service.stats.get("token2wav_starving_jobs_total") == 1
+    finally:
+        service.shutdown()
+
+
+async def test_a_call_never_holds_more_jobs_than_the_row_cap():
+    engine = TimedEngine(sample_rate=24000, max_rows=3)
+    service = Token2WavService(engine)
+    try:
+        blocker = await hold_the_worker(service, engine)
+        first = [asyncio.create_task(service.process(f"s{i}", np.arange(8), PROMPT, chunk(0, 5))) for i in range(7)]
+        offline = [asyncio.create_task(service.process(f"o{i}", np.arange(4), PROMPT, None)) for i in range(2)]
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        await asyncio.gather(blocker, *first, *offline)
+        later = [service.process(f"s{i}", np.arange(8, 12), None, chunk(5, 10, final=True)) for i in range(7)]
+        await asyncio.gather(*later)
+        assert sum(map(len, engine.calls)) == 1 + 7 + 2 + 7  # every job ran once
+        assert max(map(len, engine.calls)) == 3 and service.stats.get("token2wav_max_jobs_per_call") == 3
+        assert service.active_streams() == {"blocker"}  # the others ended with their final chunks
+    finally:
+        service.shutdown()
+
+
+def test_the_row_cap_is_the_engines_unless_given():
+    engine = TimedEngine(sample_rate=24000, max_rows=4)
+    for service, cap in ((Token2WavService(engine), 4), (Token2WavService(engine, max_rows=2), 2),
+                         (Token2WavService(FakeEngine()), None)):
         try:
-            await service.process("playing", np.arange(5), PROMPT, chunk(0, 5))  # its first chunk: done
-            engine.calls.clear()
-            engine.gate.clear()  # the worker blocks in the next call: everything below queues up
-            blocker = asyncio.create_task(service.process("blocker", np.arange(3), PROMPT, chunk(0, 3)))
-            # the worker thread must hold the blocker's call before the others queue (a fixed sleep is not
-            # enough when a loaded machine schedules that thread late: it would batch them with the blocker)
-            for _ in range(3000):
-                if engine.entered == 2:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.entered == 2
-            later = asyncio.create_task(service.process("playing", np.arange(5, 10), None, chunk(5, 10)))
-            await asyncio.sleep(0.01)
-            first = asyncio.create_task(service.process("new", np.arange(4), PROMPT, chunk(0, 4)))
-            await asyncio.sleep(0.05)
-            engine.gate.set()
-            await asyncio.gather(blocker, later, first)
-            # calls list the tokens each stream had seen: "playing" had 5, a new stream 0
-            assert engine.calls[1:] == expected_calls, (max_defer_s, engine.calls)
+            assert service.policy.max_rows == cap
         finally:
             service.shutdown()

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from cosyvoice2_serving import cuda_streams
-from cosyvoice2.streaming import Chunk
 from cosyvoice2_serving.cuda_streams import StreamDecoder, StreamToken2Wav, worker_stream
 from cosyvoice2_serving.llm_scheduler import StepOutput
 from cosyvoice2_serving.token2wav import Work
@@ -115,35 +114,6 @@ def test_token2wav_engine_calls_run_on_the_stream_and_results_pass_through(strea
     assert engine.name == "engine under test"  # plain attributes pass through unchanged
 
 
-def test_the_first_chunk_engine_hands_streams_that_go_on_over_to_the_later_chunks_stream(stream_log):
-    class HandingEngine(RecordingEngine):
-        def __init__(self, log) -> None:
-            super().__init__(log)
-            self.handed: list[tuple[object, object]] = []
-
-        def run(self, work):
-            return [ValueError("bad") if item.tokens.size == 0 else np.zeros(1, np.float32) for item in work]
-
-        def hand_over(self, state, stream) -> None:
-            self.handed.append((state, stream))
-
-    later = object()
-    inner = HandingEngine(stream_log)
-    engine = StreamToken2Wav(inner, object(), hand_over_to=later)
-    going_on, ending, failing, offline = "going on", "ending", "failing", "offline"
-    tokens = np.array([1], np.int32)
-    engine.run([
-        Work(going_on, tokens, Chunk(start=0, stop=4, feed=7, final=False)),
-        Work(ending, tokens, Chunk(start=0, stop=4, feed=4, final=True)),
-        Work(failing, np.zeros(0, np.int32), Chunk(start=0, stop=4, feed=7, final=False)),
-        Work(offline, tokens, None),
-    ])
-    assert inner.handed == [(going_on, later)]  # only a stream with later chunks, and only after success
-    plain = HandingEngine(stream_log)
-    StreamToken2Wav(plain, object()).run([Work(going_on, tokens, Chunk(start=0, stop=4, feed=7, final=False))])
-    assert plain.handed == []
-
-
 def test_without_a_stream_the_calls_are_plain_delegation(stream_log):
     inner = RecordingDecoder(stream_log)
     decoder = StreamDecoder(inner, None)
@@ -172,8 +142,5 @@ def test_worker_streams_exist_only_on_cuda(monkeypatch):
     assert created == [stream] and stream.priority == cuda_streams.TOKEN2WAV_STREAM_PRIORITY
     assert stream.device == device
     assert stream.waited_for == "current of cuda:0"  # model setup finishes before the worker's first kernel
-    # a lower number goes first: one token2wav worker above the LLM; with a first-chunk worker, first chunks
-    # above the LLM and later chunks below it
+    # a lower number goes first: the token2wav worker above the LLM
     assert cuda_streams.TOKEN2WAV_STREAM_PRIORITY < cuda_streams.LLM_STREAM_PRIORITY
-    assert (cuda_streams.TOKEN2WAV_FIRST_CHUNK_PRIORITY < cuda_streams.LLM_STREAM_PRIORITY
-            < cuda_streams.TOKEN2WAV_LATER_CHUNKS_PRIORITY)

@@ -46,29 +46,6 @@ def test_render_is_idempotent_and_rerender_replaces_the_old_repository(tiny_mode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no staging or backup left behind
 
 
-def test_the_token2wav_scheduling_reaches_the_engine_parameters(tiny_model_dir, tmp_path):
-    def scheduling(options: RenderOptions) -> str:
-        config = model_config_pb2.ModelConfig()
-        text_format.Parse((write_repository(options) / "engine" / "config.pbtxt").read_text(), config)
-        return config.parameters["t2w_scheduling"].string_value
-
-    options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo")
-    assert scheduling(options) == "call"
-    assert scheduling(replace(options, t2w_scheduling="step")) == "step"
-
-
-@pytest.mark.parametrize("field", ["t2w_first_chunk_worker", "t2w_first_chunks_between_steps"])
-def test_the_first_chunk_options_reach_the_token2wav_parameters(tiny_model_dir, tmp_path, field):
-    def value(options: RenderOptions) -> str:
-        config = model_config_pb2.ModelConfig()
-        text_format.Parse((write_repository(options) / "engine" / "config.pbtxt").read_text(), config)
-        return config.parameters[field].string_value
-
-    options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo")
-    assert value(options) == "false"
-    assert value(replace(options, **{field: True})) == "true"
-
-
 def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_model_dir, tmp_path):
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo"))
     configs = {}
@@ -100,7 +77,6 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"llm_delivery": "bytes"}, "--llm-delivery must be one of chunk, token"),
         ({"llm_backend": "tensorrt_llm", "device": "cuda", "llm_delivery": "chunk"}, "chunk needs --llm-backend pytorch"),
         ({"token2wav": "bigvgan"}, "--token2wav must be one of unet, dit"),
-        ({"t2w_scheduling": "steps"}, "--t2w-scheduling must be one of step, call"),
         ({"token2wav": "dit"}, "--token2wav dit needs --dit-dir"),
         ({"token2wav": "dit", "dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir: .* does not exist"),
         ({"dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir is only used with --token2wav dit"),

@@ -52,10 +52,10 @@ def parse(argv: list[str]) -> RenderOptions:
 
 def test_the_command_line_sets_the_fields_the_library_call_sets() -> None:
     given = parse(["--token2wav-gpus", "1,2", "--instances", "cosyvoice2=2", "--instances", "voice_prompt=3",
-                   "--flow-cache-gb", "2.5", "--no-gpu-emulation", "--t2w-first-chunk-worker", "--llm-backend", "trtllm",
+                   "--flow-cache-gb", "2.5", "--gpu-emulation", "--llm-backend", "trtllm",
                    "--spark-dir", "/s", "--spark-first-chunk", "9", "--spark-benchmark-ratio", "2"])
     assert given == options(token2wav_gpus=(1, 2), instances={"cosyvoice2": 2, "voice_prompt": 3}, flow_cache_gb=2.5,
-                            t2w_first_chunk_worker=True, llm_backend="tensorrt_llm",
+                            gpu_emulation=True, llm_backend="tensorrt_llm",
                             spark=SparkRenderOptions(Path("/s"), first_chunk_tokens=9, benchmark_ratio=2.0))
     assert parse([]) == options()  # every flag left out keeps the field's default
 

@@ -191,7 +191,7 @@ def _pump_stream(
     of a stub iterator is unsafe, and an iterator never read to its end is never released by the stub.
     """
 
-    def hand_over(item: Any) -> None:
+    def pass_on(item: Any) -> None:
         if abandoned.is_set():
             return
         try:
@@ -203,10 +203,10 @@ def _pump_stream(
     try:
         iterator = request.exec(decoupled=True)
         for resp in iterator:
-            hand_over(resp)
-        hand_over(_END)
+            pass_on(resp)
+        pass_on(_END)
     except Exception as exc:  # noqa: BLE001 - the caller raises it
-        hand_over(RemoteError(f"{model}: {exc}"))
+        pass_on(RemoteError(f"{model}: {exc}"))
     finally:
         if iterator is not None:
             _RETIRED.keep(iterator)

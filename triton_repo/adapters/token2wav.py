@@ -18,8 +18,7 @@ import torch
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
-from cosyvoice2_serving.cuda_streams import (TOKEN2WAV_FIRST_CHUNK_PRIORITY, TOKEN2WAV_LATER_CHUNKS_PRIORITY,
-                                             TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream)
+from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from cosyvoice2_serving.stats import Stats
 from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
@@ -51,27 +50,13 @@ class Token2WavHandler:
             engine = BatchedToken2Wav(
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb
             )
-        # a first-chunk worker needs an engine that can run a second lane (the UNet one) and whole calls
-        lanes = [engine]
-        if params.t2w_first_chunk_worker and params.t2w_scheduling == "call" and isinstance(engine, BatchedToken2Wav):
-            lanes.append(engine.lane())
-        for lane in lanes:  # in initialize: the model is not ready before this is done
-            graphs, seconds = lane.capture_graphs()
-            if graphs:
-                logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
+        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
+        if graphs:
+            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
-        if len(lanes) == 1:
-            main, first = StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), None
-        else:
-            later = worker_stream(device, TOKEN2WAV_LATER_CHUNKS_PRIORITY)
-            main = StreamToken2Wav(engine, later)
-            first = StreamToken2Wav(lanes[1], worker_stream(device, TOKEN2WAV_FIRST_CHUNK_PRIORITY), hand_over_to=later)
-        self.service = Token2WavService(main, self.stats, scheduling=params.t2w_scheduling, first_chunk_engine=first,
-                                        first_chunks_between_steps=params.t2w_first_chunks_between_steps)
-        service = self.service
-        logger.info("token2wav: %s scheduling%s%s", service.scheduling,
-                    ", first chunks on their own worker" if service.first_chunk_worker else "",
-                    ", first chunks between the steps of running calls" if service.first_chunks_between_steps else "")
+        self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
+                                        self.stats)
+        logger.info("token2wav: whole calls of at most %s jobs, deadline order", self.service.policy.max_rows)
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))

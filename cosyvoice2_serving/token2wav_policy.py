@@ -1,0 +1,81 @@
+"""Which pending token2wav jobs the next engine call runs, most urgent first (pure: no threads, clock or torch).
+
+The token2wav service runs one call at a time; when it forms the next call, each stream offers its oldest pending
+job (a stream's chunks stay in order) and this policy ranks them:
+
+1. **Starving**: a stream whose listener runs out of buffered audio before this call could finish (its deadline
+   lies before now + the expected call time). Every later call would only make its gap longer. A job with nothing
+   playing that is not a first chunk (an offline utterance) counts as starving once its deadline has passed, so
+   a stream of first chunks cannot hold it back for ever.
+2. **First chunks**: a new stream's listener hears nothing until its first chunk is answered, while a stream
+   past its first chunk is already playing and has slack; so a first chunk goes into the very next call, ahead
+   of any later chunk that still has audio buffered.
+3. **The rest, earliest deadline first**: the deadline of a playing stream is when its buffered audio runs out.
+   A job with nothing playing (an offline utterance, or a stream whose audio the service cannot time) has the
+   deadline `queued_at + max_defer_s`, so it waits at most about that long behind playing streams.
+
+Within a rank, earlier deadline first, and jobs with equal keys keep the order they are given in (arrival).
+A call takes at most `max_rows` jobs - the engine's largest CUDA-graph bucket of rows, beyond which its calls
+would run eagerly - and what does not fit waits for the next call, ranked again then.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+
+class Urgency(enum.IntEnum):
+    """A pending job's rank; a lower value runs first."""
+
+    STARVING = 0
+    FIRST_CHUNK = 1
+    SCHEDULED = 2
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    """What the policy knows of one stream's oldest pending job."""
+
+    queued_at: float  # when the job arrived (time.monotonic())
+    first_chunk: bool  # the first chunk of a new stream (its listener hears nothing yet)
+    runs_dry_at: float | None = None  # when the stream's buffered audio runs out; None: nothing is playing
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """Deadline order of the next call's jobs (module docstring)."""
+
+    max_rows: int | None = None  # jobs per call at most; None: no cap
+    max_defer_s: float = 0.25  # how long a job with nothing playing may wait behind playing streams
+
+    def __post_init__(self) -> None:
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {self.max_rows}")
+        if self.max_defer_s < 0:
+            raise ValueError(f"max_defer_s must not be negative, got {self.max_defer_s}")
+
+    def deadline(self, job: PendingJob) -> float:
+        """When the job is due: its stream's audio runs out, or (nothing playing) `max_defer_s` after its arrival."""
+        return job.runs_dry_at if job.runs_dry_at is not None else job.queued_at + self.max_defer_s
+
+    def urgency(self, job: PendingJob, now: float, call_s: float) -> Urgency:
+        """The job's rank if the next call starts at `now` and takes `call_s`."""
+        if job.runs_dry_at is not None and job.runs_dry_at < now + call_s:
+            return Urgency.STARVING
+        if job.first_chunk:
+            return Urgency.FIRST_CHUNK
+        if job.runs_dry_at is None and self.deadline(job) < now:  # waited past `max_defer_s`
+            return Urgency.STARVING
+        return Urgency.SCHEDULED
+
+    def order(self, jobs: Sequence[PendingJob], now: float, call_s: float) -> list[int]:
+        """Indices of `jobs`, most urgent first (a stable sort: ties keep the given order)."""
+        keys = [(self.urgency(job, now, call_s), self.deadline(job)) for job in jobs]
+        return sorted(range(len(jobs)), key=keys.__getitem__)
+
+    def next_call(self, jobs: Sequence[PendingJob], now: float, call_s: float) -> list[int]:
+        """Indices of the jobs the next call runs, in `order`, at most `max_rows` of them."""
+        ranked = self.order(jobs, now, call_s)
+        return ranked if self.max_rows is None else ranked[: self.max_rows]
