@@ -259,7 +259,7 @@ class Token2WavService(Generic[S]):
         starving = sum(self.policy.urgency(pending[i], now, self._call_s) == Urgency.STARVING for i in chosen)
         if starving:
             self.stats.add("token2wav_starving_jobs_total", starving)
-        if len(chosen) < len(jobs):
+        if len(chosen) < len(jobs) and len(chosen) == self.policy.max_rows:  # the cap, not the first-chunk rule
             self.stats.add("token2wav_capped_calls_total")
         for job in batch:
             self._pending.remove(job)

@@ -39,4 +39,5 @@ def make_current(device: str) -> None:
         return
     import torch
 
-    torch.cuda.set_device(torch.device(device))
+    if torch.cuda.is_available():  # (a CPU build never gets here in production: the engine would fail first)
+        torch.cuda.set_device(torch.device(device))

@@ -60,11 +60,20 @@ def test_ties_keep_the_given_order():
 
 def test_the_next_call_takes_the_most_urgent_jobs_up_to_the_row_cap():
     jobs = [PendingJob(queued_at=99.0, first_chunk=False, runs_dry_at=110.0 - i) for i in range(5)]
-    jobs.append(PendingJob(queued_at=99.9, first_chunk=True))
-    assert SchedulePolicy(max_rows=3).next_call(jobs, NOW, CALL_S) == [5, 4, 3]  # the first chunk, then deadlines
-    assert SchedulePolicy(max_rows=1).next_call(jobs, NOW, CALL_S) == [5]
-    assert SchedulePolicy().next_call(jobs, NOW, CALL_S) == [5, 4, 3, 2, 1, 0]  # no cap
+    assert SchedulePolicy(max_rows=3).next_call(jobs, NOW, CALL_S) == [4, 3, 2]  # earliest deadlines
+    assert SchedulePolicy(max_rows=1).next_call(jobs, NOW, CALL_S) == [4]
+    assert SchedulePolicy().next_call(jobs, NOW, CALL_S) == [4, 3, 2, 1, 0]  # no cap
     assert SchedulePolicy(max_rows=3).next_call([], NOW, CALL_S) == []
+
+
+def test_while_first_chunks_wait_a_call_holds_only_them_and_the_starving():
+    jobs = [PendingJob(queued_at=99.0, first_chunk=False, runs_dry_at=110.0 - i) for i in range(5)]
+    jobs += [PendingJob(queued_at=99.9, first_chunk=True), PendingJob(queued_at=99.0, first_chunk=False,
+                                                                     runs_dry_at=NOW + 0.1)]
+    assert SchedulePolicy(max_rows=8).next_call(jobs, NOW, CALL_S) == [6, 5]  # starving, first chunk; no others
+    assert SchedulePolicy(max_rows=1).next_call(jobs, NOW, CALL_S) == [6]
+    first_chunks = [PendingJob(queued_at=99.0 + i / 10, first_chunk=True) for i in range(5)]
+    assert SchedulePolicy(max_rows=3).next_call(first_chunks + jobs[:5], NOW, CALL_S) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("max_rows, max_defer_s, message", [(0, 0.25, "max_rows"), (4, -1.0, "max_defer_s")])

@@ -210,8 +210,10 @@ async def test_a_new_streams_first_chunk_goes_into_the_next_call_ahead_of_more_l
         await asyncio.sleep(0.05)
         engine.gate.set()
         await asyncio.gather(blocker, first, *later)
-        # calls list the tokens each stream had seen: a new stream 0, p0/p1/p2 10/20/30 (buffered 10/20/30 s)
-        assert engine.calls[1:] == [[0, 10], [20, 30]], engine.calls
+        # calls list the tokens each stream had seen: a new stream 0, p0/p1/p2 10/20/30 (buffered 10/20/30 s);
+        # the first chunk runs alone (later chunks with audio to spare would only slow its call), then the rest
+        # by deadline, two per call
+        assert engine.calls[1:] == [[0], [10, 20], [30]], engine.calls
         assert service.stats.get("token2wav_capped_calls_total") == 1
     finally:
         service.shutdown()
