@@ -105,12 +105,8 @@ class CosyVoice3:
 
         if not text or not text.strip():
             raise CosyVoice3InputError("the text to synthesize is empty")
-        tokenizer = self.tokenizer  # a missing tokenizer is a model error, not an input error
-        try:
-            mode = request_mode(reference_text, instruction)
-            text_ids, prompt_text = prompt_ids(tokenizer, mode, text, reference_text, instruction)
-        except ValueError as exc:
-            raise CosyVoice3InputError(str(exc)) from exc
+        mode = request_mode(reference_text, instruction)
+        text_ids, prompt_text = prompt_ids(self.tokenizer, mode, text, reference_text, instruction)
         return SynthesisRequest(text=text_ids, prompt_text=prompt_text, mode=mode, seed=seed)
 
     # ---- LLM -------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS as COSYVOICE2_SP
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
 from .config import SYSTEM_PROMPT
+from .errors import CosyVoice3InputError
 from .llm import Mode, cross_lingual_text, instruct_prompt, zero_shot_prompt
 
 ENDOFSYSTEM = "<|endofsystem|>"
@@ -99,22 +100,22 @@ def prompt_ids(tokenizer: CosyVoice2Tokenizer, mode: Mode, text: str, reference_
     """
     if mode == "zero_shot":
         if not reference_text:
-            raise ValueError("a zero_shot request needs the reference audio's transcript")
+            raise CosyVoice3InputError("a zero_shot request needs the reference audio's transcript")
         return tokenizer.encode(text), tokenizer.encode(zero_shot_prompt(reference_text))
     if mode == "instruct":
         if not instruction:
-            raise ValueError("an instruct request needs an instruction")
+            raise CosyVoice3InputError("an instruct request needs an instruction")
         return tokenizer.encode(text), tokenizer.encode(instruct_prompt(instruction))
     if mode == "cross_lingual":
         return tokenizer.encode(cross_lingual_text(text)), []
-    raise ValueError(f"unknown mode {mode!r} (zero_shot, cross_lingual or instruct)")
+    raise CosyVoice3InputError(f"unknown mode {mode!r} (zero_shot, cross_lingual or instruct)")
 
 
 def request_mode(reference_text: str | None, instruction: str | None) -> Mode:
     """The mode a request's fields select: an instruction -> instruct; a transcript -> zero_shot; neither ->
     cross_lingual (both at once is ambiguous and refused)."""
     if instruction and reference_text:
-        raise ValueError("give either a reference transcript (zero_shot) or an instruction (instruct), not both")
+        raise CosyVoice3InputError("give either a reference transcript (zero_shot) or an instruction (instruct), not both")
     if instruction:
         return "instruct"
     return "zero_shot" if reference_text else "cross_lingual"

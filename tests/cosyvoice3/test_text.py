@@ -12,6 +12,7 @@ from cosyvoice2.testing.tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS as COSYVOICE2_SPECIALS
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice3.config import ENDOFPROMPT_ID, SYSTEM_PROMPT, CosyVoice3LLMConfig
+from cosyvoice3.errors import CosyVoice3InputError
 from cosyvoice3.text import (ENDOFSYSTEM, SPECIAL_TOKENS, CosyVoice3Tokenizer, cmu_phone_tokens, pinyin_tokens,
                              prompt_ids, request_mode, toned_final)
 from tests.cosyvoice3.conftest import needs_parity_data
@@ -111,9 +112,9 @@ def test_mode_selection_and_missing_fields(tokenizer: CosyVoice3Tokenizer) -> No
     assert request_mode("hi", None) == "zero_shot"
     assert request_mode(None, "speak fast") == "instruct"
     assert request_mode(None, None) == "cross_lingual"
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(CosyVoice3InputError, match="not both"):
         request_mode("hi", "speak fast")
-    with pytest.raises(ValueError, match="transcript"):
+    with pytest.raises(CosyVoice3InputError, match="transcript"):
         prompt_ids(tokenizer, "zero_shot", "text")
-    with pytest.raises(ValueError, match="instruction"):
+    with pytest.raises(CosyVoice3InputError, match="instruction"):
         prompt_ids(tokenizer, "instruct", "text")
