@@ -55,7 +55,8 @@ class CosyVoice3:
     generates exactly that many speech tokens (no stop id is drawn)."""
 
     def __init__(self, config: CosyVoice3Config, llm: CosyVoice3LM, flow: CosyVoice3Flow, hift: CausalHiFT,
-                 tokenizer: "CosyVoice3Tokenizer | None" = None, prompt_frontend: "PromptFrontend | None" = None) -> None:
+                 tokenizer: "CosyVoice3Tokenizer | None" = None,
+                 prompt_frontend: "PromptFrontend | None" = None) -> None:
         self.config = config
         self.llm = llm
         self.token2wav_engine = CosyVoice3Token2Wav(flow, hift)

@@ -115,7 +115,8 @@ def request_mode(reference_text: str | None, instruction: str | None) -> Mode:
     """The mode a request's fields select: an instruction -> instruct; a transcript -> zero_shot; neither ->
     cross_lingual (both at once is ambiguous and refused)."""
     if instruction and reference_text:
-        raise CosyVoice3InputError("give either a reference transcript (zero_shot) or an instruction (instruct), not both")
+        raise CosyVoice3InputError(
+            "give either a reference transcript (zero_shot) or an instruction (instruct), not both")
     if instruction:
         return "instruct"
     return "zero_shot" if reference_text else "cross_lingual"
