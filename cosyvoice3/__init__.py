@@ -18,7 +18,9 @@ from cosyvoice2.lazy import lazy_exports
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from cosyvoice3.config import CosyVoice3Config
     from cosyvoice3.engine import CosyVoice3, SynthesisRequest
+    from cosyvoice3.frontend import PromptFrontend
     from cosyvoice3.loading import load
+    from cosyvoice3.text import CosyVoice3Tokenizer
     from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt
 
 _LAZY: dict[str, str] = {
@@ -28,6 +30,8 @@ _LAZY: dict[str, str] = {
     "CosyVoice3Config": "cosyvoice3.config",
     "CosyVoice3Token2Wav": "cosyvoice3.token2wav",
     "VoicePrompt": "cosyvoice3.token2wav",
+    "CosyVoice3Tokenizer": "cosyvoice3.text",
+    "PromptFrontend": "cosyvoice3.frontend",
 }
 
 __all__ = sorted(_LAZY)

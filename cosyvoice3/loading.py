@@ -22,7 +22,7 @@ from .config import CosyVoice3Config
 from .errors import CosyVoice3ModelError
 from .flow import CosyVoice3Flow
 from .hift import CausalHiFT
-from .layout import ENGINE_FILES, FLOW_FILE, HIFT_FILE, LLM_FILE
+from .layout import ENGINE_FILES, FLOW_FILE, FRONTEND_FILES, HIFT_FILE, LLM_FILE, TOKENIZER_FILES
 from .llm import CosyVoice3LM
 
 
@@ -85,15 +85,23 @@ def load_config(model_dir: str | Path, hift_noise_seed: int | None = None, **llm
 
 
 def load(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
-         config: CosyVoice3Config | None = None):  # -> CosyVoice3 (import cycle avoided)
+         config: CosyVoice3Config | None = None,
+         onnx_providers: list[str] | None = None):  # -> CosyVoice3 (import cycle avoided)
     """Load a released directory (or one written by `cosyvoice3.testing`) into a `CosyVoice3` engine.
-    dtype applies to the LLM and the flow; HiFT runs in fp32."""
+    dtype applies to the LLM and the flow; HiFT runs in fp32. The text tokenizer and the prompt frontend are
+    loaded when their files are there (a directory with only the engine files serves id-level calls);
+    `onnx_providers` places the speech tokenizer (default: CUDA when onnxruntime has it)."""
     from .engine import CosyVoice3
+    from .frontend import PromptFrontend
+    from .text import CosyVoice3Tokenizer
 
     model_dir = Path(model_dir)
     check_model_dir(model_dir)
     config = config or load_config(model_dir)
     dtype = resolve_dtype(dtype)
+    has = lambda names: all((model_dir / name).is_file() for name in names)  # noqa: E731
+    tokenizer = CosyVoice3Tokenizer.from_model_dir(model_dir) if has(TOKENIZER_FILES) else None
+    frontend = PromptFrontend.from_model_dir(model_dir, onnx_providers) if has(FRONTEND_FILES) else None
     return CosyVoice3(config, load_llm(model_dir / LLM_FILE, config, device, dtype),
                       load_flow(model_dir / FLOW_FILE, config, device, dtype),
-                      load_hift(model_dir / HIFT_FILE, config, device))
+                      load_hift(model_dir / HIFT_FILE, config, device), tokenizer, frontend)

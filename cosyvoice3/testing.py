@@ -2,7 +2,10 @@
 
 - `write_tiny_model(dir)`: a small model (Qwen2 hidden 16 with the full 151936-row text vocabulary, so real
   tokenizer ids such as `<|endofprompt|>` work; DiT width 32, depth 2; HiFT base 16): `cosyvoice3.yaml`,
-  `CosyVoice-BlankEN/config.json`, `llm.pt`, `flow.pt`, `hift.pt`, seeded.
+  `CosyVoice-BlankEN/config.json`, `llm.pt`, `flow.pt`, `hift.pt`, seeded; with `text_frontend` also a
+  tokenizer in `CosyVoice-BlankEN/` whose special tokens get the released ids (`cosyvoice2.testing.tokenizer`,
+  base vocabulary padded to the released 151643 entries) and tiny random `campplus.onnx` /
+  `speech_tokenizer_v3.onnx` with the released interfaces (`cosyvoice2.testing.frontend_models`).
 - `write_full_size_layout(dir)`: the released sizes, every key and shape, a few MB on disk: each tensor is a
   stride-0 view of one small random row (the strict loader then loads a full-size model without its memory).
 - `release_yaml(config)`: a `cosyvoice3.yaml` with the released classes and argument names for any config.
@@ -20,12 +23,14 @@ from cosyvoice2.hift.config import HiFTConfig
 from cosyvoice2.llm.config import Qwen2Config
 from cosyvoice2.loading import _meta_without_init
 from cosyvoice2.testing.dit import _cheap_state
-from cosyvoice2.testing.models import _hift_overrides, _llm_overrides, randomize_
+from cosyvoice2.testing.frontend_models import write_tiny_frontend_models
+from cosyvoice2.testing.models import RELEASED_TEXT_VOCAB, _hift_overrides, _llm_overrides, randomize_
+from cosyvoice2.testing.tokenizer import write_test_tokenizer
 
 from .config import CausalHiFTConfig, CosyVoice3Config, CosyVoice3LLMConfig, DiTConfig, FlowConfig
 from .flow import CosyVoice3Flow
 from .hift import CausalHiFT
-from .layout import FLOW_FILE, HIFT_FILE, LLM_FILE, MODEL_YAML, QWEN_CONFIG
+from .layout import FLOW_FILE, HIFT_FILE, LLM_FILE, MODEL_YAML, QWEN_CONFIG, SPEECH_TOKENIZER_FILE, TOKENIZER_SUBDIR
 from .llm import CosyVoice3LM
 
 
@@ -151,11 +156,16 @@ def _write_configs(path: Path, config: CosyVoice3Config) -> None:
     (path / QWEN_CONFIG).write_text(qwen_json(config.llm.qwen))
 
 
-def write_tiny_model(path: str | Path, seed: int = 0, config: CosyVoice3Config | None = None) -> Path:
-    """Seeded random weights in the released layout (fp32; HiFT weight norm unfolded); returns the directory."""
+def write_tiny_model(path: str | Path, seed: int = 0, config: CosyVoice3Config | None = None,
+                     text_frontend: bool = True) -> Path:
+    """Seeded random weights in the released layout (fp32; HiFT weight norm unfolded); returns the directory.
+    `text_frontend`: also the tokenizer files and the two ONNX frontend models (see the module docstring)."""
     path = Path(path)
     config = config or tiny_config()
     _write_configs(path, config)
+    if text_frontend:
+        write_test_tokenizer(path / TOKENIZER_SUBDIR, base_vocab_size=RELEASED_TEXT_VOCAB)
+        write_tiny_frontend_models(path, seed, speech_tokenizer_file=SPEECH_TOKENIZER_FILE)
     llm = randomize_(CosyVoice3LM(config.llm), seed, _llm_overrides(config.llm))
     torch.save(llm.state_dict(), path / LLM_FILE)  # lm_head stays tied: one storage, two keys
     torch.save(randomize_(CosyVoice3Flow(config.flow), seed + 1).state_dict(), path / FLOW_FILE)

@@ -138,12 +138,13 @@ def speaker_fbank(wav_16k: torch.Tensor) -> torch.Tensor:
 
 
 # ---- Matcha mel (flow prompt features) -------------------------------------------------------------------
-def matcha_mel(wav_24k: torch.Tensor) -> torch.Tensor:
-    """(N,) -> (N // 480, 80): natural log of magnitude mel (floor 1e-5), hann 1920, hop 480, fmax 8 kHz."""
+def matcha_mel(wav_24k: torch.Tensor, fmax: float = MEL_FMAX) -> torch.Tensor:
+    """(N,) -> (N // 480, 80): natural log of magnitude mel (floor 1e-5), hann 1920, hop 480, filters up to
+    `fmax` (CosyVoice2: 8 kHz; CosyVoice3 uses the Nyquist frequency, 12 kHz)."""
     pad = (MEL_N_FFT - MEL_HOP) // 2
     padded = F.pad(wav_24k[None, None], (pad, pad), mode="reflect")[0, 0]
     window = torch.hann_window(MEL_N_FFT, device=wav_24k.device)
     spec = torch.stft(padded, MEL_N_FFT, MEL_HOP, MEL_N_FFT, window=window, center=False, return_complex=True)
     magnitude = torch.sqrt(spec.real.pow(2) + spec.imag.pow(2) + 1e-9)
-    filters = slaney_mel_filterbank(MEL_SAMPLE_RATE, MEL_N_FFT, MEL_N_MELS, 0.0, MEL_FMAX).to(wav_24k.device)
+    filters = slaney_mel_filterbank(MEL_SAMPLE_RATE, MEL_N_FFT, MEL_N_MELS, 0.0, fmax).to(wav_24k.device)
     return torch.clamp(filters @ magnitude, min=1e-5).log().T

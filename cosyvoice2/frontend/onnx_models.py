@@ -74,9 +74,11 @@ class PromptModels:
         self.speech_tokenizer = speech_tokenizer
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, providers: list[str] | None = None) -> "PromptModels":
-        """Speech tokenizer on `providers` (default: CUDA if available); CAM++ on CPU as upstream."""
+    def from_model_dir(cls, model_dir: str | Path, providers: list[str] | None = None,
+                       speech_tokenizer_file: str = SPEECH_TOKENIZER_FILE) -> "PromptModels":
+        """Speech tokenizer on `providers` (default: CUDA if available); CAM++ on CPU as upstream.
+        `speech_tokenizer_file`: v2 here; CosyVoice3 passes its v3 file (same interface)."""
         model_dir = Path(model_dir)
         tokenizer_providers = providers if providers is not None else default_providers()
         return cls(SpeakerEncoder(model_dir / CAMPPLUS_FILE),
-                   SpeechTokenizer(model_dir / SPEECH_TOKENIZER_FILE, tokenizer_providers))
+                   SpeechTokenizer(model_dir / speech_tokenizer_file, tokenizer_providers))

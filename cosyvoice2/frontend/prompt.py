@@ -18,10 +18,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from .audio import MIN_PROMPT_SAMPLE_RATE, load_audio, resample
-from .features import MEL_N_MELS, MEL_SAMPLE_RATE, WHISPER_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
+from .features import (MEL_FMAX, MEL_N_MELS, MEL_SAMPLE_RATE, WHISPER_SAMPLE_RATE, matcha_mel, speaker_fbank,
+                       whisper_log_mel)
 from .onnx_models import PromptModels
 
 MAX_PROMPT_SECONDS = 30.0
+MIN_PROMPT_SECONDS = 1 / 25  # one speech token
 TOKEN_MEL_RATIO = 2
 XVECTOR_DIM = 192
 _FORMAT = "cosyvoice2-voice-prompt/1"
@@ -87,18 +89,22 @@ def align_tokens_and_mel(tokens: np.ndarray, mel: np.ndarray) -> tuple[np.ndarra
 
 
 @torch.inference_mode()
-def build_voice_prompt(wav: np.ndarray, sample_rate: int, transcript: str, models: PromptModels) -> VoicePrompt:
-    """Mono float waveform in [-1, 1] at any rate >= 16 kHz, at most 30 s -> VoicePrompt."""
+def build_voice_prompt(wav: np.ndarray, sample_rate: int, transcript: str, models: PromptModels,
+                       mel_fmax: float = MEL_FMAX) -> VoicePrompt:
+    """Mono float waveform in [-1, 1] at any rate >= 16 kHz, at most 30 s -> VoicePrompt. `mel_fmax`: the prompt
+    mel's top filter edge (CosyVoice3 passes 12 kHz)."""
     if sample_rate < MIN_PROMPT_SAMPLE_RATE:
         raise PromptAudioError(f"prompt audio sample rate {sample_rate} Hz is below {MIN_PROMPT_SAMPLE_RATE} Hz")
     samples = torch.as_tensor(np.asarray(wav, dtype=np.float32).reshape(-1))
     seconds = samples.numel() / sample_rate
     if seconds > MAX_PROMPT_SECONDS:
         raise PromptAudioError(f"prompt audio is {seconds:.1f} s long; at most {MAX_PROMPT_SECONDS:.0f} s is supported")
+    if seconds < MIN_PROMPT_SECONDS:  # below one token's span the feature padding would fail, not just give none
+        raise PromptAudioError(f"prompt audio is too short ({seconds:.2f} s) to give any speech token")
     wav_16k = resample(samples, sample_rate, WHISPER_SAMPLE_RATE)
     tokens = models.speech_tokenizer(whisper_log_mel(wav_16k).numpy())
     xvector = models.speaker_encoder(speaker_fbank(wav_16k).numpy())
-    mel = matcha_mel(resample(samples, sample_rate, MEL_SAMPLE_RATE)).numpy()
+    mel = matcha_mel(resample(samples, sample_rate, MEL_SAMPLE_RATE), mel_fmax).numpy()
     tokens, mel = align_tokens_and_mel(tokens, mel)
     if len(tokens) == 0:
         raise PromptAudioError(f"prompt audio is too short ({seconds:.2f} s) to give any speech token")

@@ -72,9 +72,11 @@ def write_tiny_speech_tokenizer(path: str | Path, seed: int = 0, hidden: int = 8
     return _save(graph, Path(path))
 
 
-def write_tiny_frontend_models(model_dir: str | Path, seed: int = 0) -> tuple[Path, Path]:
-    """Write both stand-ins under their released file names into `model_dir`."""
+def write_tiny_frontend_models(model_dir: str | Path, seed: int = 0,
+                               speech_tokenizer_file: str = SPEECH_TOKENIZER_FILE) -> tuple[Path, Path]:
+    """Write both stand-ins under their released file names into `model_dir` (`speech_tokenizer_file`: v2 by
+    default; CosyVoice3's v3 has the same interface)."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     return (write_tiny_campplus(model_dir / CAMPPLUS_FILE, seed),
-            write_tiny_speech_tokenizer(model_dir / SPEECH_TOKENIZER_FILE, seed + 1))
+            write_tiny_speech_tokenizer(model_dir / speech_tokenizer_file, seed + 1))

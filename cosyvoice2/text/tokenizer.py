@@ -9,7 +9,7 @@ Encoding adds no BOS/EOS.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Self, Sequence
 
 TOKENIZER_SUBDIR = "CosyVoice-BlankEN"
 
@@ -27,7 +27,12 @@ ENDOFPROMPT = "<|endofprompt|>"
 
 
 class CosyVoice2Tokenizer:
-    """Text -> Qwen2 token ids, as CosyVoice2's frontend computes them."""
+    """Text -> Qwen2 token ids, as CosyVoice2's frontend computes them.
+
+    A subclass with another model's special tokens overrides `special_tokens` (registered in that order after
+    ``<|endoftext|>``; tokens the base vocabulary already has keep their ids)."""
+
+    special_tokens: tuple[str, ...] = ADDITIONAL_SPECIAL_TOKENS
 
     def __init__(self, tokenizer_dir: str | Path) -> None:
         # Imported here, not at module level: the orchestrator imports this module for its special-token names,
@@ -39,12 +44,12 @@ class CosyVoice2Tokenizer:
             {
                 "eos_token": ENDOFTEXT,
                 "pad_token": ENDOFTEXT,
-                "additional_special_tokens": list(ADDITIONAL_SPECIAL_TOKENS),
+                "additional_special_tokens": list(self.special_tokens),
             }
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> "CosyVoice2Tokenizer":
+    def from_model_dir(cls, model_dir: str | Path) -> "Self":
         return cls(Path(model_dir) / TOKENIZER_SUBDIR)
 
     def __len__(self) -> int:

@@ -89,7 +89,7 @@ def test_tiny_model_synthesizes_each_mode(tiny_engine, mode: str) -> None:
     try:
         voice = tiny_voice()
         tokens = list(tiny_engine.speech_tokens(request, voice))
-        audio = tiny_engine.synthesize(request, voice)
+        audio = tiny_engine.synthesize_ids(request, voice)
         streamed = np.concatenate(list(tiny_engine.stream(request, voice, cached=True)))
     finally:
         tiny_engine.set_fixed_token_count(None)
