@@ -162,9 +162,9 @@ WARMUP_CONCURRENCY = 8
 # Triton metrics -> stage breakdown ----------------------------------------------------------------
 
 
-def triton_metrics(servers: Sequence[TritonServer]) -> dict[str, float]:
-    """stat name -> value of every `cosyvoice2_*` metric, added up over the servers (`sum_metrics`)."""
-    return sum_metrics(server_metrics(server) for server in servers)
+def replica_metrics(servers: Sequence[TritonServer]) -> list[dict[str, float]]:
+    """Each server's `server_metrics`, in the servers' order."""
+    return [server_metrics(server) for server in servers]
 
 
 def server_metrics(server: TritonServer) -> dict[str, float]:
@@ -184,13 +184,13 @@ def sum_metrics(parts: Iterable[dict[str, float]]) -> dict[str, float]:
 
 
 def settled_metrics(servers: Sequence[TritonServer], quiet_s: float = METRICS_SETTLE_S,
-                    timeout_s: float = METRICS_SETTLE_MAX_S) -> dict[str, float]:
-    """`triton_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
+                    timeout_s: float = METRICS_SETTLE_MAX_S) -> list[dict[str, float]]:
+    """`replica_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    current, since = triton_metrics(servers), time.monotonic()
+    current, since = replica_metrics(servers), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        latest = triton_metrics(servers)
+        latest = replica_metrics(servers)
         if latest != current:
             current, since = latest, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -265,6 +265,16 @@ def first_chunk_breakdown(d: dict[str, float]) -> dict[str, float | None]:
     out["first_chunk_ms"] = total
     out["first_chunk_other_ms"] = total - placed
     return out
+
+
+#: The counter of the requests a server's pipeline models took (offline and streaming, every pipeline).
+REQUESTS_COUNTER = "orchestrator_requests_total"
+
+
+def replica_requests(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> list[float]:
+    """The requests each replica's pipeline took between two `replica_metrics` readings (how the target spread
+    them)."""
+    return [a.get(REQUESTS_COUNTER, 0.0) - b.get(REQUESTS_COUNTER, 0.0) for b, a in zip(before, after, strict=True)]
 
 
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
@@ -1036,13 +1046,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 url = target if scenario.target == "triton" else stack.gateway_url
                 for concurrency in getattr(args, scenario.levels_option):
                     name = f"{scenario.name}-c{concurrency}-r{run}"
-                    before = triton_metrics(servers)
+                    before = replica_metrics(servers)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
                                       args.timeout, args.warmup, pipeline)  # fmt: skip
-                    stages[name] = stage_breakdown(before, settled_metrics(servers))
+                    after = settled_metrics(servers)
+                    stages[name] = stage_breakdown(sum_metrics(before), sum_metrics(after))
                     window = level.get("window")
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(window), stages[name],
                                     sampler.busy_per_gpu(window))  # fmt: skip
+                    row["replica_requests"] = replica_requests(before, after)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
                     (out_dir / "results.json").write_text(json.dumps(document, indent=1))

@@ -425,13 +425,13 @@ def test_summary_has_a_first_chunk_table_for_streaming_levels_only():
 
 def test_settled_metrics_reads_until_the_metrics_stop_changing(monkeypatch):
     reads = iter([{"a": 1.0}, {"a": 2.0}, {"a": 3.0}] + [{"a": 3.0}] * 1000)  # the last publications come late
-    monkeypatch.setattr(sb, "triton_metrics", lambda servers: next(reads))
-    assert sb.settled_metrics(None, quiet_s=0.25) == {"a": 3.0}
+    monkeypatch.setattr(sb, "replica_metrics", lambda servers: [next(reads)])
+    assert sb.settled_metrics(None, quiet_s=0.25) == [{"a": 3.0}]
     ticks = iter(range(10_000))  # never settles: given up after the timeout, with the latest reading
-    monkeypatch.setattr(sb, "triton_metrics", lambda servers: {"a": float(next(ticks))})
+    monkeypatch.setattr(sb, "replica_metrics", lambda servers: [{"a": float(next(ticks))}])
     started = time.monotonic()
     last = sb.settled_metrics(None, quiet_s=0.25, timeout_s=0.5)
-    assert 0.5 <= time.monotonic() - started < 5 and last["a"] >= 2
+    assert 0.5 <= time.monotonic() - started < 5 and last[0]["a"] >= 2
 
 
 async def _rate_search_document():
@@ -514,10 +514,12 @@ def test_replica_metrics_add_up_and_the_stage_means_weigh_every_request():
     assert sb.sum_metrics([]) == {}
 
 
-def test_triton_metrics_reads_every_replica(monkeypatch):
-    pages = {"a": {"x_total": 1.0}, "b": {"x_total": 2.0, "y_total": 5.0}}
+def test_every_replicas_metrics_are_read_and_its_requests_counted(monkeypatch):
+    pages = {"a": {"orchestrator_requests_total": 1.0}, "b": {"orchestrator_requests_total": 2.0, "y_total": 5.0}}
     monkeypatch.setattr(sb, "server_metrics", lambda server: pages[server])
-    assert sb.triton_metrics(["a", "b"]) == {"x_total": 3.0, "y_total": 5.0}
+    before = sb.replica_metrics(["a", "b"])
+    assert before == [pages["a"], pages["b"]]
+    assert sb.replica_requests(before, [{"orchestrator_requests_total": 4.0}, pages["b"]]) == [3.0, 0.0]
 
 
 def test_replica_devices_give_each_server_one_device_and_refuse_what_makes_no_sense():
