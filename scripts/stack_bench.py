@@ -19,9 +19,9 @@ streaming levels the mean first chunk stage by stage: voice prompt, LLM queue, p
 and call, send, and the other time they leave of the pipeline's first-chunk time) and the GPU's utilization is
 sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
 playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams (per
-machine, and per GPU: divided by the GPUs used): the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error,
-in every run. With `--open-loop START` each run also searches, after its levels, the sustained open-loop rate: the
-highest rate of Poisson arrivals (requests sent when they arrive, however many are running: what a service facing
+machine, and per GPU: divided by the GPUs used): the highest `triton-stream` concurrency whose first chunk p90 is
+<= 500 ms with no stream stalling and no error, in every run. With `--open-loop START` each run also searches,
+after its levels, the sustained open-loop rate: the highest rate of Poisson arrivals (requests sent when they arrive, however many are running: what a service facing
 independent listeners sees) at which first chunk p95 is <= 500 ms with no stream stalling and no error (`tts-bench
 --rate-search`: grow from START by x2 until a rate misses, then bisect; each step a fixed stretch of arrivals), and
 reports the lowest over the runs. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
@@ -1069,7 +1069,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "run": run, "sustained_rate": outcome["sustained_rate"], "failed_above": outcome["failed_above"],
                     "steps": rate_rows(found, run, sampler.busy_share),
                 })  # fmt: skip
-                document["open_loop"]["sustained_rate"] = sustained_open_loop_rate(document["open_loop"]["runs"])
+                document["open_loop"]["sustained_rate"] = rate = sustained_open_loop_rate(document["open_loop"]["runs"])
+                document["open_loop"]["sustained_rate_per_gpu"] = None if rate is None else round(rate / len(gpus), 3)
                 print(json.dumps({k: v for k, v in document["open_loop"]["runs"][-1].items() if k != "steps"}),
                       flush=True)  # fmt: skip
                 (out_dir / "results.json").write_text(json.dumps(document, indent=1))
