@@ -992,7 +992,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )  # fmt: skip
 
     stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices)
-    servers, target = stack.servers, stack.grpc_target
+    servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
@@ -1024,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         stack.start_triton()
-        document["grpc_target"] = target
+        document["grpc_target"] = target = stack.grpc_target  # the ports are chosen as the servers start
         document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
         print(f"{len(servers)} tritonserver(s) ready in {document['server_ready_s']} s: {target}", flush=True)
         loaded = scenarios + ([open_loop_scenario] if search is not None else [])
