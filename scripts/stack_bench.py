@@ -37,7 +37,8 @@ what a Kubernetes headless Service in front of N Triton pods gives. The Triton m
 up, the GPU busy share is sampled GPU by GPU (the summary shows each GPU when there are several), every per-level
 figure is the machine's, and the summary divides the real-time streams and the open-loop rate by the GPUs used
 (N; for `layout=disaggregated` the distinct GPUs it renders, a layout `--replicas` does not combine with).
-Results directories of such runs are named with `rep<N>`; summary.md and results.json say how many replicas ran.
+Results directories of such runs are named with `rep<N>`; summary.md and results.json say how many replicas ran,
+and every level in results.json has the requests each replica took (`replica_requests`, from its own counters).
 
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
