@@ -34,22 +34,9 @@ import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
 
-_MAX_MESSAGE_BYTES = 2**31 - 1
-# A restarted Triton must be found again quickly: cap gRPC's reconnect back-off (default 120 s).
-_CHANNEL_ARGS = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # With a dns:/// target naming several Triton instances (a Kubernetes headless Service), spread the
-    # requests over all of them; with one address this changes nothing.
-    ("grpc.lb_policy_name", "round_robin"),
-]
+# The channel options every client of the pipeline shares: capped reconnect back-off, round robin over a target
+# naming several Triton instances.
+_CHANNEL_ARGS = list(contract.GRPC_CHANNEL_ARGS)
 _UNAVAILABLE_CODES = {"StatusCode.UNAVAILABLE", "StatusCode.CANCELLED", "StatusCode.NOT_FOUND"}
 
 

@@ -25,7 +25,7 @@ See docs/pipeline-contract.md for the prose version.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,33 @@ SPARK_STREAMING_MODEL = "spark_tts_stream"
 #: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
 #: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
 MAX_SEGMENT_TOKENS = 300
+
+#: gRPC channel options of every client of the pipeline models (the gateway, tts-bench). A restarted Triton must
+#: be found again quickly: gRPC's reconnect back-off (default 120 s) is capped. With a target naming several Triton
+#: instances (a ``dns:///`` Kubernetes headless Service, an ``ipv4:a,b`` list: `grpc_target`) the requests are
+#: spread round robin over all of them; with one address the policy changes nothing.
+_MAX_MESSAGE_BYTES = 2**31 - 1
+GRPC_CHANNEL_ARGS: tuple[tuple[str, int | str], ...] = (
+    ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.lb_policy_name", "round_robin"),
+)
+
+
+def grpc_target(addresses: Sequence[str]) -> str:
+    """One gRPC target for Triton instances at ``addresses`` ("host:port", IPv4): the address itself for one, an
+    ``ipv4:a,b,...`` list for several (balanced round robin by `GRPC_CHANNEL_ARGS`)."""
+    if not addresses:
+        raise ValueError("no Triton address")
+    return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
+
 
 #: Reference audio must be 16 kHz mono. CosyVoice2 returns 24 kHz mono, the rate the gateway serves (every
 #: response also states its rate in `sample_rate`; the gateway resamples other rates to this one).

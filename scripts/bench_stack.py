@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pipeline_contract as contract
 from triton_repo.render import RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port, stop_process
 from triton_repo.spark_render import SparkRenderOptions
@@ -157,26 +158,47 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
 @dataclass
 class BenchStack:
     """tritonserver on a rendered repository (stubs in ``stub_env``, default: this environment) and, on demand,
-    a gateway in front of it run by this interpreter. Logs: WORK/tritonserver.log and WORK/gateway.log, emptied
-    at construction so they hold this run's lines only."""
+    a gateway in front of it run by this interpreter. With ``replica_devices`` one tritonserver per entry serves
+    the same repository, each seeing only that device (its ``CUDA_VISIBLE_DEVICES``) on ports of its own, and the
+    gateway targets them all round robin (`grpc_target`). Logs: WORK/tritonserver.log (the first server;
+    WORK/tritonserver-<i>.log the others) and WORK/gateway.log, emptied at construction so they hold this run's
+    lines only."""
 
     repo: Path
     work: Path
     stub_env: Path | None = None
     gateway_env: dict[str, str] = field(default_factory=dict)
-    server: TritonServer = field(init=False)
+    #: CUDA_VISIBLE_DEVICES of each server; empty: one server that sees the devices this process sees.
+    replica_devices: Sequence[str] = ()
+    servers: list[TritonServer] = field(init=False)
     gateway: subprocess.Popen | None = field(default=None, init=False)
     gateway_port: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        for log in (self.server_log, self.gateway_log):
+        envs = [{"CUDA_VISIBLE_DEVICES": device} for device in self.replica_devices] or [{}]
+        self.servers = [
+            TritonServer(model_repository=self.repo, log_path=self.server_log_of(i),
+                         env_prefix=self.stub_env or Path(sys.prefix), extra_env=env)
+            for i, env in enumerate(envs)
+        ]  # fmt: skip
+        for log in (*self.server_logs, self.gateway_log):
             log.unlink(missing_ok=True)
-        self.server = TritonServer(model_repository=self.repo, log_path=self.server_log,
-                                   env_prefix=self.stub_env or Path(sys.prefix))  # fmt: skip
+
+    @property
+    def server(self) -> TritonServer:
+        """The first (or only) tritonserver."""
+        return self.servers[0]
+
+    def server_log_of(self, replica: int) -> Path:
+        return self.work / ("tritonserver.log" if replica == 0 else f"tritonserver-{replica}.log")
+
+    @property
+    def server_logs(self) -> list[Path]:
+        return [self.server_log_of(i) for i in range(len(self.servers))]
 
     @property
     def server_log(self) -> Path:
-        return self.work / "tritonserver.log"
+        return self.server_log_of(0)
 
     @property
     def gateway_log(self) -> Path:
@@ -186,14 +208,21 @@ class BenchStack:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
+    @property
+    def grpc_target(self) -> str:
+        """The gRPC target of every server: the one address, or a round-robin list of all (``ipv4:a,b``)."""
+        return contract.grpc_target([server.grpc_url for server in self.servers])
+
     def start_triton(self, ready_timeout: float = TRITON_READY_TIMEOUT_S) -> None:
-        self.server.start(ready_timeout=ready_timeout)
+        # One after the other: servers loading at once would share the CPU and the kernel caches while compiling.
+        for server in self.servers:
+            server.start(ready_timeout=ready_timeout)
 
     def start_gateway(self, ready_timeout: float = GATEWAY_READY_TIMEOUT_S) -> None:
         # A port free when chosen may be taken before the gateway binds it (it then exits): a new one.
         for attempt in range(1, GATEWAY_START_ATTEMPTS + 1):
             self.gateway_port = free_port()
-            env = {**os.environ, "TTS_TRITON_URL": self.server.grpc_url, "TTS_PORT": str(self.gateway_port),
+            env = {**os.environ, "TTS_TRITON_URL": self.grpc_target, "TTS_PORT": str(self.gateway_port),
                    "TTS_HOST": "127.0.0.1", **self.gateway_env}  # fmt: skip
             with open(self.gateway_log, "ab") as log:
                 self.gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
@@ -208,4 +237,5 @@ class BenchStack:
     def stop(self) -> None:
         if self.gateway is not None:
             stop_process(self.gateway, 10)
-        self.server.cleanup()
+        for server in self.servers:
+            server.cleanup()

@@ -18,16 +18,27 @@ once they stop changing; their deltas give the per-stage breakdown: LLM prefill 
 streaming levels the mean first chunk stage by stage: voice prompt, LLM queue, prefill and decode, token2wav queue
 and call, send, and the other time they leave of the pipeline's first-chunk time) and the GPU's utilization is
 sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
-playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams per GPU:
-the highest `triton-stream` concurrency whose first chunk p90 is <= 500 ms with no stream stalling and no error,
-in every run. With `--open-loop START` each run also searches, after its levels, the sustained open-loop rate: the
-highest rate of Poisson arrivals (requests sent when they arrive, however many are running: what a service facing
+playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams (per
+machine, and per GPU: divided by the GPUs used): the highest `triton-stream` concurrency whose first chunk p90 is
+<= 500 ms with no stream stalling and no error, in every run. With `--open-loop START` each run also searches,
+after its levels, the sustained open-loop rate: the highest rate of Poisson arrivals (requests sent when they arrive, however many are running: what a service facing
 independent listeners sees) at which first chunk p95 is <= 500 ms with no stream stalling and no error (`tts-bench
 --rate-search`: grow from START by x2 until a rate misses, then bisect; each step a fixed stretch of arrivals), and
 reports the lowest over the runs. Every invocation writes a fresh directory WORK/results/<UTC time>-<settings>/ (or under --out; the
 settings name the token2wav, e.g. cuda-bf16-b32-dit-r3, and the summary says it too): summary.md (the tables:
 measures, stages, first chunk by stage), results.json (every level's measures, with its stages), stages.json (the
 stages per level), levels/*.json (the raw `tts-bench` documents) and the tails of the tritonserver and gateway logs.
+
+With `--replicas N` (N > 1) it starts N tritonservers on the same rendered repository, the colocated way: replica i
+sees only GPU i (its CUDA_VISIBLE_DEVICES: the i-th device this process sees; with `--device cpu` they all share
+the CPU), each on ports of its own. tts-bench then loads all of them through one round-robin gRPC target
+(`ipv4:127.0.0.1:P1,127.0.0.1:P2`, the gateway's channel options), and so does the gateway (its `triton_url`):
+what a Kubernetes headless Service in front of N Triton pods gives. The Triton metrics are every replica's added
+up, the GPU busy share is sampled GPU by GPU (the summary shows each GPU when there are several), every per-level
+figure is the machine's, and the summary divides the real-time streams and the open-loop rate by the GPUs used
+(N; for `layout=disaggregated` the distinct GPUs it renders, a layout `--replicas` does not combine with).
+Results directories of such runs are named with `rep<N>`; summary.md and results.json say how many replicas ran,
+and every level in results.json has the requests each replica took (`replica_requests`, from its own counters).
 
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
@@ -69,6 +80,7 @@ Options:
   --open-loop-max R             highest rate the search may try, requests/s (default 64)
   --open-loop-step-seconds S    arrivals offered per search step (default 30)
   --open-loop-steps N           most rates one search measures (default 8)
+  --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
 """
 
 from __future__ import annotations
@@ -84,7 +96,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -98,16 +110,18 @@ from scripts.bench_stack import (
     ensure_dit_dir,
     ensure_model_dir,
     ensure_spark_dir,
+    render_fields,
     render_stack,
 )
-from triton_repo.render import TOKEN2WAVS
+from triton_repo.render import TOKEN2WAVS, RenderOptions
+from triton_repo.render_options import LLM_GPU
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
 from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
 from ttsbench.ratesearch import ListenerBound, SearchSettings, SearchSettingsError
 
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
 REALTIME_FIRST_CHUNK_P90_S = 0.5
-#: The scenario whose levels decide the real-time streams per GPU (the pipeline itself, no HTTP encoding).
+#: The scenario whose levels decide the real-time streams (the pipeline itself, no HTTP encoding).
 REALTIME_SCENARIO = "triton-stream"
 GPU_SAMPLE_INTERVAL_S = 0.2
 #: After a level the Triton metrics are read once they have not changed for this long (each model publishes a change
@@ -149,19 +163,35 @@ WARMUP_CONCURRENCY = 8
 # Triton metrics -> stage breakdown ----------------------------------------------------------------
 
 
-def triton_metrics(server: TritonServer) -> dict[str, float]:
-    """stat name -> value of every `cosyvoice2_*` metric of the server (`parse_metrics`)."""
+def replica_metrics(servers: Sequence[TritonServer]) -> list[dict[str, float]]:
+    """Each server's `server_metrics`, in the servers' order."""
+    return [server_metrics(server) for server in servers]
+
+
+def server_metrics(server: TritonServer) -> dict[str, float]:
+    """stat name -> value of every `cosyvoice2_*` metric of one server (`parse_metrics`)."""
     return parse_metrics(urllib.request.urlopen(server.metrics_url).read().decode())  # noqa: S310
 
 
-def settled_metrics(server: TritonServer, quiet_s: float = METRICS_SETTLE_S,
-                    timeout_s: float = METRICS_SETTLE_MAX_S) -> dict[str, float]:
-    """`triton_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
+def sum_metrics(parts: Iterable[dict[str, float]]) -> dict[str, float]:
+    """The metrics of several servers (the replicas behind one target) as one machine's: every counter and sum
+    added up. The breakdowns divide a sum's delta by its count's delta, so they stay means over every request of
+    the machine (weighted by each replica's share), never means of the replicas' means."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.items():
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def settled_metrics(servers: Sequence[TritonServer], quiet_s: float = METRICS_SETTLE_S,
+                    timeout_s: float = METRICS_SETTLE_MAX_S) -> list[dict[str, float]]:
+    """`replica_metrics` once they have stayed unchanged for ``quiet_s`` (or after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
-    current, since = triton_metrics(server), time.monotonic()
+    current, since = replica_metrics(servers), time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        latest = triton_metrics(server)
+        latest = replica_metrics(servers)
         if latest != current:
             current, since = latest, time.monotonic()
         elif time.monotonic() - since >= quiet_s:
@@ -238,6 +268,16 @@ def first_chunk_breakdown(d: dict[str, float]) -> dict[str, float | None]:
     return out
 
 
+#: The counter of the requests a server's pipeline models took (offline and streaming, every pipeline).
+REQUESTS_COUNTER = "orchestrator_requests_total"
+
+
+def replica_requests(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> list[float]:
+    """The requests each replica's pipeline took between two `replica_metrics` readings (how the target spread
+    them)."""
+    return [a.get(REQUESTS_COUNTER, 0.0) - b.get(REQUESTS_COUNTER, 0.0) for b, a in zip(before, after, strict=True)]
+
+
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """Per-stage means over one level, from the counters' deltas (the first chunks': `first_chunk_breakdown`)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -269,14 +309,34 @@ def visible_gpu_indices(environ: dict[str, str]) -> list[int] | None:
 
 def nvml_handles(indices: Sequence[int] | None) -> tuple[Any, list[Any]] | None:
     """(pynvml, a handle per GPU in ``indices`` or per GPU when None), or None when NVML is not there."""
+    found = nvml_gpus(indices)
+    return None if found is None else (found[0], [handle for _, handle in found[1]])
+
+
+def nvml_gpus(indices: Sequence[int] | None) -> tuple[Any, list[tuple[int, Any]]] | None:
+    """(pynvml, (index, handle) per GPU in ``indices`` or per GPU when None), or None when NVML is not there."""
     try:
         import pynvml  # noqa: PLC0415 - optional
 
         pynvml.nvmlInit()
         chosen = indices if indices is not None else range(pynvml.nvmlDeviceGetCount())
-        return pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i) for i in chosen]
+        return pynvml, [(i, pynvml.nvmlDeviceGetHandleByIndex(i)) for i in chosen]
     except Exception:  # noqa: BLE001 - not installed, no driver, no GPU: fall back
         return None
+
+
+def gpu_count() -> int | None:
+    """How many GPUs this machine has (NVML, else `nvidia-smi -L`), None when neither can tell."""
+    found = nvml_gpus(None)
+    if found is not None:
+        return len(found[1])
+    if (smi := shutil.which("nvidia-smi")) is None:
+        return None
+    try:
+        listed = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=True).stdout  # noqa: S603
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in listed.splitlines() if line.startswith("GPU "))
 
 
 class GpuSampler:
@@ -284,13 +344,17 @@ class GpuSampler:
 
     NVML through `pynvml` when it imports and initializes, else a long-running `nvidia-smi -lms`; with
     neither, ``source`` is None and every busy share is n/a. Samples are (wall-clock time, percent), one
-    per GPU per tick.
+    per GPU per tick, in ``samples`` (all GPUs) and ``per_gpu`` (by GPU index). ``indices``: the GPUs to sample
+    (default: those CUDA_VISIBLE_DEVICES names, or all).
     """
 
-    def __init__(self, interval: float = GPU_SAMPLE_INTERVAL_S, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, interval: float = GPU_SAMPLE_INTERVAL_S, environ: dict[str, str] | None = None,
+                 indices: Sequence[int] | None = None) -> None:  # fmt: skip
         self.interval = interval
-        self.indices = visible_gpu_indices(dict(os.environ) if environ is None else environ)
+        self.indices = list(indices) if indices is not None else visible_gpu_indices(
+            dict(os.environ) if environ is None else environ)
         self.samples: list[tuple[float, float]] = []
+        self.per_gpu: dict[int, list[tuple[float, float]]] = {}
         self.source: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -302,7 +366,7 @@ class GpuSampler:
             self.source = "nvml"
             self._thread = threading.Thread(target=self._run_nvml, args=(poll,), daemon=True)
         elif (smi := shutil.which("nvidia-smi")) is not None:
-            command = [smi, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+            command = [smi, "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
                        f"-lms={round(self.interval * 1000)}"]  # fmt: skip
             if self.indices is not None:
                 command.append(f"--id={','.join(map(str, self.indices))}")
@@ -316,30 +380,36 @@ class GpuSampler:
             self._thread.start()
         return self
 
-    def _nvml_poller(self) -> Callable[[], list[float]] | None:
-        nvml = nvml_handles(self.indices)
+    def _nvml_poller(self) -> Callable[[], list[tuple[int, float]]] | None:
+        nvml = nvml_gpus(self.indices)
         if nvml is None:
             return None
-        pynvml, handles = nvml
-        return lambda: [float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu) for h in handles]
+        pynvml, gpus = nvml
+        return lambda: [(i, float(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)) for i, h in gpus]
 
-    def _run_nvml(self, poll: Callable[[], list[float]]) -> None:
+    def _add(self, now: float, gpu: int, value: float) -> None:
+        self.samples.append((now, value))
+        self.per_gpu.setdefault(gpu, []).append((now, value))
+
+    def _run_nvml(self, poll: Callable[[], list[tuple[int, float]]]) -> None:
         while not self._stop.wait(self.interval):
             try:
                 values = poll()
             except Exception:  # noqa: BLE001 - a failed read is a missing sample, not a failed benchmark
                 continue
             now = time.time()
-            self.samples.extend((now, v) for v in values)
+            for gpu, value in values:
+                self._add(now, gpu, value)
 
     def _run_smi(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
         for line in self._proc.stdout:
+            index, _, value = line.partition(",")
             try:
-                value = float(line.strip())
+                gpu, percent = int(index), float(value)
             except ValueError:  # "[N/A]" or a message: no sample
                 continue
-            self.samples.append((time.time(), value))
+            self._add(time.time(), gpu, percent)
 
     def stop(self) -> None:
         self._stop.set()
@@ -349,7 +419,12 @@ class GpuSampler:
             self._thread.join(5)
 
     def busy_share(self, window: Sequence[float] | None) -> float | None:
+        """Mean utilization over every sampled GPU."""
         return busy_share(self.samples, window)
+
+    def busy_per_gpu(self, window: Sequence[float] | None) -> dict[str, float | None]:
+        """GPU index (as a string: a JSON key) -> its own busy share; empty without samples."""
+        return {str(gpu): busy_share(samples, window) for gpu, samples in sorted(self.per_gpu.items())}
 
 
 class GpuMemory:
@@ -452,9 +527,11 @@ def run_rate_search(scenario: Scenario, url: str, json_path: Path, search: Searc
 
 
 def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, Any], gpu_busy: float | None,
-              stages: dict[str, float | None]) -> dict[str, Any]:  # fmt: skip
-    """The measures of one level, from tts-bench's level document (seconds, shares 0..1). Offline levels
-    have no first chunk (their one piece is the whole response: see total_p50)."""
+              stages: dict[str, float | None], gpu_busy_per_gpu: dict[str, float | None] | None = None
+              ) -> dict[str, Any]:  # fmt: skip
+    """The measures of one level, from tts-bench's level document (seconds, shares 0..1), all of the machine's
+    (every replica's requests together); ``gpu_busy`` is the mean over the sampled GPUs, ``gpu_busy_per_gpu`` each
+    one's. Offline levels have no first chunk (their one piece is the whole response: see total_p50)."""
     first = (level.get("first_chunk") or {}) if scenario.mode == "streaming" else {}
     stalls = level.get("stalls")
     return {
@@ -478,6 +555,7 @@ def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, A
         "audio_seconds_per_second": level["audio_seconds_per_second"],
         "aggregate_rtf": level.get("aggregate_rtf"),
         "gpu_busy": gpu_busy,
+        "gpu_busy_per_gpu": gpu_busy_per_gpu or {},
         "stages": stages,
     }
 
@@ -588,17 +666,27 @@ def spread_cell(values: Sequence[float | None], scale: float, fmt: str) -> str:
     return text
 
 
+def per_gpu(value: float | None, gpus: int) -> str:
+    """A machine's figure divided among the GPUs it used."""
+    return NA if value is None else f"{value / gpus:.3g}"
+
+
 def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
-                     pipeline: str | None = None, open_loop: dict[str, Any] | None = None) -> str:  # fmt: skip
+                     pipeline: str | None = None, open_loop: dict[str, Any] | None = None, *, replicas: int = 1,
+                     gpus: int = 1) -> str:  # fmt: skip
     """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
-    vocoder), then one table row per scenario and concurrency, each cell all runs' values and their spread; with
-    ``open_loop`` (results.json's) the sustained open-loop rate and its search's steps."""
+    vocoder) on how many tritonservers (``replicas``) and ``gpus``, then one table row per scenario and
+    concurrency, each cell all runs' values and their spread (the machine's figures: every replica together); with
+    several GPUs sampled each one's busy share; the real-time streams per machine and per GPU; with ``open_loop``
+    (results.json's) the sustained open-loop rate and its search's steps."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
     measured = f"pipeline: **{pipeline}**" if pipeline is not None else f"token2wav: **{token2wav}**"
-    lines = [f"# {title}", "", measured, "",
+    servers = (f"{replicas} tritonserver replicas (colocated, one per GPU) behind one round-robin target"
+               if replicas > 1 else "one tritonserver")  # fmt: skip
+    lines = [f"# {title}", "", measured, "", f"replicas: **{replicas}** ({servers}); GPUs used: **{gpus}**", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for (scenario, concurrency), runs in groups.items():
         runs = sorted(runs, key=lambda r: r["run"])
@@ -626,12 +714,31 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
             cells += [spread_cell([r["stages"].get(key) for r in runs], 1.0, fmt)
                       for _, key, fmt in FIRST_CHUNK_COLUMNS]
             lines.append("| " + " | ".join(cells) + " |")
+    lines += gpu_busy_markdown(groups)
     shown = NA if realtime is None else str(realtime)
-    lines += ["", f"Real-time streams per GPU ({REALTIME_SCENARIO}: first chunk p90 <= "
-              f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run): **{shown}**", ""]  # fmt: skip
+    lines += ["", f"Real-time streams per machine ({REALTIME_SCENARIO}: first chunk p90 <= "
+              f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run): **{shown}**; "
+              f"per GPU ({gpus} used): **{per_gpu(realtime, gpus)}**", ""]  # fmt: skip
     if open_loop is not None:
-        lines += open_loop_markdown(open_loop)
+        lines += open_loop_markdown(open_loop, gpus)
     return "\n".join(lines)
+
+
+def gpu_busy_markdown(groups: dict[tuple[str, int], list[dict[str, Any]]]) -> list[str]:
+    """A table of each GPU's busy share per level, when more than one GPU was sampled (else nothing)."""
+    gpus = sorted({gpu for runs in groups.values() for r in runs for gpu in r.get("gpu_busy_per_gpu") or {}}, key=int)
+    if len(gpus) < 2:
+        return []
+    header = ["scenario", "c", *(f"GPU {gpu} busy (%)" for gpu in gpus)]
+    lines = ["", "GPU busy, GPU by GPU (the table's GPU busy is their mean):", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    for (scenario, concurrency), runs in groups.items():
+        runs = sorted(runs, key=lambda r: r["run"])
+        cells = [scenario, str(concurrency)]
+        cells += [spread_cell([(r.get("gpu_busy_per_gpu") or {}).get(gpu) for r in runs], 100.0, "{:.0f}")
+                  for gpu in gpus]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 #: (column title, rate_rows key, scale, format) of the open-loop table.
@@ -648,13 +755,15 @@ OPEN_LOOP_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
 )
 
 
-def open_loop_markdown(open_loop: dict[str, Any]) -> list[str]:
-    """The sustained open-loop rate and a row per search step (each run's steps in the order measured)."""
+def open_loop_markdown(open_loop: dict[str, Any], gpus: int = 1) -> list[str]:
+    """The sustained open-loop rate (the machine's, and per GPU of ``gpus``) and a row per search step (each run's
+    steps in the order measured)."""
     rate = open_loop["sustained_rate"]
     low = open_loop["search"]["low"]
     shown = NA if rate is None else (f"{rate:g} req/s" if rate else f"none (below {low:g} req/s)")
+    shown_per_gpu = f"{per_gpu(rate, gpus)} req/s" if rate else shown
     lines = [f"Sustained open-loop rate ({open_loop['scenario']}, Poisson arrivals: {OPEN_LOOP_BOUND.describe()}, "
-             f"lowest over the runs): **{shown}**", "",
+             f"lowest over the runs): **{shown}** per machine; per GPU ({gpus} used): **{shown_per_gpu}**", "",
              f"Open-loop rate search (each step {open_loop['step_seconds']:g} s of Poisson arrivals; grow x2 from "
              f"{open_loop['search']['start']:g} req/s until a rate misses, then bisect):", ""]  # fmt: skip
     header = ["run", "rate (req/s)", "requests (errors)", *(t for t, *_ in OPEN_LOOP_COLUMNS), "meets"]
@@ -669,6 +778,55 @@ def open_loop_markdown(open_loop: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+# Replicas and GPUs --------------------------------------------------------------------------------
+
+#: RenderOptions fields that only the disaggregated layout reads: it spreads one tritonserver over several GPUs,
+#: which `--replicas` (one whole tritonserver per GPU) does not combine with.
+DISAGGREGATED_FIELDS = ("token2wav_gpus", "token2wav_instances_per_gpu", "gpu_emulation")
+
+
+def replica_devices(replicas: int, device: str, render_args: Sequence[str], environ: dict[str, str],
+                    count_gpus: Callable[[], int | None] = gpu_count) -> list[str]:  # fmt: skip
+    """CUDA_VISIBLE_DEVICES of each of ``replicas`` tritonservers: the i-th device this process sees (the i-th entry
+    of its CUDA_VISIBLE_DEVICES, else GPU i); empty for one (it sees what this process sees). SystemExit for a
+    combination that makes no sense. With ``device`` cpu they all run on the CPU, whatever the machine has."""
+    if replicas == 1:
+        return []
+    fields = render_fields(render_args)
+    given = [name for name in DISAGGREGATED_FIELDS if name in fields]
+    if fields.get("layout") == "disaggregated" or given:
+        what = "layout=disaggregated" if fields.get("layout") == "disaggregated" else ", ".join(given)
+        raise SystemExit(f"stack_bench: --replicas {replicas} runs {replicas} independent colocated tritonservers, one "
+                         f"per GPU; {what} belongs to the disaggregated layout, which spreads ONE tritonserver over "
+                         "several GPUs: measure one or the other (docs/deploy.md#several-gpus)")  # fmt: skip
+    visible = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
+    if device == "cuda":
+        if "CUDA_VISIBLE_DEVICES" in environ and len(visible) < replicas:
+            raise SystemExit(f"stack_bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
+                             f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r} leaves {len(visible)}")
+        if "CUDA_VISIBLE_DEVICES" not in environ and (count := count_gpus()) is not None and count < replicas:
+            raise SystemExit(f"stack_bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
+                             f"this machine has {count}")
+    return [visible[i] if i < len(visible) else str(i) for i in range(replicas)]
+
+
+def logical_gpus(options: RenderOptions, replicas: int) -> list[int]:
+    """The GPUs the rendered stack uses, as this process numbers them: the disaggregated layout's distinct GPUs
+    (the LLM's and the token2wav replicas'), else one per tritonserver."""
+    if options.layout == "disaggregated":
+        return sorted({LLM_GPU, *options.resolved_token2wav_gpus})
+    return list(range(replicas))
+
+
+def sampled_gpu_indices(gpus: Sequence[int], environ: dict[str, str]) -> list[int] | None:
+    """The physical indices of ``gpus`` (through CUDA_VISIBLE_DEVICES), what the GPU sampler reads; None (every GPU)
+    when CUDA_VISIBLE_DEVICES names its devices otherwise than by index."""
+    if not environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return list(gpus)
+    visible = visible_gpu_indices(environ)
+    return None if visible is None else [visible[g] for g in gpus if g < len(visible)]
+
+
 # Results directory ---------------------------------------------------------------------------------
 
 
@@ -680,6 +838,8 @@ def settings_slug(args: argparse.Namespace) -> str:
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
+    if args.replicas > 1:
+        parts.append(f"rep{args.replicas}")
     parts.append(f"r{args.repeat}")
     return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
 
@@ -775,6 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--open-loop-step-seconds", type=positive_rate, default=30.0,
                         help="seconds of arrivals per search step (the step then waits for what is still running)")
     parser.add_argument("--open-loop-steps", type=_positive, default=8, help="most rates one search measures")
+    parser.add_argument("--replicas", type=_positive, default=1,
+                        help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
+                             "one round-robin gRPC target (default 1)")
     return parser
 
 
@@ -802,6 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_dit_dir(args.dit_dir)
         except FileNotFoundError as exc:
             raise SystemExit(f"stack_bench: --dit-dir: {exc}") from None
+    devices = replica_devices(args.replicas, args.device, args.render_arg, dict(os.environ))
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
     search = open_loop_settings(args)
     open_loop_scenario = next(s for s in SCENARIOS if s.name == args.open_loop_scenario)
@@ -822,9 +986,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark_benchmark_ratio=args.spark_benchmark_ratio,
     )  # fmt: skip
 
-    stack = BenchStack(repo, args.work, stub_env=args.stub_env)
-    server = stack.server
-    sampler = GpuSampler()
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices)
+    servers = stack.servers
+    gpus = logical_gpus(options, args.replicas)
+    sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
@@ -833,6 +998,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dit_dir": None if dit_dir is None else str(dit_dir),
         "spark_dir": None if spark_dir is None else str(spark_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
+        "replicas": args.replicas,
+        "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)
+        "gpus_used": len(gpus),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "levels": [],
     }
@@ -851,8 +1019,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         stack.start_triton()
+        document["grpc_target"] = target = stack.grpc_target  # the ports are chosen as the servers start
         document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
-        print(f"tritonserver ready in {document['server_ready_s']} s", flush=True)
+        print(f"{len(servers)} tritonserver(s) ready in {document['server_ready_s']} s: {target}", flush=True)
         loaded = scenarios + ([open_loop_scenario] if search is not None else [])
         if any(s.target == "gateway" for s in loaded):
             stack.start_gateway()
@@ -861,7 +1030,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # a server that has been up a while has them all, so the levels below measure that state.
             print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
             for warm in WARMUP:
-                run_level(warm, WARMUP_CONCURRENCY, server.grpc_url, levels_dir / f"{warm.name}.json",
+                run_level(warm, WARMUP_CONCURRENCY, target, levels_dir / f"{warm.name}.json",
                           args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
         document["gpu_sampler"] = sampler.source
@@ -869,22 +1038,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
         for run in range(1, args.repeat + 1):
             for scenario in scenarios:
-                url = server.grpc_url if scenario.target == "triton" else stack.gateway_url
+                url = target if scenario.target == "triton" else stack.gateway_url
                 for concurrency in getattr(args, scenario.levels_option):
                     name = f"{scenario.name}-c{concurrency}-r{run}"
-                    before = triton_metrics(server)
+                    before = replica_metrics(servers)
                     level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
                                       args.timeout, args.warmup, pipeline)  # fmt: skip
-                    stages[name] = stage_breakdown(before, settled_metrics(server))
-                    row = level_row(scenario, concurrency, run, level, sampler.busy_share(level.get("window")),
-                                    stages[name])  # fmt: skip
+                    after = settled_metrics(servers)
+                    stages[name] = stage_breakdown(sum_metrics(before), sum_metrics(after))
+                    window = level.get("window")
+                    row = level_row(scenario, concurrency, run, level, sampler.busy_share(window), stages[name],
+                                    sampler.busy_per_gpu(window))  # fmt: skip
+                    row["replica_requests"] = replica_requests(before, after)
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
                     (out_dir / "results.json").write_text(json.dumps(document, indent=1))
                     if level["errors"] == level["requests"]:
                         raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
             if search is not None:
-                url = server.grpc_url if open_loop_scenario.target == "triton" else stack.gateway_url
+                url = target if open_loop_scenario.target == "triton" else stack.gateway_url
                 found = run_rate_search(open_loop_scenario, url, levels_dir / f"open-loop-r{run}.json", search,
                                         args.open_loop_step_seconds, args.timeout, args.warmup, pipeline)  # fmt: skip
                 outcome = found["rate_search"]
@@ -892,29 +1064,34 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "run": run, "sustained_rate": outcome["sustained_rate"], "failed_above": outcome["failed_above"],
                     "steps": rate_rows(found, run, sampler.busy_share),
                 })  # fmt: skip
-                document["open_loop"]["sustained_rate"] = sustained_open_loop_rate(document["open_loop"]["runs"])
+                document["open_loop"]["sustained_rate"] = rate = sustained_open_loop_rate(document["open_loop"]["runs"])
+                document["open_loop"]["sustained_rate_per_gpu"] = None if rate is None else round(rate / len(gpus), 3)
                 print(json.dumps({k: v for k, v in document["open_loop"]["runs"][-1].items() if k != "steps"}),
                       flush=True)  # fmt: skip
                 (out_dir / "results.json").write_text(json.dumps(document, indent=1))
     except BaseException:
-        print(server.log_tail(80), flush=True)
+        for server in servers:
+            print(server.log_tail(80), flush=True)
         raise
     finally:
         sampler.stop()
         stack.stop()
-        copy_tail(stack.server_log, out_dir / "tritonserver_tail.log")
+        for replica, log in enumerate(stack.server_logs):
+            copy_tail(log, out_dir / ("tritonserver_tail.log" if replica == 0 else f"tritonserver-{replica}_tail.log"))
         copy_tail(stack.gateway_log, out_dir / "gateway_tail.log")
         realtime = realtime_streams(rows)
-        document["realtime_streams_per_gpu"] = realtime
+        document["realtime_streams"] = realtime  # the machine's: every replica together
+        document["realtime_streams_per_gpu"] = None if realtime is None else round(realtime / len(gpus), 3)
         document["realtime_rule"] = {"scenario": REALTIME_SCENARIO, "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline,
-                                   document.get("open_loop"))  # fmt: skip
+                                   document.get("open_loop"), replicas=args.replicas, gpus=len(gpus))  # fmt: skip
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
-        print(f"real-time streams per GPU: {NA if realtime is None else realtime}", flush=True)
+        print(f"real-time streams per machine: {NA if realtime is None else realtime}, per GPU ({len(gpus)} used): "
+              f"{per_gpu(realtime, len(gpus))}", flush=True)  # fmt: skip
         if search is not None:
             print(f"sustained open-loop rate: {document['open_loop']['sustained_rate']} req/s", flush=True)
         print(f"results: {out_dir}", flush=True)

@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tts-bench", description="Latency and throughput of CosyVoice2 serving.")
     targets = parser.add_subparsers(dest="target", required=True)
     triton = targets.add_parser("triton", parents=[common], help="Triton directly over gRPC")
-    triton.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC host:port")
+    triton.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC host:port, or a gRPC target naming several "
+                        "(ipv4:host:port,host:port; dns:///name:port), spread round robin")
     triton.add_argument("--fresh-voice-ids", action="store_true",
                         help="a new voice id per request, so the server's prompt cache never hits")
     triton.add_argument("--pipeline", choices=tuple(PIPELINES), default=DEFAULT_PIPELINE,

@@ -50,7 +50,9 @@ class TritonTarget:
         where = "triton" if pipeline == DEFAULT_PIPELINE else f"triton-{pipeline}"
         self.mode = f"{where}/{'streaming' if streaming else 'offline'}"
         self.sample_rate: int | None = None  # stated by the first response with audio
-        self._client = grpcclient.InferenceServerClient(url)
+        # ``url`` may name several Triton instances (an ``ipv4:a,b`` list, a ``dns:///`` name): the gateway's
+        # channel options spread the requests round robin over them, as the gateway would.
+        self._client = grpcclient.InferenceServerClient(url, channel_args=list(contract.GRPC_CHANNEL_ARGS))
         self._seed = seed
         self._fresh_voice_ids = fresh_voice_ids
         self._ids = itertools.count()

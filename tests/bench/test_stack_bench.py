@@ -97,7 +97,9 @@ def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
     line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
     assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
     assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
-    assert "Real-time streams per GPU" in text and "**0**" in text  # run 2 had a stalled stream
+    assert "Real-time streams per machine" in text and "**0**; per GPU (1 used): **0**" in text  # run 2 stalled
+    assert "replicas: **1** (one tritonserver); GPUs used: **1**" in text
+    assert "GPU busy, GPU by GPU" not in text  # one GPU: the table's column is that GPU
 
 
 def test_results_directories_are_fresh_for_every_invocation(tmp_path):
@@ -112,9 +114,12 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
-                              render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3)
+                              render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
+                              replicas=1)
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
+    replicas = sb.settings_slug(argparse.Namespace(**{**vars(args), "replicas": 4}))
+    assert replicas == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-rep4-r3"
     assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
     # a Spark run is named as one from its first word, however long the rest
@@ -169,9 +174,9 @@ def test_gpu_sampler_without_a_gpu_reports_nothing_and_does_not_fail(monkeypatch
 def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
     fake = tmp_path / "nvidia-smi"
     log = tmp_path / "args"
-    # Two GPUs at 30 % and 70 %, one line each per tick, and a line that is not a number.
-    fake.write_text(f'#!/bin/sh\nPATH=/usr/bin:/bin\necho "$@" > {log}\necho "[N/A]"\n'
-                    'while true; do echo 30; echo 70; sleep 0.05; done\n')
+    # Two GPUs at 30 % and 70 %, one line each per tick (index, percent), and a line that is not a number.
+    fake.write_text(f'#!/bin/sh\nPATH=/usr/bin:/bin\necho "$@" > {log}\necho "0, [N/A]"\n'
+                    'while true; do echo "0, 30"; echo "1, 70"; sleep 0.05; done\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     _only_path(monkeypatch, tmp_path)
     sampler = sb.GpuSampler(environ={"CUDA_VISIBLE_DEVICES": "0,1"})
@@ -184,8 +189,10 @@ def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
     assert sampler.source == "nvidia-smi"
     assert len(sampler.samples) >= 6
     assert sampler.busy_share((started, time.time())) == pytest.approx(0.5, abs=0.2 / len(sampler.samples) + 1e-9)
+    assert sampler.busy_per_gpu((started, time.time())) == {"0": pytest.approx(0.3), "1": pytest.approx(0.7)}
+    assert sampler.busy_per_gpu((0.0, 1.0)) == {"0": None, "1": None}  # no sample in that window
     args = log.read_text().split()
-    assert "--query-gpu=utilization.gpu" in args and "-lms=200" in args and "--id=0,1" in args
+    assert "--query-gpu=index,utilization.gpu" in args and "-lms=200" in args and "--id=0,1" in args
     assert os.path.exists(fake)
 
 
@@ -226,6 +233,8 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--spark", "--token2wav", "dit"], "--token2wav and --dit-dir do not apply"),
     (["--spark", "--dit-dir", "/x"], "--token2wav and --dit-dir do not apply"),
     (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
+    (["--replicas", "2", "--render-arg", "layout=disaggregated"],
+     "--replicas 2 runs 2 independent colocated tritonservers, one per GPU; layout=disaggregated belongs"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -416,13 +425,13 @@ def test_summary_has_a_first_chunk_table_for_streaming_levels_only():
 
 def test_settled_metrics_reads_until_the_metrics_stop_changing(monkeypatch):
     reads = iter([{"a": 1.0}, {"a": 2.0}, {"a": 3.0}] + [{"a": 3.0}] * 1000)  # the last publications come late
-    monkeypatch.setattr(sb, "triton_metrics", lambda server: next(reads))
-    assert sb.settled_metrics(None, quiet_s=0.25) == {"a": 3.0}
+    monkeypatch.setattr(sb, "replica_metrics", lambda servers: [next(reads)])
+    assert sb.settled_metrics(None, quiet_s=0.25) == [{"a": 3.0}]
     ticks = iter(range(10_000))  # never settles: given up after the timeout, with the latest reading
-    monkeypatch.setattr(sb, "triton_metrics", lambda server: {"a": float(next(ticks))})
+    monkeypatch.setattr(sb, "replica_metrics", lambda servers: [{"a": float(next(ticks))}])
     started = time.monotonic()
     last = sb.settled_metrics(None, quiet_s=0.25, timeout_s=0.5)
-    assert 0.5 <= time.monotonic() - started < 5 and last["a"] >= 2
+    assert 0.5 <= time.monotonic() - started < 5 and last[0]["a"] >= 2
 
 
 async def _rate_search_document():
@@ -479,3 +488,91 @@ async def test_summary_reports_the_sustained_open_loop_rate_and_every_step():
     none = sb.summary_markdown([], "title", None, "unet", open_loop={**open_loop, "sustained_rate": 0.0})
     assert "**none (below 0.5 req/s)**" in none
     assert "open-loop" not in sb.summary_markdown([], "title", None, "unet").lower()
+
+
+# -- several tritonservers (--replicas) ---------------------------------------------------------------------------
+def test_replica_metrics_add_up_and_the_stage_means_weigh_every_request():
+    """Two replicas: one served 1 request (LLM step 10 ms), the other 3 (steps of 2 ms). The machine's mean is over
+    all their steps, not the mean of the two replicas' means."""
+    one = _scrape({("llm_steps_total", "engine"): 100, ("llm_step_seconds_total", "engine"): 1.0,
+                   ("llm_finished_total", "engine"): 1, ("llm_prefill_seconds_total", "engine"): 0.05})
+    other = _scrape({("llm_steps_total", "engine"): 300, ("llm_step_seconds_total", "engine"): 0.6,
+                     ("llm_finished_total", "engine"): 3, ("llm_prefill_seconds_total", "engine"): 0.03})
+    machine = sb.sum_metrics([sb.parse_metrics(one), sb.parse_metrics(other)])
+    assert machine == {"llm_steps_total": 400, "llm_step_seconds_total": pytest.approx(1.6),
+                       "llm_finished_total": 4, "llm_prefill_seconds_total": pytest.approx(0.08)}
+    stages = sb.stage_breakdown({}, machine)
+    assert stages["llm_step_ms"] == pytest.approx(4.0)  # 1.6 s / 400 steps; the replicas' means: 10 and 2 ms
+    assert stages["llm_prefill_ms_per_request"] == pytest.approx(20.0)  # 80 ms / 4 requests
+    assert stages["llm_steps"] == 400
+    # first chunks: each replica's orchestrator counted its own; the machine's mean weighs each one's share
+    first = [sb.parse_metrics(_scrape({("orchestrator_first_chunks_total", "cosyvoice2_stream"): n,
+                                       ("orchestrator_first_chunk_send_seconds_total", "cosyvoice2_stream"): t}))
+             for n, t in ((1, 0.1), (3, 0.03))]  # fmt: skip
+    breakdown = sb.first_chunk_breakdown(sb.sum_metrics(first))
+    assert breakdown["first_chunks"] == 4 and breakdown["first_chunk_send_ms"] == pytest.approx(32.5)
+    assert sb.sum_metrics([]) == {}
+
+
+def test_every_replicas_metrics_are_read_and_its_requests_counted(monkeypatch):
+    pages = {"a": {"orchestrator_requests_total": 1.0}, "b": {"orchestrator_requests_total": 2.0, "y_total": 5.0}}
+    monkeypatch.setattr(sb, "server_metrics", lambda server: pages[server])
+    before = sb.replica_metrics(["a", "b"])
+    assert before == [pages["a"], pages["b"]]
+    assert sb.replica_requests(before, [{"orchestrator_requests_total": 4.0}, pages["b"]]) == [3.0, 0.0]
+
+
+def test_replica_devices_give_each_server_one_device_and_refuse_what_makes_no_sense():
+    no_count = lambda: None  # noqa: E731 - nothing tells how many GPUs there are
+    assert sb.replica_devices(1, "cuda", [], {}) == []  # one server: it sees what this process sees
+    assert sb.replica_devices(3, "cuda", [], {}, count_gpus=lambda: 4) == ["0", "1", "2"]
+    assert sb.replica_devices(2, "cuda", [], {"CUDA_VISIBLE_DEVICES": "5,7,9"}) == ["5", "7"]  # the i-th visible
+    assert sb.replica_devices(2, "cpu", ["first_hop=5"], {}, count_gpus=lambda: 0) == ["0", "1"]  # the CPU's
+    assert sb.replica_devices(2, "cuda", ["layout=single"], {}, count_gpus=no_count) == ["0", "1"]
+    with pytest.raises(SystemExit, match=re.escape("--replicas 2 needs 2 GPUs, one per tritonserver; this machine has 1")):
+        sb.replica_devices(2, "cuda", [], {}, count_gpus=lambda: 1)
+    with pytest.raises(SystemExit, match=re.escape("CUDA_VISIBLE_DEVICES='3' leaves 1")):
+        sb.replica_devices(2, "cuda", [], {"CUDA_VISIBLE_DEVICES": "3"}, count_gpus=lambda: 8)
+    for render_arg, named in (("layout=disaggregated", "layout=disaggregated"), ("token2wav_gpus=1,2", "token2wav_gpus"),
+                              ("token2wav_instances_per_gpu=2", "token2wav_instances_per_gpu")):
+        with pytest.raises(SystemExit, match=re.escape(f"; {named} belongs to the disaggregated layout")):
+            sb.replica_devices(2, "cpu", [render_arg], {}, count_gpus=lambda: 8)
+    # one server in the disaggregated layout is what that layout is: nothing to refuse
+    assert sb.replica_devices(1, "cuda", ["layout=disaggregated"], {}) == []
+
+
+def test_the_gpus_used_are_the_replicas_or_the_disaggregated_renders(tmp_path):
+    from triton_repo.render import RenderOptions
+
+    colocated = RenderOptions(model_dir=tmp_path, out=tmp_path / "repo", device="cpu")
+    assert sb.logical_gpus(colocated, 1) == [0] and sb.logical_gpus(colocated, 3) == [0, 1, 2]
+    disaggregated = RenderOptions(model_dir=tmp_path, out=tmp_path / "repo", layout="disaggregated",
+                                  token2wav_gpus=(1, 2, 2))  # fmt: skip
+    assert sb.logical_gpus(disaggregated, 1) == [0, 1, 2]  # the LLM's GPU and the token2wav replicas', once each
+    assert sb.sampled_gpu_indices([0, 1], {}) == [0, 1]
+    assert sb.sampled_gpu_indices([0, 1], {"CUDA_VISIBLE_DEVICES": "4,6"}) == [4, 6]
+    assert sb.sampled_gpu_indices([0], {"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"}) is None  # by UUID: sample all
+
+
+def test_summary_of_replicas_shows_the_machines_figures_per_gpu_too():
+    rows = [_row(c, run=1, p90=0.3, total_p50=1.0, first_chunk_p50=0.2, first_chunk_p99=0.4, stalled_share=0.0,
+                 stall_p90=0.0, stall_max=0.0, audio_seconds_per_second=20.0, gpu_busy=0.5,
+                 gpu_busy_per_gpu={"0": 0.4, "1": 0.6}, stages={}) for c in (1, 8)]  # fmt: skip
+    text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), "unet", replicas=2, gpus=2)
+    assert ("replicas: **2** (2 tritonserver replicas (colocated, one per GPU) behind one round-robin target); "
+            "GPUs used: **2**") in text
+    assert "Real-time streams per machine" in text and "**8**; per GPU (2 used): **4**" in text
+    busy = text.split("GPU busy, GPU by GPU", 1)[1]
+    assert "| scenario | c | GPU 0 busy (%) | GPU 1 busy (%) |" in busy and "| triton-stream | 8 | 40 | 60 |" in busy
+    open_loop = {"scenario": "triton-stream", "search": {"start": 1.0, "low": 0.5}, "step_seconds": 20.0,
+                 "runs": [], "sustained_rate": 3.0}  # fmt: skip
+    with_rate = sb.summary_markdown([], "title", None, "unet", open_loop=open_loop, replicas=2, gpus=2)
+    assert "**3 req/s** per machine; per GPU (2 used): **1.5 req/s**" in with_rate
+
+
+def test_one_grpc_target_names_every_replica():
+    assert contract.grpc_target(["127.0.0.1:8001"]) == "127.0.0.1:8001"
+    assert contract.grpc_target(["127.0.0.1:1", "127.0.0.1:2"]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    with pytest.raises(ValueError, match="no Triton address"):
+        contract.grpc_target([])
+    assert ("grpc.lb_policy_name", "round_robin") in contract.GRPC_CHANNEL_ARGS

@@ -57,7 +57,8 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
         assert row["streams"] == 2 - row["errors"] and row["stalled_streams"] == raw["stalls"]["stalled"]
     triton_rows = [r for r in rows if r["scenario"] == "triton-stream"]
     realtime = all(r["errors"] == 0 and r["first_chunk_p90"] <= 0.5 and r["stalled_streams"] == 0 for r in triton_rows)
-    assert results["realtime_streams_per_gpu"] == (1 if realtime else 0)
+    assert results["realtime_streams"] == results["realtime_streams_per_gpu"] == (1 if realtime else 0)
+    assert (results["replicas"], results["gpus_used"], results["replica_devices"]) == (1, 1, [])
     assert set(json.loads((out / "stages.json").read_text())) >= names
     for row in rows:  # both scenarios stream through cosyvoice2_stream: each request's first chunk, stage by stage
         stages = row["stages"]
@@ -92,10 +93,52 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
         len(r["steps"]) for r in open_loop["runs"])
     assert re.search(r"^\| triton-stream \| 1 \| 4 \(\d\) \| [\d.]+ / [\d.]+ \(", summary, re.M)
     assert re.search(r"^\| gateway-stream-pcm \| 1 \| 4 \(\d\) \|", summary, re.M)
-    assert f"**{results['realtime_streams_per_gpu']}**" in summary
+    assert f"**{results['realtime_streams']}**; per GPU (1 used)" in summary
     assert re.search(r"^First chunk, stage by stage", summary, re.M)
     assert "token2wav: **unet**" in summary and results["token2wav"] == "unet" and results["dit_dir"] is None
     assert (results["pipeline"], results["spark_dir"]) == ("cosyvoice2", None)
+
+
+@pytest.mark.timeout(1200)  # two tritonservers and a gateway start, two short levels
+def test_replicas_serve_the_levels_together_behind_one_round_robin_target(tmp_path):
+    """`--replicas 2` on the CPU: two tritonservers on one rendered repository, tts-bench and the gateway aimed at
+    both through one `ipv4:a,b` target; each replica's own metrics show it served requests of every level."""
+    from cosyvoice2.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    work = tmp_path / "work"
+    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--replicas", "2",
+               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
+               "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "2", "--gateway-levels", "2",
+               "--requests", "4", "--server-warmup", "0", "--warmup", "1", "--render-arg", "first_hop=5",
+               "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    assert out.name.endswith("-cpu-fp32-b4-unet-first_hop5-triton-stream+gateway-stream-pcm-rep2-r1")
+    results = json.loads((out / "results.json").read_text())
+    assert (results["replicas"], results["gpus_used"], results["replica_devices"]) == (2, 2, ["0", "1"])
+    addresses = re.fullmatch(r"ipv4:(127\.0\.0\.1:\d+),(127\.0\.0\.1:\d+)", results["grpc_target"])
+    assert addresses and addresses[1] != addresses[2]
+    for log in ("tritonserver_tail.log", "tritonserver-1_tail.log"):  # each replica's own log
+        assert "Started GRPCInferenceService" in (out / log).read_text()
+
+    rows = {row["scenario"]: row for row in results["levels"]}
+    assert set(rows) == {"triton-stream", "gateway-stream-pcm"}
+    for scenario, row in rows.items():
+        assert (row["requests"], row["errors"]) == (4, 0), scenario
+        served = row["replica_requests"]  # from each replica's own Triton metrics
+        assert len(served) == 2 and all(n >= 1 for n in served), (scenario, served)
+        # the level's stages come from both replicas' counters added up: every streamed request's first chunk
+        assert row["stages"]["first_chunks"] == sum(served) >= row["requests"], scenario
+
+    summary = (out / "summary.md").read_text()
+    assert "replicas: **2** (2 tritonserver replicas (colocated, one per GPU) behind one round-robin target); " \
+           "GPUs used: **2**" in summary
+    realtime = results["realtime_streams"]
+    assert results["realtime_streams_per_gpu"] == realtime / 2
+    assert f"**{realtime}**; per GPU (2 used): **{realtime / 2:.3g}**" in summary
 
 
 def _rendered_parameters(config: Path) -> dict[str, str]:
