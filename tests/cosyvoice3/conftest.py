@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from tests.conftest import FIXTURES_DIR
+from tests.oracle import max_abs  # noqa: F401 - the parity tests import it from here
 
 PARITY_DIR = FIXTURES_DIR / "parity_cv3"
 MICRO_DIR = PARITY_DIR / "micro"
@@ -20,11 +20,6 @@ DUMP_FILE = PARITY_DIR / "micro_dump_seed1234.npz"
 needs_parity_data = pytest.mark.skipif(not DUMP_FILE.exists(), reason="parity data absent")
 
 
-def max_abs(a, b) -> float:
-    a = np.asarray(a.detach().cpu() if isinstance(a, torch.Tensor) else a, dtype=np.float64)
-    b = np.asarray(b.detach().cpu() if isinstance(b, torch.Tensor) else b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    return float(np.abs(a - b).max())
 
 
 def harness() -> dict:
