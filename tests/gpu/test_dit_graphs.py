@@ -21,14 +21,6 @@ from tests.engine.test_dit_graphs import BUCKETS, MIXES, recording, run_flow
 REPLAY_ATOL = 1e-4  # fp32 mel; measured at the released size on an H200: under 2e-6
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def test_replayed_graphs_equal_eager_on_the_micro_model(gpus, no_tf32, tmp_path) -> None:
     engine = load_dit_token2wav(write_dit_model(tmp_path / "dit", seed=5), device="cuda")
     graphs = DiTStepGraphs(engine.flow.decoder, BUCKETS)

@@ -18,14 +18,6 @@ from cosyvoice2.testing.models import tiny_config
 TOLERANCE = 5e-5  # fp32, absolute, on mel values of order 1-10
 
 
-@pytest.fixture
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 def random_flow(config: FlowConfig, device: torch.device) -> CausalFlow:
     torch.manual_seed(0)
     with torch.device(device):

@@ -20,14 +20,6 @@ TEXT = "A sentence long enough for a few streamed pieces."
 
 
 @pytest.fixture(scope="module")
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-@pytest.fixture(scope="module")
 def tiny(gpus, no_tf32, tmp_path_factory) -> SparkTTS:
     torch.set_grad_enabled(False)
     return SparkTTS.load(write_tiny_model(tmp_path_factory.mktemp("spark_tiny"), seed=0), device="cuda")
