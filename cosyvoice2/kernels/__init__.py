@@ -5,7 +5,8 @@
 
 On CUDA with OpenAI Triton installed they run as one Triton kernel each (``triton_kernels``, graph-capturable:
 no host syncs, shapes fixed per call); elsewhere as the PyTorch compositions in ``reference``, which define the
-results (``scripts/gpu_kernel_check.py`` compares the two).
+results (``tests/gpu/test_kernels.py`` compares the two on a GPU, ``tests/engine/test_llm_kernels.py`` in
+Triton's interpreter on the CPU).
 """
 
 from __future__ import annotations

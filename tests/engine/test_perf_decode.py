@@ -1,5 +1,6 @@
 """The graph-ready decode step (batched on-device RAS sampling, batch buckets, CUDA graphs) against plain
-row-by-row decoding. CPU tests cover the step the graphs capture; the CUDA test compares replays to eager."""
+row-by-row decoding. CPU tests cover the step the graphs capture; tests/gpu/test_llm_graphs.py compares
+replays to eager on CUDA."""
 
 from __future__ import annotations
 
@@ -142,25 +143,3 @@ def test_batched_decoder_matches_row_by_row_decoding(buckets: tuple[int, ...]) -
     # request 1 joins at step 3 (slot 1, two rows), 2 and 3 later: the bucket grows from 1 to 2 to 4 rows
     got = decode_batched(model, buckets, join_at=[0, 3, 4, 9])
     assert got == expected
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graph_replays_match_eager_steps(dtype: torch.dtype) -> None:
-    model = small_model().to("cuda", dtype)
-    runs = []
-    for graphs in (False, True):
-        decoder = BatchedDecoder(model, num_slots=4, max_seq_len=256, cuda_graphs=graphs)
-        with torch.inference_mode():
-            slots = [decoder.add(r) for r in REQUESTS]
-            tokens: dict[int, list[int]] = {s: [] for s in slots}
-            logps = []
-            while decoder.active_slots:
-                logps.append(decoder.logp.clone())
-                for slot, out in decoder.step().items():
-                    if out.token is not None:
-                        tokens[slot].append(out.token)
-        runs.append((tokens, logps))
-    (eager_tokens, eager_logps), (graph_tokens, graph_logps) = runs
-    assert graph_tokens == eager_tokens
-    assert all(torch.equal(a, b) for a, b in zip(eager_logps, graph_logps))

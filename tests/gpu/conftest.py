@@ -36,3 +36,15 @@ def several_gpus(gpus: int) -> int:
     if gpus < 2:
         pytest.skip("needs two or more CUDA devices")
     return gpus
+
+
+@pytest.fixture(scope="module")
+def no_tf32():
+    """fp32 means fp32 for the comparisons: TF32 matmuls and cuDNN's TF32 convolutions alone differ by ~1e-3 between
+    two call shapes (torch's defaults are restored afterwards)."""
+    import torch
+
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

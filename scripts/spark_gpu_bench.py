@@ -1,4 +1,4 @@
-"""Smoke + speed check of the Spark-TTS engine at the released size, with random weights.
+"""Speed of the Spark-TTS engine at the released size, with random weights.
 
 Writes a full-size random model (spark_tts.testing.write_full_size_random_model) to a temp dir (or uses
 --model-dir), loads it (default: LLM bf16 on CUDA, BiCodec/wav2vec2 fp32), and measures in benchmark mode (a fixed
@@ -9,7 +9,9 @@ number of LLM tokens per request, since random weights never stop sensibly):
 - concurrency N: N requests decoded together on one BatchedDecoder (continuous batching), their stream windows
   vocoded together (StreamPlan + vocode_batch) in one loop: first-piece latency per request, RTF, ms per step.
 
-    PYTHONUNBUFFERED=1 python -m scripts.spark_gpu_check --tokens 250 --concurrency 1 4 16
+That the engine computes the right thing on a GPU is a test: tests/gpu/test_spark.py.
+
+    PYTHONUNBUFFERED=1 python -m scripts.spark_gpu_bench --tokens 250 --concurrency 1 4 16
 """
 
 from __future__ import annotations

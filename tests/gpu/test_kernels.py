@@ -1,21 +1,18 @@
-"""Compare every fused Triton kernel (`cosyvoice2.kernels.triton_kernels`) with its PyTorch reference, alone
-and inside a small LLM body (fused kernels against the reference path).
+"""Every fused Triton kernel (`cosyvoice2.kernels.triton_kernels`) equals its PyTorch reference, alone (eager calls
+and CUDA-graph replays, at the LLM's decode and prefill shapes) and inside a small LLM body.
 
-    python -m scripts.gpu_kernel_check                                  # on CUDA: eager calls and CUDA-graph replays
-    TRITON_INTERPRET=1 python -m scripts.gpu_kernel_check --device cpu  # Triton's interpreter, small shapes
-
-Prints the max abs difference per kernel, dtype and shape; exits non-zero on any mismatch. Tolerances: the residual
-sums must be bit-exact; normalised, SiLU and Mish outputs may differ by about one rounding step of the dtype (fp32
-sums and exp are evaluated in a different order). The interpreter checks fp32 and fp16 only: it converts fp32 to bf16 by
-truncation where the GPU rounds to nearest even, so its bf16 results are not the GPU's.
-"""
+Tolerances: the residual sums must be bit-exact; normalised, SiLU and Mish outputs may differ by about one rounding
+step of the dtype (fp32 sums and exp are evaluated in a different order). The comparison helpers here also serve the
+CPU run through Triton's interpreter (`interpreted_results`, driven by tests/engine/test_llm_kernels.py), which checks
+fp32 and fp16 only: it converts fp32 to bf16 by truncation where the GPU rounds to nearest even, so its bf16 results
+are not the GPU's."""
 
 from __future__ import annotations
 
-import argparse
-import sys
+from dataclasses import dataclass
 from typing import Callable
 
+import pytest
 import torch
 
 import cosyvoice2.kernels
@@ -23,19 +20,25 @@ from cosyvoice2.kernels import reference
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # (rows, hidden, intermediate): decode batches 1/8/64, a 16 x 202-token prefill, and odd sizes for the masks
 CUDA_SHAPES = [(1, 896, 4864), (8, 896, 4864), (64, 896, 4864), (16 * 202, 896, 4864), (5, 1000, 1500)]
 INTERPRETER_SHAPES = [(1, 64, 96), (3, 100, 1030)]
+INTERPRETER_DTYPES = (torch.float32, torch.float16)
 
 
-def mismatch(name: str, ours: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> bool:
-    """Print the comparison; True when it fails."""
+@dataclass(frozen=True)
+class Comparison:
+    name: str
+    max_abs_diff: float
+    matches: bool
+
+
+def compare(name: str, ours: torch.Tensor, expected: torch.Tensor, exact: bool = False) -> Comparison:
+    """Shape, dtype and values of `ours` against `expected` (within one rounding step of the dtype, or exactly)."""
     diff = (ours.float() - expected.float()).abs()
     allowed = 0.0 if exact else RELATIVE_TOLERANCE[expected.dtype] * (1.0 + expected.float().abs())
     bad = ours.shape != expected.shape or ours.dtype != expected.dtype or bool((diff > allowed).any())
-    print(f"  {name:<44} max abs diff {float(diff.max()):.3e}  {'MISMATCH' if bad else 'ok'}", flush=True)
-    return bad
+    return Comparison(name, float(diff.max()), not bad)
 
 
 def graph_replay(fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -53,7 +56,9 @@ def graph_replay(fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tens
     return outputs
 
 
-def check(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> bool:
+def kernel_comparisons(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> list[Comparison]:
+    """add_rms_norm (normalised output and residual sum) and silu_mul against the reference: eager, and on CUDA
+    also one CUDA-graph replay."""
     from cosyvoice2.kernels import triton_kernels  # noqa: PLC0415 - after TRITON_INTERPRET is read
 
     rows, hidden, intermediate = shape
@@ -69,21 +74,19 @@ def check(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int])
         return (*triton_kernels.add_rms_norm(x, residual, weight, eps), triton_kernels.silu_mul(gate_up))
 
     expected = (*reference.add_rms_norm(x, residual, weight, eps), reference.silu_mul(gate_up))
-    names = (f"add_rms_norm norm {label} x {hidden}", f"add_rms_norm sum  {label} x {hidden}",
+    names = (f"add_rms_norm norm {label} x {hidden}", f"add_rms_norm sum {label} x {hidden}",
              f"silu_mul {label} x {intermediate}")
     exact = {1}  # the residual sum
     runs = {"eager": fused()}
     if device.type == "cuda":
         runs["graph"] = graph_replay(fused)
-    failed = False
-    for run, outputs in runs.items():
-        for index, (name, ours, reference_out) in enumerate(zip(names, outputs, expected)):
-            failed |= mismatch(f"{name} {run}", ours, reference_out, exact=index in exact)
-    return failed
+    return [compare(f"{name} {run}", ours, reference_out, exact=index in exact)
+            for run, outputs in runs.items()
+            for index, (name, ours, reference_out) in enumerate(zip(names, outputs, expected))]
 
 
 @torch.inference_mode()
-def check_model(device: torch.device, dtype: torch.dtype) -> bool:
+def model_comparison(device: torch.device, dtype: torch.dtype) -> Comparison:
     """A small 2-layer LLM body through the Triton kernels (forced, so that the interpreter runs them on the CPU)
     against the same body through the reference."""
     from cosyvoice2.kernels import triton_kernels  # noqa: PLC0415
@@ -104,29 +107,33 @@ def check_model(device: torch.device, dtype: torch.dtype) -> bool:
     # rounding differences of single kernels propagate through the layers: allow a few steps
     diff = float((fused.float() - expected.float()).abs().max())
     allowed = 8 * RELATIVE_TOLERANCE[dtype] * (1.0 + float(expected.float().abs().max()))
-    bad = diff > allowed
-    print(f"  LLM body (2 layers) {str(dtype).removeprefix('torch.'):<24} max abs diff {diff:.3e}  "
-          f"{'MISMATCH' if bad else 'ok'}", flush=True)
-    return bad
+    return Comparison(f"LLM body (2 layers) {str(dtype).removeprefix('torch.')}", diff, diff <= allowed)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtypes", help="comma-separated from fp32, bf16, fp16 (default: all on CUDA, "
-                        "fp32,fp16 in the interpreter)")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    dtypes = args.dtypes or ("fp32,bf16,fp16" if device.type == "cuda" else "fp32,fp16")
-    shapes = CUDA_SHAPES if device.type == "cuda" else INTERPRETER_SHAPES
-    failed = False
-    for dtype in (DTYPES[name] for name in dtypes.split(",")):
-        for shape in shapes:
-            failed |= check(device, dtype, shape)
-        failed |= check_model(device, dtype)
-    print("FAILED" if failed else "all fused kernels match the reference", flush=True)
-    return 1 if failed else 0
+def interpreted_results() -> list[Comparison]:
+    """Every comparison at the interpreter's shapes and dtypes on the CPU (run with TRITON_INTERPRET=1)."""
+    device = torch.device("cpu")
+    return [result for dtype in INTERPRETER_DTYPES
+            for result in [*(c for shape in INTERPRETER_SHAPES for c in kernel_comparisons(device, dtype, shape)),
+                           model_comparison(device, dtype)]]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def assert_all_match(results: list[Comparison]) -> None:
+    bad = [f"{r.name}: max abs diff {r.max_abs_diff:.3e}" for r in results if not r.matches]
+    assert not bad, bad
+
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", CUDA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fused_kernels_match_the_reference_eager_and_replayed(gpus, dtype, shape) -> None:
+    pytest.importorskip("triton")
+    assert_all_match(kernel_comparisons(torch.device("cuda"), dtype, shape))
+
+
+@DTYPES
+def test_an_llm_body_through_the_fused_kernels_matches_the_reference(gpus, dtype) -> None:
+    pytest.importorskip("triton")
+    assert_all_match([model_comparison(torch.device("cuda"), dtype)])

@@ -1,11 +1,12 @@
-"""Smoke + speed check of the CosyVoice2 engine at the released size, with random weights.
+"""Speed of the CosyVoice2 engine at the released size, with random weights.
 
 Writes a full-size random model (cosyvoice2.testing.write_full_size_random_model) to a temp dir, loads it
 (default: bf16 on CUDA), runs offline and streaming synthesis in benchmark mode (a fixed number of speech
 tokens per segment, since random weights never stop sensibly) and prints, per second of generated audio,
-the time spent in the LLM, the flow and HiFT, plus the streaming first-chunk latency.
+the time spent in the LLM, the flow and HiFT, plus the streaming first-chunk latency. That these calls give the
+right audio at this size is a test: tests/gpu/test_engine.py.
 
-    PYTHONUNBUFFERED=1 python -m scripts.engine_gpu_check --tokens 250 --dtype bf16 --device cuda
+    PYTHONUNBUFFERED=1 python -m scripts.engine_gpu_bench --tokens 250 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def main() -> int:
                                     "stream_first_chunk": [], "stream_total": []}
     for repeat in range(args.repeats + 1):  # the first pass warms up kernels/allocator and is not counted
         llm_s, tokens = timed(device, lambda: list(tts.speech_tokens(segment, prompt, seed=repeat)))
-        assert len(tokens) == args.tokens, len(tokens)
+        assert len(tokens) == args.tokens, len(tokens)  # the per-second figures below assume it
         with torch.inference_mode():
             flow_s, mel = timed(device, lambda: engine.mel(tokens, flow_prompt, 0, final=True))
             hift_s, (audio, _) = timed(device, lambda: engine.vocode(mel, None, engine.new_generator(repeat)))
