@@ -9,7 +9,7 @@ parity model). The same prompt is decoded `--runs` times per policy, each run wi
 * `topk_topp`: the TensorRT-LLM path without repetition control (nucleus only);
 * `penalty`: nucleus after TensorRT-LLM's repetition penalty 1.1 (a logit of an id already in the sequence,
   prompt included, is divided by the penalty when positive and multiplied when negative);
-* `penalty+guard`: the above with the orchestrator's loop guard (cosyvoice2_serving.repetition) ending the
+* `penalty+guard`: the above with the orchestrator's loop guard (speech_serving.repetition) ending the
   utterance.
 
 `--temperature` below 1 divides the logits for every policy: it turns the random-weight micro model, whose
@@ -33,7 +33,7 @@ import torch
 
 from cosyvoice2.llm.model import CosyVoice2LM, LLMConfig
 from cosyvoice2.llm.sampling import SamplingParams, make_generator, nucleus_sample, ras_sample
-from cosyvoice2_serving.repetition import LoopGuardConfig
+from speech_serving.repetition import LoopGuardConfig
 
 TRTLLM_REPETITION_PENALTY = 1.1  # RenderOptions.repetition_penalty (upstream's value)
 

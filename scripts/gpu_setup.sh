@@ -173,7 +173,7 @@ fi
 
 # What the Triton models import, in the environment the stubs will use.
 run "$STUB_PY" -c 'import numpy, torch, transformers, onnxruntime, safetensors, soundfile, inflect
-import cosyvoice2, cosyvoice2_serving, triton_repo.internal_io
+import cosyvoice2, speech_serving, triton_repo.internal_io
 assert int(numpy.__version__.split(".")[0]) < 2, f"the Triton stub needs numpy < 2, found {numpy.__version__}"
 print(f"stub environment: numpy {numpy.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
 # pytriton itself is not imported (its own dependencies may be absent): only its binary is used.

@@ -30,7 +30,7 @@ import time
 from typing import Sequence
 
 from cosyvoice2.streaming import ChunkSchedule
-from cosyvoice2_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
+from speech_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
 
 
 class StubDecoder:

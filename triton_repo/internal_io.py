@@ -19,8 +19,8 @@ import numpy as np
 from cosyvoice2.llm import sampling_defaults
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import LLMRequest, PromptTensors
 from pipeline_contract import REFERENCE_WAV, REFERENCE_WAV_LEN, VOICE_ID, SpeechRequest, TensorSpec
 from triton_repo.trtllm_backend_facts import PINNED
 

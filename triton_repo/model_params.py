@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from cosyvoice2_serving.repetition import LoopGuardConfig
-from cosyvoice2_serving.schedule import StreamScheduleParams
+from speech_serving.repetition import LoopGuardConfig
+from speech_serving.schedule import StreamScheduleParams
 from spark_tts.streaming import ChunkSchedule
 
 

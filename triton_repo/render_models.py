@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
-from cosyvoice2_serving.schedule import StreamScheduleParams
+from speech_serving.schedule import StreamScheduleParams
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo import spark_render

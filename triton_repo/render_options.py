@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
-from cosyvoice2_serving.repetition import LoopGuardConfig
-from cosyvoice2_serving.schedule import StreamScheduleParams
+from speech_serving.repetition import LoopGuardConfig
+from speech_serving.schedule import StreamScheduleParams
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -297,7 +297,7 @@ def token2wav_replicas(opts: RenderOptions) -> list[tuple[str, int | None]]:
     """(model name, GPU) of every token2wav model. One model per replica, each with exactly one instance: a
     stream's caches live in the process that served its first chunk, and Triton spreads the requests of one model
     over all its instances, so the orchestrator addresses a replica by name and keeps each stream on the one it
-    picked (`cosyvoice2_serving.replicas.StickyRouter`). Outside the disaggregated layout: the one `token2wav`."""
+    picked (`speech_serving.replicas.StickyRouter`). Outside the disaggregated layout: the one `token2wav`."""
     if opts.layout != "disaggregated":
         return [("token2wav", None)]
     return [

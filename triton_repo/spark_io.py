@@ -11,8 +11,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from pipeline_contract import TensorSpec
 from triton_repo import internal_io as trt
 from triton_repo.internal_io import AUDIO_INPUTS, VOICE_PROMPT_INPUTS

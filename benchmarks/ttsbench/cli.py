@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", type=Path, help="write the results here (rewritten after every level)")
     out.add_argument("--no-records", action="store_true", help="leave per-request records out of the JSON")
 
-    parser = argparse.ArgumentParser(prog="tts-bench", description="Latency and throughput of CosyVoice2 serving.")
+    parser = argparse.ArgumentParser(prog="tts-bench", description="Latency and throughput of the speech-serving stack.")
     targets = parser.add_subparsers(dest="target", required=True)
     triton = targets.add_parser("triton", parents=[common], help="Triton directly over gRPC")
     triton.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC host:port, or a gRPC target naming several "

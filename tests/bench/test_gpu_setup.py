@@ -21,10 +21,10 @@ from triton_repo.server import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "gpu_setup.sh"
 #: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks,
 #: the soak.
-RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "benchmarks/ttsbench",
+RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "benchmarks/ttsbench",
                    "scripts/stack_bench.py", "scripts/bench_stack.py", "tests/reliability/soak.py",
                    "tests/reliability/stack_rig.py"]  # fmt: skip
-FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "cosyvoice2_serving", "triton_repo", "ttsbench", "cosyvoice_build",
+FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "ttsbench", "cosyvoice_build",
                "scripts", "tests"}  # fmt: skip
 #: Imported at run time but not installed by the script, with the reason.
 PROVIDED = {

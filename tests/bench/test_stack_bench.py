@@ -397,7 +397,7 @@ def test_first_chunk_breakdown_without_a_layers_counters_keeps_its_orchestrator_
 
 
 def test_first_chunk_breakdown_reads_counters_that_the_serving_layers_define():
-    from cosyvoice2_serving import llm_scheduler, orchestrator, token2wav
+    from speech_serving import llm_scheduler, orchestrator, token2wav
 
     defined = {*llm_scheduler.FIRST_CHUNK_STATS, *token2wav.FIRST_CHUNK_STATS, *orchestrator.FIRST_CHUNK_STATS}
     read = {sb.FIRST_CHUNKS, *(count for _, count, _ in sb.FIRST_CHUNK_SEGMENTS if count)}

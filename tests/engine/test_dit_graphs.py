@@ -17,8 +17,8 @@ from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.dit.token2wav import DiTToken2Wav
 from cosyvoice2.streaming import Chunk, ChunkSchedule
 from cosyvoice2.testing.dit import write_dit_model
-from cosyvoice2_serving.engines import DiTBatchedToken2Wav
-from cosyvoice2_serving.schedule import StreamScheduleParams, for_prompt
+from speech_serving.engines import DiTBatchedToken2Wav
+from speech_serving.schedule import StreamScheduleParams, for_prompt
 
 MEL_ATOL = 5e-5
 AUDIO_ATOL = 5e-3

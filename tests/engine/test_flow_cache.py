@@ -277,8 +277,8 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir) -> None:
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.flow.cached import EncoderCache
     from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
-    from cosyvoice2_serving.engines import BatchedToken2Wav
-    from cosyvoice2_serving.schedule import StreamScheduleParams, for_prompt
+    from speech_serving.engines import BatchedToken2Wav
+    from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
     served = StreamScheduleParams().schedule(config)

@@ -180,7 +180,7 @@ def test_the_decoding_defaults_are_written_once_and_are_cosyvoice2s() -> None:
     import numpy as np
 
     from cosyvoice2.llm import sampling_defaults as defaults
-    from cosyvoice2_serving.orchestrator import SamplingConfig
+    from speech_serving.orchestrator import SamplingConfig
     from triton_repo import internal_io as io
 
     # the reference's values (docs/reference/cosyvoice2.md#ras-sampling)

@@ -11,8 +11,8 @@ from cosyvoice2.config import EngineConfig
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, LLM_FILE, load_flow, load_hift, load_llm
 from cosyvoice2.llm.decode import BatchedDecoder
 from cosyvoice2.testing import write_tiny_model
-from cosyvoice2_serving.engines import BatchedToken2Wav
-from cosyvoice2_serving.schedule import StreamScheduleParams
+from speech_serving.engines import BatchedToken2Wav
+from speech_serving.schedule import StreamScheduleParams
 
 
 @pytest.fixture(scope="module")

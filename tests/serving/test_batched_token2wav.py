@@ -9,9 +9,9 @@ from dataclasses import replace
 import numpy as np
 
 from cosyvoice2.streaming import Chunk
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.token2wav import Work
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import PromptTensors
+from speech_serving.token2wav import Work
 from tests.serving.test_token2wav_service import tiny_token2wav  # noqa: F401 - the shared module fixture
 
 # The flow rows equal their solo calls to float rounding; the tiny random HiFT amplifies that ~100x

@@ -7,8 +7,8 @@ import pytest
 
 from cosyvoice2.llm import token_limits
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.engines import build_decode_request
-from cosyvoice2_serving.errors import InvalidInput
+from speech_serving.engines import build_decode_request
+from speech_serving.errors import InvalidInput
 
 VOCAB = SpeechVocabLayout(text_vocab_size=1000, speech_token_size=50)
 

@@ -9,10 +9,10 @@ import pytest
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.testing.dit import write_dit_model
 from cosyvoice2.streaming import Chunk, ChunkSchedule
-from cosyvoice2_serving.engines import DiTBatchedToken2Wav
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.token2wav import Work
+from speech_serving.engines import DiTBatchedToken2Wav
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import PromptTensors
+from speech_serving.token2wav import Work
 
 AUDIO_ATOL = 2e-3  # batched rows equal solo rows to float rounding, amplified by the random HiFT
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from cosyvoice2.streaming import Chunk
-from cosyvoice2_serving import llm_scheduler, orchestrator as orchestrator_module, token2wav
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.token2wav import Token2WavService
+from speech_serving import llm_scheduler, orchestrator as orchestrator_module, token2wav
+from speech_serving.stats import Stats
+from speech_serving.token2wav import Token2WavService
 from tests.serving.test_llm_scheduler import Script, ScriptedDecoder, scheduling
 from tests.serving.test_orchestrator import FakeClients, orchestrator, request
 from tests.serving.test_token2wav_service import PROMPT, FakeEngine

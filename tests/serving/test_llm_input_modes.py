@@ -10,8 +10,8 @@ from cosyvoice2.frontend.llm_prompt import VoiceMode, instruction_text, llm_prom
 from cosyvoice2.testing.tokenizer import write_test_tokenizer
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.orchestrator import Orchestrator, OrchestratorConfig, parse_request
+from speech_serving.io_struct import PromptTensors
+from speech_serving.orchestrator import Orchestrator, OrchestratorConfig, parse_request
 import pipeline_contract as contract
 from pipeline_contract import SpeechRequest
 

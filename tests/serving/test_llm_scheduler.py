@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from cosyvoice2_serving.errors import Overloaded
-from cosyvoice2_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
+from speech_serving.errors import Overloaded
+from speech_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import pytest
 
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.errors import InvalidInput, UnknownVoice
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.orchestrator import (
+from speech_serving.errors import InvalidInput, UnknownVoice
+from speech_serving.io_struct import PromptTensors
+from speech_serving.orchestrator import (
     Orchestrator,
     OrchestratorConfig,
     SamplingConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice2_serving.repetition import LoopGuardConfig
+from speech_serving.repetition import LoopGuardConfig
 from tests.serving.test_orchestrator import SAMPLES_PER_TOKEN, FakeClients, collect, orchestrator, request
 
 GUARD = LoopGuardConfig(max_run=6, max_period=3, max_cycle_tokens=12)

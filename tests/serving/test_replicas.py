@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice2_serving.replicas import StickyRouter
+from speech_serving.replicas import StickyRouter
 
 REPLICAS = ("t2w_a", "t2w_b", "t2w_c")
 

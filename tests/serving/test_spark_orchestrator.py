@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import SparkLLMRequest
-from cosyvoice2_serving.spark import (
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import SparkLLMRequest
+from speech_serving.spark import (
     SparkEngine,
     SparkOrchestrator,
     SparkOrchestratorConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cosyvoice2_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
+from speech_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
 
 NOW, CALL_S = 100.0, 0.2
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from cosyvoice2.streaming import Chunk
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.token2wav import Token2WavService, Work
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import PromptTensors
+from speech_serving.token2wav import Token2WavService, Work
 
 PROMPT = PromptTensors(np.arange(4, dtype=np.int32), np.zeros((8, 80), np.float32), np.ones(192, np.float32))
 
@@ -124,8 +124,8 @@ def tiny_token2wav(tmp_path_factory):
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
     from cosyvoice2.testing import write_tiny_model
-    from cosyvoice2_serving.engines import BatchedToken2Wav
-    from cosyvoice2_serving.schedule import StreamScheduleParams
+    from speech_serving.engines import BatchedToken2Wav
+    from speech_serving.schedule import StreamScheduleParams
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"))
     config = EngineConfig.for_model_dir(model_dir)

@@ -38,7 +38,7 @@ TORCH_FREE = [
     "cosyvoice2.hift.config",
     "cosyvoice2.dit.config",
     "spark_tts.config",
-    "cosyvoice2_serving.orchestrator",
+    "speech_serving.orchestrator",
     "triton_repo.adapters.orchestrator",
 ]
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from cosyvoice2_serving.errors import UnknownVoice
-from cosyvoice2_serving.voice_cache import VoicePromptCache, unknown_voice
+from speech_serving.errors import UnknownVoice
+from speech_serving.voice_cache import VoicePromptCache, unknown_voice
 
 
 async def test_hits_misses_and_lru_eviction():

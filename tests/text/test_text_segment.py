@@ -157,7 +157,7 @@ def test_the_gateway_and_spark_take_text_rules_from_the_text_package() -> None:
     # the gateway is model-neutral: no engine at all; Spark-TTS shares CosyVoice2's decoder, not its text frontend
     gateway = imported_modules("gateway")
     assert "speech_text.segment" in gateway["gateway/app.py"], "the walk found no gateway import: it proves nothing"
-    engine = {where: sorted(n for n in names if n.split(".")[0] in ("cosyvoice2", "cosyvoice2_serving"))
+    engine = {where: sorted(n for n in names if n.split(".")[0] in ("cosyvoice2", "speech_serving"))
               for where, names in gateway.items()}
     engine_text = {where: sorted(n for n in names if n == "cosyvoice2.text" or n.startswith("cosyvoice2.text."))
                    for where, names in imported_modules("spark_tts").items()}

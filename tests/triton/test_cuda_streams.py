@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2_serving import cuda_streams
-from cosyvoice2_serving.cuda_streams import StreamDecoder, StreamToken2Wav, worker_stream
-from cosyvoice2_serving.llm_scheduler import StepOutput
-from cosyvoice2_serving.token2wav import Work
+from speech_serving import cuda_streams
+from speech_serving.cuda_streams import StreamDecoder, StreamToken2Wav, worker_stream
+from speech_serving.llm_scheduler import StepOutput
+from speech_serving.token2wav import Work
 
 
 class StreamLog:

@@ -184,7 +184,7 @@ async def test_the_orchestrators_clients_keep_each_stream_and_its_close_on_one_r
     import numpy as np
 
     from cosyvoice2.streaming import Chunk
-    from cosyvoice2_serving.errors import RemoteError
+    from speech_serving.errors import RemoteError
     from triton_repo import internal_io as io
 
     orchestrator = adapters("orchestrator")

@@ -10,7 +10,7 @@ import importlib
 import pytest
 import tritonclient.grpc.aio as aio
 
-from cosyvoice2_serving import llm_scheduler, orchestrator, token2wav
+from speech_serving import llm_scheduler, orchestrator, token2wav
 from tests.triton.conftest import settled_metrics, stream, synthesis_inputs, wait_metrics
 import pipeline_contract as contract
 

@@ -12,7 +12,7 @@ import tritonclient.grpc.aio as aio
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.io_struct import LLMRequest
+from speech_serving.io_struct import LLMRequest
 from tests.triton.conftest import Pipeline, colocated_pipeline, settled_metrics, stream, synthesis_inputs
 from triton_repo import internal_io as io
 

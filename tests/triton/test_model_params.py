@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import pipeline_contract as contract
-from cosyvoice2_serving.repetition import LoopGuardConfig
-from cosyvoice2_serving.schedule import StreamScheduleParams
+from speech_serving.repetition import LoopGuardConfig
+from speech_serving.schedule import StreamScheduleParams
 from triton_repo import render_models
 from triton_repo.model_params import (
     AudioModelParams,

@@ -12,8 +12,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import LLMRequest
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import LLMRequest
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.render import (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
 from triton_repo import spark_io as io
 
 

@@ -13,7 +13,7 @@ import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
 import pipeline_contract as contract
-from cosyvoice2_serving.spark import SparkVoiceTokenizer
+from speech_serving.spark import SparkVoiceTokenizer
 from spark_tts.testing import write_tiny_model
 from tests.gateway.audio_checks import decode
 from tests.gateway.voice_clips import make_clip, upload

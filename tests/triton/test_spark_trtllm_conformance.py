@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc.aio as aio
 
 import pipeline_contract as contract
-from cosyvoice2_serving.io_struct import SparkLLMRequest
+from speech_serving.io_struct import SparkLLMRequest
 from spark_tts.loading import read_llm_config
 from spark_tts.prompt import SparkTokenizer
 from spark_tts.testing import write_tiny_model

@@ -22,7 +22,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.io_struct import LLMRequest
+from speech_serving.io_struct import LLMRequest
 from tests.triton.conftest import stream, synthesis_inputs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
 import pipeline_contract as contract

@@ -17,7 +17,7 @@ from cosyvoice2.frontend.onnx_models import (
     SpeechTokenizer,
     default_providers,
 )
-from cosyvoice2_serving.engines import speaker_xvector, speech_tokens
+from speech_serving.engines import speaker_xvector, speech_tokens
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response

@@ -20,9 +20,9 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from cosyvoice2_serving.errors import RemoteError, UnknownVoice
-from cosyvoice2_serving.orchestrator import parse_request, run_until_cancelled
-from cosyvoice2_serving.stats import Stats
+from speech_serving.errors import RemoteError, UnknownVoice
+from speech_serving.orchestrator import parse_request, run_until_cancelled
+from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
 from triton_repo.devices import instance_device, make_current

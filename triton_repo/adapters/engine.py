@@ -2,7 +2,7 @@
 
 Two models would be two processes, two CUDA contexts that the GPU time-slices; in one process the
 LLM scheduler's and token2wav's worker threads run their kernels concurrently on their own CUDA
-streams (token2wav's with the higher priority, `cosyvoice2_serving.cuda_streams`). A request is an
+streams (token2wav's with the higher priority, `speech_serving.cuda_streams`). A request is an
 LLM request or a token2wav request by its inputs (`internal_io.engine_request_kind`); each is answered
 exactly as the separate `llm` / `token2wav` models answer it (token2wav: one response, flagged final).
 """

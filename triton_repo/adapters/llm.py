@@ -20,11 +20,11 @@ from cosyvoice2.llm import BatchedDecoder
 from cosyvoice2.loading import LLM_FILE, load_llm
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
-from cosyvoice2_serving.engines import build_decode_request, disable_stop_tokens
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
-from cosyvoice2_serving.stats import Stats
+from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
+from speech_serving.engines import build_decode_request, disable_stop_tokens
+from speech_serving.errors import InvalidInput
+from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
+from speech_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import LLMParams

@@ -12,15 +12,15 @@ from cosyvoice2.config import EngineConfig
 from cosyvoice2.streaming import Chunk
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import LOGITS_BIAS_KEY, SpeechVocabLayout
-from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
-from cosyvoice2_serving.orchestrator import (
+from speech_serving.io_struct import LLMRequest, PromptTensors
+from speech_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     Orchestrator,
     OrchestratorConfig,
     SamplingConfig,
 )
-from cosyvoice2_serving.replicas import StickyRouter
-from cosyvoice2_serving.stats import Stats
+from speech_serving.replicas import StickyRouter
+from speech_serving.stats import Stats
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.model_params import InternalModels, OrchestratorParams

@@ -1,7 +1,7 @@
 """The Spark-TTS models: `spark_tts` / `spark_tts_stream` (orchestrators), `spark_voice_prompt` (the voice cache),
 `spark_audio_tokenizer` (dynamically batched, masked) and `spark_engine` (the LLM and the vocoder in one process).
 
-Thin: the logic is `cosyvoice2_serving.spark`; the internal tensors are `triton_repo.spark_io`.
+Thin: the logic is `speech_serving.spark`; the internal tensors are `triton_repo.spark_io`.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from cosyvoice2.config import resolve_dtype
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
-from cosyvoice2_serving.orchestrator import ORCHESTRATOR_STATS
-from cosyvoice2_serving.spark import SparkEngine, SparkOrchestrator, SparkOrchestratorConfig, SparkVoiceTokenizer
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
+from speech_serving.orchestrator import ORCHESTRATOR_STATS
+from speech_serving.spark import SparkEngine, SparkOrchestrator, SparkOrchestratorConfig, SparkVoiceTokenizer
+from speech_serving.stats import Stats
+from speech_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
 from spark_tts.llm import SparkSampling
 from spark_tts.loading import read_llm_config
 from spark_tts.prompt import SparkTokenizer

@@ -18,10 +18,10 @@ import torch
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
-from cosyvoice2_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
-from cosyvoice2_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
+from speech_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
+from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
+from speech_serving.stats import Stats
+from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import ParameterError, Token2WavParams

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from cosyvoice2_serving.engines import prompt_tensors
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
+from speech_serving.engines import prompt_tensors
+from speech_serving.io_struct import PromptTensors
+from speech_serving.stats import Stats
+from speech_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_voice
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve

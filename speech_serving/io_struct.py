@@ -39,7 +39,7 @@ class LLMRequest:
     deliver_at: tuple[int, ...] | None = None
 
 
-# -- Spark-TTS (`cosyvoice2_serving.spark`) ------------------------------------------------------------------------
+# -- Spark-TTS (`speech_serving.spark`) ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SparkVoicePrompt:
     """A Spark voice: what the audio tokenizer computes once per voice id."""

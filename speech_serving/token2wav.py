@@ -33,10 +33,10 @@ from typing import Any, Generic, Protocol, Sequence, TypeVar
 import numpy as np
 
 from cosyvoice2.streaming import Chunk
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import PromptTensors
+from speech_serving.stats import Stats
+from speech_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
 
 S = TypeVar("S")
 

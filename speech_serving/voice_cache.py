@@ -17,8 +17,8 @@ import asyncio
 from collections import OrderedDict
 from typing import Awaitable, Callable, Generic, TypeVar
 
-from cosyvoice2_serving.errors import UnknownVoice
-from cosyvoice2_serving.stats import Stats
+from speech_serving.errors import UnknownVoice
+from speech_serving.stats import Stats
 from pipeline_contract import SpeechRequest
 
 V = TypeVar("V")

@@ -31,11 +31,11 @@ from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
 from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
-from cosyvoice2_serving.errors import InvalidInput
+from speech_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.schedule import for_prompt
-from cosyvoice2_serving.token2wav import Work
+from speech_serving.io_struct import PromptTensors
+from speech_serving.schedule import for_prompt
+from speech_serving.token2wav import Work
 from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)

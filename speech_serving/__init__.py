@@ -1,4 +1,4 @@
-"""Serving logic for the CosyVoice2 pipeline, independent of Triton.
+"""Serving logic for the speech pipelines (CosyVoice2, Spark-TTS), independent of Triton.
 
 The Triton ``model.py`` files in ``triton_repo/templates`` are thin adapters over these classes:
 
@@ -10,6 +10,7 @@ The Triton ``model.py`` files in ``triton_repo/templates`` are thin adapters ove
 * `voice_cache` - bounded LRU of voice prompts keyed by voice id, single-flight on misses.
 * `llm_scheduler` - continuous batching over a batched decoder with fixed KV slots.
 * `token2wav` - per-request stream registry and a batcher that runs concurrent chunks in one forward.
+* `spark` - the Spark-TTS orchestrator, voice tokens and colocated engine.
 * `stats` - the counters and gauges every component exposes (exported as Triton metrics).
 
 Nothing here imports tritonclient or triton_python_backend_utils; torch is imported only by the

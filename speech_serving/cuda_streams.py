@@ -19,9 +19,9 @@ from typing import Any, ContextManager, Generic, Sequence, TypeVar
 import numpy as np
 import torch
 
-from cosyvoice2_serving.llm_scheduler import SlotDecoder, StepOutput
-from cosyvoice2_serving.io_struct import PromptTensors
-from cosyvoice2_serving.token2wav import Token2WavEngine, Work
+from speech_serving.llm_scheduler import SlotDecoder, StepOutput
+from speech_serving.io_struct import PromptTensors
+from speech_serving.token2wav import Token2WavEngine, Work
 
 R = TypeVar("R")
 S = TypeVar("S")

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.decode import BatchedDecoder
-from cosyvoice2_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder, worker_stream
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
-from cosyvoice2_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler, TokenStream
-from cosyvoice2_serving.orchestrator import (
+from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder, worker_stream
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
+from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler, TokenStream
+from speech_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     RELEASE_TIMEOUT_S,
     FirstChunkTimes,
@@ -39,8 +39,8 @@ from cosyvoice2_serving.orchestrator import (
     benchmark_token_count,
     new_request_id,
 )
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import VoicePrompts
+from speech_serving.stats import Stats
+from speech_serving.voice_cache import VoicePrompts
 from spark_tts.audio_tokenizer import AudioTokenizer
 from spark_tts.config import BiCodecConfig
 from spark_tts.engine import SAMPLE_RATE as SPARK_SAMPLE_RATE

@@ -31,12 +31,12 @@ from cosyvoice2.llm import sampling_defaults as defaults
 from cosyvoice2.vocab import SpeechVocabLayout
 
 from cosyvoice2.streaming import Chunk, ChunkSchedule
-from cosyvoice2_serving.errors import InvalidInput
-from cosyvoice2_serving.io_struct import LLMRequest, PromptTensors
-from cosyvoice2_serving.repetition import LoopGuardConfig
-from cosyvoice2_serving.schedule import for_prompt
-from cosyvoice2_serving.stats import Stats
-from cosyvoice2_serving.voice_cache import VoicePrompts
+from speech_serving.errors import InvalidInput
+from speech_serving.io_struct import LLMRequest, PromptTensors
+from speech_serving.repetition import LoopGuardConfig
+from speech_serving.schedule import for_prompt
+from speech_serving.stats import Stats
+from speech_serving.voice_cache import VoicePrompts
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest
 
@@ -98,7 +98,7 @@ class OrchestratorConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
-    loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): cosyvoice2_serving.repetition
+    loop_guard: LoopGuardConfig | None = None  # for LLM backends without RAS (TensorRT-LLM): speech_serving.repetition
     voice_cache: int = 64  # voice prompts this orchestrator keeps (a hit makes no voice-prompt call)
 
 

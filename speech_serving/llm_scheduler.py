@@ -31,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
-from cosyvoice2_serving.errors import Overloaded
-from cosyvoice2_serving.stats import Stats
+from speech_serving.errors import Overloaded
+from speech_serving.stats import Stats
 
 R = TypeVar("R")
 
