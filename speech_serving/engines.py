@@ -139,6 +139,12 @@ class BatchedToken2Wav(_BatchedStreams):
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
 
+    def frame_counts(self) -> tuple[int, int]:
+        """(needed, computed) new frame-rows of the flow estimator so far; computed includes the padding of rows
+        and frames up to each call's CUDA-graph bucket."""
+        cached = self.engine.cached
+        return cached.frames_needed, cached.frames_computed
+
     @property
     def sample_rate(self) -> int:
         """Samples per second of the audio `run` returns."""

@@ -56,6 +56,8 @@ TOKEN2WAV_STATS = (
     "token2wav_closed_total",
     "token2wav_expired_total",
     "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
+    "token2wav_flow_frames_needed_total",  # new frame-rows the flow estimator needed (engines that count them)
+    "token2wav_flow_frames_computed_total",  # ... and computed, padded up to the CUDA-graph buckets
 )
 
 #: Summed over the first chunks of streams that were answered with audio (a failed or cancelled one is not counted;
@@ -172,6 +174,7 @@ class Token2WavService(Generic[S]):
         self.sample_rate: int | None = getattr(engine, "sample_rate", None)
         self._playback: dict[str, _Playback] = {}
         self._call_s = INITIAL_CALL_S
+        self._frame_counts = (0, 0)  # the engine's flow frame-rows (needed, computed) at the last call
         self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
         self._thread.start()
 
@@ -323,6 +326,12 @@ class Token2WavService(Generic[S]):
         self.stats.add("token2wav_engine_calls_total")
         self.stats.add("token2wav_call_jobs_total", len(work))
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
+        counts = getattr(engine, "frame_counts", None)
+        if counts is not None:  # the engine's running totals -> this call's share of them
+            (needed, computed), (was_needed, was_computed) = counts(), self._frame_counts
+            self._frame_counts = (needed, computed)
+            self.stats.add_all({"token2wav_flow_frames_needed_total": needed - was_needed,
+                                "token2wav_flow_frames_computed_total": computed - was_computed})
         for job, result in zip(runnable, results, strict=True):
             self._finish_job(job, result, ended)
 

@@ -163,6 +163,10 @@ class CachedFlowRunner:
 
     def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
         self.flow = flow
+        # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
+        # up to a graph bucket); their ratio is the padding's share of the estimator's work
+        self.frames_needed = 0
+        self.frames_computed = 0
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         self.config = flow.config
@@ -368,6 +372,9 @@ class CachedFlowRunner:
         use_graphs = self.graphs is not None and (like.is_cuda or self.graphs.emulate)
         shape = self.graphs.bucket(batch, max(news), max(hist)) if use_graphs else None
         rows_p, longest, hist_p = shape or (batch, max(news), max(hist))
+        # what the estimator computes for these rows (padded to the bucket) against what they need
+        self.frames_needed += sum(news)
+        self.frames_computed += rows_p * longest
         pad = rows_p - batch
         news_p = news + [0] * pad
         mask = (torch.arange(longest, device=device) < to_device(news_p, device).unsqueeze(1))

@@ -576,3 +576,10 @@ def test_one_grpc_target_names_every_replica():
     with pytest.raises(ValueError, match="no Triton address"):
         contract.grpc_target([])
     assert ("grpc.lb_policy_name", "round_robin") in contract.GRPC_CHANNEL_ARGS
+
+
+def test_the_flow_padding_share_comes_from_the_frame_counters():
+    before = {"token2wav_flow_frames_needed_total": 100.0, "token2wav_flow_frames_computed_total": 150.0}
+    after = {"token2wav_flow_frames_needed_total": 400.0, "token2wav_flow_frames_computed_total": 550.0}
+    assert sb.stage_breakdown(before, after)["token2wav_padded_share_pct"] == pytest.approx(25.0)
+    assert sb.stage_breakdown({}, {})["token2wav_padded_share_pct"] is None  # an engine that does not count

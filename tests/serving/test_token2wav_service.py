@@ -266,3 +266,31 @@ def test_the_row_cap_is_the_engines_unless_given():
             assert service.policy.max_rows == cap
         finally:
             service.shutdown()
+
+
+class CountingEngine(FakeEngine):
+    """Counts flow frame-rows as an engine with graph buckets does: 4 needed and 8 computed per job."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.needed = self.computed = 0
+
+    def run(self, work):
+        self.needed += 4 * len(work)
+        self.computed += 8 * len(work)
+        return super().run(work)
+
+    def frame_counts(self):
+        return self.needed, self.computed
+
+
+async def test_the_flow_padding_of_each_call_is_published():
+    engine = CountingEngine()
+    service = Token2WavService(engine)
+    try:
+        await asyncio.gather(*(service.process(f"s{i}", np.arange(8), PROMPT, None) for i in range(3)))
+        await service.process("t", np.arange(8), PROMPT, None)
+        assert service.stats.get("token2wav_flow_frames_needed_total") == 4 * 4
+        assert service.stats.get("token2wav_flow_frames_computed_total") == 8 * 4
+    finally:
+        service.shutdown()
