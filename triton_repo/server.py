@@ -210,6 +210,12 @@ class TritonServer:
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
             f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            # The pipeline's clients keep their connections alive with a ping every 30 s, idle or not
+            # (pipeline_contract.GRPC_CHANNEL_ARGS). tritonserver's defaults allow one ping per 5 minutes without
+            # data and answer more with GOAWAY "too_many_pings", which drops every stream on that connection.
+            "--grpc-keepalive-permit-without-calls=1",
+            "--grpc-http2-max-pings-without-data=0",
+            "--grpc-http2-min-recv-ping-interval-without-data=10000",
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",

@@ -194,7 +194,9 @@ async def test_token2wav_counts_a_queued_first_chunks_wait_and_its_calls_rows():
         stats = t2w_stats(service)
         assert stats["count"] == 3
         assert stats["rows"] == 1 + 2 + 2  # per first chunk, the rows of its call
-        assert stats["wait"] >= 2 * HOLD_S  # each queued one waited for the held call
+        # each queued one waited for the held call: about HOLD_S from its arrival, which comes a little after the
+        # task was created (the clocks differ by the task's start-up)
+        assert stats["wait"] >= 2 * 0.9 * HOLD_S
         assert stats["call"] >= 3 * engine.call_s
         assert stats["wait"] + stats["call"] <= 3 * seen
         # later chunks and offline jobs are no first chunks
