@@ -117,6 +117,7 @@ def stack(triton_server_factory, tmp_path_factory) -> Iterator[Stack]:
             gateway.wait(10)
         except subprocess.TimeoutExpired:
             gateway.kill()
+        triton.cleanup()
 
 
 def _manifest(path: Path, voices: Path, texts: dict[str, str]) -> Path:

@@ -29,7 +29,9 @@ def both_backend(triton_server_factory, tmp_path_factory):
     render_standin_repository(root / "models", markers, chunk_count=5, chunk_delay_ms=5)
     render_standin_repository(root / "models", markers, chunk_count=5, chunk_delay_ms=5, sample_rate=16_000,
                               models=(contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL))
-    return triton_server_factory(root / "models")
+    server = triton_server_factory(root / "models")
+    yield server
+    server.cleanup()  # a module's server goes with it: a whole session's servers at once exhaust a CI machine
 
 
 @pytest.fixture(scope="module")

@@ -51,7 +51,9 @@ def _write_repo(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def bls_server(tmp_path_factory, triton_server_factory):
-    return triton_server_factory(_write_repo(tmp_path_factory.mktemp("bls") / "repo"))
+    server = triton_server_factory(_write_repo(tmp_path_factory.mktemp("bls") / "repo"))
+    yield server
+    server.cleanup()
 
 
 def _expected(streams: int, ticks: int, take: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -235,7 +236,7 @@ REHEARSED = ("token2wav_gpu1_0", "token2wav_gpu1_1")
 
 
 @pytest.fixture(scope="module")
-def rehearsal(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
+def rehearsal(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
     repo = write_repository(
         RenderOptions(
             model_dir=tiny_model_dir, out=tmp_path_factory.mktemp("disaggregated") / "repo", layout="disaggregated",
@@ -244,7 +245,8 @@ def rehearsal(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeli
         )
     )  # fmt: skip
     server = triton_server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="llm", token2wav_model=REHEARSED[0])
+    yield Pipeline(server=server, repo=repo, llm_model="llm", token2wav_model=REHEARSED[0])
+    server.cleanup()
 
 
 def stub_processes(server_pid: int) -> dict[str, set[int]]:

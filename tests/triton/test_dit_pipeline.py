@@ -31,8 +31,9 @@ def dit_server(tiny_model_dir, dit_dir, tmp_path_factory, triton_server_factory)
         model_dir=tiny_model_dir, out=tmp_path_factory.mktemp("dit_pipeline") / "repo", max_batch=8,
         max_seq_len=2048, first_hop=FIRST_HOP, token2wav="dit", dit_dir=dit_dir,
     ))
-    return Pipeline(server=triton_server_factory(repo, ready_timeout=240), repo=repo, llm_model="engine",
-                    token2wav_model="engine")
+    server = triton_server_factory(repo, ready_timeout=240)
+    yield Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    server.cleanup()
 
 
 def test_the_dit_samples_per_token_are_the_pipelines(dit_dir):

@@ -4,6 +4,8 @@ per-token delivery (tiny random model, CPU, the default colocated layout)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -68,10 +70,12 @@ async def test_a_delivery_schedule_gets_one_response_per_boundary_and_the_same_t
 
 
 @pytest.fixture(scope="module")
-def per_token_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
+def per_token_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
     """The default pipeline's options, rendered to deliver LLM tokens one response per token."""
     out = tmp_path_factory.mktemp("per_token") / "repo"
-    return colocated_pipeline(tiny_model_dir, out, triton_server_factory, llm_delivery="token")
+    pipeline = colocated_pipeline(tiny_model_dir, out, triton_server_factory, llm_delivery="token")
+    yield pipeline
+    pipeline.server.cleanup()
 
 
 async def streamed(pipeline: Pipeline, text: str, seed: int):

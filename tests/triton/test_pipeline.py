@@ -133,7 +133,9 @@ def benchmark_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory):
             benchmark_speech_ratio=BENCHMARK_RATIO,
         )
     )
-    return triton_server_factory(repo, ready_timeout=240)
+    server = triton_server_factory(repo, ready_timeout=240)
+    yield server
+    server.cleanup()
 
 
 BENCHMARK_RATIO = 6.5

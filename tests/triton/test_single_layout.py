@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import tritonclient.grpc.aio as aio
 
@@ -13,7 +15,7 @@ pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(scope="module")
-def single_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipeline:
+def single_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
     repo = write_repository(
         RenderOptions(
             model_dir=tiny_model_dir,
@@ -25,7 +27,8 @@ def single_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> 
         )
     )
     server = triton_server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="llm", token2wav_model="token2wav")
+    yield Pipeline(server=server, repo=repo, llm_model="llm", token2wav_model="token2wav")
+    server.cleanup()
 
 
 async def test_offline_and_streaming_requests_run_through_llm_and_token2wav(single_pipeline):

@@ -35,14 +35,16 @@ def spark_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("spark_model"), seed=2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def both_server(tiny_model_dir, spark_dir, tmp_path_factory, triton_server_factory):
     """CosyVoice2 and Spark-TTS in one tritonserver; the audio tokenizer waits 300 ms to gather a batch."""
     repo = write_repository(RenderOptions(
         model_dir=tiny_model_dir, out=tmp_path_factory.mktemp("both") / "repo", max_batch=8, max_seq_len=2048,
         first_hop=FIRST_HOP, max_queue_delay_us=300_000, spark=SparkRenderOptions(spark_dir, **SPARK),
     ))  # fmt: skip
-    return triton_server_factory(repo, ready_timeout=240)
+    server = triton_server_factory(repo, ready_timeout=240)
+    yield server
+    server.cleanup()
 
 
 async def _offline(url, model, inputs):

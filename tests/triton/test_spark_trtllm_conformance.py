@@ -131,7 +131,9 @@ def recording_stack(request, tiny_model_dir, spark_dir, tmp_path_factory, triton
     (repo / LLM / "1").mkdir(parents=True)
     (repo / LLM / "config.pbtxt").write_text(config)
     (repo / LLM / "1" / "model.py").write_text("from tests.triton.trtllm_standin import TritonPythonModel  # noqa: F401\n")
-    return triton_server_factory(repo, ready_timeout=240), record_dir, request.param
+    server = triton_server_factory(repo, ready_timeout=240)
+    yield server, record_dir, request.param
+    server.cleanup()
 
 
 async def _stream(client, inputs) -> list[bool]:

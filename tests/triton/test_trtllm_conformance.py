@@ -81,7 +81,8 @@ def recording_stack(request, tiny_model_dir, tmp_path_factory, triton_server_fac
     (repo / "llm" / "config.pbtxt").write_text(llm_config)
     (repo / "llm" / "1" / "model.py").write_text("from tests.triton.trtllm_standin import TritonPythonModel  # noqa: F401\n")
     server = triton_server_factory(repo, ready_timeout=240)
-    return server, record_dir
+    yield server, record_dir
+    server.cleanup()
 
 
 def recorded(record_dir: Path, stops: int = 0, timeout: float = 30.0) -> list[dict[str, np.ndarray]]:
