@@ -17,5 +17,6 @@ RUN python3 -m pip install ".[engine]"
 ENV COSYVOICE_WORK_DIR=/models
 VOLUME ["/models"]
 EXPOSE 8000 8001 8002
-# Refuse an engine built for another GPU or TensorRT-LLM version before serving it (compose uses the same command).
-CMD ["sh", "-c", "python3 -m cosyvoice_build.check_engine && exec tritonserver --model-repository=/models/triton_repo/trtllm_single --grpc-keepalive-permit-without-calls=1 --grpc-http2-max-pings-without-data=0 --grpc-http2-min-recv-ping-interval-without-data=10000"]
+# Refuse an engine built for another GPU or TensorRT-LLM version before serving it (compose uses the same command);
+# triton_repo.launch adds the serving arguments and, with COSYVOICE_CUDA_MPS=on, runs the CUDA MPS daemon.
+CMD ["python3", "-m", "cosyvoice_build.check_engine", "--", "python3", "-m", "triton_repo.launch", "--model-repository=/models/triton_repo/trtllm_single"]

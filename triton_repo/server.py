@@ -37,6 +37,18 @@ EXIT_TIMEOUT_S = 30
 #: A clean stop waits this long for tritonserver to exit by itself (then KILL): its exit timeout and a margin.
 CLEAN_STOP_S = EXIT_TIMEOUT_S + 5.0
 
+#: What every tritonserver of the project is started with: the local stack's (here) and the containers'
+#: (`triton_repo.launch`).
+SERVING_ARGS = (
+    f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+    # The pipeline's clients keep their connections alive with a ping every 30 s, idle or not
+    # (pipeline_contract.GRPC_CHANNEL_ARGS). tritonserver's defaults allow one ping per 5 minutes without data and
+    # answer more with GOAWAY "too_many_pings", which drops every stream on that connection.
+    "--grpc-keepalive-permit-without-calls=1",
+    "--grpc-http2-max-pings-without-data=0",
+    "--grpc-http2-min-recv-ping-interval-without-data=10000",
+)
+
 #: How far past its deadline a start may go while tritonserver keeps working (`wait_ready`), and how long without
 #: any CPU used by it and its model processes counts as stalled.
 READY_STRETCH = 3.0
@@ -209,13 +221,7 @@ class TritonServer:
             "--disable-auto-complete-config",
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
-            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
-            # The pipeline's clients keep their connections alive with a ping every 30 s, idle or not
-            # (pipeline_contract.GRPC_CHANNEL_ARGS). tritonserver's defaults allow one ping per 5 minutes without
-            # data and answer more with GOAWAY "too_many_pings", which drops every stream on that connection.
-            "--grpc-keepalive-permit-without-calls=1",
-            "--grpc-http2-max-pings-without-data=0",
-            "--grpc-http2-min-recv-ping-interval-without-data=10000",
+            *SERVING_ARGS,
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",

@@ -24,7 +24,8 @@ exits, then tritonserver is stopped; a second signal stops at once.
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
 `--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
-CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_CUDA_MPS` (on: a CUDA MPS daemon of the stack's
+own, started before tritonserver and stopped after it, `triton_repo.cuda_mps`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
 `_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
@@ -56,6 +57,7 @@ from pathlib import Path
 from typing import Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
+from triton_repo.cuda_mps import SETTING_ENV as MPS_SETTING, MpsDaemon, MpsError, mps_setting
 from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
 from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
@@ -391,6 +393,7 @@ def run_stack(
     dit_dir: Path | None = None,
     demo_dir: Path | None = None,
     spark_dir: Path | None = None,
+    cuda_mps: bool = False,
 ) -> int:
     """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`); `repo_dir`
     None: `triton_repo/` in the stack's own directory (`default_stack_dir`), the log beside it."""
@@ -415,7 +418,11 @@ def run_stack(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
     )
+    if cuda_mps and device != "cuda":
+        raise StackError(f"{MPS_SETTING}=on shares a GPU between processes: it needs --device cuda")
     repo = write_repository(options)
+    # CUDA MPS: the daemon outlives every tritonserver restart and stops after the last one (triton_repo.cuda_mps)
+    mps = MpsDaemon().start() if cuda_mps else None
     _log(f"rendered {repo}; starting tritonserver (loading models takes a while)")
     server = TritonServer(
         model_repository=repo,
@@ -423,6 +430,7 @@ def run_stack(
         http_port=ports.http,
         grpc_port=ports.grpc,
         metrics_port=ports.metrics,
+        extra_env=mps.env() if mps is not None else {},
     )
     # Triton ports left at 0 are chosen by the first start (retried on a conflict) and kept by every restart.
     supervisor = Supervisor(server, gateway_env, threading.Event())
@@ -432,6 +440,8 @@ def run_stack(
         return supervisor.run()
     finally:
         supervisor.shutdown()
+        if mps is not None:
+            mps.stop()
 
 
 def check_gateway(gateway_env: dict[str, str]) -> int:
@@ -480,6 +490,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--triton-{kind}-port", type=int, default=None,
             help=f"tritonserver {kind} port (default: COSYVOICE_TRITON_{kind.upper()}_PORT, else a free one)",
         )  # fmt: skip
+    parser.add_argument("--cuda-mps", choices=("on", "off"), default=None,
+                        help=f"run the GPU processes under a CUDA MPS daemon the stack starts and stops "
+                             f"(default: {MPS_SETTING}, else off)")
     parser.add_argument(
         "--benchmark-speech-ratio", type=float, default=None,
         help="benchmark mode: every request generates exactly this many speech tokens per text token",
@@ -501,8 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,
             Path(args.spark_dir).resolve() if args.spark_dir else None,
+            mps_setting(args.cuda_mps if args.cuda_mps is not None else os.environ.get(MPS_SETTING)),
         )  # fmt: skip
-    except (StackError, RenderError, TritonLaunchError) as exc:
+    except (StackError, RenderError, TritonLaunchError, MpsError) as exc:
         print(f"[stack] error: {exc}", file=sys.stderr)
         return 2
 

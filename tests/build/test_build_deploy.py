@@ -20,6 +20,8 @@ DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
 PROFILES = ("trtllm", "torch", "dit", "disaggregated")
 GATEWAY_COMMAND = ["python", "-m", "gateway"]
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3"
+#: Every container starts tritonserver through the launcher (its serving arguments, CUDA MPS).
+TRITON_LAUNCHER = "triton_repo.launch"
 
 
 def _compose_command() -> list[str] | None:
@@ -74,7 +76,7 @@ def by_role(services: dict[str, dict]) -> dict[str, list[str]]:
         command = command_line(service)
         if service.get("command") == GATEWAY_COMMAND:
             roles["gateway"].append(name)
-        elif "tritonserver" in command:
+        elif TRITON_LAUNCHER in command:
             roles["triton"].append(name)
         elif "-m cosyvoice_build" in command:
             roles["build"].append(name)
@@ -129,7 +131,7 @@ def test_triton_serves_the_repository_the_build_renders(configs: dict[str, dict]
     assert re.findall(r"--model-repository=(\S+)", command) == [str(settings.triton_repo_dir)]
     if settings.llm_backend == "trtllm":
         # The engine check runs first and must see the build's options to find the same engine directory.
-        assert command.index("cosyvoice_build.check_engine") < command.index("tritonserver")
+        assert command.index("cosyvoice_build.check_engine") < command.index(TRITON_LAUNCHER)
         triton_env = services[triton]["environment"]
         for key, value in build_env.items():
             if key.startswith("COSYVOICE_"):
@@ -239,7 +241,7 @@ def test_python_modules_run_by_containers_exist(raw_compose: dict) -> None:
     commands += [_dockerfile_cmd(p) for p in DOCKERFILES]
     words = [w for c in commands for w in (c.split() if isinstance(c, str) else " ".join(c).split())]
     modules = {words[i + 1] for i, w in enumerate(words) if w == "-m"}
-    assert modules == {"gateway", "cosyvoice_build", "cosyvoice_build.check_engine"}
+    assert modules == {"gateway", "cosyvoice_build", "cosyvoice_build.check_engine", TRITON_LAUNCHER}
     for module in modules:
         package, _, submodule = module.partition(".")
         root = REPO_ROOT / package if (REPO_ROOT / package).is_dir() else REPO_ROOT / "build" / package
