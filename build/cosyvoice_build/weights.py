@@ -56,7 +56,7 @@ def modelscope_download(repo_id: str, revision: str | None, local_dir: Path, all
     except ImportError as exc:
         raise StageError(
             "the ModelScope source needs the modelscope package: pip install modelscope "
-            "(or use --model-source hf, or a local directory)"
+            "(or use the hf source, or a local directory)"
         ) from exc
     try:
         snapshot_download(repo_id, revision=revision, local_dir=str(local_dir), allow_patterns=allow_patterns)
