@@ -12,7 +12,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from cosyvoice_build import cosyvoice3_weights, dit_weights, smoke, spark_weights, trtllm, triton_render, vocab_layout, weights
+from cosyvoice_build import (
+    cosyvoice3_weights, dit_weights, smoke, spark_weights, trtllm, triton_render, vocab_layout, weights,
+)  # fmt: skip
 from cosyvoice_build.engine_meta import BUILD_META_FILE
 from cosyvoice_build.fingerprint import DigestCache, fingerprint
 from cosyvoice_build.pipeline import Stage, StageError, StageInputs

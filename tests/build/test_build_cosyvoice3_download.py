@@ -156,13 +156,18 @@ def test_each_missing_file_is_named_alone(hub_root: Path, tmp_path: Path, name: 
     assert str(error.value) == f"CosyVoice3 model directory {model} is incomplete: {name}: missing"
 
 
+def foreign_yaml(model: Path) -> None:
+    """CosyVoice2's flow class where CosyVoice3's belongs: well-formed, but not this model."""
+    yaml_file = model / "cosyvoice3.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace("CausalMaskedDiffWithDiT", "CausalMaskedDiffWithXvec"))
+
+
 @pytest.mark.parametrize(("damage", "message"), [
     (lambda d: (d / "llm.pt").write_bytes(b"\0" * 64), "llm.pt: not a torch.save archive (truncated download?)"),
     (lambda d: (d / "campplus.onnx").write_bytes(b""), "campplus.onnx: empty"),
-    (lambda d: (d / "CosyVoice-BlankEN" / "config.json").write_text("{"), "CosyVoice-BlankEN/config.json: invalid JSON"),
-    (lambda d: (d / "cosyvoice3.yaml").write_text((d / "cosyvoice3.yaml").read_text().replace(
-        "CausalMaskedDiffWithDiT", "CausalMaskedDiffWithXvec")), "cosyvoice3.yaml with CosyVoice-BlankEN/config.json: "
-                                                                 "not a CosyVoice3 model"),
+    (lambda d: (d / "CosyVoice-BlankEN" / "config.json").write_text("{"),
+     "CosyVoice-BlankEN/config.json: invalid JSON"),
+    (foreign_yaml, "cosyvoice3.yaml with CosyVoice-BlankEN/config.json: not a CosyVoice3 model"),
 ])
 def test_a_damaged_file_is_named(hub_root: Path, tmp_path: Path, damage, message: str) -> None:
     model = tmp_path / "model"
