@@ -8,6 +8,9 @@
   `speech_tokenizer_v3.onnx` with the released interfaces (`cosyvoice2.testing.frontend_models`).
 - `write_full_size_layout(dir)`: the released sizes, every key and shape, a few MB on disk: each tensor is a
   stride-0 view of one small random row (the strict loader then loads a full-size model without its memory).
+- `write_full_size_model(dir)`: the released sizes with dense random tensors, as a real checkpoint stores them
+  (3.4 GB on disk; writing takes about 45 s and 3.5 GB of memory on an idle 2-core machine).
+- Both take `text_frontend` as `write_tiny_model` does, for a directory holding every released file.
 - `release_yaml(config)`: a `cosyvoice3.yaml` with the released classes and argument names for any config.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -164,14 +168,19 @@ def write_tiny_model(path: str | Path, seed: int = 0, config: CosyVoice3Config |
     config = config or tiny_config()
     _write_configs(path, config)
     if text_frontend:
-        write_test_tokenizer(path / TOKENIZER_SUBDIR, base_vocab_size=RELEASED_TEXT_VOCAB)
-        write_tiny_frontend_models(path, seed, speech_tokenizer_file=SPEECH_TOKENIZER_FILE)
+        _write_text_frontend(path, seed)
     llm = randomize_(CosyVoice3LM(config.llm), seed, _llm_overrides(config.llm))
     torch.save(llm.state_dict(), path / LLM_FILE)  # lm_head stays tied: one storage, two keys
     torch.save(randomize_(CosyVoice3Flow(config.flow), seed + 1).state_dict(), path / FLOW_FILE)
     hift = randomize_(CausalHiFT(config.hift), seed + 2, _hift_overrides(config.hift))
     torch.save(hift.float().state_dict(), path / HIFT_FILE)  # the release stores the f0 predictor in fp32 too
     return path
+
+
+def _write_text_frontend(path: Path, seed: int) -> None:
+    """The tokenizer files (special tokens at their released ids) and the two tiny ONNX frontend models."""
+    write_test_tokenizer(path / TOKENIZER_SUBDIR, base_vocab_size=RELEASED_TEXT_VOCAB)
+    write_tiny_frontend_models(path, seed, speech_tokenizer_file=SPEECH_TOKENIZER_FILE)
 
 
 def full_size_modules() -> tuple[CosyVoice3LM, CosyVoice3Flow, CausalHiFT]:
@@ -181,10 +190,41 @@ def full_size_modules() -> tuple[CosyVoice3LM, CosyVoice3Flow, CausalHiFT]:
         return CosyVoice3LM(config.llm), CosyVoice3Flow(config.flow), CausalHiFT(replace(config.hift, noise_seconds=0))
 
 
-def write_full_size_layout(path: str | Path, seed: int = 0) -> Path:
+def write_full_size_layout(path: str | Path, seed: int = 0, text_frontend: bool = False) -> Path:
     """Released sizes, every key and shape, a few MB on disk (see the module docstring)."""
-    path = Path(path)
+    return _write_full_size(Path(path), seed, text_frontend, _cheap_state)
+
+
+def write_full_size_model(path: str | Path, seed: int = 0, text_frontend: bool = False) -> Path:
+    """Released sizes with dense seeded random tensors (fp32), one file at a time (see the module docstring)."""
+    return _write_full_size(Path(path), seed, text_frontend, _dense_state)
+
+
+def _write_full_size(path: Path, seed: int, text_frontend: bool,
+                     state_of: Callable[[torch.nn.Module, int], dict[str, torch.Tensor]]) -> Path:
     _write_configs(path, CosyVoice3Config())
+    if text_frontend:
+        _write_text_frontend(path, seed)
     for module, name, offset in zip(full_size_modules(), (LLM_FILE, FLOW_FILE, HIFT_FILE), range(3)):
-        torch.save(_cheap_state(module, seed + offset), path / name)
+        torch.save(state_of(module, seed + offset), path / name)
     return path
+
+
+def _dense_state(module: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A dense random tensor per key of a meta-device module; tied parameters (the LLM's lm_head and text
+    embedding) share one tensor, as `torch.save` of the real module stores them."""
+    generator = torch.Generator().manual_seed(seed)
+    first_name: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        alias[name] = first_name.setdefault(id(param), name)
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict().items():
+        source = alias.get(name, name)
+        if source != name:
+            state[name] = state[source]
+        elif tensor.is_floating_point():
+            state[name] = torch.randn(tensor.shape, generator=generator) * 0.02
+        else:
+            state[name] = torch.zeros(tensor.shape, dtype=tensor.dtype)
+    return state

@@ -15,8 +15,10 @@ from typing import get_args
 
 from cosyvoice_build.pipeline import run_stages
 from cosyvoice_build.settings import (
+    COSYVOICE3_MODEL_ID,
     SPARK_MODEL_ID,
     BuildSettings,
+    CosyVoice3Source,
     DitSource,
     LLMBackend,
     ModelSource,
@@ -81,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-spark-license", action="store_true",
                    default=str(_env("accept-spark-license", "")).lower() in ("1", "true", "yes"),
                    help="agree to the Spark-TTS weights' non-commercial licence (needed to download them)")
+    opt("cosyvoice3-source", "off", choices=get_args(CosyVoice3Source),
+        help="Fun-CosyVoice3-0.5B-2512 weights: off (default, never fetched), hf, modelscope, or local")
+    opt("cosyvoice3-model-id", COSYVOICE3_MODEL_ID, help="hub repository (the same name on both hubs)")
+    opt("cosyvoice3-revision", None)
+    opt("cosyvoice3-model-dir", None, type=Path, help="existing CosyVoice3 weights directory (cosyvoice3 source 'local')")
     p.add_argument("-v", "--verbose", action="store_true", help="also echo tool output (trtllm-build) to the console")
     return p
 
@@ -127,6 +134,10 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         spark_revision=args.spark_revision,
         spark_model_dir=Path(args.spark_model_dir) if args.spark_model_dir else None,
         accept_spark_license=bool(args.accept_spark_license),
+        cosyvoice3_source=args.cosyvoice3_source,
+        cosyvoice3_model_id=args.cosyvoice3_model_id,
+        cosyvoice3_revision=args.cosyvoice3_revision,
+        cosyvoice3_model_dir=Path(args.cosyvoice3_model_dir) if args.cosyvoice3_model_dir else None,
     )
 
 
@@ -149,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
+        width = max(len(stage.name) for stage in STAGES)
         for stage in STAGES:
-            print(f"{stage.name:10s} {stage.description}")
+            print(f"{stage.name:{width}s}  {stage.description}")
         return 0
     for action in parser._actions:  # argparse checks choices on the command line only, not on env defaults
         if action.choices is not None and action.dest not in ("first", "last"):

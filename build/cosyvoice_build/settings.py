@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from cosyvoice3.layout import RELEASE_DIRNAME as COSYVOICE3_WEIGHTS_DIRNAME
+from cosyvoice3.layout import RELEASE_REPO as COSYVOICE3_MODEL_ID
+
 ModelSource = Literal["hf", "modelscope", "local"]
 LLMBackend = Literal["trtllm", "torch"]
 #: colocated = LLM and token2wav in one process (PyTorch LLM only; avoids GPU time-slicing between processes)
@@ -26,6 +29,9 @@ DIT_DIRNAME = "Step-Audio-2-mini"
 SparkSource = Literal["off", "hf", "local"]
 SPARK_MODEL_ID = "SparkAudio/Spark-TTS-0.5B"
 SPARK_WEIGHTS_DIRNAME = "Spark-TTS-0.5B"
+#: Fun-CosyVoice3-0.5B-2512 (engine `cosyvoice3/`): "off" (default) never fetches it. Both hubs publish it under
+#: the same repository name.
+CosyVoice3Source = Literal["off", "hf", "modelscope", "local"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,10 @@ class BuildSettings:
     spark_revision: str | None = None
     spark_model_dir: Path | None = None  # the weights, for spark_source "local"
     accept_spark_license: bool = False  # required for a hub download (the weights are non-commercial)
+    cosyvoice3_source: CosyVoice3Source = "off"
+    cosyvoice3_model_id: str = COSYVOICE3_MODEL_ID
+    cosyvoice3_revision: str | None = None
+    cosyvoice3_model_dir: Path | None = None  # the weights, for cosyvoice3_source "local"
 
     def __post_init__(self) -> None:
         if self.model_source == "local" and self.model_dir is None:
@@ -98,6 +108,8 @@ class BuildSettings:
             raise ValueError("DiT source 'local' needs a token2wav directory (--dit-dir / COSYVOICE_DIT_DIR)")
         if self.spark_source == "local" and self.spark_model_dir is None:
             raise ValueError("spark source 'local' needs --spark-model-dir / COSYVOICE_SPARK_MODEL_DIR")
+        if self.cosyvoice3_source == "local" and self.cosyvoice3_model_dir is None:
+            raise ValueError("cosyvoice3 source 'local' needs --cosyvoice3-model-dir / COSYVOICE_COSYVOICE3_MODEL_DIR")
 
     @property
     def dit_dir(self) -> Path:
@@ -124,6 +136,13 @@ class BuildSettings:
             assert self.spark_model_dir is not None
             return self.spark_model_dir
         return self.work_dir / SPARK_WEIGHTS_DIRNAME
+
+    @property
+    def cosyvoice3_weights_dir(self) -> Path:
+        if self.cosyvoice3_source == "local":
+            assert self.cosyvoice3_model_dir is not None
+            return self.cosyvoice3_model_dir
+        return self.work_dir / COSYVOICE3_WEIGHTS_DIRNAME
 
     @property
     def hf_llm_dir(self) -> Path:

@@ -12,7 +12,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-from cosyvoice_build import dit_weights, smoke, spark_weights, trtllm, triton_render, vocab_layout, weights
+from cosyvoice_build import (
+    cosyvoice3_weights, dit_weights, smoke, spark_weights, trtllm, triton_render, vocab_layout, weights,
+)  # fmt: skip
 from cosyvoice_build.engine_meta import BUILD_META_FILE
 from cosyvoice_build.fingerprint import DigestCache, fingerprint
 from cosyvoice_build.pipeline import Stage, StageError, StageInputs
@@ -159,6 +161,25 @@ def _spark(settings: BuildSettings) -> None:
     spark_weights.fetch_spark_weights(settings)
 
 
+# cosyvoice3-weights --------------------------------------------------------------------------------------
+def _cosyvoice3_inputs(settings: BuildSettings) -> StageInputs:
+    local = settings.cosyvoice3_source == "local"
+    return StageInputs(values={
+        "source": settings.cosyvoice3_source,
+        "model": str(settings.cosyvoice3_model_dir) if local else settings.cosyvoice3_model_id,
+        "revision": settings.cosyvoice3_revision,
+        "patterns": list(cosyvoice3_weights.DOWNLOAD_PATTERNS),
+    })
+
+
+def _cosyvoice3_outputs(settings: BuildSettings) -> list[Path]:
+    return [] if settings.cosyvoice3_source == "off" else [settings.cosyvoice3_weights_dir]
+
+
+def _cosyvoice3(settings: BuildSettings) -> None:
+    cosyvoice3_weights.fetch_cosyvoice3_weights(settings)
+
+
 STAGES: list[Stage] = [
     Stage("download", "fetch and verify the CosyVoice2-0.5B weights (and the DiT token2wav's)", _download_inputs, _download_outputs, _download),
     Stage("convert", "llm.pt + CosyVoice-BlankEN -> HF Qwen2ForCausalLM with the speech vocabulary", _convert_inputs, _convert_outputs, _convert),
@@ -167,4 +188,6 @@ STAGES: list[Stage] = [
     Stage("smoke", "synthesize one sentence through the rendered repository", _smoke_inputs, lambda s: [], _smoke, cacheable=False),
     Stage("spark-weights", "only when asked: fetch and verify the Spark-TTS-0.5B weights (CC-BY-NC-SA-4.0)",
           _spark_inputs, _spark_outputs, _spark),
+    Stage("cosyvoice3-weights", "only when asked: fetch and verify the Fun-CosyVoice3-0.5B-2512 weights",
+          _cosyvoice3_inputs, _cosyvoice3_outputs, _cosyvoice3),
 ]  # fmt: skip

@@ -66,7 +66,8 @@ def test_missing_input_is_named(tmp_path: Path) -> None:
 
 
 def test_stage_selection() -> None:
-    assert [s.name for s in STAGES] == ["download", "convert", "engine", "render", "smoke", "spark-weights"]
+    assert [s.name for s in STAGES] == ["download", "convert", "engine", "render", "smoke", "spark-weights",
+                                        "cosyvoice3-weights"]
     assert [s.name for s in select(STAGES, "convert", "render")] == ["convert", "engine", "render"]
     with pytest.raises(ValueError, match="comes after"):
         select(STAGES, "render", "convert")

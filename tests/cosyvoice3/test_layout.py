@@ -13,7 +13,9 @@ from cosyvoice3.config import CosyVoice3Config, read_release_yaml
 from cosyvoice3.engine import SynthesisRequest
 from cosyvoice3.layout import FLOW_FILE, HIFT_FILE, LLM_FILE
 from cosyvoice3.loading import load
-from cosyvoice3.testing import full_size_modules, release_yaml, tiny_config, write_full_size_layout, write_tiny_model
+from cosyvoice3.testing import (
+    full_size_modules, release_yaml, tiny_config, write_full_size_layout, write_full_size_model, write_tiny_model,
+)  # fmt: skip
 from cosyvoice3.token2wav import VoicePrompt
 from tests.cosyvoice3.conftest import PARITY_DIR
 
@@ -58,6 +60,28 @@ def test_full_size_layout_loads_strictly(tmp_path: Path) -> None:
     for module, name in ((engine.llm, LLM_FILE), (t2w.flow, FLOW_FILE)):
         assert sum(p.numel() for p in module.parameters()) == counts[name], name
     assert t2w.flow.config == CosyVoice3Config().flow and t2w.hift.config.base_channels == 512
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not KEYS_FULL.exists(), reason="parity data absent")
+def test_dense_full_size_model_loads_strictly(tmp_path: Path) -> None:
+    """A full-size checkpoint as a release stores it (dense fp32 tensors, 3.4 GB on disk; 1-2 minutes and about
+    4.5 GB of memory on a 2-core machine, hence slow) loads strictly, takes the file's values, keeps the head tied."""
+    model_dir = write_full_size_model(tmp_path / "dense", seed=3)
+    engine = load(model_dir)
+    counts = reference_parameter_counts()
+    t2w = engine.token2wav_engine
+    for module, name in ((engine.llm, LLM_FILE), (t2w.flow, FLOW_FILE)):
+        assert sum(p.numel() for p in module.parameters()) == counts[name], name
+    assert engine.llm.llm.model.lm_head.weight is engine.llm.body.embed_tokens.weight
+    for module, name in ((engine.llm, LLM_FILE), (t2w.flow, FLOW_FILE)):
+        file = torch.load(model_dir / name, map_location="cpu", weights_only=True, mmap=True)
+        ours = module.state_dict()
+        assert set(ours) == set(file), name
+        for key in list(file)[:: max(1, len(file) // 20)]:  # a spread of keys
+            stored = file[key]
+            assert stored.untyped_storage().nbytes() >= stored.numel() * stored.element_size(), f"{key}: not dense"
+            assert torch.equal(ours[key], stored), f"{name} {key}"
 
 
 def test_release_yaml_round_trips() -> None:
