@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,8 @@ def test_full_size_layout_loads_strictly(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not KEYS_FULL.exists(), reason="parity data absent")
+@pytest.mark.skipif(os.environ.get("COSYVOICE_DENSE_TESTS") != "1",
+                    reason="3.4 GB on disk and ~4.5 GB of memory: set COSYVOICE_DENSE_TESTS=1 to run it")
 def test_dense_full_size_model_loads_strictly(tmp_path: Path) -> None:
     """A full-size checkpoint as a release stores it (dense fp32 tensors, 3.4 GB on disk; 1-2 minutes and about
     4.5 GB of memory on a 2-core machine, hence slow) loads strictly, takes the file's values, keeps the head tied."""
