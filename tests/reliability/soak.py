@@ -6,7 +6,7 @@ the gateway, tritonserver (with its python stub processes) and the GPU keep.
     python -m tests.reliability.soak --full-size --device cuda --stub-env DIR --concurrency 64 --minutes 10 \\
         --wall-budget 590
 
-Without ``--url`` it starts its own stack on loopback: by default the local stack (`python -m triton_repo.stack`)
+Without ``--url`` it starts its own stack on loopback: by default the local stack (`python -m triton_repo.local_stack`)
 on the tiny random model (CPU); with ``--full-size`` the stack `scripts/stack_bench.py` starts
 (`scripts/bench_stack.py`): released-size random weights written once under ``--work``, the repository rendered
 for ``--device``/``--dtype`` in benchmark mode (random weights never stop by themselves), the Triton stubs in
