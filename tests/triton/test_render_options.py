@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_stack import render_fields
+from stackbench.launch import render_fields
 from triton_repo.render import add_option_flags, main, option_values
 from triton_repo.render_checks import field_errors
 from triton_repo.render_options import RenderError, RenderOptions, SparkRenderOptions, option
