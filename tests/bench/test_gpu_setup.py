@@ -22,10 +22,10 @@ SCRIPT = REPO_ROOT / "scripts" / "gpu_setup.sh"
 #: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks,
 #: the soak.
 RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "benchmarks/ttsbench",
-                   "benchmarks/stackbench", "tests/reliability/soak.py",
+                   "benchmarks/stackbench", "benchmarks/enginebench", "tests/reliability/soak.py",
                    "tests/reliability/stack_rig.py"]  # fmt: skip
-FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "ttsbench", "stackbench", "cosyvoice_build",
-               "scripts", "tests"}  # fmt: skip
+FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "ttsbench", "stackbench",
+               "enginebench", "spark_tts", "cosyvoice_build", "tests"}  # fmt: skip
 #: Imported at run time but not installed by the script, with the reason.
 PROVIDED = {
     "torch": "the machine's CUDA build (the script checks it and pins it, never installs it)",
