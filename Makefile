@@ -32,10 +32,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@ $(VENV)/.runtime
 
 run: runtime
-	$(PY) -m triton_repo.stack
+	$(PY) -m triton_repo.local_stack
 
 demo: runtime
-	$(PY) -m triton_repo.stack --demo
+	$(PY) -m triton_repo.local_stack --demo
 
 # The download stage of the build tool: the ~3 GB the engine reads, into models/CosyVoice2-0.5B (make run's default).
 weights: runtime

@@ -178,10 +178,10 @@ assert int(numpy.__version__.split(".")[0]) < 2, f"the Triton stub needs numpy <
 print(f"stub environment: numpy {numpy.__version__}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")'
 # pytriton itself is not imported (its own dependencies may be absent): only its binary is used.
 run "$PY" -c 'import importlib.util, pathlib
-import tritonclient.grpc, fastapi, uvicorn, av, httpx, gateway, ttsbench
+import tritonclient.grpc, fastapi, uvicorn, av, httpx, gateway, ttsbench, stackbench.launch
 server = pathlib.Path(importlib.util.find_spec("pytriton").submodule_search_locations[0]) / "tritonserver/bin/tritonserver"
 assert server.exists(), f"no tritonserver binary at {server}"
-print(f"tritonserver {server}; gateway and tts-bench importable")'
+print(f"tritonserver {server}; gateway, tts-bench and stack-bench importable")'
 
 STUB_ARG=""
 [ "$SEPARATE" = 0 ] || STUB_ARG=" --stub-env $STUB_ENV"
@@ -191,10 +191,10 @@ cat <<EOF
 Set-up done. The whole-stack benchmark (released-size random weights are written on the first run):
 
   cd $REPO
-  $PY -m scripts.stack_bench$STUB_ARG --repeat 3
-  $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --render-arg first_hop=15
-  $PY -m scripts.stack_bench$STUB_ARG --repeat 3 --token2wav dit   # the DiT token2wav
-  $PY -m scripts.stack_bench$STUB_ARG --spark --repeat 3 --only triton-stream,triton-offline --stream-levels 1,4,16 --offline-levels 1,4   # Spark-TTS
+  $PY -m stackbench$STUB_ARG --repeat 3
+  $PY -m stackbench$STUB_ARG --repeat 3 --render-arg first_hop=15
+  $PY -m stackbench$STUB_ARG --repeat 3 --token2wav dit   # the DiT token2wav
+  $PY -m stackbench$STUB_ARG --spark --repeat 3 --only triton-stream,triton-offline --stream-levels 1,4,16 --offline-levels 1,4   # Spark-TTS
 
 Each run prints and keeps its results in var/stackbench/results/<UTC time>-<settings>/ (summary.md first).
 

@@ -5,4 +5,7 @@ yield audio pieces as they arrive), ``arrivals`` (open loop: seeded Poisson arri
 ``runner`` (closed-loop concurrency or open-loop arrivals, warm-up, timestamps), ``stats``, ``playback``
 (stalls a listener hears) and ``report`` (pure summaries, tables, JSON), ``ratesearch`` (the highest open-loop rate
 that meets a listener's bound), ``cli`` (argument parsing and wiring).
+
+It loads a stack that is already running; ``stackbench`` (stack-bench) is the benchmark that starts one and runs
+these levels against it.
 """

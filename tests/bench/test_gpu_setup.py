@@ -22,17 +22,17 @@ SCRIPT = REPO_ROOT / "scripts" / "gpu_setup.sh"
 #: What runs on the GPU machine: the gateway, the engine, the serving layer, the Triton models, the benchmarks,
 #: the soak.
 RUNTIME_SOURCES = ["pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "benchmarks/ttsbench",
-                   "scripts/stack_bench.py", "scripts/bench_stack.py", "tests/reliability/soak.py",
+                   "benchmarks/stackbench", "benchmarks/enginebench", "tests/reliability/soak.py",
                    "tests/reliability/stack_rig.py"]  # fmt: skip
-FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "ttsbench", "cosyvoice_build",
-               "scripts", "tests"}  # fmt: skip
+FIRST_PARTY = {"pipeline_contract", "gateway", "cosyvoice2", "speech_serving", "triton_repo", "ttsbench", "stackbench",
+               "enginebench", "spark_tts", "cosyvoice_build", "tests"}  # fmt: skip
 #: Imported at run time but not installed by the script, with the reason.
 PROVIDED = {
     "torch": "the machine's CUDA build (the script checks it and pins it, never installs it)",
     "triton": "the kernel compiler that ships with CUDA builds of torch",
     "triton_python_backend_utils": "provided to the models by Triton's python backend",
     "datasets": "optional: tts-bench --seed-tts says how to get it",
-    "pynvml": "optional: stack_bench samples the GPU with nvidia-smi without it",
+    "pynvml": "optional: stack-bench samples the GPU with nvidia-smi without it",
 }
 NO_VALUE_OPTIONS = {"--no-deps", "--upgrade", "--no-index", "--no-build-isolation", "--disable-pip-version-check"}
 
@@ -166,7 +166,7 @@ def test_one_environment_when_numpy_is_below_2(runs):
     assert f"{REPO_ROOT}[engine,triton,bench]" in install
     assert f"torch=={torch.__version__}" in output  # the machine's torch is pinned, never replaced
     assert " -m venv " not in output and "--stub-env" not in output
-    assert f"{sys.executable} -m scripts.stack_bench --repeat 3" in output
+    assert f"{sys.executable} -m stackbench --repeat 3" in output
     assert f"{sys.executable} -m tests.reliability.soak --full-size --device cuda --concurrency 64" in output
     assert not stub.exists()
 
@@ -180,10 +180,10 @@ def test_separate_stub_environment_has_numpy_below_2(runs):
     assert {"numpy<2", "ml_dtypes<=0.5.4"} <= set(stub_install) and "--no-deps" in stub_install
     assert "hidden: numpy, scipy, scikit-learn, ml_dtypes" in output
     assert f"+ {stub}/bin/python3 -c " in output  # the imports are checked with the stubs' interpreter
-    assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3" in output
+    assert f"-m stackbench --stub-env {stub} --repeat 3" in output
     assert f"-m tests.reliability.soak --full-size --device cuda --stub-env {stub} --concurrency 64" in output
-    assert f"-m scripts.stack_bench --stub-env {stub} --repeat 3 --token2wav dit" in output
-    assert f"-m scripts.stack_bench --stub-env {stub} --spark --repeat 3" in output  # Spark-TTS's numbers too
+    assert f"-m stackbench --stub-env {stub} --repeat 3 --token2wav dit" in output
+    assert f"-m stackbench --stub-env {stub} --spark --repeat 3" in output  # Spark-TTS's numbers too
     main_install = pip_installs(output)[0]
     assert f"{REPO_ROOT}[engine,bench]" in main_install  # not the triton extra: it would pull numpy < 2 in
     assert not stub.exists()  # a dry run creates nothing

@@ -1,4 +1,4 @@
-"""The repetition-control measurement (benchmarks/repetition_control.py): TensorRT-LLM's penalty semantics, and
+"""The repetition-control measurement (benchmarks/enginebench/repetition_control.py): TensorRT-LLM's penalty semantics, and
 a short run on the micro parity LLM."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.repetition_control import apply_repetition_penalty, main
+from enginebench.repetition_control import apply_repetition_penalty, main
 from tests.conftest import FIXTURES_DIR
 
 MICRO = FIXTURES_DIR / "parity" / "micro"

@@ -1,10 +1,9 @@
-"""`python -m scripts.stack_bench`: its documented options, the per-level measures, the real-time rule, the GPU
+"""`stack-bench` (package `stackbench`): its documented options, the per-level measures, the real-time rule, the GPU
 sampler and the results directories (pure parts; the whole run is in test_stack_bench_run.py)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import stat
@@ -16,10 +15,9 @@ from pathlib import Path
 import pytest
 
 import pipeline_contract as contract
+import stackbench.cli as sb
+from stackbench import launch
 from triton_repo.server import REPO_ROOT
-
-sb = importlib.import_module("scripts.stack_bench")
-bench_stack = importlib.import_module("scripts.bench_stack")
 
 
 def test_docstring_lists_exactly_the_parser_options():
@@ -257,10 +255,10 @@ def test_random_weights_are_written_once_and_an_interrupted_write_is_redone(tmp_
         (path / "llm.pt").write_bytes(b"whole")
 
     with pytest.raises(KeyboardInterrupt):
-        bench_stack.random_weights(tmp_path / "model", interrupted, "test")
+        launch.random_weights(tmp_path / "model", interrupted, "test")
     assert not (tmp_path / "model").exists()  # the half-written files are not a model
-    assert bench_stack.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"
-    assert bench_stack.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"  # reused
+    assert launch.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"
+    assert launch.random_weights(tmp_path / "model", complete, "test") == tmp_path / "model"  # reused
     assert calls == [tmp_path / "model.partial"] * 2
     assert (tmp_path / "model" / "llm.pt").read_bytes() == b"whole"
     assert not (tmp_path / "model.partial").exists()
@@ -274,7 +272,7 @@ def test_the_random_dit_is_the_released_layout_and_loads_strictly(tmp_path):
     from cosyvoice2.dit.loading import load_dit_token2wav
     from cosyvoice2.hift import HiFTConfig
 
-    dit_dir = bench_stack.random_weights(tmp_path / "dit", bench_stack.write_random_dit, "DiT token2wav")
+    dit_dir = launch.random_weights(tmp_path / "dit", launch.write_random_dit, "DiT token2wav")
     try:
         assert not (dit_dir / DIT_HIFT_CONFIG).exists()  # HiFT at its released (default) size, as released
         engine = load_dit_token2wav(dit_dir)  # every key and shape, strictly
@@ -299,25 +297,25 @@ def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(
     from ttsbench.sentences import SENTENCES
 
     model, spark = write_tiny_model(tmp_path / "tiny"), write_tiny_spark(tmp_path / "spark")
-    assert bench_stack.ensure_spark_dir(tmp_path / "work", spark) == spark  # given weights are never rewritten
+    assert launch.ensure_spark_dir(tmp_path / "work", spark) == spark  # given weights are never rewritten
     common = {"work": tmp_path / "work", "model_dir": model, "device": "cpu", "dtype": "fp32", "max_batch": 4,
               "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
-    options, repo = bench_stack.render_stack(**common)
+    options, repo = launch.render_stack(**common)
     assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
 
-    options, repo = bench_stack.render_stack(**common, spark_dir=spark)
+    options, repo = launch.render_stack(**common, spark_dir=spark)
     ratio = options.spark.benchmark_ratio
     assert options.spark.model_dir == spark and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
     assert f"Spark benchmark mode: {ratio} semantic tokens per text token" in capsys.readouterr().out
     # the default ratio gives the built-in sentences 3.33 semantic tokens (50 per second) per character
     tokenizer = SparkTokenizer.from_model_dir(spark)
     tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
-    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(bench_stack.SPARK_TOKENS_PER_CHAR, rel=1e-3)
+    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(launch.SPARK_TOKENS_PER_CHAR, rel=1e-3)
     for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL):
         assert (repo / name / "config.pbtxt").is_file()
 
     for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
-        options, _ = bench_stack.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
+        options, _ = launch.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
         assert options.spark.benchmark_ratio == rendered
 
 

@@ -1,4 +1,4 @@
-"""`python -m scripts.stack_bench` end to end on the CPU: the tiny random model in a real tritonserver and a real
+"""`python -m stackbench` (stack-bench) end to end on the CPU: the tiny random model in a real tritonserver and a real
 gateway, two runs of one streaming level per target. Checks what it wrote, never how fast anything was."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     work = tmp_path / "work"
     (work / "results").mkdir(parents=True)
     (work / "results" / "earlier").mkdir()  # an earlier invocation's results stay as they are
-    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work),
+    command = [sys.executable, "-m", "stackbench", "--work", str(work),
                "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
                "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1", "--gateway-levels", "1",
                "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "2",
@@ -107,7 +107,7 @@ def test_replicas_serve_the_levels_together_behind_one_round_robin_target(tmp_pa
 
     model = write_tiny_model(tmp_path / "tiny")
     work = tmp_path / "work"
-    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--replicas", "2",
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--replicas", "2",
                "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
                "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "2", "--gateway-levels", "2",
                "--requests", "4", "--server-warmup", "0", "--warmup", "1", "--render-arg", "first_hop=5",
@@ -160,7 +160,7 @@ def test_a_dit_run_renders_the_dit_token2wav_and_is_named_after_it(tmp_path):
     # Without --dit-dir the run takes WORK/dit, written once (released size) and reused: a micro DiT placed there
     # keeps this CPU run short and exercises that default.
     dit_dir = write_dit_model(work / "dit", seed=1)
-    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--token2wav", "dit",
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--token2wav", "dit",
                "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
                "--only", "triton-stream,triton-offline", "--stream-levels", "1", "--offline-levels", "1",
                "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--render-arg", "first_hop=5",
@@ -206,7 +206,7 @@ def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
     # Without --spark-dir the run takes WORK/spark-model, written once (released size) and reused: a tiny Spark
     # model placed there keeps this CPU run short and exercises that default.
     spark = write_tiny_spark(work / "spark-model", seed=2)
-    command = [sys.executable, "-m", "scripts.stack_bench", "--work", str(work), "--model-dir", str(model),
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model),
                "--spark", "--spark-benchmark-ratio", str(SPARK_RATIO),
                "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
                "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",

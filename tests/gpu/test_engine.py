@@ -1,7 +1,7 @@
 """The CosyVoice2 engine at the released size on CUDA (random weights, bf16, every graph on): offline synthesis and
 streaming of a fixed number of speech tokens give the samples those tokens stand for, all finite, and the stages
 (LLM tokens, flow mel, HiFT audio) agree on the length. Random weights never stop sensibly, so the token count is
-fixed (benchmark mode). scripts/engine_gpu_bench.py times the same calls."""
+fixed (benchmark mode). benchmarks/enginebench/cosyvoice2_engine.py times the same calls."""
 
 from __future__ import annotations
 

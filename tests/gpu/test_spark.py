@@ -1,7 +1,7 @@
 """The Spark-TTS engine on CUDA: the LLM's step graphs (the shared `BatchedDecoder`, driving Spark's Qwen2) replay
 the eager steps, batched vocoding of windows of different lengths equals vocoding each alone, and streamed audio
 equals offline audio. The tiny model checks these fast; the released size (marked slow) runs the real shapes with
-the LLM in bf16, as served. scripts/spark_gpu_bench.py times the same engine."""
+the LLM in bf16, as served. benchmarks/enginebench/spark_engine.py times the same engine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The reliability rig: one local stack (`python -m triton_repo.stack`) on the tiny model, on loopback,
+"""The reliability rig: one local stack (`python -m triton_repo.local_stack`) on the tiny model, on loopback,
 shared by the soak and fault suites of one test run (tests/reliability/stack_rig.py)."""
 
 from __future__ import annotations

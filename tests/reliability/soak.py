@@ -6,9 +6,9 @@ the gateway, tritonserver (with its python stub processes) and the GPU keep.
     python -m tests.reliability.soak --full-size --device cuda --stub-env DIR --concurrency 64 --minutes 10 \\
         --wall-budget 590
 
-Without ``--url`` it starts its own stack on loopback: by default the local stack (`python -m triton_repo.stack`)
-on the tiny random model (CPU); with ``--full-size`` the stack `scripts/stack_bench.py` starts
-(`scripts/bench_stack.py`): released-size random weights written once under ``--work``, the repository rendered
+Without ``--url`` it starts its own stack on loopback: by default the local stack (`python -m triton_repo.local_stack`)
+on the tiny random model (CPU); with ``--full-size`` the stack `stack-bench` starts
+(``stackbench.launch``): released-size random weights written once under ``--work``, the repository rendered
 for ``--device``/``--dtype`` in benchmark mode (random weights never stop by themselves), the Triton stubs in
 ``--stub-env``, the gateway in front. ``--model-dir`` replaces the random weights (a real model with
 ``--benchmark-speech-ratio 0``, or the tiny one where no GPU is at hand: tests/reliability/test_soak.py).
@@ -215,9 +215,9 @@ class ObservedStack(Protocol):
 
 @dataclass
 class RenderedStack:
-    """The stack `scripts/bench_stack.py` starts, seen the way the soak observes a stack."""
+    """The stack ``stackbench.launch`` starts, seen the way the soak observes a stack."""
 
-    stack: Any  # scripts.bench_stack.BenchStack (imported only for --full-size: it needs the benchmarks path)
+    stack: Any  # stackbench.launch.BenchStack (imported only for --full-size: it needs the engine's packages)
 
     @property
     def url(self) -> str:
@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", type=Path, help="JSON report (default: WORK/soak-<UTC time>.json)")
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "var" / "soak",
                         help="report, and with --full-size the weights, rendered repository and logs")
-    full = parser.add_argument_group("the rendered stack (--full-size), as scripts/stack_bench.py starts it")
+    full = parser.add_argument_group("the rendered stack (--full-size), as stack-bench starts it")
     full.add_argument("--full-size", action="store_true",
                       help="released-size random weights (written once under WORK/model), benchmark mode")
     full.add_argument("--prepare-only", action="store_true", help="write the --full-size weights and stop")
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     full.add_argument("--max-batch", type=int, default=32)
     full.add_argument("--max-seq-len", type=int, default=2048)
     full.add_argument("--benchmark-speech-ratio", type=float,
-                      help="speech tokens per text token (0 = off: real weights; default: scripts/bench_stack.py's "
+                      help="speech tokens per text token (0 = off: real weights; default: stackbench.launch's "
                            "realistic ratio for the model's tokenizer)")
     full.add_argument("--render-arg", action="append", default=[], metavar="FIELD=VALUE",
                       help="extra RenderOptions field, repeatable")
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(report), indent=1))
         return 0 if report.failed == 0 else 1
     if args.prepare_only:
-        from scripts.bench_stack import ensure_model_dir
+        from stackbench.launch import ensure_model_dir
 
         print(f"weights: {ensure_model_dir(args.work, args.model_dir)}")
         return 0
@@ -419,7 +419,7 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
     samples: list[dict[str, Any]] = figures["samples"]
     gpu = None
     if rendered and args.device == "cuda":
-        from scripts.stack_bench import GpuMemory
+        from stackbench.cli import GpuMemory
 
         gpu = GpuMemory()
         figures["gpu_source"] = gpu.source
@@ -431,7 +431,7 @@ def run_own_stack(args: argparse.Namespace, began: float, rendered: bool) -> dic
         try:
             phase = time.monotonic()
             if rendered:
-                from scripts.bench_stack import TRITON_READY_TIMEOUT_S, BenchStack, ensure_model_dir, render_stack
+                from stackbench.launch import TRITON_READY_TIMEOUT_S, BenchStack, ensure_model_dir, render_stack
 
                 args.work.mkdir(parents=True, exist_ok=True)
                 model_dir = ensure_model_dir(args.work, args.model_dir)

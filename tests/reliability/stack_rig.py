@@ -1,4 +1,4 @@
-"""The local stack (`python -m triton_repo.stack`) on the tiny model as a subprocess on loopback, plus what
+"""The local stack (`python -m triton_repo.local_stack`) on the tiny model as a subprocess on loopback, plus what
 the reliability suites need to observe and hurt it: its processes (from /proc), their memory, its metrics."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def triton_active_requests(metrics_port: int) -> float:
 
 @dataclass
 class StackProcess:
-    """``python -m triton_repo.stack`` with pinned ports; stopped (TERM, then KILL of its group) by ``stop``."""
+    """``python -m triton_repo.local_stack`` with pinned ports; stopped (TERM, then KILL of its group) by ``stop``."""
 
     model_dir: Path
     work_dir: Path
@@ -164,7 +164,7 @@ class StackProcess:
         }
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(  # noqa: S603 - our own module
-                [sys.executable, "-m", "triton_repo.stack", "--model-dir", str(self.model_dir),
+                [sys.executable, "-m", "triton_repo.local_stack", "--model-dir", str(self.model_dir),
                  "--repo-dir", str(self.work_dir / "repo"), *self.extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip

@@ -1,6 +1,6 @@
 """CI-sized soak against the local stack on the tiny model: concurrent streams, none lost or truncated,
 nothing left in flight, memory growth bounded. The long run: `python -m tests.reliability.soak --minutes N`; its
---full-size path (the rendered stack of scripts/stack_bench.py, on a GPU) runs here on the tiny model."""
+--full-size path (the rendered stack stack-bench starts, on a GPU) runs here on the tiny model."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_concurrent_streams_are_all_whole_and_leave_nothing_behind(tiny_stack):
     assert gateway_growth < GATEWAY_GROWTH_BYTES and triton_growth < TRITON_GROWTH_BYTES
 
 
-# The --full-size path (the stack scripts/stack_bench.py starts), on the tiny model instead of released-size weights.
+# The --full-size path (the stack stack-bench starts), on the tiny model instead of released-size weights.
 
 SAMPLE_KEYS = ("gateway_rss", "triton_rss")
 

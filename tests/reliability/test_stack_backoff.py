@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triton_repo.stack import Backoff, StackError, _env_port
+from triton_repo.local_stack import Backoff, StackError, _env_port
 
 
 def test_restart_delays_double_up_to_the_cap_and_reset_after_a_good_run():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from triton_repo import local_stack
+from triton_repo.local_stack import GATEWAY_CANNOT_START, StackError, Supervisor, default_stack_dir
 from triton_repo.server import REPO_ROOT
-from triton_repo import stack as stack_module
-from triton_repo.stack import GATEWAY_CANNOT_START, StackError, Supervisor, default_stack_dir
 
 #: Far below a tritonserver start: a launcher that gets as far as loading models has not failed fast.
 FAIL_FAST_S = 90
@@ -68,7 +68,7 @@ def test_the_stack_stops_at_once_when_the_gateway_cannot_start(tiny_model, tmp_p
     tritonserver is started (no restart loop, no repository rendered)."""
     env = {"TTS_PORT": str(busy_port)} if setting == "busy port" else {"TTS_MAX_IN_FLIGHT": "0"}
     done, seconds = _run(
-        "triton_repo.stack", "--model-dir", str(tiny_model), "--repo-dir", str(tmp_path / "repo"), **env
+        "triton_repo.local_stack", "--model-dir", str(tiny_model), "--repo-dir", str(tmp_path / "repo"), **env
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output
@@ -120,7 +120,7 @@ def test_each_stack_renders_into_its_own_directory(tiny_model, monkeypatch):
         rendered.append(options.out)
         raise _Rendered
 
-    monkeypatch.setattr(stack_module, "write_repository", render)
+    monkeypatch.setattr(local_stack, "write_repository", render)
     for key in [k for k in os.environ if k.startswith(("TTS_", "COSYVOICE_"))]:
         monkeypatch.delenv(key)
     ports = []
@@ -131,6 +131,6 @@ def test_each_stack_renders_into_its_own_directory(tiny_model, monkeypatch):
     for port in ports:
         monkeypatch.setenv("TTS_PORT", str(port))
         with pytest.raises(_Rendered):
-            stack_module.main(["--model-dir", str(tiny_model)])
+            local_stack.main(["--model-dir", str(tiny_model)])
     assert rendered == [default_stack_dir(port) / "triton_repo" for port in ports]
     assert rendered[0].parent != rendered[1].parent and rendered[0].parent.parent == REPO_ROOT / "var"

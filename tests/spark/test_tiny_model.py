@@ -91,7 +91,7 @@ def test_gpu_bench_script_reports_every_measurement() -> None:
     """The speed script runs end to end (tiny model, CPU); its numbers are not asserted, its counts are."""
     import importlib
 
-    module = importlib.import_module("scripts.spark_gpu_bench")
+    module = importlib.import_module("enginebench.spark_engine")
     report = module.main(["--tiny", "--device", "cpu", "--dtype", "fp32", "--tokens", "30", "--concurrency", "2",
                           "--reference-seconds", "1", "--first-chunk-tokens", "10"])
     assert report["offline_c1"]["audio_s"] == report["stream_c1"]["audio_s"] == 30 / 50

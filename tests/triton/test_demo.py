@@ -1,4 +1,4 @@
-"""`make demo` end to end: `python -m triton_repo.stack --demo` writes its random model into a cache directory,
+"""`make demo` end to end: `python -m triton_repo.local_stack --demo` writes its random model into a cache directory,
 serves it through the real tritonserver and gateway, labels what it serves, and stops cleanly on SIGTERM."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from gateway.demo import DEMO_HEADER, DEMO_HEADER_VALUE, DEMO_MODEL_ID
 from tests.reliability.stack_rig import StackProcess, descendants, http_status
-from triton_repo.stack import DEMO_MARKER
+from triton_repo.local_stack import DEMO_MARKER
 
 #: The whole stack: its start (up to START_TIMEOUT_S, again after a port conflict), the calls, the drain.
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]

@@ -5,24 +5,22 @@ layers' stages, laid end to end, fit inside the orchestrator's measured first-ch
 from __future__ import annotations
 
 import asyncio
-import importlib
 
 import pytest
 import tritonclient.grpc.aio as aio
 
+import pipeline_contract as contract
+import stackbench.cli as sb
 from speech_serving import llm_scheduler, orchestrator, token2wav
 from tests.triton.conftest import settled_metrics, stream, synthesis_inputs, wait_metrics
-import pipeline_contract as contract
 
 pytestmark = pytest.mark.triton
-
-sb = importlib.import_module("scripts.stack_bench")
 
 STREAMS = 3
 
 
 def deltas(before: dict, after: dict) -> dict[str, float]:
-    """stat -> its change, summed over models (as `scripts.stack_bench` reads them)."""
+    """stat -> its change, summed over models (as stack-bench reads them)."""
     out: dict[str, float] = {}
     for (name, _), value in after.items():
         out[name] = out.get(name, 0.0) + value

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.bench_stack import render_fields
+from stackbench.launch import render_fields
 from triton_repo.render import add_option_flags, main, option_values
 from triton_repo.render_checks import field_errors
 from triton_repo.render_options import RenderError, RenderOptions, SparkRenderOptions, option
@@ -19,7 +19,7 @@ def options(**values: object) -> RenderOptions:
 
 
 def test_key_value_strings_parse_by_the_field_type() -> None:
-    # how the benchmark scripts pass --render-arg FIELD=VALUE: integers already as int, the rest as strings
+    # how stack-bench and the soak pass --render-arg FIELD=VALUE: integers already as int, the rest as strings
     opts = options(**render_fields(["token2wav_gpus=1,2,3", "flow_cache_gb=1.5", "gpu_emulation=true",
                                     "instances=cosyvoice2=2,voice_prompt=3", "first_hop=15", "layout=single"]))
     assert opts.token2wav_gpus == (1, 2, 3)  # not ('1', ',', '2', ',', '3')

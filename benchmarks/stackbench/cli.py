@@ -1,8 +1,8 @@
 """Whole-stack benchmark on one machine: rendered repository -> tritonserver + gateway -> `tts-bench` levels.
 
-    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]
-    python -m scripts.stack_bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
-    python -m scripts.stack_bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
+    stack-bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]   # or: python -m stackbench ...
+    stack-bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
+    stack-bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -103,7 +103,7 @@ from pathlib import Path
 from typing import Any
 
 from cosyvoice2.dit.loading import check_dit_dir
-from scripts.bench_stack import (
+from stackbench.launch import (
     SPARK_TOKENS_PER_CHAR,
     SPEECH_TOKENS_PER_CHAR,
     BenchStack,
@@ -501,9 +501,9 @@ def run_level(scenario: Scenario, concurrency: int, url: str, json_path: Path, r
 
 def tts_bench(command: list[str], title: str) -> dict[str, Any]:
     """Run one `tts-bench` command line and return the document it wrote (where its ``--json`` says)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "benchmarks"), str(REPO_ROOT)])}
     print(f"\n## {title}: {' '.join(command[1:])}", flush=True)
-    subprocess.run(command, check=True, env=env)  # noqa: S603 - our own module
+    # This interpreter, this environment: the tts-bench installed beside this package.
+    subprocess.run(command, check=True)  # noqa: S603 - our own module
     return json.loads(Path(command[command.index("--json") + 1]).read_text())
 
 
@@ -514,7 +514,7 @@ def open_loop_settings(args: argparse.Namespace) -> SearchSettings | None:
     try:
         return SearchSettings(args.open_loop, args.open_loop_min, args.open_loop_max, max_steps=args.open_loop_steps)
     except SearchSettingsError as exc:
-        raise SystemExit(f"stack_bench: --open-loop: {exc}") from None
+        raise SystemExit(f"stack-bench: --open-loop: {exc}") from None
 
 
 def run_rate_search(scenario: Scenario, url: str, json_path: Path, search: SearchSettings, step_seconds: float,
@@ -801,16 +801,16 @@ def replica_devices(replicas: int, device: str, render_args: Sequence[str], envi
     given = [name for name in DISAGGREGATED_FIELDS if name in fields]
     if fields.get("layout") == "disaggregated" or given:
         what = "layout=disaggregated" if fields.get("layout") == "disaggregated" else ", ".join(given)
-        raise SystemExit(f"stack_bench: --replicas {replicas} runs {replicas} independent colocated tritonservers, one "
+        raise SystemExit(f"stack-bench: --replicas {replicas} runs {replicas} independent colocated tritonservers, one "
                          f"per GPU; {what} belongs to the disaggregated layout, which spreads ONE tritonserver over "
                          "several GPUs: measure one or the other (docs/deploy.md#several-gpus)")  # fmt: skip
     visible = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
     if device == "cuda":
         if "CUDA_VISIBLE_DEVICES" in environ and len(visible) < replicas:
-            raise SystemExit(f"stack_bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
+            raise SystemExit(f"stack-bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
                              f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r} leaves {len(visible)}")
         if "CUDA_VISIBLE_DEVICES" not in environ and (count := count_gpus()) is not None and count < replicas:
-            raise SystemExit(f"stack_bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
+            raise SystemExit(f"stack-bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
                              f"this machine has {count}")
     return [visible[i] if i < len(visible) else str(i) for i in range(replicas)]
 
@@ -879,7 +879,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="stack-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=REPO_ROOT / "var" / "stackbench")
     parser.add_argument("--out", type=Path, help="parent of the fresh results directories (default: WORK/results)")
     parser.add_argument("--model-dir", type=Path, help="default: released-size random weights under WORK")
@@ -950,26 +950,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = set((args.only or "").split(",")) - {"", *(s.name for s in SCENARIOS)}
     if unknown:
-        raise SystemExit(f"stack_bench: unknown scenario(s) {', '.join(sorted(unknown))}")
+        raise SystemExit(f"stack-bench: unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
-        raise SystemExit(f"stack_bench: {args.stub_env} is not a Python environment (no bin/python3)")
+        raise SystemExit(f"stack-bench: {args.stub_env} is not a Python environment (no bin/python3)")
     for item in args.render_arg:
         if (field := item.partition("=")[0]) in OWN_OPTIONS:
-            raise SystemExit(f"stack_bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
+            raise SystemExit(f"stack-bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
                              "(the results are named after it)")
     if not args.spark and (args.spark_dir is not None or args.spark_benchmark_ratio is not None):
-        raise SystemExit("stack_bench: --spark-dir and --spark-benchmark-ratio need --spark")
+        raise SystemExit("stack-bench: --spark-dir and --spark-benchmark-ratio need --spark")
     if args.spark and (args.token2wav != "unet" or args.dit_dir is not None):
-        raise SystemExit("stack_bench: --spark measures Spark-TTS, which vocodes with its own BiCodec: "
+        raise SystemExit("stack-bench: --spark measures Spark-TTS, which vocodes with its own BiCodec: "
                          "--token2wav and --dit-dir do not apply")
     pipeline = SPARK_PIPELINE if args.spark else None
     if args.dit_dir is not None:
         if args.token2wav != "dit":
-            raise SystemExit("stack_bench: --dit-dir is only used with --token2wav dit")
+            raise SystemExit("stack-bench: --dit-dir is only used with --token2wav dit")
         try:
             check_dit_dir(args.dit_dir)
         except FileNotFoundError as exc:
-            raise SystemExit(f"stack_bench: --dit-dir: {exc}") from None
+            raise SystemExit(f"stack-bench: --dit-dir: {exc}") from None
     devices = replica_devices(args.replicas, args.device, args.render_arg, dict(os.environ))
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
     search = open_loop_settings(args)
@@ -1091,7 +1091,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack_bench {out_dir.name}", realtime, token2wav, pipeline,
+        summary = summary_markdown(rows, f"stack-bench {out_dir.name}", realtime, token2wav, pipeline,
                                    document.get("open_loop"), replicas=args.replicas, gpus=len(gpus))  # fmt: skip
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)

@@ -14,18 +14,18 @@ import pytest
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from tests.reliability.stack_rig import StackProcess
 from triton_repo.server import REPO_ROOT
-from triton_repo.stack import DEMO_MARKER, StackError, ensure_demo_model, main
+from triton_repo.local_stack import DEMO_MARKER, StackError, ensure_demo_model, main
 
 pytestmark = pytest.mark.triton
 
 
 def _stack(*args: str, **env: str) -> subprocess.CompletedProcess:
-    """`python -m triton_repo.stack` as `make run` starts it, in its own process (a developer's COSYVOICE_*
+    """`python -m triton_repo.local_stack` as `make run` starts it, in its own process (a developer's COSYVOICE_*
     variables left out: only `env` sets them)."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_")}
     environment = {**inherited, "PYTHONPATH": str(REPO_ROOT), **env}
     return subprocess.run(
-        [sys.executable, "-m", "triton_repo.stack", *args], cwd=REPO_ROOT, env=environment,
+        [sys.executable, "-m", "triton_repo.local_stack", *args], cwd=REPO_ROOT, env=environment,
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 

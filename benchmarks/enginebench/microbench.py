@@ -2,7 +2,7 @@
 flow per call, HiFT per call, eager against CUDA graphs, the implied streaming first-chunk latency, and batched
 token2wav (flow + HiFT for many streams' first chunks or many offline utterances in one call).
 
-    PYTHONUNBUFFERED=1 python -m scripts.gpu_microbench --device cuda --dtype bf16 --json bench.json
+    PYTHONUNBUFFERED=1 python -m enginebench.microbench --device cuda --dtype bf16 --json bench.json
 
 Every number is wall-clock per call with a device sync at the end (what a caller waits for), over `--repeats`
 calls after warm-up; tables give p50 / p90 / max in milliseconds.

@@ -1,5 +1,5 @@
-"""Wall-clock timing of GPU work for the benchmark scripts: CUDA runs asynchronously, so a timer must wait for the
-device before it starts and before it stops, or it measures only the kernel launches."""
+"""Wall-clock timing of GPU work for the engine-level benchmarks: CUDA runs asynchronously, so a timer must wait
+for the device before it starts and before it stops, or it measures only the kernel launches."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Then the flow's step graphs (`cosyvoice2.dit.graphs`): it captures every bucket 
 bytes) and measures the streaming levels again with the graphs replayed. Prints one JSON object, then a table of
 eager vs graphs. That the replays equal the eager flow is a test: tests/gpu/test_dit_graphs.py.
 
-    PYTHONUNBUFFERED=1 python -m scripts.dit_gpu_bench --device cuda --dtype fp32 --concurrency 1 4 16
+    PYTHONUNBUFFERED=1 python -m enginebench.dit_token2wav --device cuda --dtype fp32 --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from cosyvoice2.dit.graphs import DiTGraphBuckets, DiTStepGraphs
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.dit.token2wav import DiTToken2Wav
 from cosyvoice2.testing.dit import MICRO_HIFT, micro_dit_config, write_dit_model, write_full_size_random_dit
-from scripts.gpu_timing import timed
+from enginebench.timing import timed
 
 TOKEN_RATE = 25
 

@@ -9,7 +9,7 @@ history) three ways:
 - kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
   waited for the host.
 
-    PYTHONUNBUFFERED=1 python -m scripts.t2w_phase_profile --streams 1 8 16
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import cosyvoice2.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow.cached import CachedFlowRunner
 from cosyvoice2.streaming import FlowPrompt, Token2Wav
-from scripts.gpu_microbench import advanced_streams, kernel_profile, random_flow, random_hift
-from scripts.gpu_timing import sync
+from enginebench.microbench import advanced_streams, kernel_profile, random_flow, random_hift
+from enginebench.timing import sync
 
 PROMPT_TOKENS = 150
 

@@ -2,11 +2,11 @@
 layout: LLM and token2wav in one `engine` process), start the bundled tritonserver and the gateway in
 front of it, and keep both running.
 
-    python -m triton_repo.stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
+    python -m triton_repo.local_stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
                                 [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
                                 [--spark-dir models/Spark-TTS-0.5B]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
-    python -m triton_repo.stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
+    python -m triton_repo.local_stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
 Start-up: what a restart cannot fix stops the launcher at once (exit status 2) with a message that says what
 to change: the gateway's settings and port are checked first (`python -m gateway --check`: a port in use names
@@ -156,7 +156,7 @@ def ensure_demo_model(demo_dir: Path) -> Path:
     try:
         write_tiny_model(staging, seed=DEMO_SEED)
         (staging / DEMO_MARKER).write_text(
-            "A tiny CosyVoice2 with random weights, written by `python -m triton_repo.stack --demo` for trying the\n"
+            "A tiny CosyVoice2 with random weights, written by `python -m triton_repo.local_stack --demo` for trying the\n"
             "serving stack without the real weights. Everything it says is noise. Safe to delete.\n",
             encoding="utf-8",
         )
@@ -465,7 +465,7 @@ def _env_port(name: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m triton_repo.stack", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m triton_repo.local_stack", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model-dir", type=Path, default=Path(os.environ.get("COSYVOICE_MODEL_DIR", DEFAULT_MODEL_DIR))
     )

@@ -1,6 +1,6 @@
 """Host overhead of the continuous-batching LLM scheduler per decoder step, without any model.
 
-    python -m scripts.llm_scheduler_bench [--batches 1 16 64] [--steps 1000] [--repeats 3] [--step-us 1000]
+    python -m enginebench.llm_scheduler [--batches 1 16 64] [--steps 1000] [--repeats 3] [--step-us 1000]
 
 The decoder is a stub whose `step()` returns a prepared result after sleeping `--step-us` (a sleep
 releases the GIL, as a GPU step does while it waits for its tokens). The time from the end of one `step()`
@@ -124,7 +124,7 @@ def _summary(values: list[float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m scripts.llm_scheduler_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m enginebench.llm_scheduler", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=1000, help="measured steps per run")
     parser.add_argument("--step-us", type=float, default=1000.0, help="simulated device time of one step (GIL released)")

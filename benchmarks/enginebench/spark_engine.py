@@ -11,7 +11,7 @@ number of LLM tokens per request, since random weights never stop sensibly):
 
 That the engine computes the right thing on a GPU is a test: tests/gpu/test_spark.py.
 
-    PYTHONUNBUFFERED=1 python -m scripts.spark_gpu_bench --tokens 250 --concurrency 1 4 16
+    PYTHONUNBUFFERED=1 python -m enginebench.spark_engine --tokens 250 --concurrency 1 4 16
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.decode import BatchedDecoder
-from scripts.gpu_timing import sync, timed
+from enginebench.timing import sync, timed
 from spark_tts.engine import SparkTTS
 from spark_tts.llm import SparkSampling, spark_request
 from spark_tts.streaming import ChunkSchedule, StreamPlan

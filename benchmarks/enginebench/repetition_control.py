@@ -1,6 +1,6 @@
 """Repetition control of the TensorRT-LLM path against RAS, measured on a CosyVoice2 LLM checkpoint (CPU).
 
-    python -m benchmarks.repetition_control --model-dir MODEL_DIR [--runs 40] [--text-tokens 12]
+    python -m enginebench.repetition_control --model-dir MODEL_DIR [--runs 40] [--text-tokens 12]
 
 MODEL_DIR holds `llm.pt` and either the official `cosyvoice2.yaml` layout or a `harness_config.json` (the micro
 parity model). The same prompt is decoded `--runs` times per policy, each run with its own seed:

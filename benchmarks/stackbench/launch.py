@@ -1,8 +1,8 @@
 """The rendered stack the whole-stack tools start on one machine: the weights (released-size random ones written
 once under a work directory unless a model directory is given), the repository rendered for a device and dtype
 (in benchmark mode for random weights; Spark-TTS beside CosyVoice2 when asked), tritonserver with its python
-stubs in a chosen Python environment, and the gateway in front of it. `scripts/stack_bench.py` and the soak
-(`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
+stubs in a chosen Python environment, and the gateway in front of it. `stack-bench` (``stackbench.cli``) and the
+soak (`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ tokens per segment, since random weights never stop sensibly) and prints, per se
 the time spent in the LLM, the flow and HiFT, plus the streaming first-chunk latency. That these calls give the
 right audio at this size is a test: tests/gpu/test_engine.py.
 
-    PYTHONUNBUFFERED=1 python -m scripts.engine_gpu_bench --tokens 250 --dtype bf16 --device cuda
+    PYTHONUNBUFFERED=1 python -m enginebench.cosyvoice2_engine --tokens 250 --dtype bf16 --device cuda
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import cosyvoice2
 from cosyvoice2.config import resolve_dtype
 from cosyvoice2.testing import write_full_size_random_model
-from scripts.gpu_timing import timed
+from enginebench.timing import timed
 
 TEXT = "This sentence only sets the text length; benchmark mode fixes the number of speech tokens."
 TOKENS_PER_SECOND = 25
