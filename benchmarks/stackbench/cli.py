@@ -845,6 +845,8 @@ def settings_slug(args: argparse.Namespace) -> str:
         parts.append(args.only.replace(",", "+"))
     if args.replicas > 1:
         parts.append(f"rep{args.replicas}")
+    if args.cuda_mps:
+        parts.append("mps")
     parts.append(f"r{args.repeat}")
     return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
 
@@ -943,6 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive, default=1,
                         help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
                              "one round-robin gRPC target (default 1)")
+    parser.add_argument("--cuda-mps", action="store_true",
+                        help="run the tritonservers under a CUDA MPS daemon of the run's own (triton_repo.cuda_mps), "
+                             "as COSYVOICE_CUDA_MPS=on does for the local stack and the containers")
     return parser
 
 
@@ -991,7 +996,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spark_benchmark_ratio=args.spark_benchmark_ratio,
     )  # fmt: skip
 
-    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices)
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices, cuda_mps=args.cuda_mps)
     servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
