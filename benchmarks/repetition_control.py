@@ -5,7 +5,7 @@
 MODEL_DIR holds `llm.pt` and either the official `cosyvoice2.yaml` layout or a `harness_config.json` (the micro
 parity model). The same prompt is decoded `--runs` times per policy, each run with its own seed:
 
-* `ras`: our PyTorch path (cosyvoice2.llm.sampling: nucleus top-k 25 / top-p 0.8, RAS window 10, tau_r 0.1);
+* `ras`: our PyTorch path (speech_lm.sampling: nucleus top-k 25 / top-p 0.8, RAS window 10, tau_r 0.1);
 * `topk_topp`: the TensorRT-LLM path without repetition control (nucleus only);
 * `penalty`: nucleus after TensorRT-LLM's repetition penalty 1.1 (a logit of an id already in the sequence,
   prompt included, is divided by the penalty when positive and multiplied when negative);
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.model import CosyVoice2LM, LLMConfig
-from cosyvoice2.llm.sampling import SamplingParams, make_generator, nucleus_sample, ras_sample
+from speech_lm.sampling import SamplingParams, make_generator, nucleus_sample, ras_sample
 from speech_serving.repetition import LoopGuardConfig
 
 TRTLLM_REPETITION_PENALTY = 1.1  # RenderOptions.repetition_penalty (upstream's value)

@@ -19,7 +19,9 @@ from cosyvoice2.frontend.llm_prompt import llm_prompt
 from cosyvoice2.frontend.onnx_models import PromptModels
 from cosyvoice2.frontend.prompt import VoicePrompt, build_voice_prompt
 from cosyvoice2.hift import HiFTGenerator
-from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams, generate_tokens
+from cosyvoice2.llm import CosyVoice2LM
+from speech_lm.decode import DecodeRequest, generate_tokens
+from speech_lm.sampling import SamplingParams
 from cosyvoice2.streaming import Token2Wav, Token2WavStream
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from speech_text.segment import segment_text

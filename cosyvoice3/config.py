@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from cosyvoice2.hift.config import HiFTConfig
-from cosyvoice2.llm.config import LLMConfig, Qwen2Config
+from cosyvoice2.llm.config import LLMConfig
+from speech_lm.config import Qwen2Config
 
 from .errors import CosyVoice3ConfigError
 from .layout import MODEL_YAML, QWEN_CONFIG

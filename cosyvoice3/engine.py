@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from cosyvoice2.llm.decode import DecodeRequest
+from speech_lm.decode import DecodeRequest
 
 from .config import CosyVoice3Config
 from .errors import CosyVoice3InputError, CosyVoice3ModelError

@@ -1,6 +1,6 @@
 """CosyVoice3LM on the shared batched decoder (`cosyvoice2.llm`), its prompt formats and the silent-token filter.
 
-The model is CosyVoice2's Qwen2 body (`cosyvoice2.llm.qwen2`) with a different speech vocabulary: 6561 speech
+The model is CosyVoice2's Qwen2 body (`speech_lm.qwen2`) with a different speech vocabulary: 6561 speech
 tokens plus 200 special ids (sos 6561, eos 6562, task 6563, fill 6564, the rest unused) in one
 `speech_embedding` and one bias-free `llm_decoder`. The LLM input is
 
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.decode import DecodeRequest, generate_tokens
+from speech_lm.decode import DecodeRequest, generate_tokens
 from cosyvoice2.llm.model import Qwen2Encoder
-from cosyvoice2.llm.qwen2 import Qwen2Model, SpeechLM
-from cosyvoice2.llm.sampling import SamplingParams
+from speech_lm.qwen2 import Qwen2Model, SpeechLM
+from speech_lm.sampling import SamplingParams
 
 from .config import ENDOFPROMPT, SYSTEM_PROMPT, CosyVoice3LLMConfig
 from .errors import CosyVoice3InputError

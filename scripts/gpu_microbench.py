@@ -19,11 +19,13 @@ from typing import Callable
 
 import torch
 
-import cosyvoice2.kernels
+import speech_lm.kernels
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.decode import BatchedDecoder, DecodeRequest
+from speech_lm.sampling import SamplingParams
 from cosyvoice2.streaming import FlowPrompt, Token2Wav
 
 PROMPT_TOKENS = 150  # prompt speech tokens (6 s of reference audio)
@@ -124,7 +126,7 @@ PREFILL_BATCHES = (1, 8, 16)
 def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
     """Eager and CUDA-graph decoders; where the time of one step goes (kernel profile)."""
     device = bench.device
-    fused = "Triton" if cosyvoice2.kernels._triton_kernels() is not None else "PyTorch fallback (triton missing)"
+    fused = "Triton" if speech_lm.kernels._triton_kernels() is not None else "PyTorch fallback (triton missing)"
     print(f"LLM (Qwen2 0.5B body, fused q|k|v and gate|up, static KV cache; add+RMSNorm and SiLU*up: {fused})",
           flush=True)
     with torch.device(device):

@@ -1,7 +1,7 @@
 """The Spark LLM (Qwen2.5-0.5B with Spark's added tokens) on the shared batched decoder.
 
-``SparkLM`` wraps our Qwen2 body (``cosyvoice2.llm.qwen2``) and presents the interface that
-``cosyvoice2.llm.decode.BatchedDecoder`` drives (prefix embedding, token embedding, log-probs, KV cache), so
+``SparkLM`` wraps our Qwen2 body (``speech_lm.qwen2``) and presents the interface that
+``speech_lm.decode.BatchedDecoder`` drives (prefix embedding, token embedding, log-probs, KV cache), so
 Spark requests get the same static KV cache, CUDA graphs and continuous batching as CosyVoice2's:
 
     decoder = BatchedDecoder(spark_lm, num_slots=16, max_seq_len=2048)
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.decode import DecodeRequest
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
-from cosyvoice2.llm.sampling import SamplingParams
+from speech_lm.decode import DecodeRequest
+from speech_lm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
+from speech_lm.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
-from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
+from cosyvoice2.llm import CosyVoice2LM
+from speech_lm.decode import DecodeRequest
+from speech_lm.sampling import SamplingParams
 from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
 from speech_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder, worker_stream
 from speech_serving.errors import InvalidInput
 from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.config import LLMConfig, Qwen2Config
-from cosyvoice2.llm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
+from cosyvoice2.llm.config import LLMConfig
+from speech_lm.config import Qwen2Config
+from speech_lm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1

@@ -197,7 +197,7 @@ def test_malformed_config_is_reported(micro_model_dir: Path, tmp_path: Path) -> 
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(micro_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice2.testing.tokenizer import write_test_tokenizer
+    from speech_lm.testing import write_test_tokenizer
 
     model = _broken_copy(micro_model_dir, tmp_path)
     write_test_tokenizer(model / "CosyVoice-BlankEN", base_vocab_size=MICRO_BASE_VOCAB + 10)
@@ -208,7 +208,8 @@ def test_tokenizer_larger_than_the_embedding_is_refused(micro_model_dir: Path, t
 @torch.inference_mode()
 def test_tiny_model_of_the_engine_converts_consistently(tmp_path: Path) -> None:
     """The engine's own tiny-model writer (official layout) -> HF -> same speech log-probs as the engine."""
-    from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
+    from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+    from speech_lm.config import Qwen2Config
     from cosyvoice2.testing import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder, required_seq_len, token_limits
+from speech_lm.decode import BatchedDecoder, required_seq_len, token_limits
 from cosyvoice3.errors import CosyVoice3InputError
 from cosyvoice3.llm import CosyVoice3LM, LLMPrompt, SilentTokenFilter, sampling_params
 from cosyvoice3.loading import load_llm

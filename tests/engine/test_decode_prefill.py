@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, NoFreeSlotError, Qwen2Config
-from cosyvoice2.llm import SamplingParams, required_seq_len
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
+from speech_lm.decode import BatchedDecoder, DecodeRequest, NoFreeSlotError
+from speech_lm.decode import required_seq_len
+from speech_lm.sampling import SamplingParams
 
 REQUESTS = [
     DecodeRequest(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3] * 5,

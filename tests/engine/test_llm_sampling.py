@@ -8,18 +8,11 @@ import math
 import pytest
 import torch
 
-from cosyvoice2.llm import (
-    BatchedDecoder,
-    CosyVoice2LM,
-    DecodeRequest,
-    LLMConfig,
-    NoFreeSlotError,
-    Qwen2Config,
-    SamplingParams,
-    generate_tokens,
-    required_seq_len,
-)
-from cosyvoice2.llm.sampling import make_generator, nucleus_sample, ras_sample
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
+from speech_lm.decode import BatchedDecoder, DecodeRequest, NoFreeSlotError, generate_tokens, required_seq_len
+from speech_lm.sampling import SamplingParams
+from speech_lm.sampling import make_generator, nucleus_sample, ras_sample
 
 NUM_CLASSES = 6564
 EOS, EOS2, FILL = 6561, 6562, 6563

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm import (
-    BatchedDecoder,
-    CosyVoice2LM,
-    DecodeRequest,
-    LLMConfig,
-    SamplingParams,
-    required_seq_len,
-    token_limits,
-)
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.decode import BatchedDecoder, DecodeRequest, required_seq_len, token_limits
+from speech_lm.sampling import SamplingParams
 from tests.conftest import FIXTURES_DIR
 
 PARITY_DIR = FIXTURES_DIR / "parity"

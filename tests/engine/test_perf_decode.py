@@ -10,9 +10,12 @@ import random
 import pytest
 import torch
 
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, Qwen2Config, SamplingParams
-from cosyvoice2.llm.decode import required_seq_len, token_limits
-from cosyvoice2.llm.sampling import draw_uniforms, make_generator, ras_draw
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
+from speech_lm.decode import BatchedDecoder, DecodeRequest
+from speech_lm.sampling import SamplingParams
+from speech_lm.decode import required_seq_len, token_limits
+from speech_lm.sampling import draw_uniforms, make_generator, ras_draw
 
 
 # ---- the vectorised sampler against a naive per-row reference --------------------------------------------------

@@ -9,7 +9,7 @@ import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, LLM_FILE, load_flow, load_hift, load_llm
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from cosyvoice2.testing import write_tiny_model
 from speech_serving.engines import BatchedToken2Wav
 from speech_serving.schedule import StreamScheduleParams
@@ -28,8 +28,8 @@ def last_gpu(several_gpus: int) -> torch.device:
 
 
 def test_the_llm_decoder_captures_its_step_graphs_on_its_own_gpu(tiny, last_gpu) -> None:
-    from cosyvoice2.llm.decode import DecodeRequest
-    from cosyvoice2.llm.sampling import SamplingParams
+    from speech_lm.decode import DecodeRequest
+    from speech_lm.sampling import SamplingParams
 
     model_dir, config = tiny
     llm = load_llm(model_dir / LLM_FILE, config, last_gpu, torch.float32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cosyvoice2.llm import token_limits
+from speech_lm.decode import token_limits
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_serving.engines import build_decode_request
 from speech_serving.errors import InvalidInput

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder, generate_tokens
+from speech_lm.decode import BatchedDecoder, generate_tokens
 from spark_tts.llm import SparkSampling, spark_request
 from tests.spark.conftest import needs_parity_data
 

@@ -18,7 +18,7 @@ layer) or none, in three modes:
 
 A decode step is launch-bound (a 0.5B model reads its weights in ~0.17 ms on an H200), so the code keeps the
 kernel count per layer low: one GEMM for q|k|v and one for gate|up, the residual add fused into the following
-RMSNorm and SiLU fused with the gate product (``cosyvoice2.kernels``: Triton on CUDA), rotary embedding of q and k
+RMSNorm and SiLU fused with the gate product (``speech_lm.kernels``: Triton on CUDA), rotary embedding of q and k
 as one batched matmul, one scatter per cache write, and GQA attention without expanding the KV heads: the ``G`` query heads that share a KV head become
 ``G`` query rows of that head, so SDPA sees plain multi-head attention with a shared additive mask and can use a
 fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel on CUDA).
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.kernels import add_rms_norm, silu_mul
-from cosyvoice2.llm.config import Qwen2Config
+from speech_lm.kernels import add_rms_norm, silu_mul
+from speech_lm.config import Qwen2Config
 
 
 class StaticKVCache:

@@ -1,7 +1,7 @@
-"""Speech-token decoding for CosyVoice2LM: a continuous-batching decoder and a per-request token iterator.
+"""Speech-token decoding for SpeechLM: a continuous-batching decoder and a per-request token iterator.
 
 Rules (upstream ``Qwen2LM.inference``):
-- input = [SOS, prompt_text ++ text, TASK_ID, prompt speech tokens] (``CosyVoice2LM.embed_prefix``);
+- input = [SOS, prompt_text ++ text, TASK_ID, prompt speech tokens] (``SpeechLM.embed_prefix``);
 - ``min_len = int(len(text) * 2)``, ``max_len = int(len(text) * 20)``, counting *target* text tokens only
   (``SamplingParams.min_tokens`` / ``max_tokens`` set them directly, per request);
 - while fewer than ``min_len`` tokens were emitted, the EOS log-prob (id 6561) is set to -inf before sampling
@@ -52,9 +52,9 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from cosyvoice2.graph_buckets import capture_stream, on_device
-from cosyvoice2.llm.model import CosyVoice2LM
-from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
+from speech_lm.graph_buckets import capture_stream, on_device
+from speech_lm.qwen2 import SpeechLM
+from speech_lm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
@@ -177,7 +177,7 @@ class BatchedDecoder:
 
     def __init__(
         self,
-        model: CosyVoice2LM,
+        model: SpeechLM,
         num_slots: int,
         max_seq_len: int,
         cuda_graphs: bool | None = None,
@@ -313,12 +313,12 @@ class _SoloDecoders:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: weakref.WeakKeyDictionary[CosyVoice2LM, dict[int, list[BatchedDecoder]]] = (
+        self._free: weakref.WeakKeyDictionary[SpeechLM, dict[int, list[BatchedDecoder]]] = (
             weakref.WeakKeyDictionary()
         )
 
     @contextmanager
-    def lend(self, model: CosyVoice2LM, needed: int) -> Iterator[BatchedDecoder]:
+    def lend(self, model: SpeechLM, needed: int) -> Iterator[BatchedDecoder]:
         capacity = max(self.MIN_SEQ_LEN, 1 << (needed - 1).bit_length())
         with self._lock:
             free = self._free.setdefault(model, {}).setdefault(capacity, [])
@@ -337,7 +337,7 @@ class _SoloDecoders:
 _SOLO_DECODERS = _SoloDecoders()
 
 
-def generate_tokens(model: CosyVoice2LM, request: DecodeRequest) -> Iterator[int]:
+def generate_tokens(model: SpeechLM, request: DecodeRequest) -> Iterator[int]:
     """Yield one request's speech tokens as they are decoded (a one-slot ``BatchedDecoder``)."""
     with _SOLO_DECODERS.lend(model, required_seq_len(request)) as decoder:
         slot = decoder.add(request)

@@ -1,0 +1,37 @@
+"""Hyper-parameters of the Qwen2 body every speech LM on the runtime shares.
+
+Torch-free on purpose: configuration is read by processes that never run a model (the orchestrator reads a model's
+vocabulary from its config), so nothing here may import torch; the modules holding the model import it from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Qwen2Config:
+    """Qwen2 body hyper-parameters; defaults are the 0.5B body of CosyVoice2-0.5B (``CosyVoice-BlankEN/config.json``)."""
+
+    hidden_size: int = 896
+    num_hidden_layers: int = 24
+    num_attention_heads: int = 14
+    num_key_value_heads: int = 2
+    intermediate_size: int = 4864
+    vocab_size: int = 151936
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "Qwen2Config":
+        """Build from an HF-style config dict (unknown fields such as ``attn_implementation`` are ignored)."""
+        if values.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported (no supported model uses it)")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
