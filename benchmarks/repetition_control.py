@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.model import CosyVoice2LM, LLMConfig
-from speech_lm.sampling import SamplingParams, make_generator, nucleus_sample, ras_sample
+from cosyvoice2.llm.request import CosyVoice2Prefix, CosyVoice2Sampling
+from speech_lm.sampling import make_generator, nucleus_sample, ras_sample
 from speech_serving.repetition import LoopGuardConfig
 
 TRTLLM_REPETITION_PENALTY = 1.1  # RenderOptions.repetition_penalty (upstream's value)
@@ -65,7 +66,7 @@ def decode(
 ) -> Run:
     config = lm.config
     generator = make_generator(seed, "cpu")
-    params = SamplingParams()
+    params = CosyVoice2Sampling().params()  # CosyVoice2's RAS over its nucleus
     guard = LoopGuardConfig().start() if policy == "penalty+guard" else None
     tokens: list[int] = []
     embeds = prefix
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
     text = rng.integers(0, text_vocab, args.text_tokens).tolist()
     prompt_text = rng.integers(0, text_vocab, 8).tolist()
     prompt_speech = rng.integers(0, lm.config.speech_token_size, args.prompt_tokens).tolist()
-    prefix = lm.embed_prefix(text, prompt_text, prompt_speech).float()
+    prefix = lm.embed_prefix(CosyVoice2Prefix.of(text, prompt_text, prompt_speech)).float()
     min_len, max_len = 2 * len(text), 20 * len(text)
     results = {}
     report("| policy | repeat within 10 | back-to-back | longest run | tokens/run | at length limit | guard cuts |")

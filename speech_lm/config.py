@@ -35,3 +35,24 @@ class Qwen2Config:
             raise ValueError("sliding-window attention is not supported (no supported model uses it)")
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in names})
+
+
+@dataclass(frozen=True)
+class OutputVocabulary:
+    """What the batched decoder knows of a model's output ids (its ``SpeechLM.vocabulary``).
+
+    ``size``: width of a log-prob row. ``stop_ids``: ascending and contiguous (one slice of the row); drawing any
+    of them ends the request, and none is ever emitted. ``masked_below_min``: the one stop id that cannot be drawn
+    while a request has fewer than its ``min_tokens`` tokens (the others can; every model so far masks exactly one).
+    """
+
+    size: int
+    stop_ids: tuple[int, ...]
+    masked_below_min: int
+
+    def __post_init__(self) -> None:
+        ids = self.stop_ids
+        if not ids or list(ids) != list(range(ids[0], ids[0] + len(ids))) or ids[0] < 0 or ids[-1] >= self.size:
+            raise ValueError(f"stop ids must be a non-empty ascending run of ids below {self.size}, got {ids}")
+        if self.masked_below_min not in ids:
+            raise ValueError(f"the id masked below the minimum length ({self.masked_below_min}) must be a stop id")

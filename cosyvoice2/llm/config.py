@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from speech_lm.config import Qwen2Config
+from speech_lm.config import OutputVocabulary, Qwen2Config
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,12 @@ class LLMConfig:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+
+    @property
+    def vocabulary(self) -> OutputVocabulary:
+        """The decoder's view of the head: below the minimum length the id ``speech_token_size`` is masked, as
+        upstream does (EOS here; subclasses with another id layout inherit the same index)."""
+        return OutputVocabulary(self.num_speech_classes, self.stop_ids, masked_below_min=self.speech_token_size)
 
     @classmethod
     def from_harness(cls, values: Mapping[str, Any]) -> "LLMConfig":
