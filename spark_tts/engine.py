@@ -92,7 +92,7 @@ class SparkTTS:
         if self._fixed_tokens is not None:
             sampling = replace(sampling, max_new_tokens=self._fixed_tokens)
         request = spark_request(self.prompt_ids(voice, text), sampling, seed, ignore_eos=self._fixed_tokens is not None)
-        for token in generate_tokens(self.lm, request):  # type: ignore[arg-type]  (duck-typed model)
+        for token in generate_tokens(self.lm, request):
             yield from self.codes_of(token)
 
     @torch.inference_mode()

@@ -259,7 +259,7 @@ class SparkEngine:
         if with_llm:
             lm = load_llm(model_dir, self.device, llm_dtype)
             # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
-            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)
             self.scheduler = ContinuousBatchingScheduler(
                 StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
         self.bicodec = load_bicodec(model_dir, self.device)
