@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 from cosyvoice2.flow.config import FlowConfig
 from cosyvoice2.hift.config import HiFTConfig
 from cosyvoice2.layout import TOKENIZER_SUBDIR
-from cosyvoice2.llm.config import LLMConfig, Qwen2Config
+from cosyvoice2.llm.config import LLMConfig
 from cosyvoice2.streaming import ChunkSchedule
+from speech_lm.config import Qwen2Config
 
 if TYPE_CHECKING:
     import torch

@@ -9,12 +9,9 @@ are cast to the requested dtype; HiFT and the ONNX frontend stay fp32, as upstre
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
-from torch import nn
 
 from cosyvoice2.config import TOKENIZER_SUBDIR, EngineConfig, resolve_dtype
 from cosyvoice2.flow import CausalFlow
@@ -24,15 +21,9 @@ from cosyvoice2.layout import CHECKPOINT_FILES, FLOW_FILE, HIFT_FILE, LLM_FILE, 
 from cosyvoice2.llm import CosyVoice2LM
 from cosyvoice2.pipeline import CosyVoice2
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from speech_lm.checkpoints import load_into, meta_without_init, read_checkpoint
 
 REQUIRED_FILES = (*CHECKPOINT_FILES, *ONNX_FILES)
-_MAX_LISTED = 10
-_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-                   "xavier_normal_", "trunc_normal_", "ones_", "zeros_", "constant_")
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint's keys or shapes do not match the module built from the engine config."""
 
 
 def check_model_dir(model_dir: Path) -> None:
@@ -46,49 +37,8 @@ def check_model_dir(model_dir: Path) -> None:
         raise FileNotFoundError(f"model directory {model_dir} lacks {', '.join(missing)}")
 
 
-def check_state_dict(expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Compare a module's state dict with a checkpoint's; raise one error listing every difference."""
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    wrong_shape = [f"{k}: file {tuple(found[k].shape)}, model {tuple(expected[k].shape)}"
-                   for k in expected if k in found and found[k].shape != expected[k].shape]
-    problems = []
-    for label, items in (("missing keys", missing), ("unexpected keys", unexpected), ("wrong shapes", wrong_shape)):
-        if items:
-            more = f" ... (+{len(items) - _MAX_LISTED} more)" if len(items) > _MAX_LISTED else ""
-            problems.append(f"{label} ({len(items)}): {', '.join(items[:_MAX_LISTED])}{more}")
-    if problems:
-        raise CheckpointMismatchError(f"{path}: checkpoint does not match the model config; " + "; ".join(problems))
-
-
-def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-
-
-def load_into(module: nn.Module, state: Mapping[str, torch.Tensor], path: Path) -> None:
-    """Strict load that assigns the checkpoint tensors (the module may live on the meta device)."""
-    check_state_dict(module.state_dict(), state, path)
-    module.load_state_dict(state, strict=True, assign=True)
-
-
-@contextmanager
-def _meta_without_init() -> Iterator[None]:
-    """Build modules on the meta device without running their random init (the checkpoint replaces every
-    parameter anyway). Skipping it also avoids `normal_` on meta tensors, which imports torch._dynamo and fails
-    wherever a stray `triton` package shadows the real one (our tests/triton under pytest)."""
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in _INIT_FUNCTIONS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        with torch.device("meta"):
-            yield
-    finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
-
-
 def load_llm(path: Path, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> CosyVoice2LM:
-    with _meta_without_init():
+    with meta_without_init():
         llm = CosyVoice2LM(config.llm)
     load_into(llm, read_checkpoint(path), path)
     llm.to(device=device, dtype=dtype)
@@ -98,7 +48,7 @@ def load_llm(path: Path, config: EngineConfig, device: torch.device, dtype: torc
 
 
 def load_flow(path: Path, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> CausalFlow:
-    with _meta_without_init():
+    with meta_without_init():
         flow = CausalFlow(config.flow)  # its fixed CFM noise is still created on the CPU (not in the file)
     load_into(flow, read_checkpoint(path), path)
     return flow.to(device=device, dtype=dtype).eval()

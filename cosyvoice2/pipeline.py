@@ -19,9 +19,11 @@ from cosyvoice2.frontend.llm_prompt import llm_prompt
 from cosyvoice2.frontend.onnx_models import PromptModels
 from cosyvoice2.frontend.prompt import VoicePrompt, build_voice_prompt
 from cosyvoice2.hift import HiFTGenerator
-from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams, generate_tokens
+from cosyvoice2.llm import CosyVoice2LM
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import Token2Wav, Token2WavStream
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
+from speech_lm.decode import DecodeRequest, generate_tokens
 from speech_text.segment import segment_text
 
 
@@ -34,7 +36,7 @@ class CosyVoice2:
 
     def __init__(self, config: EngineConfig, llm: CosyVoice2LM, flow: CausalFlow, hift: HiFTGenerator,
                  tokenizer: CosyVoice2Tokenizer, prompt_models: PromptModels,
-                 sampling: SamplingParams = SamplingParams()) -> None:
+                 sampling: CosyVoice2Sampling = CosyVoice2Sampling()) -> None:
         self.config = config
         self.llm = llm
         self.tokenizer = tokenizer
@@ -58,7 +60,7 @@ class CosyVoice2:
 
     def set_fixed_token_count(self, count: int | None) -> None:
         """Benchmark mode on (count) or off (None) for the requests this pipeline builds from now on: they never
-        draw a stop id and stop after `count` tokens (`SamplingParams.ignore_eos`, `max_tokens`)."""
+        draw a stop id and stop after `count` tokens (`CosyVoice2Sampling.ignore_eos`, `max_tokens`)."""
         if count is not None and count < 1:
             raise ValueError(f"fixed token count must be >= 1, got {count}")
         self.fixed_token_count = count
@@ -73,9 +75,9 @@ class CosyVoice2:
         sampling = replace(self.sampling, seed=seed)
         if self.fixed_token_count is not None:
             sampling = replace(sampling, max_tokens=self.fixed_token_count, ignore_eos=True)
-        return DecodeRequest(text=text, prompt_text=self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else [],
-                             prompt_speech_tokens=prompt.speech_tokens.tolist() if mode_prompt.speech_tokens else [],
-                             sampling=sampling)
+        return cosyvoice2_request(
+            text, self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else [],
+            prompt.speech_tokens.tolist() if mode_prompt.speech_tokens else [], sampling)
 
     def speech_tokens(self, segment: str, prompt: VoicePrompt, seed: int | None = None) -> Iterator[int]:
         """Speech tokens for one segment, yielded as the LLM decodes them."""

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from cosyvoice2.hift.config import HiFTConfig
-from cosyvoice2.llm.config import LLMConfig, Qwen2Config
+from cosyvoice2.llm.config import LLMConfig
+from speech_lm.config import Qwen2Config
 
 from .errors import CosyVoice3ConfigError
 from .layout import MODEL_YAML, QWEN_CONFIG
@@ -83,9 +84,9 @@ class CosyVoice3LLMConfig(LLMConfig):
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        """Every special id ends decoding. The first of them (sos) is the one id masked below the minimum length:
-        the reference masks index `speech_token_size`, which in this vocabulary is sos rather than eos, and the
-        batched decoder masks the first stop id, so the rule carries over unchanged."""
+        """Every special id ends decoding. The one id masked below the minimum length stays index
+        `speech_token_size` (`LLMConfig.vocabulary`), which in this vocabulary is sos rather than eos: the
+        reference masks that index, so the rule carries over unchanged."""
         return tuple(range(self.speech_token_size, self.speech_token_size + self.num_special_tokens))
 
 

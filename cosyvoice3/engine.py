@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from cosyvoice2.llm.decode import DecodeRequest
+from speech_lm.decode import DecodeRequest
 
 from .config import CosyVoice3Config
 from .errors import CosyVoice3InputError, CosyVoice3ModelError
@@ -115,7 +115,7 @@ class CosyVoice3:
         prompt = LLMPrompt.build(request.mode, request.text, request.prompt_text, voice.tokens.tolist())
         limits = {} if self.fixed_token_count is None else {"max_tokens": self.fixed_token_count, "ignore_eos": True}
         decode = prompt.request(self.config.llm, request.seed, **limits)
-        self.llm.check_text([*decode.prompt_text, *decode.text])  # a clear error before any decoding
+        self.llm.check_text([*prompt.prompt_text, *prompt.text])  # a clear error before any decoding
         return decode
 
     def speech_tokens(self, request: SynthesisRequest, voice: VoicePrompt) -> Iterator[int]:

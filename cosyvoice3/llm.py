@@ -1,6 +1,8 @@
-"""CosyVoice3LM on the shared batched decoder (`cosyvoice2.llm`), its prompt formats and the silent-token filter.
+"""CosyVoice3LM on the runtime's batched decoder (`speech_lm.decode`), its prompt formats and the silent-token
+filter.
 
-The model is CosyVoice2's Qwen2 body (`cosyvoice2.llm.qwen2`) with a different speech vocabulary: 6561 speech
+The model is the runtime's Qwen2 body (`speech_lm.qwen2`, nested as CosyVoice2 nests it) with a different speech
+vocabulary: 6561 speech
 tokens plus 200 special ids (sos 6561, eos 6562, task 6563, fill 6564, the rest unused) in one
 `speech_embedding` and one bias-free `llm_decoder`. The LLM input is
 
@@ -10,10 +12,12 @@ with E the Qwen2 text embedding and S the speech embedding; no speaker embedding
 (prompt text ++ text) must contain `<|endofprompt|>`, which separates the system prompt / instruction from what
 is spoken; `zero_shot_prompt`, `instruct_prompt` and `cross_lingual_text` build the three formats.
 
-Decoding reuses `BatchedDecoder` / `generate_tokens` unchanged: `CosyVoice3LLMConfig.stop_ids` lists all 200
-special ids (any of them ends a request and is never emitted), and the decoder masks the first of them (6561) below
-the minimum length, which is exactly what the reference does (it masks index `speech_token_size`, sos in this
-vocabulary, not eos). Limits: min 2x and max 20x the target text ids (the prompt text not counted).
+Decoding runs on `BatchedDecoder` / `generate_tokens`: the prefix is an `LLMPrompt`; the vocabulary
+(`CosyVoice3LLMConfig.vocabulary`) lists all 200 special ids as stop ids (any of them ends a request and is never
+emitted) and masks 6561 below the minimum length, which is exactly what the reference does (it masks index
+`speech_token_size`, sos in this vocabulary, not eos). Sampling and limits follow CosyVoice2's rules
+(`cosyvoice2.llm.request`) with the released values: RAS over top-p 0.8 / top-k 25, min 2x and max 20x the target
+text ids (the prompt text not counted).
 
 After decoding, `SilentTokenFilter` drops every silent/breath token beyond 5 in a row, as the reference's
 synthesis loop does for CosyVoice3.
@@ -28,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.decode import DecodeRequest, generate_tokens
 from cosyvoice2.llm.model import Qwen2Encoder
-from cosyvoice2.llm.qwen2 import Qwen2Model, SpeechLM
-from cosyvoice2.llm.sampling import SamplingParams
+from cosyvoice2.llm.request import CosyVoice2Prefix, CosyVoice2Sampling, decode_request
+from speech_lm.decode import DecodeRequest, generate_tokens
+from speech_lm.qwen2 import Qwen2Model, SpeechLM
 
 from .config import ENDOFPROMPT, SYSTEM_PROMPT, CosyVoice3LLMConfig
 from .errors import CosyVoice3InputError
@@ -82,13 +86,12 @@ class CosyVoice3LM(SpeechLM):
                 f"a CosyVoice3 text must contain {ENDOFPROMPT} (id {self.config.endofprompt_id}) in its prompt text "
                 "or text (see zero_shot_prompt / instruct_prompt / cross_lingual_text)")
 
-    def embed_prefix(self, text: Sequence[int] | torch.Tensor, prompt_text: Sequence[int] | torch.Tensor = (),
-                     prompt_speech_tokens: Sequence[int] | torch.Tensor = ()) -> torch.Tensor:
+    def embed_prefix(self, prompt: "LLMPrompt") -> torch.Tensor:
         """`[1, 1 + Lp + Lt + 1 + P, hidden]` = [S[sos], E(prompt_text ++ text), S[task], S(prompt speech)]."""
         device = self.speech_embedding.weight.device
-        text_ids = [int(i) for i in prompt_text] + [int(i) for i in text]
+        text_ids = [*prompt.prompt_text, *prompt.text]
         self.check_text(text_ids)
-        speech = [int(i) for i in prompt_speech_tokens]
+        speech = list(prompt.prompt_speech_tokens)
         if any(not 0 <= t < self.config.speech_token_size for t in speech):
             raise CosyVoice3InputError(f"prompt speech tokens must lie in 0..{self.config.speech_token_size - 1}")
         special = torch.tensor([self.config.sos_id, self.config.task_id], device=device)
@@ -105,21 +108,20 @@ class CosyVoice3LM(SpeechLM):
         return F.log_softmax(self.llm_decoder(hidden).float(), dim=-1)
 
 
-def sampling_params(config: CosyVoice3LLMConfig, seed: int | None = None, **limits: int | bool | None) -> SamplingParams:
+def sampling_params(config: CosyVoice3LLMConfig, seed: int | None = None,
+                    **limits: int | bool | None) -> CosyVoice2Sampling:
     """The released sampler (RAS over top-p 0.8 / top-k 25, window 10, tau 0.1) with a per-request seed.
-    `limits`: `min_tokens` / `max_tokens` / `ignore_eos` of `SamplingParams` (unset: 2x / 20x the text ids)."""
+    `limits`: `min_tokens` / `max_tokens` / `ignore_eos` of `CosyVoice2Sampling` (unset: 2x / 20x the text ids)."""
     s = config.sampling
-    return SamplingParams(top_p=s.top_p, top_k=s.top_k, win_size=s.win_size, tau_r=s.tau_r, seed=seed,
-                          **limits)  # type: ignore[arg-type]
+    return CosyVoice2Sampling(top_p=s.top_p, top_k=s.top_k, win_size=s.win_size, tau_r=s.tau_r, seed=seed,
+                              **limits)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
-class LLMPrompt:
-    """The token ids of one request's LLM input, by mode (see the module docstring)."""
-
-    text: tuple[int, ...]
-    prompt_text: tuple[int, ...] = ()
-    prompt_speech_tokens: tuple[int, ...] = ()
+class LLMPrompt(CosyVoice2Prefix):
+    """The token ids of one request's LLM input, by mode (see the module docstring): the decoder's prefix, which
+    `CosyVoice3LM.embed_prefix` embeds. CosyVoice2's layout (text, prompt text, prompt speech between a start and
+    a task row), with CosyVoice3's special rows."""
 
     @classmethod
     def build(cls, mode: Mode, text: Sequence[int], prompt_text: Sequence[int] = (),
@@ -137,9 +139,8 @@ class LLMPrompt:
         raise CosyVoice3InputError(f"unknown mode {mode!r} (zero_shot, cross_lingual or instruct)")
 
     def request(self, config: CosyVoice3LLMConfig, seed: int | None = None, **limits: int | bool | None) -> DecodeRequest:
-        return DecodeRequest(text=self.text, prompt_text=self.prompt_text,
-                             prompt_speech_tokens=self.prompt_speech_tokens,
-                             sampling=sampling_params(config, seed, **limits))
+        """The decoder's request: this prompt as the prefix, the limits scaled by the target text ids."""
+        return decode_request(self, len(self.text), sampling_params(config, seed, **limits))
 
 
 class SilentTokenFilter:
@@ -167,5 +168,5 @@ class SilentTokenFilter:
 
 def generate(model: CosyVoice3LM, request: DecodeRequest, filter_silence: bool = True) -> Iterator[int]:
     """One request's speech tokens as they are decoded, silent runs filtered (a one-slot `BatchedDecoder`)."""
-    tokens = generate_tokens(model, request)  # type: ignore[arg-type]  # any SpeechLM drives the decoder
+    tokens = generate_tokens(model, request)
     return SilentTokenFilter.for_config(model.config).filter(tokens) if filter_silence else tokens

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cosyvoice2.config import resolve_dtype
-from cosyvoice2.loading import CheckpointMismatchError, _meta_without_init, check_state_dict, read_checkpoint
+from speech_lm.checkpoints import CheckpointMismatchError, check_state_dict, meta_without_init, read_checkpoint
 
 from .config import CosyVoice3Config
 from .errors import CosyVoice3ModelError
@@ -53,7 +53,7 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
 
 def load_llm(path: Path, config: CosyVoice3Config, device: torch.device | str = "cpu",
              dtype: torch.dtype = torch.float32) -> CosyVoice3LM:
-    with _meta_without_init():
+    with meta_without_init():
         llm = CosyVoice3LM(config.llm)
     load_strict(llm, _read(path), path)
     llm.to(device=torch.device(device), dtype=dtype)
@@ -64,7 +64,7 @@ def load_llm(path: Path, config: CosyVoice3Config, device: torch.device | str = 
 
 def load_flow(path: Path, config: CosyVoice3Config, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> CosyVoice3Flow:
-    with _meta_without_init():
+    with meta_without_init():
         flow = CosyVoice3Flow(config.flow)  # the CFM noise table is still drawn on the CPU (it is not in the file)
     load_strict(flow, _read(path), path)
     return flow.to(device=torch.device(device), dtype=dtype).eval()

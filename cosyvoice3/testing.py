@@ -3,7 +3,7 @@
 - `write_tiny_model(dir)`: a small model (Qwen2 hidden 16 with the full 151936-row text vocabulary, so real
   tokenizer ids such as `<|endofprompt|>` work; DiT width 32, depth 2; HiFT base 16): `cosyvoice3.yaml`,
   `CosyVoice-BlankEN/config.json`, `llm.pt`, `flow.pt`, `hift.pt`, seeded; with `text_frontend` also a
-  tokenizer in `CosyVoice-BlankEN/` whose special tokens get the released ids (`cosyvoice2.testing.tokenizer`,
+  tokenizer in `CosyVoice-BlankEN/` whose special tokens get the released ids (`speech_lm.testing`,
   base vocabulary padded to the released 151643 entries) and tiny random `campplus.onnx` /
   `speech_tokenizer_v3.onnx` with the released interfaces (`cosyvoice2.testing.frontend_models`).
 - `write_full_size_layout(dir)`: the released sizes, every key and shape, a few MB on disk: each tensor is a
@@ -24,12 +24,12 @@ from typing import Callable
 import torch
 
 from cosyvoice2.hift.config import HiFTConfig
-from cosyvoice2.llm.config import Qwen2Config
-from cosyvoice2.loading import _meta_without_init
+from speech_lm.config import Qwen2Config
+from speech_lm.checkpoints import meta_without_init
 from cosyvoice2.testing.dit import _cheap_state
 from cosyvoice2.testing.frontend_models import write_tiny_frontend_models
 from cosyvoice2.testing.models import RELEASED_TEXT_VOCAB, _hift_overrides, _llm_overrides, randomize_
-from cosyvoice2.testing.tokenizer import write_test_tokenizer
+from speech_lm.testing import write_test_tokenizer
 
 from .config import CausalHiFTConfig, CosyVoice3Config, CosyVoice3LLMConfig, DiTConfig, FlowConfig
 from .flow import CosyVoice3Flow
@@ -186,7 +186,7 @@ def _write_text_frontend(path: Path, seed: int) -> None:
 def full_size_modules() -> tuple[CosyVoice3LM, CosyVoice3Flow, CausalHiFT]:
     """The released-size modules on the meta device (no memory, no init)."""
     config = CosyVoice3Config()
-    with _meta_without_init():
+    with meta_without_init():
         return CosyVoice3LM(config.llm), CosyVoice3Flow(config.flow), CausalHiFT(replace(config.hift, noise_seconds=0))
 
 

@@ -7,7 +7,7 @@
 
 A voice is small and integer-only (``SparkVoice``): 32 global tokens, the reference's semantic tokens and its
 transcript, so it caches cheaply. Requests through ``synthesize``/``stream`` decode on a one-slot batched decoder;
-a server drives ``cosyvoice2.llm.decode.BatchedDecoder`` with ``spark_request`` for continuous batching.
+a server drives ``speech_lm.decode.BatchedDecoder`` with ``spark_request`` for continuous batching.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from cosyvoice2.llm.decode import generate_tokens
+from speech_lm.decode import generate_tokens
 from spark_tts.audio_tokenizer import AudioTokenizer
 from spark_tts.codec.bicodec import BiCodec
 from spark_tts.errors import SparkInputError
@@ -92,7 +92,7 @@ class SparkTTS:
         if self._fixed_tokens is not None:
             sampling = replace(sampling, max_new_tokens=self._fixed_tokens)
         request = spark_request(self.prompt_ids(voice, text), sampling, seed, ignore_eos=self._fixed_tokens is not None)
-        for token in generate_tokens(self.lm, request):  # type: ignore[arg-type]  (duck-typed model)
+        for token in generate_tokens(self.lm, request):
             yield from self.codes_of(token)
 
     @torch.inference_mode()

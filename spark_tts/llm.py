@@ -1,8 +1,10 @@
-"""The Spark LLM (Qwen2.5-0.5B with Spark's added tokens) on the shared batched decoder.
+"""The Spark LLM (Qwen2.5-0.5B with Spark's added tokens) on the speech-LM runtime's batched decoder.
 
-``SparkLM`` wraps our Qwen2 body (``cosyvoice2.llm.qwen2``) and presents the interface that
-``cosyvoice2.llm.decode.BatchedDecoder`` drives (prefix embedding, token embedding, log-probs, KV cache), so
-Spark requests get the same static KV cache, CUDA graphs and continuous batching as CosyVoice2's:
+``SparkLM`` wraps the runtime's Qwen2 body (``speech_lm.qwen2``) and presents the interface that
+``speech_lm.decode.BatchedDecoder`` drives (prefix embedding, token embedding, log-probs, vocabulary, KV cache),
+so Spark requests get the same static KV cache, CUDA graphs and continuous batching as the CosyVoice models'.
+A Spark prefix is the prompt's LLM ids as they are (``SparkTokenizer.prompt_ids``), embedded by the text
+embedding; generated ids are fed back the same way:
 
     decoder = BatchedDecoder(spark_lm, num_slots=16, max_seq_len=2048)
     slot = decoder.add(spark_request(prompt_ids, seed=7))
@@ -12,8 +14,8 @@ Sampling (the served runtime's request: temperature 0.8, top-k 50, top-p 0.95, n
 ``<|im_end|>``, at most 512 new tokens): ``log_probs`` divides the logits by the temperature and keeps the top-k
 (ties at the k-th value kept), renormalised; the decoder's nucleus draw then keeps, from the most probable
 down, every id whose preceding mass is below top-p. That is top-k then top-p over the renormalised top-k, as
-Hugging Face's and TensorRT-LLM's samplers apply them. The decoder's repetition-aware resampling is off
-(window 0).
+Hugging Face's and TensorRT-LLM's samplers apply them. Repetition-aware resampling is not used (the decoder's
+``SamplingParams.repetition`` stays unset).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.decode import DecodeRequest
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM, Qwen2Model, SpeechLM
-from cosyvoice2.llm.sampling import SamplingParams
+from speech_lm.config import OutputVocabulary, Qwen2Config
+from speech_lm.decode import DecodeRequest
+from speech_lm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
+from speech_lm.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -55,31 +58,24 @@ class SparkLMConfig:
     sampling: SparkSampling = field(default_factory=SparkSampling)
 
     @property
-    def num_speech_classes(self) -> int:
-        """Width of a log-prob row: the whole LLM vocabulary (generated ids are LLM ids)."""
-        return self.qwen.vocab_size
-
-    @property
     def stop_ids(self) -> tuple[int, ...]:
         return (self.eos_id,)
 
-
-@dataclass(frozen=True)
-class SparkDecodeRequest(DecodeRequest):
-    """A Spark request for ``BatchedDecoder``: ``text`` holds the whole prompt's ids (no separate prompt parts)."""
-
     @property
-    def prefix_length(self) -> int:
-        return len(self.text)
+    def vocabulary(self) -> OutputVocabulary:
+        """Log-prob rows span the whole LLM vocabulary (generated ids are LLM ids); ``<|im_end|>`` stops. No
+        minimum length (requests set ``min_tokens`` 0)."""
+        return OutputVocabulary(self.qwen.vocab_size, self.stop_ids, masked_below_min=self.eos_id)
 
 
 def spark_request(prompt_ids: Sequence[int], sampling: SparkSampling | None = None,
-                  seed: int | None = None, ignore_eos: bool = False) -> SparkDecodeRequest:
-    """``ignore_eos``: benchmark mode for random weights (never stops before ``max_new_tokens``)."""
+                  seed: int | None = None, ignore_eos: bool = False) -> DecodeRequest:
+    """The decoder's request for one prompt: its LLM ids are the prefix, up to ``max_new_tokens`` new ids.
+    ``ignore_eos``: benchmark mode for random weights (never stops before ``max_new_tokens``)."""
     sampling = sampling or SparkSampling()
-    params = SamplingParams(top_p=sampling.top_p, top_k=sampling.top_k, win_size=0, seed=seed,
-                            min_tokens=0, max_tokens=sampling.max_new_tokens, ignore_eos=ignore_eos)
-    return SparkDecodeRequest(text=tuple(int(i) for i in prompt_ids), sampling=params)
+    params = SamplingParams(top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+    return DecodeRequest(tuple(int(i) for i in prompt_ids), params, max_tokens=sampling.max_new_tokens,
+                         min_tokens=0, ignore_eos=ignore_eos)
 
 
 class SparkLM(SpeechLM):
@@ -106,13 +102,10 @@ class SparkLM(SpeechLM):
         if tied:
             self.llm.lm_head.weight = self.llm.model.embed_tokens.weight
 
-    def embed_prefix(self, text: Sequence[int] | torch.Tensor, prompt_text: Sequence[int] = (),
-                     prompt_speech_tokens: Sequence[int] = ()) -> torch.Tensor:
-        """``[1, L, hidden]``: embeddings of the prompt ids (``text``; Spark has no separate prompt parts)."""
-        if len(prompt_text) or len(prompt_speech_tokens):
-            raise ValueError("Spark prompts are a single id sequence")
+    def embed_prefix(self, prompt_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """``[1, L, hidden]``: embeddings of the prompt's LLM ids (Spark's whole prefix)."""
         device = self.body.embed_tokens.weight.device
-        return self.body.embed_tokens(torch.as_tensor(text, dtype=torch.long, device=device).reshape(1, -1))
+        return self.body.embed_tokens(torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(1, -1))
 
     def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.body.embed_tokens(tokens)

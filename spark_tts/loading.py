@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from cosyvoice2.loading import CheckpointMismatchError, _meta_without_init, check_state_dict
+from speech_lm.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from speech_lm.checkpoints import CheckpointMismatchError, check_state_dict, meta_without_init
 from spark_tts import layout
 from spark_tts.codec.bicodec import BiCodec
 from spark_tts.codec.layers import fold_weight_norm
@@ -92,7 +92,7 @@ def ecapa_widths(shapes: Mapping[str, tuple[int, ...]]) -> EcapaWidths:
 
 
 def released_bicodec_shapes(config: BiCodecConfig, widths: EcapaWidths) -> Shapes:
-    with _meta_without_init():
+    with meta_without_init():
         model = BiCodec(config, widths)
     return _weight_norm_shapes(_shapes(model), model.weight_normed())
 
@@ -113,7 +113,7 @@ def released_wav2vec2_shapes(p: Wav2Vec2Params) -> Shapes:
     """``pytorch_model.bin`` of wav2vec2-large-xlsr-53 (Wav2Vec2ForPreTraining): every layer, the final encoder
     LayerNorm, ``masked_spec_embed``, the positional conv as ``weight_g`` (per kernel tap) / ``weight_v``, and the
     pretraining heads."""
-    with _meta_without_init():
+    with meta_without_init():
         model = Wav2Vec2Features(p)
         # the file holds every layer, not only those the feature mix reads
         model.encoder.layers = nn.ModuleList(type(model.encoder.layers[0])(p) for _ in range(p.num_hidden_layers))
@@ -142,7 +142,7 @@ def load_wav2vec2(model_dir: Path, device: torch.device | str = "cpu") -> Wav2Ve
     path = model_dir / layout.WAV2VEC2_WEIGHTS_FILE
     state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     _check(released_wav2vec2_shapes(params), {k: tuple(v.shape) for k, v in state.items()}, path)
-    with _meta_without_init():
+    with meta_without_init():
         model = Wav2Vec2Features(params)
     wanted = {}
     for key in model.state_dict():
@@ -175,7 +175,7 @@ def read_llm_config(model_dir: Path) -> LLMFileConfig:
 
 
 def released_llm_shapes(config: LLMFileConfig) -> Shapes:
-    with _meta_without_init():
+    with meta_without_init():
         model = Qwen2ForCausalLM(config.qwen)
     shapes = _shapes(model)
     if config.tied:
@@ -200,7 +200,7 @@ def load_llm(model_dir: Path, device: torch.device | str = "cpu", dtype: torch.d
     config = read_llm_config(model_dir)
     state = read_llm_state(model_dir, config)
     eos_id = SparkTokenizer.from_model_dir(model_dir).vocab.eos_id
-    with _meta_without_init():
+    with meta_without_init():
         model = SparkLM(SparkLMConfig(qwen=config.qwen, eos_id=eos_id, sampling=sampling or SparkSampling()))
     model.load_released(state, config.tied)
     return model.to(device=device, dtype=dtype).eval()

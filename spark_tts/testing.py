@@ -3,7 +3,7 @@
 ``write_tiny_model(dir, seed)`` writes every file ``SparkTTS.load`` reads, in the released serialisation
 (weight-normed layers as ``weight_g``/``weight_v``, wav2vec2 under ``wav2vec2.`` with all its layers and
 pretraining heads, a tied LLM head), at small widths, with seeded random weights (not speech). The tokenizer is a
-byte-level BPE stand-in (``cosyvoice2.testing.tokenizer``'s byte alphabet and merges) with Qwen2's three
+byte-level BPE stand-in (``speech_lm.testing``'s byte alphabet and merges) with Qwen2's three
 base specials and all of Spark's added tokens; its ids differ from the release's, which the engine never
 hard-codes.
 """
@@ -19,8 +19,6 @@ import yaml
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from cosyvoice2.llm.qwen2 import Qwen2Config, Qwen2ForCausalLM
-from cosyvoice2.testing.tokenizer import BASE_SPECIAL_TOKENS, write_test_tokenizer
 from spark_tts import layout
 from spark_tts.codec.bicodec import BiCodec
 from spark_tts.codec.speaker import EcapaWidths
@@ -48,6 +46,8 @@ from spark_tts.prompt import (
     global_token,
     semantic_token,
 )
+from speech_lm.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from speech_lm.testing import BASE_SPECIAL_TOKENS, write_test_tokenizer
 
 TINY_WIDTH = 32
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,13 +29,15 @@ from cosyvoice2.frontend.audio import resample
 from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
-from cosyvoice2.llm import CosyVoice2LM, DecodeRequest, SamplingParams
+from cosyvoice2.llm import CosyVoice2LM
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
 from speech_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_serving.io_struct import PromptTensors
 from speech_serving.schedule import for_prompt
 from speech_serving.token2wav import Work
+from speech_lm.decode import DecodeRequest
 from pipeline_contract import REFERENCE_SAMPLE_RATE
 
 logger = logging.getLogger(__name__)
@@ -69,11 +71,11 @@ def build_decode_request(
         raise InvalidInput("LLM input_ids: after <|task_id|> only speech token ids may follow")
     if not 0 <= min_tokens <= max_tokens or max_tokens < 1:
         raise InvalidInput(f"LLM token limits must satisfy 0 <= min ({min_tokens}) <= max ({max_tokens}), max >= 1")
-    # The limits the orchestrator computed, as they are (the decoder's text ratios do not apply).
-    sampling = replace(
-        SamplingParams(), top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens, max_tokens=max_tokens
-    )
-    return DecodeRequest(text=text.tolist(), prompt_speech_tokens=speech.tolist(), sampling=sampling)
+    if top_k < 1 or not 0 < top_p <= 1:
+        raise InvalidInput(f"LLM sampling needs top_k >= 1 and 0 < top_p <= 1, got top_k {top_k}, top_p {top_p}")
+    # The limits the orchestrator computed, as they are (the text ratios do not apply); CosyVoice2's RAS settings.
+    sampling = CosyVoice2Sampling(top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens, max_tokens=max_tokens)
+    return cosyvoice2_request(text.tolist(), (), speech.tolist(), sampling)
 
 
 @torch.no_grad()

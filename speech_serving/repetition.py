@@ -1,6 +1,6 @@
 """A loop guard for LLM backends that cannot run repetition-aware sampling (RAS).
 
-Our PyTorch LLM samples with RAS (cosyvoice2.llm.sampling): a nucleus pick that already occurs among the last
+Our PyTorch LLM samples with RAS (speech_lm.sampling): a nucleus pick that already occurs among the last
 10 emitted tokens is redrawn from the full distribution, so the decoder cannot settle into repeating itself.
 TensorRT-LLM's C++ backend has no hook for that (no logits post-processor in the Triton backend); its nearest
 control is `repetition_penalty`, which makes repeats less likely but cannot forbid them. A sampled loop then runs

@@ -26,7 +26,7 @@ from typing import AsyncIterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder, worker_stream
 from speech_serving.errors import InvalidInput
 from speech_serving.io_struct import SparkLLMRequest, SparkVoicePrompt
@@ -259,7 +259,7 @@ class SparkEngine:
         if with_llm:
             lm = load_llm(model_dir, self.device, llm_dtype)
             # On CUDA the decoder captures its step as CUDA graphs here, before the vocoder uses the GPU.
-            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)  # type: ignore[arg-type]
+            decoder = BatchedDecoder(lm, num_slots=max_batch, max_seq_len=max_seq_len)
             self.scheduler = ContinuousBatchingScheduler(
                 StreamDecoder(decoder, worker_stream(self.device, LLM_STREAM_PRIORITY)), max_waiting, self.stats)
         self.bicodec = load_bicodec(model_dir, self.device)

@@ -19,11 +19,13 @@ from typing import Callable
 
 import torch
 
-import cosyvoice2.kernels
+import speech_lm.kernels
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, SamplingParams
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from speech_lm.decode import BatchedDecoder, DecodeRequest
 from cosyvoice2.streaming import FlowPrompt, Token2Wav
 
 PROMPT_TOKENS = 150  # prompt speech tokens (6 s of reference audio)
@@ -114,8 +116,8 @@ def decode_request(index: int) -> DecodeRequest:
     text = [1000 + (index + i) % 5000 for i in range(TEXT_TOKENS)]
     speech = [(7 * index + 13 * i) % 6561 for i in range(PROMPT_TOKENS)]
     # benchmark mode per request: no stop id is ever drawn, the slot keeps decoding up to max_tokens
-    return DecodeRequest(text=text[20:], prompt_text=text[:20], prompt_speech_tokens=speech,
-                         sampling=SamplingParams(seed=index, max_tokens=1200, ignore_eos=True))
+    return cosyvoice2_request(text[20:], text[:20], speech,
+                              CosyVoice2Sampling(seed=index, max_tokens=1200, ignore_eos=True))
 
 
 PREFILL_BATCHES = (1, 8, 16)
@@ -124,7 +126,7 @@ PREFILL_BATCHES = (1, 8, 16)
 def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len: int) -> None:
     """Eager and CUDA-graph decoders; where the time of one step goes (kernel profile)."""
     device = bench.device
-    fused = "Triton" if cosyvoice2.kernels._triton_kernels() is not None else "PyTorch fallback (triton missing)"
+    fused = "Triton" if speech_lm.kernels._triton_kernels() is not None else "PyTorch fallback (triton missing)"
     print(f"LLM (Qwen2 0.5B body, fused q|k|v and gate|up, static KV cache; add+RMSNorm and SiLU*up: {fused})",
           flush=True)
     with torch.device(device):

@@ -5,7 +5,7 @@
 MODEL_DIR holds `llm.pt` and either the official `cosyvoice2.yaml` layout or a `harness_config.json` (the micro
 parity model). The same prompt is decoded `--runs` times per policy, each run with its own seed:
 
-* `ras`: our PyTorch path (cosyvoice2.llm.sampling: nucleus top-k 25 / top-p 0.8, RAS window 10, tau_r 0.1);
+* `ras`: our PyTorch path (speech_lm.sampling: nucleus top-k 25 / top-p 0.8, RAS window 10, tau_r 0.1);
 * `topk_topp`: the TensorRT-LLM path without repetition control (nucleus only);
 * `penalty`: nucleus after TensorRT-LLM's repetition penalty 1.1 (a logit of an id already in the sequence,
   prompt included, is divided by the penalty when positive and multiplied when negative);
@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from cosyvoice2.llm.model import CosyVoice2LM, LLMConfig
-from cosyvoice2.llm.sampling import SamplingParams, make_generator, nucleus_sample, ras_sample
+from cosyvoice2.llm.request import CosyVoice2Prefix, CosyVoice2Sampling
+from speech_lm.sampling import make_generator, nucleus_sample, ras_sample
 from speech_serving.repetition import LoopGuardConfig
 
 TRTLLM_REPETITION_PENALTY = 1.1  # RenderOptions.repetition_penalty (upstream's value)
@@ -65,7 +66,7 @@ def decode(
 ) -> Run:
     config = lm.config
     generator = make_generator(seed, "cpu")
-    params = SamplingParams()
+    params = CosyVoice2Sampling().params()  # CosyVoice2's RAS over its nucleus
     guard = LoopGuardConfig().start() if policy == "penalty+guard" else None
     tokens: list[int] = []
     embeds = prefix
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None, report: Callable[[str], None] = print) -
     text = rng.integers(0, text_vocab, args.text_tokens).tolist()
     prompt_text = rng.integers(0, text_vocab, 8).tolist()
     prompt_speech = rng.integers(0, lm.config.speech_token_size, args.prompt_tokens).tolist()
-    prefix = lm.embed_prefix(text, prompt_text, prompt_speech).float()
+    prefix = lm.embed_prefix(CosyVoice2Prefix.of(text, prompt_text, prompt_speech)).float()
     min_len, max_len = 2 * len(text), 20 * len(text)
     results = {}
     report("| policy | repeat within 10 | back-to-back | longest run | tokens/run | at length limit | guard cuts |")

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from enginebench.timing import sync, timed
 from spark_tts.engine import SparkTTS
 from spark_tts.llm import SparkSampling, spark_request

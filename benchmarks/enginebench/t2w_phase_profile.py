@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-import cosyvoice2.kernels  # noqa: F401 - the fused kernels the server uses
+import speech_lm.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow.cached import CachedFlowRunner
 from cosyvoice2.streaming import FlowPrompt, Token2Wav

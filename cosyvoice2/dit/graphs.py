@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from ..graph_buckets import capture, concrete_device, fit, round_up
+from speech_lm.graph_buckets import capture, concrete_device, fit, round_up
 from .flow import ConditionalCFM, PaddedChunks, StepInputs
 
 if TYPE_CHECKING:

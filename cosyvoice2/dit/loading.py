@@ -15,7 +15,7 @@ import torch
 
 from cosyvoice2.config import resolve_dtype
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.loading import _meta_without_init, load_into, read_checkpoint
+from speech_lm.checkpoints import load_into, meta_without_init, read_checkpoint
 
 from .config import DiTFlowConfig, DiTSolverConfig, _load_tagged_yaml
 from .flow import DiTFlow
@@ -49,7 +49,7 @@ def _without_tags(value: Any) -> Any:
 def load_dit_flow(model_dir: Path, device: torch.device | str = "cpu", dtype: str | torch.dtype = torch.float32,
                   solver: DiTSolverConfig | None = None) -> DiTFlow:
     config = DiTFlowConfig.from_flow_yaml(model_dir / DIT_FLOW_CONFIG, solver)
-    with _meta_without_init():
+    with meta_without_init():
         flow = DiTFlow(config)  # the solver's noise buffer is still drawn on the CPU (it is not in the file)
     path = model_dir / DIT_FLOW_FILE
     load_into(flow, read_checkpoint(path), path)

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..graph_buckets import capture, fit
+from speech_lm.graph_buckets import capture, fit
 from ..host_copies import to_device
 from .encoder import ConformerLayer, relative_position_table
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS

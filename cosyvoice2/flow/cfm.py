@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..graph_buckets import ReplayOrder, batch_bucket, capture, round_up
+from speech_lm.graph_buckets import ReplayOrder, batch_bucket, capture, round_up
 from .config import CFMConfig
 from .estimator import CausalUNetEstimator
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from cosyvoice2.host_copies import to_device
 
-from ..graph_buckets import batch_bucket, capture, round_up
+from speech_lm.graph_buckets import batch_bucket, capture, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d

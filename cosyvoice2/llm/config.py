@@ -1,4 +1,4 @@
-"""The LLM's hyper-parameters: the Qwen2 body and the speech-token vocabulary.
+"""CosyVoice2 LLM hyper-parameters: the Qwen2 body (`speech_lm.config.Qwen2Config`) and the speech-token vocabulary.
 
 Torch-free on purpose: configuration is read by processes that never run the model (the orchestrator reads the
 speech vocabulary from it), so nothing here may import torch; the modules holding the model import it from here.
@@ -6,35 +6,10 @@ speech vocabulary from it), so nothing here may import torch; the modules holdin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-
-@dataclass(frozen=True)
-class Qwen2Config:
-    """Qwen2 body hyper-parameters; defaults are CosyVoice2-0.5B's (``CosyVoice-BlankEN/config.json``)."""
-
-    hidden_size: int = 896
-    num_hidden_layers: int = 24
-    num_attention_heads: int = 14
-    num_key_value_heads: int = 2
-    intermediate_size: int = 4864
-    vocab_size: int = 151936
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "Qwen2Config":
-        """Build from an HF-style config dict (unknown fields such as ``attn_implementation`` are ignored)."""
-        if values.get("use_sliding_window"):
-            raise ValueError("sliding-window attention is not supported (CosyVoice2 does not use it)")
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in names})
+from speech_lm.config import OutputVocabulary, Qwen2Config
 
 
 @dataclass(frozen=True)
@@ -60,6 +35,12 @@ class LLMConfig:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+
+    @property
+    def vocabulary(self) -> OutputVocabulary:
+        """The decoder's view of the head: below the minimum length the id ``speech_token_size`` is masked, as
+        upstream does (EOS here; subclasses with another id layout inherit the same index)."""
+        return OutputVocabulary(self.num_speech_classes, self.stop_ids, masked_below_min=self.speech_token_size)
 
     @classmethod
     def from_harness(cls, values: Mapping[str, Any]) -> "LLMConfig":

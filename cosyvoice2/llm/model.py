@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.llm.config import LLMConfig, Qwen2Config
-from cosyvoice2.llm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
+from cosyvoice2.llm.config import LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Prefix
+from speech_lm.config import Qwen2Config
+from speech_lm.qwen2 import Qwen2ForCausalLM, Qwen2Model, SpeechLM
 
 SOS_INDEX = 0
 TASK_ID_INDEX = 1
@@ -47,23 +49,18 @@ class CosyVoice2LM(SpeechLM):
         """The Qwen2 decoder stack (``llm.model.model``)."""
         return self.llm.model.model
 
-    def embed_prefix(
-        self,
-        text: Sequence[int] | torch.Tensor,
-        prompt_text: Sequence[int] | torch.Tensor = (),
-        prompt_speech_tokens: Sequence[int] | torch.Tensor = (),
-    ) -> torch.Tensor:
+    def embed_prefix(self, prefix: CosyVoice2Prefix) -> torch.Tensor:
         """``[1, 1 + Lp + Lt + 1 + P, hidden]`` = [SOS, embed(prompt_text ++ text), TASK_ID, embed(prompt speech)].
 
         The x-vector is not part of CosyVoice2's LLM input (upstream accepts and ignores it).
         """
         device = self.llm_embedding.weight.device
-        text_ids = torch.cat([_as_ids(prompt_text, device), _as_ids(text, device)])
+        text_ids = torch.cat([_as_ids(prefix.prompt_text, device), _as_ids(prefix.text, device)])
         parts = [
             self.llm_embedding.weight[SOS_INDEX : SOS_INDEX + 1],
             self.body.embed_tokens(text_ids),
             self.llm_embedding.weight[TASK_ID_INDEX : TASK_ID_INDEX + 1],
-            self.speech_embedding(_as_ids(prompt_speech_tokens, device)),
+            self.speech_embedding(_as_ids(prefix.prompt_speech_tokens, device)),
         ]
         return torch.cat(parts, dim=0).unsqueeze(0)
 

@@ -1,5 +1,5 @@
 """CosyVoice2's decoding defaults (docs/reference/cosyvoice2.md#ras-sampling and #decoding-and-stop-rules), written
-once. Torch-free: the engine's sampler (`cosyvoice2.llm.sampling.SamplingParams`), the orchestrator's request
+once. Torch-free: the engine's requests (`cosyvoice2.llm.request.CosyVoice2Sampling`), the orchestrator's request
 (`speech_serving.orchestrator.SamplingConfig`), the LLM request tensors' fallbacks (`triton_repo.internal_io`)
 and the converted checkpoint's generation config (`cosyvoice_build.hf_llm`) all read them here.
 """

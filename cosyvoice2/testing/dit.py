@@ -17,7 +17,7 @@ from cosyvoice2.dit.config import DiTEncoderConfig, DiTEstimatorConfig, DiTFlowC
 from cosyvoice2.dit.flow import DiTFlow
 from cosyvoice2.dit.layout import DIT_FLOW_CONFIG, DIT_FLOW_FILE, DIT_HIFT_CONFIG, DIT_HIFT_FILE
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.loading import _meta_without_init
+from speech_lm.checkpoints import meta_without_init
 from cosyvoice2.testing.models import _hift_overrides, randomize_
 
 
@@ -78,7 +78,7 @@ def write_full_size_layout(path: str | Path, seed: int = 0) -> Path:
     """Released sizes, every key and shape, a few MB on disk (see the module docstring)."""
     path = Path(path)
     _write_configs(path, DiTFlowConfig(), HiFTConfig())
-    with _meta_without_init():
+    with meta_without_init():
         flow = DiTFlow(DiTFlowConfig())
         hift = HiFTGenerator(HiFTConfig())
     torch.save(_cheap_state(flow, seed), path / DIT_FLOW_FILE)

@@ -28,9 +28,10 @@ from cosyvoice2.config import QWEN_CONFIG_FILE, TOKENIZER_SUBDIR, EngineConfig
 from cosyvoice2.flow import CausalFlow, EncoderConfig, EstimatorConfig, FlowConfig
 from cosyvoice2.testing.frontend_models import write_tiny_frontend_models
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, LLM_FILE
-from cosyvoice2.testing.tokenizer import write_test_tokenizer
+from speech_lm.testing import write_test_tokenizer
 
 RELEASED_TEXT_VOCAB = 151643  # regular Qwen2 vocabulary entries; <|endoftext|> follows
 

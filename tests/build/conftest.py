@@ -23,7 +23,7 @@ requires_parity = pytest.mark.skipif(not (MICRO_DIR / "llm.pt").exists(), reason
 
 def write_micro_model_dir(directory: Path) -> Path:
     """llm/flow/hift of the micro model, a tiny BlankEN (tokenizer + Qwen2 config) and placeholder ONNX files."""
-    from cosyvoice2.testing.tokenizer import write_test_tokenizer
+    from speech_lm.testing import write_test_tokenizer
 
     tokenizer_dir = directory / "CosyVoice-BlankEN"
     write_test_tokenizer(tokenizer_dir, base_vocab_size=MICRO_BASE_VOCAB)

@@ -97,14 +97,15 @@ def test_kv_cached_decoding_matches_the_reference_steps(hf_model, bias, dump, la
 
 @torch.inference_mode()
 def test_speech_log_probs_match_our_engine(hf_model, bias, dump, layout) -> None:
-    from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+    from cosyvoice2.llm import CosyVoice2LM, CosyVoice2Prefix, LLMConfig
 
     harness = json.loads((MICRO_DIR / "harness_config.json").read_text())
     engine = CosyVoice2LM(LLMConfig.from_harness(harness["llm"]))
     engine.load_state_dict(torch.load(MICRO_DIR / "llm.pt", weights_only=True), strict=True)
     engine.eval()
     teacher = torch.as_tensor(dump["in_teacher_speech_token"][0], dtype=torch.long)
-    prefix = engine.embed_prefix(dump["in_text"][0].tolist(), dump["in_prompt_text"][0].tolist(), dump["in_prompt_speech_token"][0].tolist())
+    prefix = engine.embed_prefix(CosyVoice2Prefix.of(dump["in_text"][0].tolist(), dump["in_prompt_text"][0].tolist(),
+                                                     dump["in_prompt_speech_token"][0].tolist()))
     expected = engine(torch.cat([prefix, engine.embed_speech(teacher)[None]], dim=1))[0]
     ours = speech_log_probs(hf_model(input_ids=teacher_forced_ids(dump, layout)).logits[0], bias, layout)
     assert float((ours - expected).abs().max()) <= LOGP_TOLERANCE
@@ -197,7 +198,7 @@ def test_malformed_config_is_reported(micro_model_dir: Path, tmp_path: Path) -> 
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused(micro_model_dir: Path, tmp_path: Path) -> None:
-    from cosyvoice2.testing.tokenizer import write_test_tokenizer
+    from speech_lm.testing import write_test_tokenizer
 
     model = _broken_copy(micro_model_dir, tmp_path)
     write_test_tokenizer(model / "CosyVoice-BlankEN", base_vocab_size=MICRO_BASE_VOCAB + 10)
@@ -208,7 +209,8 @@ def test_tokenizer_larger_than_the_embedding_is_refused(micro_model_dir: Path, t
 @torch.inference_mode()
 def test_tiny_model_of_the_engine_converts_consistently(tmp_path: Path) -> None:
     """The engine's own tiny-model writer (official layout) -> HF -> same speech log-probs as the engine."""
-    from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
+    from cosyvoice2.llm import CosyVoice2LM, CosyVoice2Prefix, LLMConfig
+    from speech_lm.config import Qwen2Config
     from cosyvoice2.testing import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path / "tiny")
@@ -221,7 +223,8 @@ def test_tiny_model_of_the_engine_converts_consistently(tmp_path: Path) -> None:
     engine.load_state_dict(state, strict=True)
     engine.eval()
     text, speech = [5, 17, 42, 99], [0, 7, 6560, 123]
-    expected = engine(torch.cat([engine.embed_prefix(text), engine.embed_speech(torch.tensor(speech))[None]], dim=1))[0]
+    prefix = engine.embed_prefix(CosyVoice2Prefix.of(text))
+    expected = engine(torch.cat([prefix, engine.embed_speech(torch.tensor(speech))[None]], dim=1))[0]
     ids = torch.tensor([[layout.sos_id, *text, layout.task_id_id, *(layout.to_vocab_id(k) for k in speech)]])
     hf = Qwen2ForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     ours = speech_log_probs(hf(input_ids=ids).logits[0], load_logits_bias(out), layout)

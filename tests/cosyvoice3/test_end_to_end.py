@@ -55,9 +55,10 @@ def test_synthesize_text_in_each_mode(engine, reference: Path, mode: str) -> Non
         expected = (target, [*tok.encode(f"{SYSTEM_PROMPT} {INSTRUCTION}"), eop], [])
     else:
         expected = ([*system, eop, *target], [], [])
-    assert (list(decode.text), list(decode.prompt_text), list(decode.prompt_speech_tokens)) == expected
+    p = decode.prefix
+    assert (list(p.text), list(p.prompt_text), list(p.prompt_speech_tokens)) == expected
     # the LLM input: [sos, prompt text ++ text, task, prompt speech]
-    prefix = engine.llm.embed_prefix(decode.text, decode.prompt_text, decode.prompt_speech_tokens)
+    prefix = engine.llm.embed_prefix(p)
     assert prefix.shape[1] == 1 + len(expected[1]) + len(expected[0]) + 1 + len(expected[2])
 
     tokens = list(engine.speech_tokens(request, voice))  # the same seed draws the same tokens

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder, required_seq_len, token_limits
+from speech_lm.decode import BatchedDecoder, required_seq_len
+from speech_lm.sampling import RepetitionAwareSampling
 from cosyvoice3.errors import CosyVoice3InputError
 from cosyvoice3.llm import CosyVoice3LM, LLMPrompt, SilentTokenFilter, sampling_params
 from cosyvoice3.loading import load_llm
@@ -41,7 +42,7 @@ def prompt_for(mode: str, dump) -> LLMPrompt:
 def test_input_layout(lm: CosyVoice3LM, dump, mode: str) -> None:
     p = prompt_for(mode, dump)
     assert list(p.prompt_text + p.text) == dump[f"llm_{mode}_text_rows"][0].tolist()
-    layout = lm.embed_prefix(p.text, p.prompt_text, p.prompt_speech_tokens)
+    layout = lm.embed_prefix(p)
     assert max_abs(layout, dump[f"llm_{mode}_lm_input"]) == 0.0
 
 
@@ -74,7 +75,7 @@ def test_kv_cache_steps(lm: CosyVoice3LM, dump, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_decoder_prefill_and_limits(lm: CosyVoice3LM, micro_config, dump, mode: str) -> None:
     request = prompt_for(mode, dump).request(micro_config.llm, seed=3)
-    assert token_limits(len(request.text), request.sampling) == tuple(dump[f"llm_{mode}_min_max_len"].tolist())
+    assert (request.min_tokens, request.max_tokens) == tuple(dump[f"llm_{mode}_min_max_len"].tolist())
     decoder = BatchedDecoder(lm, num_slots=1, max_seq_len=required_seq_len(request))
     slot = decoder.add(request)
     assert max_abs(decoder.logp[slot], dump[f"llm_{mode}_logp"][0]) <= LOGP_TOL
@@ -113,7 +114,7 @@ def test_min_len_masks_only_sos(lm: CosyVoice3LM, micro_config, dump, favoured: 
 
     biased.log_probs = log_probs  # type: ignore[method-assign]
     request = prompt_for("zs", dump).request(micro_config.llm, seed=0)
-    min_len, _ = token_limits(len(request.text), request.sampling)
+    min_len = request.min_tokens
     tokens, reason = decode(biased, request)
     assert reason == "stop" and len(tokens) == (min_len if stops_at == "min" else 0)
 
@@ -123,7 +124,7 @@ def test_random_decodes_stay_in_the_speech_vocabulary(lm: CosyVoice3LM, micro_co
         request = prompt_for("zs", dump).request(micro_config.llm, seed=seed)
         tokens, reason = decode(lm, request)
         assert all(0 <= t < micro_config.llm.speech_token_size for t in tokens)
-        assert reason == "stop" or len(tokens) == token_limits(len(request.text), request.sampling)[1]
+        assert reason == "stop" or len(tokens) == request.max_tokens
 
 
 def test_fixed_length_requests_never_stop_early(lm: CosyVoice3LM, micro_config, dump) -> None:
@@ -137,9 +138,10 @@ def test_fixed_length_requests_never_stop_early(lm: CosyVoice3LM, micro_config, 
 
 def test_text_without_endofprompt_is_refused(lm: CosyVoice3LM, dump) -> None:
     with pytest.raises(CosyVoice3InputError, match="endofprompt"):
-        lm.embed_prefix(dump["in_text"][0].tolist())
+        lm.embed_prefix(LLMPrompt.build("cross_lingual", dump["in_text"][0].tolist()))
     with pytest.raises(CosyVoice3InputError, match="outside the text vocabulary"):
-        lm.embed_prefix(np.ravel(dump["in_xl_text"]).tolist())  # the raw 151646 is beyond the micro vocabulary
+        # the raw 151646 is beyond the micro vocabulary
+        lm.embed_prefix(LLMPrompt.build("cross_lingual", np.ravel(dump["in_xl_text"]).tolist()))
 
 
 def test_silent_filter_keeps_at_most_five_in_a_row(micro_config) -> None:
@@ -154,3 +156,4 @@ def test_sampling_follows_the_yaml(micro_config) -> None:
     s = micro_config.llm.sampling
     assert (params.top_p, params.top_k, params.win_size, params.tau_r, params.seed) == (
         s.top_p, s.top_k, s.win_size, s.tau_r, 4)
+    assert params.params().repetition == RepetitionAwareSampling(s.win_size, s.tau_r)  # RAS on, as released

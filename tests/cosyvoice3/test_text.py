@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cosyvoice2.testing.tokenizer import write_test_tokenizer
+from speech_lm.testing import write_test_tokenizer
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS as COSYVOICE2_SPECIALS
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice3.config import ENDOFPROMPT_ID, SYSTEM_PROMPT, CosyVoice3LLMConfig

@@ -6,15 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, NoFreeSlotError, Qwen2Config
-from cosyvoice2.llm import SamplingParams, required_seq_len
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from speech_lm.config import Qwen2Config
+from speech_lm.decode import BatchedDecoder, DecodeRequest, NoFreeSlotError, required_seq_len
 
 REQUESTS = [
-    DecodeRequest(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3] * 5,
-                  sampling=SamplingParams(seed=1, min_token_text_ratio=1, max_token_text_ratio=6)),
-    DecodeRequest(text=[9, 10], sampling=SamplingParams(seed=2, max_token_text_ratio=8)),
-    DecodeRequest(text=[11, 12, 13], prompt_speech_tokens=[5, 9, 30, 2, 7, 7],
-                  sampling=SamplingParams(seed=3, top_k=3, max_token_text_ratio=5)),
+    cosyvoice2_request(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3] * 5,
+                       sampling=CosyVoice2Sampling(seed=1, min_token_text_ratio=1, max_token_text_ratio=6)),
+    cosyvoice2_request(text=[9, 10], sampling=CosyVoice2Sampling(seed=2, max_token_text_ratio=8)),
+    cosyvoice2_request(text=[11, 12, 13], prompt_speech_tokens=[5, 9, 30, 2, 7, 7],
+                       sampling=CosyVoice2Sampling(seed=3, top_k=3, max_token_text_ratio=5)),
 ]
 MAX_SEQ_LEN = max(map(required_seq_len, REQUESTS))
 
@@ -76,7 +78,7 @@ def test_add_many_is_all_or_nothing(model: CosyVoice2LM) -> None:
     decoder = BatchedDecoder(model, num_slots=2, max_seq_len=MAX_SEQ_LEN)
     with pytest.raises(NoFreeSlotError):
         decoder.add_many(REQUESTS)
-    too_long = DecodeRequest(text=[1] * 10, sampling=SamplingParams(max_token_text_ratio=50))
+    too_long = cosyvoice2_request(text=[1] * 10, sampling=CosyVoice2Sampling(max_token_text_ratio=50))
     with pytest.raises(ValueError, match="cache positions"):
         decoder.add_many([REQUESTS[1], too_long])
     assert decoder.free_slots == [0, 1]

@@ -12,7 +12,7 @@ import torch
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.dit.flow import FlowState
 from cosyvoice2.dit.graphs import DiTGraphBuckets, DiTStepGraphs, max_prompt_frames
-from cosyvoice2.graph_buckets import concrete_device
+from speech_lm.graph_buckets import concrete_device
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.dit.token2wav import DiTToken2Wav
 from cosyvoice2.streaming import Chunk, ChunkSchedule

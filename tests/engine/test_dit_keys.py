@@ -12,7 +12,7 @@ from cosyvoice2.dit.flow import DiTFlow
 from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.testing.dit import micro_dit_config, write_full_size_layout
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
-from cosyvoice2.loading import CheckpointMismatchError
+from speech_lm.checkpoints import CheckpointMismatchError
 from tests.conftest import FIXTURES_DIR
 
 PARITY_DIR = FIXTURES_DIR / "parity_dit"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
 
 QWEN = Qwen2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=48, vocab_size=64)

@@ -1,4 +1,4 @@
-"""Fused Triton kernels (cosyvoice2.kernels) against their PyTorch reference on the CPU, through Triton's
+"""Fused Triton kernels (speech_lm.kernels) against their PyTorch reference on the CPU, through Triton's
 interpreter: the comparisons of tests/gpu/test_kernels.py (the GPU run) in a subprocess, because the interpreter must
 be switched on before triton is first imported. bf16 is left to the GPU run (the interpreter truncates fp32 to
 bf16 instead of rounding)."""

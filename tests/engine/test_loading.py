@@ -14,7 +14,7 @@ import torch
 
 import cosyvoice2
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from cosyvoice2.loading import CheckpointMismatchError
+from speech_lm.checkpoints import CheckpointMismatchError
 from cosyvoice2.testing import tiny_config
 from tests.conftest import FIXTURES_DIR
 

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm import (
-    BatchedDecoder,
-    CosyVoice2LM,
-    DecodeRequest,
-    LLMConfig,
-    SamplingParams,
-    required_seq_len,
-    token_limits,
-)
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from speech_lm.decode import BatchedDecoder, DecodeRequest, required_seq_len
 from tests.conftest import FIXTURES_DIR
 
 PARITY_DIR = FIXTURES_DIR / "parity"
@@ -43,11 +37,11 @@ def model() -> CosyVoice2LM:
 
 @pytest.fixture(scope="module")
 def request_from_dump(dump: dict[str, np.ndarray]) -> DecodeRequest:
-    return DecodeRequest(
+    return cosyvoice2_request(
         text=dump["in_text"][0].tolist(),
         prompt_text=dump["in_prompt_text"][0].tolist(),
         prompt_speech_tokens=dump["in_prompt_speech_token"][0].tolist(),
-        sampling=SamplingParams(seed=11),
+        sampling=CosyVoice2Sampling(seed=11),
     )
 
 
@@ -63,7 +57,7 @@ def test_lm_head_is_tied_to_embed_tokens(model: CosyVoice2LM) -> None:
 @torch.inference_mode()
 def test_input_assembly_is_exact(model: CosyVoice2LM, request_from_dump: DecodeRequest, dump) -> None:
     r = request_from_dump
-    lm_input = model.embed_prefix(r.text, r.prompt_text, r.prompt_speech_tokens)
+    lm_input = model.embed_prefix(r.prefix)
     assert max_abs(lm_input, dump["llm_lm_input"]) == 0.0
 
 
@@ -91,7 +85,7 @@ def test_static_kv_cache_steps(model: CosyVoice2LM, dump) -> None:
 
 
 def test_length_limits(dump) -> None:
-    min_len, max_len = token_limits(dump["in_text"].shape[1], SamplingParams())
+    min_len, max_len = CosyVoice2Sampling().token_limits(dump["in_text"].shape[1])
     assert (min_len, max_len) == (int(dump["llm_min_len"]), int(dump["llm_max_len"]))
 
 
@@ -117,9 +111,10 @@ def decode_alone(model: CosyVoice2LM, request: DecodeRequest) -> tuple[list[torc
 def test_batched_slots_match_solo_decoding(model: CosyVoice2LM, request_from_dump: DecodeRequest) -> None:
     """Three requests through two slots: B joins after A's 5th step, C reuses the first slot that frees up."""
     a = request_from_dump
-    b = DecodeRequest(text=a.text[:5], prompt_text=a.prompt_text[2:], prompt_speech_tokens=a.prompt_speech_tokens[:17],
-                      sampling=SamplingParams(seed=12))
-    c = DecodeRequest(text=a.text[3:9], sampling=SamplingParams(seed=13))
+    p = a.prefix
+    b = cosyvoice2_request(text=p.text[:5], prompt_text=p.prompt_text[2:],
+                           prompt_speech_tokens=p.prompt_speech_tokens[:17], sampling=CosyVoice2Sampling(seed=12))
+    c = cosyvoice2_request(text=p.text[3:9], sampling=CosyVoice2Sampling(seed=13))
     solo = {name: decode_alone(model, r) for name, r in {"a": a, "b": b, "c": c}.items()}
 
     decoder = BatchedDecoder(model, num_slots=2, max_seq_len=max(required_seq_len(r) for r in (a, b, c)))

@@ -10,9 +10,11 @@ import random
 import pytest
 import torch
 
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig, Qwen2Config, SamplingParams
-from cosyvoice2.llm.decode import required_seq_len, token_limits
-from cosyvoice2.llm.sampling import draw_uniforms, make_generator, ras_draw
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from speech_lm.config import Qwen2Config
+from speech_lm.decode import BatchedDecoder, DecodeRequest, required_seq_len
+from speech_lm.sampling import draw_uniforms, make_generator, ras_draw
 
 
 # ---- the vectorised sampler against a naive per-row reference --------------------------------------------------
@@ -84,19 +86,20 @@ def small_model(seed: int = 0) -> CosyVoice2LM:
 def decode_row_by_row(model: CosyVoice2LM, request: DecodeRequest) -> list[int]:
     """One request alone, no slots or buckets: prefill, then per step mask/sample/stop and a batch-1 forward."""
     cfg = model.config
-    min_len, max_len = token_limits(len(request.text), request.sampling)
+    min_len, max_len = (request.min_tokens, request.max_tokens)
     uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
     cache = model.new_cache(1, required_seq_len(request))
-    prefix = model.embed_prefix(request.text, request.prompt_text, request.prompt_speech_tokens)
+    prefix = model.embed_prefix(request.prefix)
     logp = model(prefix, cache=cache, slots=[0])[0, -1]
     p, tokens = request.sampling, []
+    ras = p.repetition  # every request below samples with RAS
     while len(tokens) < max_len:
         row = logp.clone()
         if len(tokens) < min_len:
             row[cfg.eos_id] = -math.inf
         token = int(ras_draw(row[None], uniforms[len(tokens)][None], torch.tensor([tokens or [0]]),
                              torch.tensor([len(tokens)]), torch.tensor([p.top_p]), torch.tensor([p.top_k]),
-                             torch.tensor([p.win_size]), torch.tensor([p.win_size * p.tau_r])))
+                             torch.tensor([ras.win_size]), torch.tensor([ras.win_size * ras.tau_r])))
         if token in cfg.stop_ids:
             break
         tokens.append(token)
@@ -106,12 +109,12 @@ def decode_row_by_row(model: CosyVoice2LM, request: DecodeRequest) -> list[int]:
 
 
 REQUESTS = [
-    DecodeRequest(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3],
-                  sampling=SamplingParams(seed=11, min_token_text_ratio=1)),
-    DecodeRequest(text=[9, 10], sampling=SamplingParams(seed=12, top_k=3, win_size=4, tau_r=0.5)),
-    DecodeRequest(text=[11, 12, 13], prompt_speech_tokens=[5] * 6,
-                  sampling=SamplingParams(seed=13, top_p=0.5, min_token_text_ratio=0)),
-    DecodeRequest(text=[14, 15, 16, 17, 18], sampling=SamplingParams(seed=14, max_token_text_ratio=3)),
+    cosyvoice2_request(text=[3, 4, 5, 6], prompt_text=[7, 8], prompt_speech_tokens=[1, 2, 3],
+                       sampling=CosyVoice2Sampling(seed=11, min_token_text_ratio=1)),
+    cosyvoice2_request(text=[9, 10], sampling=CosyVoice2Sampling(seed=12, top_k=3, win_size=4, tau_r=0.5)),
+    cosyvoice2_request(text=[11, 12, 13], prompt_speech_tokens=[5] * 6,
+                       sampling=CosyVoice2Sampling(seed=13, top_p=0.5, min_token_text_ratio=0)),
+    cosyvoice2_request(text=[14, 15, 16, 17, 18], sampling=CosyVoice2Sampling(seed=14, max_token_text_ratio=3)),
 ]
 
 

@@ -97,12 +97,12 @@ def test_decode_request_follows_the_voice_mode(tiny_engine, tiny_prompt) -> None
     from cosyvoice2.frontend.prompt import VoicePrompt
 
     tokenizer = tiny_engine.tokenizer
-    zero_shot = tiny_engine.decode_request("Hi there.", tiny_prompt)
+    zero_shot = tiny_engine.decode_request("Hi there.", tiny_prompt).prefix
     assert list(zero_shot.prompt_speech_tokens) == tiny_prompt.speech_tokens.tolist()
     assert list(zero_shot.prompt_text) == tokenizer.encode(tiny_prompt.transcript) != []
-    instruct = tiny_engine.decode_request("Hi there.", tiny_prompt, instruction="Speak softly.")
+    instruct = tiny_engine.decode_request("Hi there.", tiny_prompt, instruction="Speak softly.").prefix
     assert list(instruct.prompt_text) == tokenizer.encode("Speak softly.<|endofprompt|>")
     assert list(instruct.prompt_speech_tokens) == [] and list(instruct.text) == list(zero_shot.text)
     silent = VoicePrompt(tiny_prompt.speech_tokens, tiny_prompt.prompt_mel, tiny_prompt.xvector, "")
-    cross = tiny_engine.decode_request("Hi there.", silent)
+    cross = tiny_engine.decode_request("Hi there.", silent).prefix
     assert list(cross.prompt_text) == [] and list(cross.prompt_speech_tokens) == []

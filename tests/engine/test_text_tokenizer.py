@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cosyvoice2.testing.tokenizer import write_test_tokenizer
+from speech_lm.testing import write_test_tokenizer
 from cosyvoice2.text.tokenizer import ADDITIONAL_SPECIAL_TOKENS, CosyVoice2Tokenizer
 
 RELEASED_IDS = {

@@ -9,7 +9,7 @@ import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, LLM_FILE, load_flow, load_hift, load_llm
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from cosyvoice2.testing import write_tiny_model
 from speech_serving.engines import BatchedToken2Wav
 from speech_serving.schedule import StreamScheduleParams
@@ -28,8 +28,7 @@ def last_gpu(several_gpus: int) -> torch.device:
 
 
 def test_the_llm_decoder_captures_its_step_graphs_on_its_own_gpu(tiny, last_gpu) -> None:
-    from cosyvoice2.llm.decode import DecodeRequest
-    from cosyvoice2.llm.sampling import SamplingParams
+    from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 
     model_dir, config = tiny
     llm = load_llm(model_dir / LLM_FILE, config, last_gpu, torch.float32)
@@ -37,8 +36,8 @@ def test_the_llm_decoder_captures_its_step_graphs_on_its_own_gpu(tiny, last_gpu)
     tokens = {}
     for graphs in (False, True):
         decoder = BatchedDecoder(llm, num_slots=4, max_seq_len=256, cuda_graphs=graphs)
-        sampling = SamplingParams(seed=3, min_tokens=20, max_tokens=20)
-        slot = decoder.add(DecodeRequest(text=[1, 2, 3, 4, 5], sampling=sampling))
+        sampling = CosyVoice2Sampling(seed=3, min_tokens=20, max_tokens=20)
+        slot = decoder.add(cosyvoice2_request(text=[1, 2, 3, 4, 5], sampling=sampling))
         out = []
         for _ in range(20):
             out.append(decoder.step()[slot].token)

@@ -1,4 +1,4 @@
-"""Every fused Triton kernel (`cosyvoice2.kernels.triton_kernels`) equals its PyTorch reference, alone (eager calls
+"""Every fused Triton kernel (`speech_lm.kernels.triton_kernels`) equals its PyTorch reference, alone (eager calls
 and CUDA-graph replays, at the LLM's decode and prefill shapes) and inside a small LLM body.
 
 Tolerances: the residual sums must be bit-exact; normalised, SiLU and Mish outputs may differ by about one rounding
@@ -15,9 +15,10 @@ from typing import Callable
 import pytest
 import torch
 
-import cosyvoice2.kernels
-from cosyvoice2.kernels import reference
-from cosyvoice2.llm import CosyVoice2LM, LLMConfig, Qwen2Config
+import speech_lm.kernels
+from speech_lm.kernels import reference
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.config import Qwen2Config
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8, torch.float16: 2 * 2.0**-11}
 # (rows, hidden, intermediate): decode batches 1/8/64, a 16 x 202-token prefill, and odd sizes for the masks
@@ -59,7 +60,7 @@ def graph_replay(fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tens
 def kernel_comparisons(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int]) -> list[Comparison]:
     """add_rms_norm (normalised output and residual sum) and silu_mul against the reference: eager, and on CUDA
     also one CUDA-graph replay."""
-    from cosyvoice2.kernels import triton_kernels  # noqa: PLC0415 - after TRITON_INTERPRET is read
+    from speech_lm.kernels import triton_kernels  # noqa: PLC0415 - after TRITON_INTERPRET is read
 
     rows, hidden, intermediate = shape
     generator = torch.Generator(device).manual_seed(rows * 7 + hidden)
@@ -89,21 +90,21 @@ def kernel_comparisons(device: torch.device, dtype: torch.dtype, shape: tuple[in
 def model_comparison(device: torch.device, dtype: torch.dtype) -> Comparison:
     """A small 2-layer LLM body through the Triton kernels (forced, so that the interpreter runs them on the CPU)
     against the same body through the reference."""
-    from cosyvoice2.kernels import triton_kernels  # noqa: PLC0415
+    from speech_lm.kernels import triton_kernels  # noqa: PLC0415
 
     torch.manual_seed(0)
     qwen = Qwen2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=320, vocab_size=64)
     lm = CosyVoice2LM(LLMConfig(qwen=qwen, speech_token_size=40)).to(device=device, dtype=dtype).eval()
     embeds = torch.randn(2, 9, qwen.hidden_size, device=device).to(dtype)
-    dispatch = cosyvoice2.kernels._implementation
+    dispatch = speech_lm.kernels._implementation
     try:
-        cosyvoice2.kernels._implementation = lambda tensor: triton_kernels
+        speech_lm.kernels._implementation = lambda tensor: triton_kernels
         fused = lm.hidden(embeds)
-        cosyvoice2.kernels._implementation = lambda tensor: reference
+        speech_lm.kernels._implementation = lambda tensor: reference
         expected = lm.hidden(embeds)
     finally:
-        cosyvoice2.kernels._implementation = dispatch
+        speech_lm.kernels._implementation = dispatch
     # rounding differences of single kernels propagate through the layers: allow a few steps
     diff = float((fused.float() - expected.float()).abs().max())
     allowed = 8 * RELATIVE_TOLERANCE[dtype] * (1.0 + float(expected.float().abs().max()))

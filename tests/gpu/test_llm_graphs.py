@@ -1,4 +1,4 @@
-"""The LLM decoder's step CUDA graphs (`cosyvoice2.llm.decode.BatchedDecoder`) replay what the eager step
+"""The LLM decoder's step CUDA graphs (`speech_lm.decode.BatchedDecoder`) replay what the eager step
 computes: the same tokens and the same pending log-probs at every step, for requests with different sampling
 settings in one batch. The small model checks the logic; the released-size body (marked slow) the real shapes.
 tests/engine/test_perf_decode.py checks the eager step itself against row-by-row decoding on the CPU."""
@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cosyvoice2.llm import BatchedDecoder, CosyVoice2LM, DecodeRequest, LLMConfig
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from speech_lm.decode import BatchedDecoder, DecodeRequest
 from tests.engine.test_perf_decode import REQUESTS, small_model
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from spark_tts.engine import SparkTTS
 from spark_tts.llm import SparkSampling, spark_request
 from spark_tts.testing import write_full_size_random_model, write_tiny_model

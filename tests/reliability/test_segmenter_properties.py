@@ -77,7 +77,7 @@ def test_the_segments_keep_every_speakable_character_in_order(text):
 def test_the_reported_run_on_inputs_fit_the_real_tokenizer(tmp_path_factory, text):
     """The bound holds for a real byte-level BPE tokenizer (the tiny model's, loaded like CosyVoice-BlankEN)."""
     pytest.importorskip("transformers")
-    from cosyvoice2.testing.tokenizer import write_test_tokenizer
+    from speech_lm.testing import write_test_tokenizer
     from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
     tokenizer = CosyVoice2Tokenizer(write_test_tokenizer(tmp_path_factory.mktemp("tok")))

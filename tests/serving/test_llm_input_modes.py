@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cosyvoice2.frontend.llm_prompt import VoiceMode, instruction_text, llm_prompt
-from cosyvoice2.testing.tokenizer import write_test_tokenizer
+from speech_lm.testing import write_test_tokenizer
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_serving.io_struct import PromptTensors

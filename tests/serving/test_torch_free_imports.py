@@ -38,6 +38,8 @@ TORCH_FREE = [
     "cosyvoice2.hift.config",
     "cosyvoice2.dit.config",
     "spark_tts.config",
+    "speech_lm.config",
+    "speech_lm.testing",
     "speech_serving.orchestrator",
     "triton_repo.adapters.orchestrator",
 ]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cosyvoice2.llm.qwen2 import Qwen2Config
+from speech_lm.qwen2 import Qwen2Config
 from spark_tts import layout
 from spark_tts.codec.bicodec import BiCodec
 from spark_tts.codec.speaker import EcapaWidths

@@ -1,4 +1,4 @@
-"""Spark's sampler on the shared batched decoder: temperature + top-k + top-p, seeds, continuous batching."""
+"""Spark's sampler on the runtime's decoder (`speech_lm`): temperature + top-k + top-p, seeds, continuous batching."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice2.llm.decode import BatchedDecoder, generate_tokens
+from speech_lm.decode import BatchedDecoder, generate_tokens
 from spark_tts.llm import SparkSampling, spark_request
 from tests.spark.conftest import needs_parity_data
 
@@ -39,7 +39,9 @@ def test_request_uses_the_whole_prompt_as_prefix(engine, any_dump) -> None:
     dump = any_dump
     request = spark_request(_prompt(engine, dump), seed=1)
     assert request.prefix_length == dump["llm_input_ids"].shape[1]
-    assert request.sampling.max_tokens == 512 and request.sampling.min_tokens == 0 and request.sampling.win_size == 0
+    assert request.max_tokens == 512 and request.min_tokens == 0 and request.sampling.repetition is None
+    assert (request.sampling.top_k, request.sampling.top_p, request.sampling.seed) == (50, 0.95, 1)
+    assert engine.lm.vocabulary.stop_ids == (engine.lm.config.eos_id,)
 
 
 def test_seeded_generation_is_reproducible_and_stays_in_the_nucleus(engine, dump) -> None:

@@ -154,7 +154,8 @@ def test_the_text_package_imports_no_engine_and_no_other_layer() -> None:
 
 
 def test_the_gateway_and_spark_take_text_rules_from_the_text_package() -> None:
-    # the gateway is model-neutral: no engine at all; Spark-TTS shares CosyVoice2's decoder, not its text frontend
+    # the gateway is model-neutral: no engine at all; Spark-TTS shares the speech-LM runtime, not CosyVoice2's text
+    # frontend
     gateway = imported_modules("gateway")
     assert "speech_text.segment" in gateway["gateway/app.py"], "the walk found no gateway import: it proves nothing"
     engine = {where: sorted(n for n in names if n.split(".")[0] in ("cosyvoice2", "speech_serving"))

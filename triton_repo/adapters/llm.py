@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from cosyvoice2.llm import BatchedDecoder
+from speech_lm.decode import BatchedDecoder
 from cosyvoice2.loading import LLM_FILE, load_llm
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout

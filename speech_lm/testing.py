@@ -1,9 +1,11 @@
-"""Writes a tiny Qwen2-style byte-level BPE tokenizer directory, a stand-in for ``CosyVoice-BlankEN``.
+"""Writes a tiny Qwen2-style byte-level BPE tokenizer directory, a stand-in for the Qwen2 tokenizers the models on
+the runtime ship (CosyVoice2's and CosyVoice3's ``CosyVoice-BlankEN``, the base of Spark-TTS's LLM tokenizer).
+Torch-free.
 
 The real directory holds ``vocab.json`` (151643 entries), ``merges.txt`` and ``tokenizer_config.json`` whose
 ``added_tokens_decoder`` declares ``<|endoftext|>``, ``<|im_start|>`` and ``<|im_end|>`` right after the vocabulary.
 This writer reproduces that layout with a 256-symbol byte alphabet plus a handful of merges, so tests (and the tiny
-model writer in ``cosyvoice2.testing``) get a tokenizer that ``AutoTokenizer`` loads the same way as the real one.
+model writers of the engines' ``testing`` modules) get a tokenizer that ``AutoTokenizer`` loads the same way as the real one.
 
 ``base_vocab_size`` pads the vocabulary with unreachable filler entries; with 151643 the special tokens land on the
 released ids (``<|endoftext|>`` = 151643, ``<|endofprompt|>`` = 151646, ...).

@@ -18,7 +18,7 @@ layer) or none, in three modes:
 
 A decode step is launch-bound (a 0.5B model reads its weights in ~0.17 ms on an H200), so the code keeps the
 kernel count per layer low: one GEMM for q|k|v and one for gate|up, the residual add fused into the following
-RMSNorm and SiLU fused with the gate product (``cosyvoice2.kernels``: Triton on CUDA), rotary embedding of q and k
+RMSNorm and SiLU fused with the gate product (``speech_lm.kernels``: Triton on CUDA), rotary embedding of q and k
 as one batched matmul, one scatter per cache write, and GQA attention without expanding the KV heads: the ``G`` query heads that share a KV head become
 ``G`` query rows of that head, so SDPA sees plain multi-head attention with a shared additive mask and can use a
 fused kernel (a boolean mask with ``enable_gqa`` falls back to the math kernel on CUDA).
@@ -34,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cosyvoice2.kernels import add_rms_norm, silu_mul
-from cosyvoice2.llm.config import Qwen2Config
+from speech_lm.kernels import add_rms_norm, silu_mul
+from speech_lm.config import OutputVocabulary, Qwen2Config
 
 
 class StaticKVCache:
@@ -275,8 +275,9 @@ class Qwen2Model(nn.Module):
 
 
 class Qwen2ForCausalLM(nn.Module):
-    """Qwen2 body plus the (tied) text ``lm_head``. CosyVoice never computes text logits; the head exists so that
-    the checkpoint's ``lm_head.weight`` key loads (it shares storage with ``embed_tokens.weight``)."""
+    """Qwen2 body plus the (tied) text ``lm_head``: Spark-TTS samples from it; the CosyVoice models never compute
+    text logits, there the head exists so that the checkpoint's ``lm_head.weight`` key loads (it shares storage
+    with ``embed_tokens.weight``)."""
 
     def __init__(self, config: Qwen2Config) -> None:
         super().__init__()
@@ -286,17 +287,34 @@ class Qwen2ForCausalLM(nn.Module):
 
 
 class SpeechLM(nn.Module):
-    """What every speech LM on the batched decoder shares: a Qwen2 `body` (a `Qwen2Model`) whose last hidden
-    state an output head turns into the sampling distribution. Subclasses provide `body`, `llm_decoder` (the
-    head; its weight sets the cache's device and dtype), `config.qwen`, `embed_prefix`, `embed_speech` and
-    `log_probs`."""
+    """What every speech LM on the batched decoder (``speech_lm.decode``) provides: a Qwen2 `body` (a
+    `Qwen2Model`) whose last hidden state an output head turns into the sampling distribution. Subclasses provide
+    `body`, `llm_decoder` (the head; its weight sets the cache's device and dtype), `config.qwen`, and:
+
+    - ``embed_prefix(prefix) -> [1, len(prefix), hidden]``: the input embeddings of a prefix that the model's own
+      package built (its ids layout: special rows, text ids, prompt tokens ...);
+    - ``embed_speech(tokens [B, T]) -> [B, T, hidden]``: how a generated token is fed back;
+    - ``log_probs(hidden) -> [..., vocabulary.size]`` in fp32: the distribution the decoder samples from (a model
+      that samples at another temperature or cuts the tail applies that here);
+    - ``vocabulary``: the size of that distribution and the stop ids (default: ``config.vocabulary``).
+    """
 
     config: Any
     body: Qwen2Model
     llm_decoder: nn.Linear
 
+    def embed_prefix(self, prefix: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+    def embed_speech(self, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def vocabulary(self) -> OutputVocabulary:
+        return self.config.vocabulary
 
     def hidden(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None,
                cache: StaticKVCache | None = None, slots: Sequence[int] | torch.Tensor | None = None,

@@ -1,29 +1,28 @@
-"""Speech-token decoding for CosyVoice2LM: a continuous-batching decoder and a per-request token iterator.
+"""Token decoding for any ``SpeechLM``: a continuous-batching decoder and a per-request token iterator.
 
-Rules (upstream ``Qwen2LM.inference``):
-- input = [SOS, prompt_text ++ text, TASK_ID, prompt speech tokens] (``CosyVoice2LM.embed_prefix``);
-- ``min_len = int(len(text) * 2)``, ``max_len = int(len(text) * 20)``, counting *target* text tokens only
-  (``SamplingParams.min_tokens`` / ``max_tokens`` set them directly, per request);
-- while fewer than ``min_len`` tokens were emitted, the EOS log-prob (id 6561) is set to -inf before sampling
-  (only 6561: upstream masks nothing else);
-- any of 6561/6562/6563 stops the request and is never emitted; at ``max_len`` emitted tokens it stops too
-  (``SamplingParams.ignore_eos``: none of them is ever drawn, the request runs to ``max_len``);
-- each emitted token is fed back through ``speech_embedding``.
+A request (``DecodeRequest``) is model-neutral: the model's package builds its ``prefix`` (whatever the model's
+``embed_prefix`` turns into input embeddings: token ids, several id segments, ...) and chooses its sampling
+parameters and length limits; the stop ids are the model's (``SpeechLM.vocabulary``). Rules:
+- the prefix is embedded by ``model.embed_prefix`` and prefilled; each emitted token is fed back through
+  ``model.embed_speech``;
+- while fewer than ``min_tokens`` tokens were emitted, the log-prob of ``vocabulary.masked_below_min`` is set to
+  -inf before sampling (only that stop id);
+- any stop id ends the request and is never emitted; at ``max_tokens`` emitted tokens it ends too
+  (``ignore_eos``: no stop id is ever drawn, the request runs to ``max_tokens``; benchmark mode for random weights).
 
-``BatchedDecoder`` API (what the Triton PyTorch LLM backend drives)::
+``BatchedDecoder`` API (what the Triton PyTorch LLM backends drive)::
 
     decoder = BatchedDecoder(model, num_slots=8, max_seq_len=2048)
-    slot = decoder.add(DecodeRequest(text=ids, prompt_text=p_ids, prompt_speech_tokens=toks,
-                                     sampling=SamplingParams(seed=7)))   # prefill into a free slot
+    slot = decoder.add(DecodeRequest(prefix, SamplingParams(top_p=0.8, seed=7), max_tokens=500))   # prefill
     slots = decoder.add_many([request_a, request_b])   # several prefills in one forward, slots in request order
     while decoder.active_slots:
         for slot, out in decoder.step().items():   # one batched forward over all slots
-            if out.token is not None: ...           # new speech token of that request
+            if out.token is not None: ...           # new token of that request
             if out.finished: ...                    # slot is already free again (out.reason: "stop" | "length")
     decoder.remove(slot)                            # cancel a running request
 
 - ``add`` raises ``NoFreeSlotError`` when all slots are busy, ``ValueError`` when the request cannot fit
-  (``prefix_length + max_len > max_seq_len``); ``required_seq_len(request)`` gives the needed length. ``add_many``
+  (``len(prefix) + max_tokens > max_seq_len``); ``required_seq_len(request)`` gives the needed length. ``add_many``
   raises the same errors before prefilling anything (all or nothing). Its prefixes are right-padded to the longest
   and run as one causal forward; each row's log-probs and cache entries equal a solo prefill's up to float
   rounding (GEMM and attention blocking differ with the batch shape).
@@ -46,49 +45,57 @@ from __future__ import annotations
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Literal, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Literal, Protocol, Sequence
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from cosyvoice2.graph_buckets import capture_stream, on_device
-from cosyvoice2.llm.model import CosyVoice2LM
-from cosyvoice2.llm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw
+from speech_lm.config import OutputVocabulary
+from speech_lm.graph_buckets import capture_stream, on_device
+from speech_lm.qwen2 import SpeechLM
+from speech_lm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw, row_settings
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
 
 
+class Prefix(Protocol):
+    """A request's LLM input as its model's package builds it; only the model's ``embed_prefix`` reads it, the
+    decoder needs its length in positions."""
+
+    def __len__(self) -> int: ...
+
+
 @dataclass(frozen=True)
 class DecodeRequest:
-    """One zero-shot request: target text ids, optional prompt text ids and prompt speech tokens."""
+    """One request: the model's prefix, how to sample, and its length limits in generated tokens.
 
-    text: Sequence[int]
-    prompt_text: Sequence[int] = ()
-    prompt_speech_tokens: Sequence[int] = ()
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ``min_tokens``: the model's ``vocabulary.masked_below_min`` cannot be drawn before that many tokens.
+    ``max_tokens``: the request ends after that many. ``ignore_eos``: no stop id is ever drawn (the request runs
+    to ``max_tokens``; benchmark mode for random weights, which stop at random).
+    """
+
+    prefix: Prefix
+    sampling: SamplingParams
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("min_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
 
     @property
     def prefix_length(self) -> int:
-        return 1 + len(self.prompt_text) + len(self.text) + 1 + len(self.prompt_speech_tokens)
-
-
-def token_limits(num_text_tokens: int, params: SamplingParams) -> tuple[int, int]:
-    """(min_len, max_len) speech tokens: the request's explicit limits, else the ratios times
-    ``num_text_tokens`` target text tokens (prompt text excluded)."""
-    min_len = params.min_tokens
-    if min_len is None:
-        min_len = int(num_text_tokens * params.min_token_text_ratio)
-    max_len = params.max_tokens
-    if max_len is None:
-        max_len = int(num_text_tokens * params.max_token_text_ratio)
-    return min_len, max_len
+        return len(self.prefix)
 
 
 def required_seq_len(request: DecodeRequest) -> int:
-    """KV-cache length a request needs: its prefix plus its maximum number of speech tokens."""
-    return request.prefix_length + token_limits(len(request.text), request.sampling)[1]
+    """KV-cache length a request needs: its prefix plus its maximum number of generated tokens."""
+    return request.prefix_length + request.max_tokens
 
 
 @dataclass(frozen=True)
@@ -122,26 +129,28 @@ class _SlotTable:
 
     ``uniforms[slot, i]`` are the two uniforms of the slot's i-th draw, drawn at ``add`` from the request's
     generator; ``history[slot, :emitted]`` are its emitted ids (the RAS window reads them);
-    ``stop_bias[slot, 0 or 1]`` is added to the log-probs of the stop ids before / after ``min_len`` tokens.
+    ``stop_bias[slot, 0 or 1]`` is added to the log-probs of the stop ids before / after ``min_tokens`` tokens.
     """
 
-    def __init__(self, num_slots: int, max_seq_len: int, num_stop_ids: int, device: torch.device) -> None:
+    def __init__(self, num_slots: int, max_seq_len: int, vocabulary: OutputVocabulary, device: torch.device) -> None:
+        self.vocabulary = vocabulary
         self._ints = torch.zeros(num_slots, 5, dtype=torch.long, device=device)
         self._floats = torch.zeros(num_slots, 2, device=device)
         self.emitted, self.prefix_len, self.min_len, self.top_k, self.win_size = self._ints.unbind(1)
         self.top_p, self.repeat_threshold = self._floats.unbind(1)
         self.history = torch.zeros(num_slots, max_seq_len, dtype=torch.long, device=device)
         self.uniforms = torch.zeros(num_slots, max_seq_len, 2, device=device)
-        self.stop_bias = torch.zeros(num_slots, 2, num_stop_ids, device=device)
+        self.stop_bias = torch.zeros(num_slots, 2, len(vocabulary.stop_ids), device=device)
 
-    def reset(self, slot: int, request: DecodeRequest, min_len: int, uniforms: torch.Tensor) -> None:
-        p = request.sampling
-        self._ints[slot] = torch.tensor([0, request.prefix_length, min_len, p.top_k, p.win_size])
-        self._floats[slot] = torch.tensor([p.top_p, p.win_size * p.tau_r])
+    def reset(self, slot: int, request: DecodeRequest, uniforms: torch.Tensor) -> None:
+        vocabulary = self.vocabulary
+        top_p, top_k, win_size, repeat_threshold = row_settings(request.sampling, vocabulary.size)
+        self._ints[slot] = torch.tensor([0, request.prefix_length, request.min_tokens, top_k, win_size])
+        self._floats[slot] = torch.tensor([top_p, repeat_threshold])
         self.uniforms[slot, : uniforms.shape[0]] = uniforms
-        after_min = torch.full((self.stop_bias.shape[-1],), float("-inf") if p.ignore_eos else 0.0)
+        after_min = torch.full((self.stop_bias.shape[-1],), float("-inf") if request.ignore_eos else 0.0)
         before_min = after_min.clone()
-        before_min[0] = float("-inf")  # the first stop id is EOS, the only one upstream masks below min_len
+        before_min[vocabulary.masked_below_min - vocabulary.stop_ids[0]] = float("-inf")
         self.stop_bias[slot] = torch.stack([before_min, after_min])
 
 
@@ -177,7 +186,7 @@ class BatchedDecoder:
 
     def __init__(
         self,
-        model: CosyVoice2LM,
+        model: SpeechLM,
         num_slots: int,
         max_seq_len: int,
         cuda_graphs: bool | None = None,
@@ -189,11 +198,12 @@ class BatchedDecoder:
         self.max_seq_len = max_seq_len
         self.device = model.llm_decoder.weight.device
         self.cache = model.new_cache(num_slots, max_seq_len)
-        self.logp = torch.zeros(num_slots, model.config.num_speech_classes, device=self.device)
+        vocabulary = model.vocabulary
+        self.logp = torch.zeros(num_slots, vocabulary.size, device=self.device)
         self.buckets = sorted({b for b in batch_buckets if b < num_slots} | {num_slots})
         self.length_buckets = sorted({b for b in length_buckets if b < max_seq_len} | {max_seq_len})
-        self._stop_ids = model.config.stop_ids
-        self._table = _SlotTable(num_slots, max_seq_len, len(self._stop_ids), self.device)
+        self._stop_ids = vocabulary.stop_ids
+        self._table = _SlotTable(num_slots, max_seq_len, vocabulary, self.device)
         self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._slots: dict[int, _SlotState] = {}
         if cuda_graphs is None:
@@ -230,17 +240,16 @@ class BatchedDecoder:
         if not requests:
             return []
         slots = free[: len(requests)]
-        prefixes = [self.model.embed_prefix(r.text, r.prompt_text, r.prompt_speech_tokens)[0] for r in requests]
+        prefixes = [self.model.embed_prefix(r.prefix)[0] for r in requests]
         hidden = self.model.hidden(pad_sequence(prefixes, batch_first=True), cache=self.cache, slots=slots)
         last = torch.tensor([r.prefix_length - 1 for r in requests], device=self.device)
         rows = torch.tensor(slots, device=self.device)
         self.logp[rows] = self.model.log_probs(hidden[torch.arange(len(requests), device=self.device), last])
         for slot, request in zip(slots, requests):
-            min_len, max_len = token_limits(len(request.text), request.sampling)
             # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
-            uniforms = draw_uniforms(max_len, make_generator(request.sampling.seed, "cpu"))
-            self._table.reset(slot, request, min_len, uniforms.to(self.device))
-            self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=max_len)
+            uniforms = draw_uniforms(request.max_tokens, make_generator(request.sampling.seed, "cpu"))
+            self._table.reset(slot, request, uniforms.to(self.device))
+            self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=request.max_tokens)
         return slots
 
     def remove(self, slot: int) -> None:
@@ -256,7 +265,7 @@ class BatchedDecoder:
         t, r = self._table, slice(0, rows)
         emitted, last = t.emitted[r], self.max_seq_len - 1
         logp = self.logp[r].clone()
-        # below the minimum length the EOS id cannot be drawn; with ignore_eos no stop id can (ids are contiguous)
+        # below the minimum length one stop id cannot be drawn; with ignore_eos none can (the ids are contiguous)
         below_min = (emitted < t.min_len[r]).unsqueeze(1)
         logp[:, self._stop_ids[0] : self._stop_ids[-1] + 1] += torch.where(below_min, *t.stop_bias[r].unbind(1))
         draw = emitted.clamp(max=last).view(rows, 1, 1).expand(rows, 1, 2)
@@ -313,12 +322,12 @@ class _SoloDecoders:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._free: weakref.WeakKeyDictionary[CosyVoice2LM, dict[int, list[BatchedDecoder]]] = (
+        self._free: weakref.WeakKeyDictionary[SpeechLM, dict[int, list[BatchedDecoder]]] = (
             weakref.WeakKeyDictionary()
         )
 
     @contextmanager
-    def lend(self, model: CosyVoice2LM, needed: int) -> Iterator[BatchedDecoder]:
+    def lend(self, model: SpeechLM, needed: int) -> Iterator[BatchedDecoder]:
         capacity = max(self.MIN_SEQ_LEN, 1 << (needed - 1).bit_length())
         with self._lock:
             free = self._free.setdefault(model, {}).setdefault(capacity, [])
@@ -337,7 +346,7 @@ class _SoloDecoders:
 _SOLO_DECODERS = _SoloDecoders()
 
 
-def generate_tokens(model: CosyVoice2LM, request: DecodeRequest) -> Iterator[int]:
+def generate_tokens(model: SpeechLM, request: DecodeRequest) -> Iterator[int]:
     """Yield one request's speech tokens as they are decoded (a one-slot ``BatchedDecoder``)."""
     with _SOLO_DECODERS.lend(model, required_seq_len(request)) as decoder:
         slot = decoder.add(request)

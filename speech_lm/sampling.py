@@ -1,12 +1,15 @@
-"""Repetition-aware sampling (RAS, VALL-E 2) over nucleus sampling, as CosyVoice2 decodes speech tokens.
+"""Nucleus (top-p/top-k) sampling with optional repetition-aware resampling (RAS, VALL-E 2), for the batched
+decoder.
 
 Per step, for one request's log-probs row:
 1. nucleus: sort the probabilities descending (stable) and keep a prefix while the cumulative probability *before*
    an entry is < top_p and fewer than top_k entries are kept (so the entry that crosses top_p is included); draw one
    id from the kept, unnormalised probabilities;
-2. repetition check: if that id occurs at least ``win_size * tau_r`` times among the last ``win_size`` emitted tokens,
-   exclude it (log-prob -inf) and redraw from the full distribution (no top-k/top-p).
-Temperature is 1.
+2. repetition check, only with ``SamplingParams.repetition`` set: if that id occurs at least ``win_size * tau_r``
+   times among the last ``win_size`` emitted tokens, exclude it (log-prob -inf) and redraw from the full
+   distribution (no top-k/top-p).
+Sampling draws from the model's ``log_probs`` as they are: a model that samples at another temperature (or cuts the
+distribution otherwise) does so in its ``log_probs``.
 
 Draws are inverse-CDF lookups driven by two uniforms per row, so a whole batch of rows is sampled with a fixed
 number of kernels, without host syncs (CUDA-graph capturable), and each row's result depends only on its own
@@ -21,36 +24,37 @@ from typing import Sequence
 
 import torch
 
-from cosyvoice2.llm import sampling_defaults as defaults
+
+@dataclass(frozen=True)
+class RepetitionAwareSampling:
+    """RAS: a nucleus pick seen at least ``win_size * tau_r`` times among the last ``win_size`` emitted tokens is
+    redrawn from the whole distribution without it."""
+
+    win_size: int
+    tau_r: float
+
+    def __post_init__(self) -> None:
+        if self.win_size < 1 or self.tau_r < 0:
+            raise ValueError(f"repetition-aware sampling needs win_size >= 1 and tau_r >= 0, got {self}")
+
+    @property
+    def threshold(self) -> float:
+        return self.win_size * self.tau_r
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding parameters; defaults are CosyVoice2's (``cosyvoice2.yaml`` / ``Qwen2LM.inference``,
-    `sampling_defaults`).
+    """One request's sampling: the nucleus (``top_k`` None: no top-k cut), repetition-aware resampling (off unless
+    set) and the seed of the request's generator (None: a random one). Each model's package sets its own values."""
 
-    Length limits, all per request: EOS (6561) cannot be drawn before ``min_tokens`` speech tokens and the request
-    stops after ``max_tokens``; unset, they are ``int(len(text) * min/max_token_text_ratio)`` as upstream.
-    ``ignore_eos``: no stop id (6561-6563) is ever drawn, so the request runs to ``max_tokens`` (benchmark mode
-    for random weights, which stop at random).
-    """
-
-    top_p: float = defaults.TOP_P
-    top_k: int = defaults.TOP_K
-    win_size: int = defaults.WIN_SIZE
-    tau_r: float = defaults.TAU_R
-    min_token_text_ratio: float = defaults.MIN_TOKEN_TEXT_RATIO
-    max_token_text_ratio: float = defaults.MAX_TOKEN_TEXT_RATIO
+    top_p: float = 1.0
+    top_k: int | None = None
+    repetition: RepetitionAwareSampling | None = None
     seed: int | None = None
-    min_tokens: int | None = None
-    max_tokens: int | None = None
-    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("min_tokens", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not 0 < self.top_p <= 1 or (self.top_k is not None and self.top_k < 1):
+            raise ValueError(f"sampling needs 0 < top_p <= 1 and top_k >= 1 (or None), got {self}")
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
@@ -115,12 +119,21 @@ def ras_draw(
 
 
 # ---- single-row helpers -----------------------------------------------------------------------------------------
-def _row_tensors(params: SamplingParams, device: torch.device) -> dict[str, torch.Tensor]:
+def row_settings(params: SamplingParams, vocab_size: int) -> tuple[float, int, int, float]:
+    """``(top_p, top_k, win_size, repeat_threshold)`` of ``ras_draw`` for one request: no top-k cut keeps the whole
+    vocabulary, RAS off is a window of 0 (the draw then never redraws)."""
+    top_k = vocab_size if params.top_k is None else params.top_k
+    ras = params.repetition
+    return params.top_p, top_k, (ras.win_size if ras else 0), (ras.threshold if ras else 0.0)
+
+
+def _row_tensors(params: SamplingParams, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    top_p, top_k, win_size, threshold = row_settings(params, vocab_size)
     return {
-        "top_p": torch.tensor([params.top_p], device=device),
-        "top_k": torch.tensor([params.top_k], device=device),
-        "win_size": torch.tensor([params.win_size], device=device),
-        "repeat_threshold": torch.tensor([params.win_size * params.tau_r], device=device),
+        "top_p": torch.tensor([top_p], device=device),
+        "top_k": torch.tensor([top_k], device=device),
+        "win_size": torch.tensor([win_size], device=device),
+        "repeat_threshold": torch.tensor([threshold], device=device),
     }
 
 
@@ -135,9 +148,10 @@ def nucleus_sample(logp: torch.Tensor, top_p: float, top_k: int, generator: torc
 def ras_sample(
     logp: torch.Tensor, history: Sequence[int], params: SamplingParams, generator: torch.Generator
 ) -> int:
-    """One RAS draw from the 1-D log-probs ``logp`` given the request's emitted tokens ``history``."""
+    """One draw from the 1-D log-probs ``logp`` given the request's emitted tokens ``history`` (RAS if ``params``
+    enable it)."""
     device = logp.device
     u = draw_uniforms(1, generator).to(device)
     past = torch.tensor([list(history) or [-1]], dtype=torch.long, device=device)
     length = torch.tensor([len(history)], device=device)
-    return int(ras_draw(logp.unsqueeze(0), u, past, length, **_row_tensors(params, device)))
+    return int(ras_draw(logp.unsqueeze(0), u, past, length, **_row_tensors(params, logp.shape[-1], device)))

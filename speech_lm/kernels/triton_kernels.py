@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cosyvoice2.graph_buckets import on_device
+from speech_lm.graph_buckets import on_device
 
 _SILU_BLOCK = 1024
 

@@ -16,13 +16,13 @@ from types import ModuleType
 
 import torch
 
-from cosyvoice2.kernels import reference
+from speech_lm.kernels import reference
 
 
 @cache
 def _triton_kernels() -> ModuleType | None:
     try:
-        from cosyvoice2.kernels import triton_kernels  # noqa: PLC0415 - optional dependency
+        from speech_lm.kernels import triton_kernels  # noqa: PLC0415 - optional dependency
     except ImportError:
         return None
     return triton_kernels
