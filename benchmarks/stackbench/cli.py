@@ -81,6 +81,7 @@ Options:
   --open-loop-step-seconds S    arrivals offered per search step (default 30)
   --open-loop-steps N           most rates one search measures (default 8)
   --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
+  --cuda-mps                    the tritonservers run under a CUDA MPS daemon the run starts and stops
 """
 
 from __future__ import annotations
