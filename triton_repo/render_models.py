@@ -1,5 +1,6 @@
-"""The models of the rendered repository: CosyVoice2's table of `ModelSpec`s (per layout), Spark-TTS's beside
-them (`spark_render`), every model's typed parameters, and the record of the options (`MARKER`).
+"""The models of the rendered repository: CosyVoice2's table of `ModelSpec`s (per layout), Spark-TTS's and
+CosyVoice3's beside them (`spark_render`, `cosyvoice3_render`), every model's typed parameters, and the record of
+the options (`MARKER`).
 
 `render_files` is pure: options in, relative path -> content out (it reads only the templates and an engine's
 `config.json`); checking the options first and writing the files is `triton_repo.render`'s.
@@ -16,7 +17,7 @@ from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.schedule import StreamScheduleParams
 import pipeline_contract as contract
 from triton_repo import internal_io as io
-from triton_repo import spark_render
+from triton_repo import cosyvoice3_render, spark_render
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
@@ -35,14 +36,14 @@ from triton_repo.render_trtllm import trtllm_parameters
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
 ENGINE_MODEL = "engine"
 #: Models that must run as exactly one instance (per-request state in their process), besides every token2wav.
-SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE)
+SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE, *cosyvoice3_render.SINGLE_INSTANCE)
 _P = TypeVar("_P", bound=ModelParams)
 
 
 def render_files(opts: RenderOptions) -> dict[str, str]:
     """Relative path -> file content of the whole repository (no I/O besides reading templates and the engine's
     config.json)."""
-    files = model_files(model_specs(opts) + spark_render.model_specs(opts))
+    files = model_files(model_specs(opts) + spark_render.model_specs(opts) + cosyvoice3_render.model_specs(opts))
     files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
     return files
 
@@ -99,7 +100,7 @@ def _llm_spec(opts: RenderOptions) -> ModelSpec:
 def expected_models(opts: RenderOptions) -> set[str]:
     internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
-    return frontend | internal | spark_render.models(opts)
+    return frontend | internal | spark_render.models(opts) | cosyvoice3_render.models(opts)
 
 
 def llm_shares_its_gpu(opts: RenderOptions) -> bool:
@@ -176,6 +177,7 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
     record = asdict(opts)
     record.pop("out")
     record = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
-    if opts.spark is not None:
-        record["spark"] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record["spark"].items()}
+    for part in ("spark", "cosyvoice3"):  # the optional models' own options
+        if record[part] is not None:
+            record[part] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record[part].items()}
     return record
