@@ -77,6 +77,12 @@ def pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipelin
     return colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("pipeline") / "repo", triton_server_factory)
 
 
+@pytest.fixture(scope="module")
+def both_gateway(both_server, gateway_factory):
+    """A gateway in front of the module's `both_server` (CosyVoice2 and another model in one tritonserver)."""
+    return gateway_factory(both_server.grpc_url)
+
+
 async def stream(client, inputs, cancel_after: int | None = None):
     """(waveform, input_tokens, output_tokens, final) per response of one streaming request."""
 
