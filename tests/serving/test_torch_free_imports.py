@@ -40,6 +40,10 @@ TORCH_FREE = [
     "spark_tts.config",
     "speech_serving.orchestrator",
     "triton_repo.adapters.orchestrator",
+    "cosyvoice3.config",
+    "cosyvoice3.prompts",
+    "speech_serving.cosyvoice3",
+    "triton_repo.adapters.cosyvoice3",
 ]
 
 
