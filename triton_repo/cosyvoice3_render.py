@@ -29,7 +29,7 @@ from triton_repo.model_params import (
     VoicePromptParams,
 )
 from triton_repo.render_options import CosyVoice3RenderOptions, RenderOptions
-from triton_repo.render_templates import ModelSpec, instance_group
+from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, with_options
 
 __all__ = ["CosyVoice3RenderOptions", "check", "model_specs", "models"]
 
@@ -81,17 +81,13 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     if cv3 is None:
         return []
     model_dir = cv3.model_dir.resolve()
-    specs = [
-        ModelSpec(name, "orchestrator.pbtxt", contract.INPUTS, contract.OUTPUTS, orchestrator_params(opts),
-                  ("cosyvoice3", "CosyVoice3OrchestratorModel"),
-                  dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
-        for name, decoupled, description in (
-            (contract.COSYVOICE3_OFFLINE_MODEL, "false",
-             "CosyVoice3 offline pipeline: one response with the whole waveform of one segment."),
-            (contract.COSYVOICE3_STREAMING_MODEL, "true",
-             "CosyVoice3 streaming pipeline: waveform chunks; FINAL rides on the last one."),
-        )
-    ]  # fmt: skip
+    specs = entry_specs(
+        opts, orchestrator_params(opts), ("cosyvoice3", "CosyVoice3OrchestratorModel"),
+        (contract.COSYVOICE3_OFFLINE_MODEL, "CosyVoice3 offline pipeline: one response with the whole waveform of one "
+                                            "segment."),
+        (contract.COSYVOICE3_STREAMING_MODEL, "CosyVoice3 streaming pipeline: waveform chunks; FINAL rides on the "
+                                              "last one."),
+    )
     specs.append(ModelSpec(VOICE_PROMPT, "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
                            VoicePromptParams(cache_capacity=opts.voice_cache),
                            ("cosyvoice3_engine", "CosyVoice3VoicePromptModel"),
@@ -135,17 +131,9 @@ def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
 
 
 def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
-    """Parameters of `cosyvoice3_engine` (`adapters.cosyvoice3_engine`)."""
+    """Parameters of `cosyvoice3_engine` (`adapters.cosyvoice3_engine`): the LLM's capacity, dtype and voice cache
+    are the render's (`with_options`); `flow_cache` is CosyVoice3's own option, not CosyVoice2's of that name."""
     cv3 = opts.cosyvoice3
     assert cv3 is not None
-    return CosyVoice3EngineParams(
-        model_dir=cv3.model_dir.resolve(),
-        device=opts.device_of(ENGINE),
-        dtype=opts.dtype,
-        max_batch=opts.max_batch,
-        max_seq_len=opts.max_seq_len,
-        max_waiting=opts.max_waiting,
-        flow_cache=cv3.flow_cache,
-        voice_cache=opts.voice_cache,
-        benchmark=_benchmark(cv3),
-    )
+    return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
+                        flow_cache=cv3.flow_cache, benchmark=_benchmark(cv3))

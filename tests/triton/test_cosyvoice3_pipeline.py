@@ -21,7 +21,7 @@ from cosyvoice3.testing import write_tiny_model
 from tests.gateway.audio_checks import FORMAT_RATES, check_speech, decode
 from tests.gateway.conftest import wait_for
 from tests.gateway.voice_clips import make_clip, upload
-from tests.triton.conftest import FIRST_HOP, SAMPLES_PER_TOKEN, synthesis_inputs
+from tests.triton.conftest import FIRST_HOP, SAMPLES_PER_TOKEN, offline_chunk, streamed_chunks, synthesis_inputs
 from triton_repo.render import CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
 
 pytestmark = pytest.mark.triton
@@ -53,27 +53,14 @@ def both_server(tiny_model_dir, cosyvoice3_dir, tmp_path_factory, triton_server_
 
 
 async def _offline(url, model, inputs):
-    async with aio.InferenceServerClient(url) as client:
-        result = await client.infer(model, inputs)
-    return (result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.INPUT_TOKENS.name)[0]),
-            int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]), int(result.as_numpy(contract.SAMPLE_RATE.name)[0]))
+    chunk = await offline_chunk(url, model, inputs)
+    return chunk.waveform, chunk.input_tokens, chunk.output_tokens, chunk.sample_rate
 
 
 async def _stream(url, inputs, model=contract.COSYVOICE3_STREAMING_MODEL):
-    async def requests():
-        yield {"model_name": model, "inputs": inputs}
-
-    out = []
     async with aio.InferenceServerClient(url) as client:
-        async for result, error in client.stream_infer(requests()):
-            if error is not None:
-                raise error
-            final = result.get_response().parameters["triton_final_response"].bool_param
-            out.append((result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-                        int(result.as_numpy(contract.SAMPLE_RATE.name)[0]), final))
-            if final:
-                break
-    return out
+        chunks = await streamed_chunks(client, model, inputs)
+    return [(c.waveform, c.output_tokens, c.sample_rate, c.final) for c in chunks]
 
 
 async def test_offline_is_24k_with_960_samples_per_token(both_server):
@@ -99,6 +86,24 @@ async def test_streaming_sends_growing_chunks_of_whole_tokens(both_server):
     assert sum(c[0].size for c in chunks) == counts[-1] * SAMPLES_PER_TOKEN
     # the first chunk: the first hop's tokens (5), the HiFT's held-back frames not yet (4 tokens' worth at most)
     assert 0 < chunks[0][0].size <= 5 * SAMPLES_PER_TOKEN
+
+
+async def test_cached_streams_equal_the_recompute_reference(both_server, tiny_model_dir, cosyvoice3_dir,
+                                                             tmp_path_factory, triton_server_factory):
+    """The same requests streamed by a repository rendered with `--cosyvoice3-flow-cache recompute` (every chunk
+    from scratch, the reference path): the same chunks, equal audio up to float rounding."""
+    repo = _render(tiny_model_dir, cosyvoice3_dir, tmp_path_factory.mktemp("cv3_recompute") / "repo",
+                   flow_cache="recompute")
+    reference = triton_server_factory(repo, ready_timeout=240)
+    try:
+        for seed, voice in ((7, "voice-ref-a"), (8, "voice-ref-bb")):
+            inputs = synthesis_inputs(TEXT, seed=seed, voice=voice)
+            cached, recomputed = await _stream(both_server.grpc_url, inputs), await _stream(reference.grpc_url, inputs)
+            assert len(cached) >= 3 and [c[1:] for c in cached] == [c[1:] for c in recomputed]
+            for ours, theirs in zip(cached, recomputed):
+                np.testing.assert_allclose(ours[0], theirs[0], atol=1e-4)
+    finally:
+        reference.cleanup()
 
 
 def _cosyvoice3_tokenizer(model_dir):

@@ -17,7 +17,7 @@ from speech_serving.spark import SparkVoiceTokenizer
 from spark_tts.testing import write_tiny_model
 from tests.gateway.audio_checks import FORMAT_RATES, check_speech, decode
 from tests.gateway.voice_clips import make_clip, upload
-from tests.triton.conftest import FIRST_HOP, synthesis_inputs
+from tests.triton.conftest import FIRST_HOP, offline_chunk, streamed_chunks, synthesis_inputs
 from triton_repo import spark_io
 from triton_repo.render import RenderError, RenderOptions, write_repository
 from triton_repo.spark_render import AUDIO_TOKENIZER, SparkRenderOptions
@@ -48,26 +48,13 @@ def both_server(tiny_model_dir, spark_dir, tmp_path_factory, triton_server_facto
 
 
 async def _offline(url, model, inputs):
-    async with aio.InferenceServerClient(url) as client:
-        result = await client.infer(model, inputs)
-    return (result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-            int(result.as_numpy(contract.SAMPLE_RATE.name)[0]))
+    chunk = await offline_chunk(url, model, inputs)
+    return chunk.waveform, chunk.output_tokens, chunk.sample_rate
 
 
 async def _stream(client, inputs):
-    async def requests():
-        yield {"model_name": contract.SPARK_STREAMING_MODEL, "inputs": inputs}
-
-    out = []
-    async for result, error in client.stream_infer(requests()):
-        if error is not None:
-            raise error
-        final = result.get_response().parameters["triton_final_response"].bool_param
-        out.append((result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-                    int(result.as_numpy(contract.SAMPLE_RATE.name)[0]), final))
-        if final:
-            break
-    return out
+    chunks = await streamed_chunks(client, contract.SPARK_STREAMING_MODEL, inputs)
+    return [(c.waveform, c.output_tokens, c.sample_rate, c.final) for c in chunks]
 
 
 async def test_spark_offline_is_16k_with_320_samples_per_token(both_server):
