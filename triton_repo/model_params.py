@@ -330,5 +330,5 @@ class CosyVoice3EngineParams(DecoderParams):
     """`cosyvoice3_engine` (`adapters.cosyvoice3`): CosyVoice3's LLM and token2wav in one process."""
 
     flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
-    voice_cache: int  # voices whose prompt flow cache the cached streams start from
+    flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))

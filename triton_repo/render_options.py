@@ -198,6 +198,10 @@ class CosyVoice3RenderOptions(_Options):
     flow_cache: str = option("cached", choices=COSYVOICE3_FLOW_CACHES,
                              help="CosyVoice3 streaming flow: cached (per-stream flow caches) or recompute (every "
                                   "chunk from scratch, the reference)")
+    # Each kept voice holds its prompt's keys and values per Euler step and DiT block: ~3.6 MB per prompt frame in
+    # fp32 at the released size, ~1.8 GB for a 10 s prompt (docs/cosyvoice3.md, "Token2wav and streaming").
+    flow_voices: int = option(8, minimum=1, help="CosyVoice3 cached streaming: voices whose prompt flow caches are "
+                              "kept (about 1.8 GB each for a 10 s prompt in fp32)")
     first_hop: int = option(15, minimum=4, help="CosyVoice3 streaming: tokens in the first chunk")
     second_hop: int = option(25, minimum=4, help="CosyVoice3 streaming: tokens in the second chunk, doubling after")
     # Benchmark mode for random weights: every request generates exactly round(ratio x text tokens) speech tokens
