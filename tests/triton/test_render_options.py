@@ -70,8 +70,8 @@ def test_every_field_with_help_has_its_flag() -> None:
     expected = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(RenderOptions) if f.metadata.get("help")}
     assert expected - {"--spark"} <= flags
     assert {"--spark-dir", "--spark-first-chunk", "--spark-max-new-tokens", "--token2wav-gpus"} <= flags
-    assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-first-hop", "--cosyvoice3-second-hop",
-            "--cosyvoice3-benchmark-ratio"} <= flags
+    assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-flow-voices", "--cosyvoice3-first-hop",
+            "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio"} <= flags
     assert "--max-target-text-tokens" not in flags  # a library option: no help, no flag
 
 
