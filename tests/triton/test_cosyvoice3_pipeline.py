@@ -245,3 +245,85 @@ def test_an_uploaded_voice_speaks_with_both_models_and_warms_cosyvoice3(both_gat
                                                             response_format="wav", extra_body={"stream": stream}).read()
             samples, rate = decode(data, "wav")
             assert rate == 24_000 and samples.size > 0
+
+
+# -- the served LLM without Triton (benchmark mode above draws no stop id and filters nothing) -------------------
+class _LLMCall:
+    """One request to an `LLMHandler`, as the python backend hands it over, and the responses it sends."""
+
+    def __init__(self, arrays: dict) -> None:
+        self.arrays, self.sent = arrays, []
+
+    def request_id(self) -> str:
+        return "42"
+
+    def send(self, response=None, flags=0) -> None:
+        self.sent.append((response, flags))
+
+
+async def test_the_served_llm_sends_the_engines_tokens_with_silent_runs_dropped(adapters, monkeypatch,
+                                                                                cosyvoice3_dir):
+    """CosyVoice3's `LLMHandler` (the shared scheduler, CosyVoice3's sampler and silent-run filter) answers an
+    orchestrator's request with exactly the engine's `generate` tokens. Every token counts as silent here, with
+    runs of at most 3 kept, so the filter visibly acts: the request sends 3 tokens."""
+    import dataclasses  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from cosyvoice3.llm import SilentTokenFilter, generate, sampling_params  # noqa: PLC0415
+    from cosyvoice3.loading import load  # noqa: PLC0415
+    from speech_serving.cosyvoice3 import CosyVoice3Orchestrator, cosyvoice3_schedule, cosyvoice3_vocab  # noqa: PLC0415
+    from speech_serving.engines import build_decode_request  # noqa: PLC0415
+    from speech_serving.io_struct import PromptTensors  # noqa: PLC0415
+    from speech_serving.orchestrator import OrchestratorConfig  # noqa: PLC0415
+    from triton_repo import internal_io as io  # noqa: PLC0415
+    from triton_repo.model_params import DecoderParams  # noqa: PLC0415
+
+    stub = sys.modules["triton_python_backend_utils"]
+    monkeypatch.setattr(stub, "get_input_tensor_by_name", lambda call, name: _Tensor.of(call.arrays, name),
+                        raising=False)
+    monkeypatch.setattr(stub, "Tensor", lambda name, value: (name, value), raising=False)
+    monkeypatch.setattr(stub, "InferenceResponse", lambda output_tensors: dict(output_tensors), raising=False)
+    llm_adapter = adapters("llm")
+
+    engine = load(cosyvoice3_dir)
+    config = dataclasses.replace(engine.config.llm, silent_tokens=tuple(range(6561)), max_silent_run=3)
+    engine.llm.config = config
+    vocab = cosyvoice3_vocab(engine.config)
+    params = DecoderParams(model_dir=cosyvoice3_dir, device="cpu", dtype="fp32", max_batch=2, max_seq_len=1024,
+                           max_waiting=4)
+    handler = llm_adapter.LLMHandler(engine.llm, vocab, params, sampling_params(config),
+                                     lambda: SilentTokenFilter.for_config(config).accept)
+    orchestrator = CosyVoice3Orchestrator(OrchestratorConfig(vocab=vocab, schedule=cosyvoice3_schedule(engine.config)),
+                                          engine.tokenizer, clients=None)  # type: ignore[arg-type]
+    rng = np.random.default_rng(0)
+    prompt = PromptTensors(rng.integers(0, 6561, 12).astype(np.int32), np.zeros((24, 80), np.float32),
+                           np.zeros(192, np.float32))
+    lengths = []
+    try:
+        for seed in range(1, 6):
+            request = contract.SpeechRequest(np.zeros(1600, np.float32), "a reference", TEXT, "v", seed)
+            llm_request, _ = orchestrator.build_llm_request(request, prompt, streaming=False)
+            call = _LLMCall(io.llm_request_tensors(llm_request, vocab, None))
+            await handler.handle(call, call)
+            [(response, _)] = call.sent  # offline: one response
+            sent = vocab.to_speech_tokens(np.asarray(io.llm_response_ids(response))).tolist()
+            decode = build_decode_request(llm_request.input_ids, vocab, llm_request.min_tokens,
+                                          llm_request.max_tokens, seed, llm_request.top_k, llm_request.top_p,
+                                          sampling_params(config))
+            assert sent == list(generate(engine.llm, decode))
+            lengths.append(len(sent))
+    finally:
+        handler.close()
+    assert max(lengths) == 3  # the filter cut the sequences that ran on (random weights stop early at times)
+
+
+class _Tensor:
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def as_numpy(self) -> np.ndarray:
+        return self.value
+
+    @classmethod
+    def of(cls, arrays: dict, name: str) -> "_Tensor | None":
+        return cls(arrays[name]) if name in arrays else None
