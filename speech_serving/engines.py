@@ -271,6 +271,9 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
     stream, so each job is then retried alone (`_BatchedStreams`). The seed is unused: CosyVoice3's flow and source
     noise come from fixed tables, so a request's audio depends only on its tokens and voice."""
 
+    #: Jobs per call at most (the service's cap): no CUDA-graph buckets bound it, the engine runs jobs one by one.
+    max_rows = DEFAULT_MAX_ROWS
+
     def __init__(self, engine: CosyVoice3Token2Wav, cached: bool) -> None:
         self.engine = engine
         self.cached = cached
@@ -280,16 +283,15 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
     def sample_rate(self) -> int:
         return self.engine.sample_rate
 
-    max_rows = DEFAULT_MAX_ROWS
-
     def capture_graphs(self) -> tuple[int, float]:
         """No step graphs: CosyVoice3's flow runs eagerly (docs/cosyvoice3.md, "Not yet")."""
         return 0, 0.0
 
     def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:
+        """A stream of `prompt`'s voice; a cached one starts from the voice's prompt flow cache (computed here on
+        the voice's first stream). `seed` is unused (see the class docstring)."""
         voice = VoicePrompt.from_arrays(prompt.speech_tokens, prompt.mel, prompt.embedding)
-        with torch.inference_mode():
-            return CosyVoice3StreamState(voice, self.engine.open_stream(voice, self.cached))
+        return CosyVoice3StreamState(voice, self.engine.open_stream(voice, self.cached))
 
     def _offline_job(self, tokens: list[int], state: CosyVoice3StreamState) -> tuple[CosyVoice3Stream, Chunk]:
         return self.engine.offline_job(tokens, state.prompt)
