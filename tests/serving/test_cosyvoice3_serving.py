@@ -169,3 +169,23 @@ def test_a_bad_job_fails_alone(engine):
         results = batched.run([good, bad_token, bad_chunk])
     assert isinstance(results[0], np.ndarray) and results[0].size == 960 * 12
     assert isinstance(results[1], InvalidInput) and isinstance(results[2], Exception)
+
+
+@pytest.mark.parametrize("tokens", [0, 3, 17, 18, 43, 44, 150, 1000])
+def test_the_orchestrators_schedule_is_the_engines_served_schedule(tokens):
+    """The orchestrator's chunks (CosyVoice2's `ChunkSchedule` with a second hop, torch-free) are exactly the
+    engine's served-runtime chunks (`cosyvoice3.token2wav.runtime_schedule`): 15, 25, 50, 100, ... no cap."""
+    from cosyvoice3.config import CosyVoice3Config  # noqa: PLC0415
+    from cosyvoice3.token2wav import runtime_schedule  # noqa: PLC0415
+
+    served = cosyvoice3_schedule(CosyVoice3Config())
+    assert served.chunks(tokens) == runtime_schedule().chunks(tokens)
+    assert [served.hop(i) for i in range(5)] == [15, 25, 50, 100, 200]
+
+
+def test_a_second_hop_outside_its_bounds_is_refused():
+    from cosyvoice2.streaming import ChunkSchedule  # noqa: PLC0415
+
+    for second_hop in (3, 101):
+        with pytest.raises(ValueError, match="second_hop"):
+            ChunkSchedule(first_hop=15, second_hop=second_hop, max_hop=100)
