@@ -65,6 +65,9 @@ class ChunkSchedule:
     max_hop: int = 100
     growth: int = 2
     lookahead: int = 3
+    #: The second chunk's hop when it does not follow from the first (CosyVoice3's served schedule: 15, then 25, 50,
+    #: 100, ...); None: first_hop x growth, as upstream's.
+    second_hop: int | None = None
 
     def __post_init__(self) -> None:
         if self.first_hop < 4:
@@ -72,6 +75,8 @@ class ChunkSchedule:
             raise ValueError(f"first_hop must be >= 4 tokens, got {self.first_hop}")
         if self.prompt_tokens < 0 or self.grid < 1 or self.max_hop < self.first_hop or self.growth < 1:
             raise ValueError(f"inconsistent chunk schedule {self}")
+        if self.second_hop is not None and not 4 <= self.second_hop <= self.max_hop:
+            raise ValueError(f"second_hop must lie in 4..max_hop, got {self.second_hop}")
 
     @property
     def prompt_pad(self) -> int:
@@ -80,8 +85,11 @@ class ChunkSchedule:
 
     def hop(self, index: int) -> int:
         """Tokens emitted by non-final chunk number `index` (0-based)."""
-        base = min(self.max_hop, self.first_hop * self.growth**index)
-        return base + (self.prompt_pad if index == 0 else 0)
+        if index == 0 or self.second_hop is None:
+            base = self.first_hop * self.growth**index
+        else:
+            base = self.second_hop * self.growth ** (index - 1)
+        return min(self.max_hop, base) + (self.prompt_pad if index == 0 else 0)
 
     def next_chunk(self, start: int, index: int, available: int, finished: bool) -> Chunk | None:
         """The chunk to run now for a stream at (`start`, `index`) with `available` tokens, or None to wait.

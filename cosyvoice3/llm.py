@@ -10,7 +10,8 @@ tokens plus 200 special ids (sos 6561, eos 6562, task 6563, fill 6564, the rest 
 
 with E the Qwen2 text embedding and S the speech embedding; no speaker embedding enters the LLM. Every text
 (prompt text ++ text) must contain `<|endofprompt|>`, which separates the system prompt / instruction from what
-is spoken; `zero_shot_prompt`, `instruct_prompt` and `cross_lingual_text` build the three formats.
+is spoken; `zero_shot_prompt`, `instruct_prompt` and `cross_lingual_text` (`cosyvoice3.prompts`, torch-free)
+build the three formats.
 
 Decoding runs on `BatchedDecoder` / `generate_tokens`: the prefix is an `LLMPrompt`; the vocabulary
 (`CosyVoice3LLMConfig.vocabulary`) lists all 200 special ids as stop ids (any of them ends a request and is never
@@ -26,7 +27,7 @@ synthesis loop does for CosyVoice3.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,27 +38,9 @@ from cosyvoice2.llm.request import CosyVoice2Prefix, CosyVoice2Sampling, decode_
 from speech_lm.decode import DecodeRequest, generate_tokens
 from speech_lm.qwen2 import Qwen2Model, SpeechLM
 
-from .config import ENDOFPROMPT, SYSTEM_PROMPT, CosyVoice3LLMConfig
+from .config import ENDOFPROMPT, CosyVoice3LLMConfig
 from .errors import CosyVoice3InputError
-
-Mode = Literal["zero_shot", "cross_lingual", "instruct"]
-
-
-# ---- prompt formats (text) ------------------------------------------------------------------------------
-def zero_shot_prompt(transcript: str) -> str:
-    """Prompt text of a zero-shot request: the system prompt, `<|endofprompt|>`, the prompt audio's transcript."""
-    return f"{SYSTEM_PROMPT}{ENDOFPROMPT}{transcript}"
-
-
-def instruct_prompt(instruction: str) -> str:
-    """Prompt text of an instruct request (dialect, speed, emotion, role ...): no prompt speech goes to the LLM."""
-    return f"{SYSTEM_PROMPT} {instruction}{ENDOFPROMPT}"
-
-
-def cross_lingual_text(text: str) -> str:
-    """The whole LLM text of a cross-lingual / fine-grained request (no prompt text, no prompt speech); the
-    system prompt counts towards the length limits here, as in the reference."""
-    return text if ENDOFPROMPT in text else f"{SYSTEM_PROMPT}{ENDOFPROMPT}{text}"
+from .prompts import Mode, cross_lingual_text, instruct_prompt, zero_shot_prompt  # noqa: F401 - the LLM's formats
 
 
 class CosyVoice3LM(SpeechLM):

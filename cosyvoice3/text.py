@@ -27,7 +27,7 @@ from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 
 from .config import SYSTEM_PROMPT
 from .errors import CosyVoice3InputError
-from .llm import Mode, cross_lingual_text, instruct_prompt, zero_shot_prompt
+from .prompts import Mode, cross_lingual_text, instruct_prompt, zero_shot_prompt
 
 ENDOFSYSTEM = "<|endofsystem|>"
 

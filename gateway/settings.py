@@ -58,6 +58,16 @@ class Settings(BaseSettings):
     )
     spark_offline_model: str = Field(contract.SPARK_OFFLINE_MODEL, description="Spark-TTS whole-segment model.")
     spark_streaming_model: str = Field(contract.SPARK_STREAMING_MODEL, description="Spark-TTS streaming model.")
+    cosyvoice3_models: CommaList = Field(
+        default_factory=lambda: ["cosyvoice3"],
+        description="Model ids that run CosyVoice3; accepted and listed by /v1/models while Triton has it loaded.",
+    )
+    cosyvoice3_offline_model: str = Field(
+        contract.COSYVOICE3_OFFLINE_MODEL, description="CosyVoice3 whole-segment model."
+    )
+    cosyvoice3_streaming_model: str = Field(
+        contract.COSYVOICE3_STREAMING_MODEL, description="CosyVoice3 streaming model."
+    )
 
     known_voices_per_model: int = Field(
         1024,
@@ -114,7 +124,7 @@ class Settings(BaseSettings):
             self.served_models = [DEMO_MODEL_ID, *self.served_models]
         return self
 
-    @field_validator("served_models", "spark_models", "api_keys", mode="before")
+    @field_validator("served_models", "spark_models", "cosyvoice3_models", "api_keys", mode="before")
     @classmethod
     def _split_comma_list(cls, value: object) -> object:
         if isinstance(value, str):

@@ -49,7 +49,8 @@ class SegmentRequest(contract.SpeechRequest):
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The two Triton models of one speech model (same contract): CosyVoice2's or Spark-TTS's."""
+    """The two Triton models of one speech model (same contract): CosyVoice2's, Spark-TTS's or CosyVoice3's. Voices
+    sent with their audio are remembered per pipeline (`VoiceMemory`), as each pipeline keeps its own voice cache."""
 
     offline: str
     streaming: str

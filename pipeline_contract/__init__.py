@@ -35,6 +35,10 @@ STREAMING_MODEL = "cosyvoice2_stream"
 #: outputs, 16 kHz audio (the `sample_rate` output says so).
 SPARK_OFFLINE_MODEL = "spark_tts"
 SPARK_STREAMING_MODEL = "spark_tts_stream"
+#: The CosyVoice3 pipeline, rendered beside CosyVoice2 when a CosyVoice3 model directory is given: the same inputs
+#: and outputs, 24 kHz audio.
+COSYVOICE3_OFFLINE_MODEL = "cosyvoice3"
+COSYVOICE3_STREAMING_MODEL = "cosyvoice3_stream"
 
 #: The most target-text tokens (Qwen2 tokenizer) one segment may have; longer ones are refused as
 #: ``[invalid_input]``. The gateway cuts its segments below it (a deployment may render a different limit).
@@ -115,8 +119,9 @@ TARGET_TEXT = TensorSpec("target_text", "BYTES", (1,))  # UTF-8 text of ONE segm
 #: replaced under its name (new audio or transcript) gets a new id, so a cache never serves the old one.
 VOICE_ID = TensorSpec("voice_id", "BYTES", (1,))
 SEED = TensorSpec("seed", "UINT64", (1,), optional=True)  # sampling seed; absent = random per request
-#: UTF-8 style instruction ("Speak slowly and sadly"); absent or empty = none. Given, the pipeline uses
-#: CosyVoice2's instruct mode with the voice's timbre (the transcript is then unused).
+#: UTF-8 style instruction ("Speak slowly and sadly"); absent or empty = none. Given, the pipeline uses its
+#: instruct mode with the voice's timbre (the transcript is then unused; CosyVoice2 and CosyVoice3 alike); a
+#: pipeline without one (Spark-TTS) refuses the request as invalid input.
 INSTRUCTION_TEXT = TensorSpec("instruction_text", "BYTES", (1,), optional=True)
 
 INPUTS: tuple[TensorSpec, ...] = (
@@ -129,7 +134,7 @@ WAVEFORM = TensorSpec("waveform", "FP32", (-1,))  # mono float32 samples at `sam
 INPUT_TOKENS = TensorSpec("input_tokens", "INT32", (1,))  # text tokens the LLM read (prompt text + target)
 OUTPUT_TOKENS = TensorSpec("output_tokens", "INT32", (1,))  # speech tokens the LLM generated
 
-#: The rate of `waveform` in Hz, in every response: 24000 (CosyVoice2), 16000 (Spark-TTS).
+#: The rate of `waveform` in Hz, in every response: 24000 (CosyVoice2, CosyVoice3), 16000 (Spark-TTS).
 SAMPLE_RATE = TensorSpec("sample_rate", "INT32", (1,))
 
 OUTPUTS: tuple[TensorSpec, ...] = (WAVEFORM, INPUT_TOKENS, OUTPUT_TOKENS, SAMPLE_RATE)
@@ -185,7 +190,7 @@ class SpeechRequest:
     target_text: str  # "" = the warm-up rule: only compute and cache the voice prompt
     voice_id: str
     seed: int | None = None  # None = random per request
-    instruction: str = ""  # "" = none; else CosyVoice2's instruct mode (the transcript is then unused)
+    instruction: str = ""  # "" = none; else the instruct mode (the transcript is then unused)
 
     @property
     def carries_audio(self) -> bool:

@@ -8,6 +8,8 @@
   seeded request sounds the same whether or not it was batched).
 * `DiTBatchedToken2Wav` - the same `Token2WavEngine` over the DiT token2wav (`cosyvoice2.dit`): per-voice prompt
   caches shared by the streams of a voice, all per-stream state in a `DiTStream`.
+* `CosyVoice3BatchedToken2Wav` - the same `Token2WavEngine` over CosyVoice3's DiT flow + causal HiFT
+  (`cosyvoice3.token2wav`): recompute or cached streams, per-voice prompt flow caches.
 * `speech_tokens`, `speaker_xvector`, `prompt_tensors` - the prompt features from 16 kHz audio.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,12 +28,13 @@ from cosyvoice2.config import EngineConfig
 from cosyvoice2.dit.flow import PromptCache
 from cosyvoice2.dit.token2wav import DiTStream, DiTToken2Wav, VoiceCaches, prompt_key
 from cosyvoice2.frontend.audio import resample
-from cosyvoice2.frontend.features import MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
+from cosyvoice2.frontend.features import MEL_FMAX, MEL_SAMPLE_RATE, matcha_mel, speaker_fbank, whisper_log_mel
 from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
+from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, VoicePrompt
 from speech_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_serving.io_struct import PromptTensors
@@ -55,8 +58,12 @@ def build_decode_request(
     seed: int | None,
     top_k: int,
     top_p: float,
+    sampling: CosyVoice2Sampling | None = None,
 ) -> DecodeRequest:
-    """[SOS, text ids, TASK_ID, prompt speech ids + offset] -> DecodeRequest with exactly these limits."""
+    """[SOS, text ids, TASK_ID, prompt speech ids + offset] -> DecodeRequest with exactly these limits.
+
+    `sampling`: the model's sampler the request's values go into (default: CosyVoice2's); CosyVoice3 passes its
+    own, with `ignore_eos` in benchmark mode (its 200 stop ids are not masked by a head bias)."""
     ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
     if ids.size < 2 or ids[0] != vocab.sos_id:
         raise InvalidInput("LLM input_ids must start with <|sos|>")
@@ -73,8 +80,9 @@ def build_decode_request(
         raise InvalidInput(f"LLM token limits must satisfy 0 <= min ({min_tokens}) <= max ({max_tokens}), max >= 1")
     if top_k < 1 or not 0 < top_p <= 1:
         raise InvalidInput(f"LLM sampling needs top_k >= 1 and 0 < top_p <= 1, got top_k {top_k}, top_p {top_p}")
-    # The limits the orchestrator computed, as they are (the text ratios do not apply); CosyVoice2's RAS settings.
-    sampling = CosyVoice2Sampling(top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens, max_tokens=max_tokens)
+    # The limits the orchestrator computed, as they are (the text ratios do not apply), in the model's sampler.
+    sampling = replace(sampling or CosyVoice2Sampling(), top_k=top_k, top_p=top_p, seed=seed, min_tokens=min_tokens,
+                       max_tokens=max_tokens)
     return cosyvoice2_request(text.tolist(), (), speech.tolist(), sampling)
 
 
@@ -116,11 +124,15 @@ class _BatchedStreams:
             if tokens and (max(tokens) >= self.vocab_size or min(tokens) < 0):  # on a GPU: a device-side assert
                 raise InvalidInput(f"speech tokens must lie in 0..{self.vocab_size - 1} (the flow vocabulary)")
             if item.chunk is None:
-                return self.engine.offline_job(tokens, item.state.prompt, item.state.stream.generator)
+                return self._offline_job(tokens, item.state)
             item.state.stream.extend(tokens)
             return item.state.stream, item.chunk
         except Exception as exc:  # noqa: BLE001 - returned per job, the others still run
             return exc
+
+    def _offline_job(self, tokens: list[int], state: Any) -> tuple[Any, Chunk]:
+        """A whole utterance as a one-chunk stream of the engine, its noise from the state's generator."""
+        return self.engine.offline_job(tokens, state.prompt, state.stream.generator)
 
     def _run_alone(self, job: tuple[Any, Chunk]) -> np.ndarray | Exception:
         try:
@@ -247,6 +259,46 @@ class DiTBatchedToken2Wav(_BatchedStreams):
         return DiTStreamState(cache, engine.open_stream(cache, engine.new_generator(seed)))
 
 
+@dataclass
+class CosyVoice3StreamState:
+    prompt: VoicePrompt
+    stream: CosyVoice3Stream
+
+
+class CosyVoice3BatchedToken2Wav(_BatchedStreams):
+    """`Token2WavEngine` over CosyVoice3's token2wav (DiT flow + causal HiFT). The orchestrator's chunks drive the
+    streams as they are (any hop, 3 lookahead tokens); `cached` streams keep their flow caches per stream and start
+    from their voice's prompt cache (computed once per voice, `voice_capacity` voices kept), the others recompute
+    every chunk (the reference path). The engine runs the jobs of a call one after another; a failed call changes no
+    stream, so each job is then retried alone (`_BatchedStreams`). The seed is unused: CosyVoice3's flow and source
+    noise come from fixed tables, so a request's audio depends only on its tokens and voice."""
+
+    #: Jobs per call at most (the service's cap): no CUDA-graph buckets bound it, the engine runs jobs one by one.
+    max_rows = DEFAULT_MAX_ROWS
+
+    def __init__(self, engine: CosyVoice3Token2Wav, cached: bool) -> None:
+        self.engine = engine
+        self.cached = cached
+        self.vocab_size = engine.flow.config.vocab_size
+
+    @property
+    def sample_rate(self) -> int:
+        return self.engine.sample_rate
+
+    def capture_graphs(self) -> tuple[int, float]:
+        """No step graphs: CosyVoice3's flow runs eagerly (docs/cosyvoice3.md, "Not yet")."""
+        return 0, 0.0
+
+    def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:
+        """A stream of `prompt`'s voice; a cached one starts from the voice's prompt flow cache (computed here on
+        the voice's first stream). `seed` is unused (see the class docstring)."""
+        voice = VoicePrompt.from_arrays(prompt.speech_tokens, prompt.mel, prompt.embedding)
+        return CosyVoice3StreamState(voice, self.engine.open_stream(voice, self.cached))
+
+    def _offline_job(self, tokens: list[int], state: CosyVoice3StreamState) -> tuple[CosyVoice3Stream, Chunk]:
+        return self.engine.offline_job(tokens, state.prompt)
+
+
 # -- prompt frontend -------------------------------------------------------------------------------
 @torch.inference_mode()
 def speech_tokens(tokenizer: SpeechTokenizer, wav_16k: np.ndarray) -> np.ndarray:
@@ -261,11 +313,14 @@ def speaker_xvector(encoder: SpeakerEncoder, wav_16k: np.ndarray) -> np.ndarray:
 
 
 @torch.inference_mode()
-def prompt_tensors(tokens: np.ndarray, xvector: np.ndarray, wav_16k: np.ndarray) -> PromptTensors:
+def prompt_tensors(tokens: np.ndarray, xvector: np.ndarray, wav_16k: np.ndarray,
+                   mel_fmax: float = MEL_FMAX) -> PromptTensors:
     """Tokens + x-vector + the 24 kHz mel of the same audio -> 1:2-aligned prompt tensors
-    (docs/reference/cosyvoice2.md#token-and-mel-alignment)."""
+    (docs/reference/cosyvoice2.md#token-and-mel-alignment). `mel_fmax`: the mel's top filter edge (CosyVoice2's
+    8 kHz; CosyVoice3 passes 12 kHz)."""
     wav_24k = resample(torch.as_tensor(wav_16k, dtype=torch.float32), REFERENCE_SAMPLE_RATE, MEL_SAMPLE_RATE)
-    tokens, mel = align_tokens_and_mel(np.asarray(tokens, dtype=np.int32).reshape(-1), matcha_mel(wav_24k).numpy())
+    mel = matcha_mel(wav_24k, mel_fmax).numpy()
+    tokens, mel = align_tokens_and_mel(np.asarray(tokens, dtype=np.int32).reshape(-1), mel)
     if tokens.size == 0:
         raise InvalidInput("reference audio is too short to give any speech token")
     return PromptTensors(

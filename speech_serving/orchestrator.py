@@ -194,30 +194,38 @@ class Orchestrator:
             config.voice_cache, lambda request: self.clients.voice_prompt(request)
         )
 
-    def build_llm_request(
-        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
-    ) -> tuple[LLMRequest, int]:
-        """The LLM sequence for `request` and the number of text tokens it reads.
-
-        The prefix depends on the voice mode (zero-shot, cross-lingual, instruct; `llm_prompt`).
-        """
-        vocab, sampling = self.config.vocab, self.config.sampling
-        mode_prompt = llm_prompt(request.reference_text, request.instruction)
-        prompt_ids = self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else []
+    def target_ids(self, request: SpeechRequest) -> list[int]:
+        """The target text's ids, within the segment limit (`InvalidInput` beyond it)."""
         target_ids = self.tokenizer.encode(request.target_text)
         if len(target_ids) > self.config.max_target_text_tokens:
             raise InvalidInput(
                 f"target_text has {len(target_ids)} tokens; at most {self.config.max_target_text_tokens} "
                 "per segment (split longer text)"
             )
-        speech_ids = vocab.to_vocab_ids(prompt.speech_tokens) if mode_prompt.speech_tokens else []
+        return target_ids
+
+    def llm_texts(self, request: SpeechRequest, prompt: PromptTensors) -> tuple[list[int], list[int], np.ndarray]:
+        """(prompt text ids, text ids, prompt speech ids) of the request's voice mode (zero-shot, cross-lingual,
+        instruct; `llm_prompt`); the length limits count the text ids. A model with other LLM texts overrides this."""
+        mode_prompt = llm_prompt(request.reference_text, request.instruction)
+        prompt_ids = self.tokenizer.encode(mode_prompt.text) if mode_prompt.text else []
+        speech = prompt.speech_tokens if mode_prompt.speech_tokens else np.zeros(0, dtype=np.int32)
+        return prompt_ids, self.target_ids(request), self.config.vocab.to_vocab_ids(speech)
+
+    def build_llm_request(
+        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
+    ) -> tuple[LLMRequest, int]:
+        """The LLM sequence for `request` and the number of text tokens it reads: [SOS, prompt text ids, text ids,
+        TASK_ID, prompt speech ids] (`llm_texts`)."""
+        vocab, sampling = self.config.vocab, self.config.sampling
+        prompt_ids, text_ids, speech_ids = self.llm_texts(request, prompt)
         input_ids = np.concatenate(
             [
-                np.array([vocab.sos_id, *prompt_ids, *target_ids, vocab.task_id_id], dtype=np.int32),
+                np.array([vocab.sos_id, *prompt_ids, *text_ids, vocab.task_id_id], dtype=np.int32),
                 np.asarray(speech_ids, dtype=np.int32),
             ]
         )
-        min_tokens, max_tokens = sampling.token_limits(len(target_ids))
+        min_tokens, max_tokens = sampling.token_limits(len(text_ids))
         room = self.config.max_sequence_len - input_ids.size
         max_tokens = min(max_tokens, room)
         if max_tokens < max(min_tokens, 1):
@@ -237,7 +245,7 @@ class Orchestrator:
             streaming=streaming,
             deliver_at=tuple(self.schedule(prompt).boundaries(max_tokens)) if streaming else (),
         )
-        return llm_request, len(prompt_ids) + len(target_ids)
+        return llm_request, len(prompt_ids) + len(text_ids)
 
     def schedule(self, prompt: PromptTensors) -> ChunkSchedule:
         """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""

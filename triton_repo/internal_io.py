@@ -26,6 +26,12 @@ from triton_repo.trtllm_backend_facts import PINNED
 
 Arrays = Mapping[str, "np.ndarray | None"]
 
+# -- CosyVoice3's internal models (`render --cosyvoice3-dir`): the same tensors as CosyVoice2's counterparts -----
+COSYVOICE3_VOICE_PROMPT_MODEL = "cosyvoice3_voice_prompt"
+COSYVOICE3_AUDIO_TOKENIZER_MODEL = "cosyvoice3_audio_tokenizer"  # speech_tokenizer_v3.onnx
+COSYVOICE3_SPEAKER_EMBEDDING_MODEL = "cosyvoice3_speaker_embedding"  # CosyVoice3's campplus.onnx
+COSYVOICE3_ENGINE_MODEL = "cosyvoice3_engine"  # LLM + token2wav in one process, as CosyVoice2's `engine`
+
 # -- audio_tokenizer / speaker_embedding (dynamic batching: dims exclude the batch dimension) ------
 AUDIO_INPUTS = (replace(REFERENCE_WAV, optional=False, allow_ragged_batch=True), replace(REFERENCE_WAV_LEN, optional=False))
 SPEECH_TOKENS = TensorSpec("speech_tokens", "INT32", (-1,))  # raw 25 Hz tokens, not yet 1:2-aligned

@@ -4,7 +4,7 @@ front of it, and keep both running.
 
     python -m triton_repo.local_stack [--model-dir models/CosyVoice2-0.5B] [--device cpu|cuda] [--port 8080]
                                 [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav]
-                                [--spark-dir models/Spark-TTS-0.5B]
+                                [--spark-dir models/Spark-TTS-0.5B] [--cosyvoice3-dir models/Fun-CosyVoice3-0.5B-2512]
                                 [--triton-http-port P] [--triton-grpc-port P] [--triton-metrics-port P]
     python -m triton_repo.local_stack --demo [--demo-dir ~/.cache/cosyvoice-serve/demo-model] [--port 8080]
 
@@ -24,8 +24,10 @@ exits, then tritonserver is stopped; a second signal stops at once.
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
 `--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
-CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_CUDA_MPS` (on: a CUDA MPS daemon of the stack's
-own, started before tritonserver and stopped after it, `triton_repo.cuda_mps`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE3_DIR` (a CosyVoice3 model directory:
+CosyVoice3 is served beside CosyVoice2 as `model="cosyvoice3"`, render's `--cosyvoice3-dir`),
+`COSYVOICE_CUDA_MPS` (on: a CUDA MPS daemon of the stack's own, started before tritonserver and stopped after
+it, `triton_repo.cuda_mps`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
 `_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
@@ -58,7 +60,7 @@ from typing import Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from triton_repo.cuda_mps import SETTING_ENV as MPS_SETTING, MpsDaemon, MpsError, mps_setting
-from triton_repo.render import TOKEN2WAVS, RenderError, RenderOptions, write_repository
+from triton_repo.render import TOKEN2WAVS, CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
 from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
@@ -393,6 +395,7 @@ def run_stack(
     dit_dir: Path | None = None,
     demo_dir: Path | None = None,
     spark_dir: Path | None = None,
+    cosyvoice3_dir: Path | None = None,
     cuda_mps: bool = False,
 ) -> int:
     """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`); `repo_dir`
@@ -417,6 +420,7 @@ def run_stack(
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
+        cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir) if cosyvoice3_dir is not None else None,
     )
     if cuda_mps and device != "cuda":
         raise StackError(f"{MPS_SETTING}=on shares a GPU between processes: it needs --device cuda")
@@ -485,6 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where the demo model is written once (default: COSYVOICE_DEMO_DIR, else the user cache)")
     parser.add_argument("--spark-dir", type=Path, default=os.environ.get("COSYVOICE_SPARK_DIR") or None,
                         help="a Spark-TTS model directory to serve beside CosyVoice2 (default: COSYVOICE_SPARK_DIR)")
+    parser.add_argument("--cosyvoice3-dir", type=Path, default=os.environ.get("COSYVOICE3_DIR") or None,
+                        help="a CosyVoice3 model directory to serve beside CosyVoice2 (default: COSYVOICE3_DIR)")
     for kind in ("http", "grpc", "metrics"):
         parser.add_argument(
             f"--triton-{kind}-port", type=int, default=None,
@@ -514,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.dit_dir).resolve() if args.dit_dir else None,
             Path(args.demo_dir).resolve() if args.demo else None,
             Path(args.spark_dir).resolve() if args.spark_dir else None,
+            Path(args.cosyvoice3_dir).resolve() if args.cosyvoice3_dir else None,
             mps_setting(args.cuda_mps if args.cuda_mps is not None else os.environ.get(MPS_SETTING)),
         )  # fmt: skip
     except (StackError, RenderError, TritonLaunchError, MpsError) as exc:

@@ -192,6 +192,7 @@ class InternalModels:
     token2wav_model: tuple[str, ...]  # the token2wav replicas: one model outside the disaggregated layout
     token2wav_decoupled: bool
     llm_deliver_at: bool = False
+    voice_prompt_model: str = "voice_prompt"  # the voice-prompt cache of this pipeline's model (CosyVoice3 has its own)
 
 
 @dataclass(frozen=True)
@@ -222,8 +223,8 @@ class _TorchModelParams(ModelParams):
 
 
 @dataclass(frozen=True)
-class _DecoderParams(_TorchModelParams):
-    """A PyTorch LLM on our batched decoder under continuous batching: its capacity."""
+class DecoderParams(_TorchModelParams):
+    """A PyTorch LLM on our batched decoder under continuous batching: its capacity (`adapters.llm.LLMHandler`)."""
 
     max_batch: int  # sequences decoded together (KV slots)
     max_seq_len: int  # prompt + generated tokens per sequence
@@ -231,7 +232,7 @@ class _DecoderParams(_TorchModelParams):
 
 
 @dataclass(frozen=True)
-class LLMParams(_DecoderParams):
+class LLMParams(DecoderParams):
     """The PyTorch LLM (`adapters.llm.LLMHandler`)."""
 
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
@@ -302,8 +303,32 @@ class SparkOrchestratorParams(ModelParams):
 
 
 @dataclass(frozen=True)
-class SparkEngineParams(_DecoderParams):
+class SparkEngineParams(DecoderParams):
     """`spark_engine` (`adapters.spark.SparkEngineModel`): the Spark LLM and BiCodec's decoder in one process."""
 
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
     llm: bool = True  # false: the LLM runs on TensorRT-LLM (`spark_llm`) and this model only vocodes
+
+
+# -- CosyVoice3 (`triton_repo.cosyvoice3_render`): `model_dir` is the CosyVoice3 directory ----------------------
+@dataclass(frozen=True)
+class CosyVoice3OrchestratorParams(ModelParams):
+    """`cosyvoice3` / `cosyvoice3_stream` (`adapters.cosyvoice3.CosyVoice3OrchestratorModel`)."""
+
+    model_dir: Path
+    max_sequence_len: int  # the LLM's prompt + generated tokens per sequence
+    max_target_text_tokens: int
+    first_hop: int  # the streaming schedule: tokens of the first chunk, then second_hop doubling per chunk
+    second_hop: int
+    models: InternalModels
+    voice_cache: int  # voices each orchestrator keeps in front of `cosyvoice3_voice_prompt` (a hit makes no call)
+    benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+
+
+@dataclass(frozen=True)
+class CosyVoice3EngineParams(DecoderParams):
+    """`cosyvoice3_engine` (`adapters.cosyvoice3`): CosyVoice3's LLM and token2wav in one process."""
+
+    flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
+    flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
+    benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))

@@ -5,13 +5,15 @@
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
         [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token] \
         [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav] [--spark-dir models/Spark-TTS-0.5B] \
+        [--cosyvoice3-dir models/Fun-CosyVoice3-0.5B-2512] \
         [--token2wav-gpus 1,2,3 --token2wav-instances-per-gpu 2]  # --layout disaggregated
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. With `--spark-dir` the Spark-TTS models
 (`spark_tts`, `spark_tts_stream` and their internal models, `triton_repo.spark_render`) are rendered beside
-them. Every option is checked before anything is written; the result is validated (no unresolved
-placeholder, every config parses as Triton's ModelConfig, values consistent); the same options give
+them, and with `--cosyvoice3-dir` CosyVoice3's (`cosyvoice3`, `cosyvoice3_stream` and their internal models,
+`triton_repo.cosyvoice3_render`). Every option is checked before anything is written; the result is validated
+(no unresolved placeholder, every config parses as Triton's ModelConfig, values consistent); the same options give
 byte-identical output, and re-rendering replaces a previously rendered repository atomically (other
 directories are refused).
 
@@ -37,6 +39,7 @@ from triton_repo.render_models import MARKER, expected_models, render_files
 from triton_repo.render_options import (
     LLM_GPU,
     TOKEN2WAVS,
+    CosyVoice3RenderOptions,
     RenderError,
     RenderOptions,
     SparkRenderOptions,
@@ -47,7 +50,8 @@ from triton_repo.render_validate import validate_repository
 
 # the render tool's interface, whichever module of it defines the name
 __all__ = [
-    "LLM_GPU", "MARKER", "TOKEN2WAVS", "RenderError", "RenderOptions", "SparkRenderOptions", "check_trtllm_config",
+    "LLM_GPU", "MARKER", "TOKEN2WAVS", "CosyVoice3RenderOptions", "RenderError", "RenderOptions", "SparkRenderOptions",
+    "check_trtllm_config",
     "main", "render_repository", "write_repository",
 ]  # fmt: skip
 

@@ -14,7 +14,7 @@ from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
 from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
-from triton_repo import spark_render
+from triton_repo import cosyvoice3_render, spark_render
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.render_options import LLM_GPU, SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
 from triton_repo.render_trtllm import (
@@ -87,6 +87,8 @@ def check_options(opts: RenderOptions) -> None:
         errors += _check_trtllm(opts)
     if opts.spark is not None:
         errors += field_errors(opts.spark, opts.spark.FLAG_PREFIX) + spark_render.check(opts)
+    if opts.cosyvoice3 is not None:
+        errors += field_errors(opts.cosyvoice3, opts.cosyvoice3.FLAG_PREFIX) + cosyvoice3_render.check(opts)
     if errors:
         raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
 

@@ -1,5 +1,6 @@
-"""The models of the rendered repository: CosyVoice2's table of `ModelSpec`s (per layout), Spark-TTS's beside
-them (`spark_render`), every model's typed parameters, and the record of the options (`MARKER`).
+"""The models of the rendered repository: CosyVoice2's table of `ModelSpec`s (per layout), Spark-TTS's and
+CosyVoice3's beside them (`spark_render`, `cosyvoice3_render`), every model's typed parameters, and the record of
+the options (`MARKER`).
 
 `render_files` is pure: options in, relative path -> content out (it reads only the templates and an engine's
 `config.json`); checking the options first and writing the files is `triton_repo.render`'s.
@@ -8,56 +9,49 @@ them (`spark_render`), every model's typed parameters, and the record of the opt
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import TypeVar
 
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.schedule import StreamScheduleParams
 import pipeline_contract as contract
 from triton_repo import internal_io as io
-from triton_repo import spark_render
+from triton_repo import cosyvoice3_render, spark_render
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
     EngineParams,
     InternalModels,
     LLMParams,
-    ModelParams,
     OrchestratorParams,
     Token2WavParams,
     VoicePromptParams,
 )
 from triton_repo.render_options import LLM_GPU, RenderOptions, token2wav_replicas
-from triton_repo.render_templates import ModelSpec, instance_group, model_files
+from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, model_files, with_options
 from triton_repo.render_trtllm import trtllm_parameters
 
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
 ENGINE_MODEL = "engine"
 #: Models that must run as exactly one instance (per-request state in their process), besides every token2wav.
-SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE)
-_P = TypeVar("_P", bound=ModelParams)
+SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE, *cosyvoice3_render.SINGLE_INSTANCE)
 
 
 def render_files(opts: RenderOptions) -> dict[str, str]:
     """Relative path -> file content of the whole repository (no I/O besides reading templates and the engine's
     config.json)."""
-    files = model_files(model_specs(opts) + spark_render.model_specs(opts))
+    files = model_files(model_specs(opts) + spark_render.model_specs(opts) + cosyvoice3_render.model_specs(opts))
     files[MARKER] = json.dumps(_options_record(opts), indent=1, sort_keys=True) + "\n"
     return files
 
 
 def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     """CosyVoice2's models: both pipeline models, the voice front-end, then the LLM and token2wav of the layout."""
-    specs = [
-        ModelSpec(name, "orchestrator.pbtxt", contract.INPUTS, contract.OUTPUTS, orchestrator_params(opts),
-                  ("orchestrator", "TritonPythonModel"),
-                  dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
-        for name, decoupled, description in (
-            (contract.OFFLINE_MODEL, "false", "Offline pipeline: one response with the whole waveform of one segment."),
-            (contract.STREAMING_MODEL, "true", "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
-        )
-    ]  # fmt: skip
+    specs = entry_specs(
+        opts, orchestrator_params(opts), ("orchestrator", "TritonPythonModel"),
+        (contract.OFFLINE_MODEL, "Offline pipeline: one response with the whole waveform of one segment."),
+        (contract.STREAMING_MODEL, "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
+    )
     specs.append(ModelSpec("voice_prompt", "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
                            VoicePromptParams(cache_capacity=opts.voice_cache), ("voice_prompt", "TritonPythonModel"),
                            dict(instances=opts.instances_of("voice_prompt"))))
@@ -99,7 +93,7 @@ def _llm_spec(opts: RenderOptions) -> ModelSpec:
 def expected_models(opts: RenderOptions) -> set[str]:
     internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
-    return frontend | internal | spark_render.models(opts)
+    return frontend | internal | spark_render.models(opts) | cosyvoice3_render.models(opts)
 
 
 def llm_shares_its_gpu(opts: RenderOptions) -> bool:
@@ -144,16 +138,9 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
     )
 
 
-def _with_options(params: type[_P], opts: RenderOptions, **given: object) -> _P:
-    """`params` built from `given`, its other fields taken from the options' fields of the same name: an option
-    that passes straight into a model's parameters is named alike on both sides and written nowhere else."""
-    shared = {f.name for f in fields(params)} & {f.name for f in fields(opts)}
-    return params(**{name: getattr(opts, name) for name in shared - given.keys()}, **given)
-
-
 def llm_params(opts: RenderOptions) -> LLMParams:
     """Parameters of the PyTorch LLM (`adapters.llm.LLMHandler`): dtype, max_batch, max_seq_len, max_waiting."""
-    return _with_options(LLMParams, opts, model_dir=opts.model_dir.resolve(), device=opts.device_of("llm"),
+    return with_options(LLMParams, opts, model_dir=opts.model_dir.resolve(), device=opts.device_of("llm"),
                          benchmark=_benchmark(opts))
 
 
@@ -161,7 +148,7 @@ def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavP
     """Parameters of the token2wav model `name` (`adapters.token2wav.Token2WavHandler`), one of `token2wav_replicas`:
     dtype, token2wav and flow_cache* as rendered."""
     disaggregated = opts.layout == "disaggregated"
-    return _with_options(
+    return with_options(
         Token2WavParams, opts,
         model_dir=opts.model_dir.resolve(),
         device=opts.device_of(name),
@@ -176,6 +163,7 @@ def _options_record(opts: RenderOptions) -> dict[str, object]:
     record = asdict(opts)
     record.pop("out")
     record = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record.items()}
-    if opts.spark is not None:
-        record["spark"] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record["spark"].items()}
+    for part in ("spark", "cosyvoice3"):  # the optional models' own options
+        if record[part] is not None:
+            record[part] = {k: (str(Path(v).resolve()) if isinstance(v, Path) else v) for k, v in record[part].items()}
     return record

@@ -1,4 +1,5 @@
-"""The render tool's options: `RenderOptions` (and its Spark part, `SparkRenderOptions`), each option ONE field.
+"""The render tool's options: `RenderOptions` (and its Spark and CosyVoice3 parts, `SparkRenderOptions`,
+`CosyVoice3RenderOptions`), each option ONE field.
 
 A field's metadata (`option(...)`) carries everything else that option has: its command-line help, flag name,
 choices, metavar and lower bound. The command line (`triton_repo.render`) and the generic checks
@@ -25,7 +26,7 @@ from speech_serving.schedule import StreamScheduleParams
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
-from triton_repo import spark_io
+from triton_repo import internal_io, spark_io
 from triton_repo.model_params import optional_type
 
 
@@ -47,12 +48,17 @@ LLM_DELIVERIES = ("chunk", "token")
 DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
 #: unet: CosyVoice2's own flow (`--model-dir`); dit: the DiT flow of Step-Audio-2-mini (`--dit-dir`, docs/engine.md).
 TOKEN2WAVS = ("unet", "dit")
+#: CosyVoice3's streaming flow: cached (per-stream flow caches, the same audio up to float rounding) or recompute
+#: (every chunk re-runs the flow over the prompt and all tokens: the reference path).
+COSYVOICE3_FLOW_CACHES = ("cached", "recompute")
 #: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process (and
-#: so does `spark_engine`).
+#: so do `spark_engine` and `cosyvoice3_engine`).
 SCALABLE = (
     contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding",
     contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, spark_io.VOICE_PROMPT_MODEL,
     spark_io.AUDIO_TOKENIZER_MODEL,
+    contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, internal_io.COSYVOICE3_VOICE_PROMPT_MODEL,
+    internal_io.COSYVOICE3_AUDIO_TOKENIZER_MODEL, internal_io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL,
 )  # fmt: skip
 #: The GPU of the LLM in the disaggregated layout (TensorRT-LLM's `gpu_device_ids`, the PyTorch LLM's instance group).
 LLM_GPU = 0
@@ -180,6 +186,31 @@ class SparkRenderOptions(_Options):
 
 
 @dataclass(frozen=True)
+class CosyVoice3RenderOptions(_Options):
+    """The CosyVoice3 part of a render (`RenderOptions.cosyvoice3`); defaults are the served runtime's. The LLM's
+    capacity (`--max-batch`, `--max-seq-len`, `--max-waiting`), `--dtype`, `--device` and `--voice-cache` are the
+    render's, shared with CosyVoice2."""
+
+    FLAG_PREFIX = "cosyvoice3-"
+
+    # the released layout (Fun-CosyVoice3-0.5B-2512)
+    model_dir: Path = option(help="a CosyVoice3 model directory: render the cosyvoice3 models too", flag="dir")
+    flow_cache: str = option("cached", choices=COSYVOICE3_FLOW_CACHES,
+                             help="CosyVoice3 streaming flow: cached (per-stream flow caches) or recompute (every "
+                                  "chunk from scratch, the reference)")
+    # Each kept voice holds its prompt's keys and values per Euler step and DiT block: ~3.6 MB per prompt frame in
+    # fp32 at the released size, ~1.8 GB for a 10 s prompt (docs/cosyvoice3.md, "Token2wav and streaming").
+    flow_voices: int = option(8, minimum=1, help="CosyVoice3 cached streaming: voices whose prompt flow caches are "
+                              "kept (about 1.8 GB each for a 10 s prompt in fp32)")
+    first_hop: int = option(15, minimum=4, help="CosyVoice3 streaming: tokens in the first chunk")
+    second_hop: int = option(25, minimum=4, help="CosyVoice3 streaming: tokens in the second chunk, doubling after")
+    # Benchmark mode for random weights: every request generates exactly round(ratio x text tokens) speech tokens
+    # (the text ids the LLM's length limits count) and no stop id is drawn. None = off.
+    benchmark_ratio: float | None = option(None, metavar="R", help="CosyVoice3 benchmarks on random weights only: "
+                                           "every request generates round(R x text tokens) speech tokens")
+
+
+@dataclass(frozen=True)
 class RenderOptions(_Options):
     """Everything a render is made of, as the command line, `render_repository` and the local stack give it;
     `__post_init__` fills in what was left open (layout, LLM delivery, device) the same way for all three."""
@@ -246,6 +277,8 @@ class RenderOptions(_Options):
                                  "and routing, every device cpu)")
     # Spark-TTS beside CosyVoice2 (`--spark-dir`); None: CosyVoice2 only
     spark: SparkRenderOptions | None = None
+    # CosyVoice3 beside CosyVoice2 (`--cosyvoice3-dir`); None: no CosyVoice3
+    cosyvoice3: CosyVoice3RenderOptions | None = None
 
     def __post_init__(self) -> None:
         # The one place that fills in what was left open, for the command line, the library call and the stack alike.

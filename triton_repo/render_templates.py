@@ -9,10 +9,10 @@ CosyVoice2's models (`triton_repo.render_models`) and Spark-TTS's (`triton_repo.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from string import Template
-from typing import Mapping, Sequence
+from typing import Mapping, Sequence, TypeVar
 
 import pipeline_contract as contract
 from pipeline_contract import TensorSpec
@@ -20,6 +20,7 @@ from triton_repo.model_params import ModelParams
 from triton_repo.render_options import RenderError, RenderOptions
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
+_P = TypeVar("_P", bound=ModelParams)
 ADAPTERS = "triton_repo.adapters"
 
 
@@ -69,6 +70,25 @@ def instance_group(opts: RenderOptions, model: str, count: int = 1) -> str:
     if opts.gpu_emulation:  # the CPU rehearsal: same model and count, the GPU only named
         return f"# gpu_emulation of: KIND_GPU gpus [ {gpu_list} ]\ninstance_group [ {{ kind: KIND_CPU count: {count} }} ]"
     return f"instance_group [ {{ kind: KIND_GPU count: {count} gpus: [ {gpu_list} ] }} ]"
+
+
+def entry_specs(opts: RenderOptions, params: ModelParams, adapter: tuple[str, str], offline: tuple[str, str],
+                streaming: tuple[str, str]) -> list[ModelSpec]:
+    """A pipeline's two entry models, (name, description) each: the contract's tensors, one adapter and its
+    parameters, the offline one plain and the streaming one decoupled; their instances as `--instances` says."""
+    return [
+        ModelSpec(name, "orchestrator.pbtxt", contract.INPUTS, contract.OUTPUTS, params, adapter,
+                  dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
+        for (name, description), decoupled in ((offline, "false"), (streaming, "true"))
+    ]
+
+
+def with_options(params: type[_P], opts: RenderOptions, **given: object) -> _P:
+    """`params` built from `given`, its other fields taken from the options' fields of the same name: an option
+    that passes straight into a model's parameters is named alike on both sides and written nowhere else (a field
+    of the same name that means something else for this model is given)."""
+    shared = {f.name for f in fields(params)} & {f.name for f in fields(opts)}
+    return params(**{name: getattr(opts, name) for name in shared - given.keys()}, **given)
 
 
 def model_files(specs: Sequence[ModelSpec]) -> dict[str, str]:

@@ -22,7 +22,7 @@ from triton_repo import spark_io as io
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.model_params import AudioModelParams, BenchmarkMode, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 from triton_repo.render_options import RenderOptions, SparkRenderOptions
-from triton_repo.render_templates import ModelSpec, instance_group
+from triton_repo.render_templates import ModelSpec, entry_specs, instance_group
 from triton_repo.render_trtllm import LOGITS_DTYPE, holds_engine, limit_errors, read_engine_config, trtllm_parameters
 
 __all__ = ["SparkRenderOptions", "check", "model_specs", "models"]
@@ -99,17 +99,12 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     spark = opts.spark
     if spark is None:
         return []
-    specs = [
-        ModelSpec(name, "orchestrator.pbtxt", contract.INPUTS, contract.OUTPUTS, orchestrator_params(opts),
-                  ("spark", "SparkOrchestratorModel"),
-                  dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
-        for name, decoupled, description in (
-            (contract.SPARK_OFFLINE_MODEL, "false",
-             "Spark-TTS offline pipeline: one response, the whole 16 kHz waveform."),
-            (contract.SPARK_STREAMING_MODEL, "true", "Spark-TTS streaming pipeline: 16 kHz chunks that concatenate "
-                                                     "to the offline waveform; FINAL rides on the last one."),
-        )
-    ]  # fmt: skip
+    specs = entry_specs(
+        opts, orchestrator_params(opts), ("spark", "SparkOrchestratorModel"),
+        (contract.SPARK_OFFLINE_MODEL, "Spark-TTS offline pipeline: one response, the whole 16 kHz waveform."),
+        (contract.SPARK_STREAMING_MODEL, "Spark-TTS streaming pipeline: 16 kHz chunks that concatenate to the offline "
+                                         "waveform; FINAL rides on the last one."),
+    )
     specs += [
         ModelSpec(VOICE_PROMPT, "spark_voice_prompt.pbtxt", io.SPARK_VOICE_PROMPT_INPUTS, io.VOICE_TOKENS,
                   VoicePromptParams(opts.voice_cache), ("spark", "SparkVoicePromptModel"),

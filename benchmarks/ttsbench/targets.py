@@ -23,10 +23,12 @@ from ttsbench.inputs import BenchRequest
 
 PCM_BYTES_PER_SAMPLE = 2  # the gateway's pcm: s16le mono at OUTPUT_SAMPLE_RATE
 #: The pipelines a Triton target can load: name -> (offline model, streaming model). Both speak the pipeline
-#: contract; their audio rates differ (CosyVoice2 24 kHz, Spark-TTS 16 kHz), which every response states.
+#: contract; their audio rates differ (CosyVoice2 and CosyVoice3 24 kHz, Spark-TTS 16 kHz), which every response
+#: states.
 PIPELINES: dict[str, tuple[str, str]] = {
     "cosyvoice2": (contract.OFFLINE_MODEL, contract.STREAMING_MODEL),
     "spark-tts": (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL),
+    "cosyvoice3": (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL),
 }
 DEFAULT_PIPELINE = "cosyvoice2"
 

@@ -82,7 +82,7 @@ class SpeechPlan:
     sse: bool
     characters: int
     captions: bool = False  # speech.caption SSE events (docs/gateway.md#captions)
-    instructions: str | None = None  # OpenAI's `instructions`, spoken in CosyVoice2's instruct mode
+    instructions: str | None = None  # OpenAI's `instructions`, spoken in the model's instruct mode
     pipeline: Pipeline | None = None  # the Triton models of `model` (None: the default, CosyVoice2's)
 
 
@@ -200,6 +200,9 @@ class SpeechService:
         """Everything that can be refused before synthesis starts (beyond the schema)."""
         if not self._catalog.is_known(request.model):
             raise ModelNotFound(f"The model '{request.model}' does not exist.", param="model")
+        instructions = (request.instructions or "").strip() or None
+        if instructions is not None:
+            self._catalog.check_instructions(request.model)
         sample_rate = (request.model_extra or {}).get("sample_rate")
         if sample_rate is not None and sample_rate not in SUPPORTED_SAMPLE_RATES:
             raise InvalidRequest(
@@ -232,7 +235,7 @@ class SpeechService:
             response_format=request.response_format,
             speed=request.speed,
             seed=request.seed,
-            instructions=(request.instructions or "").strip() or None,
+            instructions=instructions,
             stream=stream,
             sse=sse,
             characters=len(request.input),

@@ -2,8 +2,8 @@
 
 An upload is checked (name, transcript, audio), converted once to 16 kHz mono, stored (see
 VoiceStore), registered, and then its voice prompt is computed through Triton with an empty
-``target_text`` (the contract's warm-up rule) by every deployed model (CosyVoice2, and Spark-TTS when loaded:
-each keeps its own voice cache), so the first speech request finds it cached. If Triton
+``target_text`` (the contract's warm-up rule) by every deployed model (CosyVoice2, and Spark-TTS and CosyVoice3
+when loaded: each keeps its own voice cache), so the first speech request finds it cached. If Triton
 cannot do that now the voice is kept anyway (``warm=false`` in the log, ``tts_voice_warmups_total
 {outcome="failed"}``); the first speech request then computes the prompt.
 """
@@ -278,7 +278,7 @@ class VoiceLibrary:
 
     async def _warm(self, voice: Voice) -> bool:
         """Have every deployed pipeline compute and cache the voice's prompt now (empty target text); each model
-        keeps its own voice cache (a CosyVoice2 prompt is not a Spark-TTS one)."""
+        keeps its own voice cache (a CosyVoice2 prompt is neither a Spark-TTS nor a CosyVoice3 one)."""
         pipelines = await self._catalog.deployed() if self._catalog is not None else [None]
         warm = True
         for pipeline in pipelines:

@@ -53,3 +53,17 @@ def _decode_prefix(prefix: bytes) -> tuple[int, int]:
         except (av.FFmpegError, EOFError):
             pass  # the truncated tail
     return count, rate
+
+
+#: Every response format the gateway serves, and the rate each comes at (opus: 48 kHz, the rest 24 kHz).
+FORMAT_RATES = {"mp3": 24_000, "opus": 48_000, "aac": 24_000, "flac": 24_000, "wav": 24_000, "pcm": 24_000}
+
+
+def check_speech(data: bytes, response_format: str, whole: int) -> None:
+    """One speech response of a real pipeline: audio at the format's rate, finite and not silent; a lossless one
+    (pcm, wav, flac) of whole tokens, `whole` samples (at 24 kHz) each."""
+    samples, rate = decode(data, response_format)
+    assert rate == FORMAT_RATES[response_format]
+    assert samples.size > 0 and np.isfinite(samples).all() and np.abs(samples).max() > 0
+    if response_format in ("pcm", "wav", "flac"):
+        assert samples.size % whole == 0

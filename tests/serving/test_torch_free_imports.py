@@ -42,6 +42,10 @@ TORCH_FREE = [
     "speech_lm.testing",
     "speech_serving.orchestrator",
     "triton_repo.adapters.orchestrator",
+    "cosyvoice3.config",
+    "cosyvoice3.prompts",
+    "speech_serving.cosyvoice3",
+    "triton_repo.adapters.cosyvoice3",
 ]
 
 

@@ -77,6 +77,38 @@ def pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Pipelin
     return colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("pipeline") / "repo", triton_server_factory)
 
 
+@pytest.fixture(scope="module")
+def both_gateway(both_server, gateway_factory):
+    """A gateway in front of the module's `both_server` (CosyVoice2 and another model in one tritonserver)."""
+    return gateway_factory(both_server.grpc_url)
+
+
+async def offline_chunk(url: str, model: str, inputs) -> contract.SpeechChunk:
+    """The one response of an offline request to `model`, through the contract's codec."""
+    import tritonclient.grpc.aio as aio  # noqa: PLC0415 - the tests' own client
+
+    async with aio.InferenceServerClient(url) as client:
+        result = await client.infer(model, inputs)
+    return contract.decode_response(result.as_numpy, final=True)
+
+
+async def streamed_chunks(client, model: str, inputs) -> list[contract.SpeechChunk]:
+    """Every response of a streaming request to the decoupled `model`, through the contract's codec."""
+
+    async def requests():
+        yield {"model_name": model, "inputs": inputs}
+
+    out = []
+    async for result, error in client.stream_infer(requests()):
+        if error is not None:
+            raise error
+        out.append(contract.decode_response(result.as_numpy,
+                                            result.get_response().parameters["triton_final_response"].bool_param))
+        if out[-1].final:
+            return out
+    return out
+
+
 async def stream(client, inputs, cancel_after: int | None = None):
     """(waveform, input_tokens, output_tokens, final) per response of one streaming request."""
 

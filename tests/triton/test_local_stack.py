@@ -97,10 +97,13 @@ def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_director
     assert "--token2wav dit needs --dit-dir" in capsys.readouterr().err
 
 
-def test_a_spark_dir_comes_from_the_environment_and_is_checked(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("COSYVOICE_SPARK_DIR", str(tmp_path / "no_spark"))
+@pytest.mark.parametrize("variable, flag", [("COSYVOICE_SPARK_DIR", "--spark-dir"),
+                                            ("COSYVOICE3_DIR", "--cosyvoice3-dir")])
+def test_another_models_dir_comes_from_the_environment_and_is_checked(tiny_model_dir, tmp_path, monkeypatch, capsys,
+                                                                      variable, flag):
+    monkeypatch.setenv(variable, str(tmp_path / "not_there"))
     assert main(["--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo")]) == 2
-    assert "--spark-dir" in capsys.readouterr().err and not (tmp_path / "repo").exists()
+    assert flag in capsys.readouterr().err and not (tmp_path / "repo").exists()
 
 
 @pytest.mark.parametrize("value, message", [("on", "needs --device cuda"), ("sometimes", "use on or off")])

@@ -11,7 +11,7 @@ import pytest
 from stackbench.launch import render_fields
 from triton_repo.render import add_option_flags, main, option_values
 from triton_repo.render_checks import field_errors
-from triton_repo.render_options import RenderError, RenderOptions, SparkRenderOptions, option
+from triton_repo.render_options import CosyVoice3RenderOptions, RenderError, RenderOptions, SparkRenderOptions, option
 
 
 def options(**values: object) -> RenderOptions:
@@ -30,6 +30,7 @@ def test_key_value_strings_parse_by_the_field_type() -> None:
     assert options(model_dir="/models/x").model_dir == Path("/models/x")
     spark = options(spark="/spark").spark
     assert spark == SparkRenderOptions(Path("/spark")) and options(spark=None).spark is None
+    assert options(cosyvoice3="/cv3").cosyvoice3 == CosyVoice3RenderOptions(Path("/cv3"))
 
 
 @pytest.mark.parametrize("values, message", [
@@ -53,10 +54,12 @@ def parse(argv: list[str]) -> RenderOptions:
 def test_the_command_line_sets_the_fields_the_library_call_sets() -> None:
     given = parse(["--token2wav-gpus", "1,2", "--instances", "cosyvoice2=2", "--instances", "voice_prompt=3",
                    "--flow-cache-gb", "2.5", "--gpu-emulation", "--llm-backend", "trtllm",
-                   "--spark-dir", "/s", "--spark-first-chunk", "9", "--spark-benchmark-ratio", "2"])
+                   "--spark-dir", "/s", "--spark-first-chunk", "9", "--spark-benchmark-ratio", "2",
+                   "--cosyvoice3-dir", "/c", "--cosyvoice3-flow-cache", "recompute", "--cosyvoice3-second-hop", "30"])
     assert given == options(token2wav_gpus=(1, 2), instances={"cosyvoice2": 2, "voice_prompt": 3}, flow_cache_gb=2.5,
                             gpu_emulation=True, llm_backend="tensorrt_llm",
-                            spark=SparkRenderOptions(Path("/s"), first_chunk_tokens=9, benchmark_ratio=2.0))
+                            spark=SparkRenderOptions(Path("/s"), first_chunk_tokens=9, benchmark_ratio=2.0),
+                            cosyvoice3=CosyVoice3RenderOptions(Path("/c"), flow_cache="recompute", second_hop=30))
     assert parse([]) == options()  # every flag left out keeps the field's default
 
 
@@ -67,6 +70,8 @@ def test_every_field_with_help_has_its_flag() -> None:
     expected = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(RenderOptions) if f.metadata.get("help")}
     assert expected - {"--spark"} <= flags
     assert {"--spark-dir", "--spark-first-chunk", "--spark-max-new-tokens", "--token2wav-gpus"} <= flags
+    assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-flow-voices", "--cosyvoice3-first-hop",
+            "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio"} <= flags
     assert "--max-target-text-tokens" not in flags  # a library option: no help, no flag
 
 

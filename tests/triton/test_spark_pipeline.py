@@ -15,9 +15,9 @@ from tritonclient.utils import InferenceServerException
 import pipeline_contract as contract
 from speech_serving.spark import SparkVoiceTokenizer
 from spark_tts.testing import write_tiny_model
-from tests.gateway.audio_checks import decode
+from tests.gateway.audio_checks import FORMAT_RATES, check_speech, decode
 from tests.gateway.voice_clips import make_clip, upload
-from tests.triton.conftest import FIRST_HOP, synthesis_inputs
+from tests.triton.conftest import FIRST_HOP, offline_chunk, streamed_chunks, synthesis_inputs
 from triton_repo import spark_io
 from triton_repo.render import RenderError, RenderOptions, write_repository
 from triton_repo.spark_render import AUDIO_TOKENIZER, SparkRenderOptions
@@ -48,26 +48,13 @@ def both_server(tiny_model_dir, spark_dir, tmp_path_factory, triton_server_facto
 
 
 async def _offline(url, model, inputs):
-    async with aio.InferenceServerClient(url) as client:
-        result = await client.infer(model, inputs)
-    return (result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-            int(result.as_numpy(contract.SAMPLE_RATE.name)[0]))
+    chunk = await offline_chunk(url, model, inputs)
+    return chunk.waveform, chunk.output_tokens, chunk.sample_rate
 
 
 async def _stream(client, inputs):
-    async def requests():
-        yield {"model_name": contract.SPARK_STREAMING_MODEL, "inputs": inputs}
-
-    out = []
-    async for result, error in client.stream_infer(requests()):
-        if error is not None:
-            raise error
-        final = result.get_response().parameters["triton_final_response"].bool_param
-        out.append((result.as_numpy(contract.WAVEFORM.name), int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0]),
-                    int(result.as_numpy(contract.SAMPLE_RATE.name)[0]), final))
-        if final:
-            break
-    return out
+    chunks = await streamed_chunks(client, contract.SPARK_STREAMING_MODEL, inputs)
+    return [(c.waveform, c.output_tokens, c.sample_rate, c.final) for c in chunks]
 
 
 async def test_spark_offline_is_16k_with_320_samples_per_token(both_server):
@@ -192,8 +179,8 @@ def test_render_refuses_an_incomplete_spark_dir(tiny_model_dir, spark_dir, tmp_p
 
 # -- through the gateway, with the OpenAI SDK ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def spark_gateway(both_server, gateway_factory):
-    return gateway_factory(both_server.grpc_url)
+def spark_gateway(both_gateway):
+    return both_gateway
 
 
 def test_the_gateway_lists_spark_tts_beside_cosyvoice2(spark_gateway):
@@ -202,17 +189,13 @@ def test_the_gateway_lists_spark_tts_beside_cosyvoice2(spark_gateway):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["offline", "streaming"])
-@pytest.mark.parametrize("response_format", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+@pytest.mark.parametrize("response_format", sorted(FORMAT_RATES))
 def test_the_gateway_serves_spark_tts_in_every_format(spark_gateway, response_format, stream):
     data = spark_gateway.client().audio.speech.create(
         model="spark-tts", voice="alloy", input="Hello from Spark.", response_format=response_format,
         extra_body={"stream": stream, "seed": 11},
     ).read()
-    samples, rate = decode(data, response_format)
-    assert rate == (48_000 if response_format == "opus" else 24_000)
-    assert samples.size > 0 and np.isfinite(samples).all() and np.abs(samples).max() > 0
-    if response_format in ("pcm", "wav", "flac"):  # lossless: whole tokens of 320 samples at 16 kHz, x1.5
-        assert samples.size % (HOP * 3 // 2) == 0
+    check_speech(data, response_format, whole=HOP * 3 // 2)  # tokens of 320 samples at 16 kHz, x1.5 at 24 kHz
 
 
 def test_streamed_and_offline_spark_pcm_match_through_the_gateway(spark_gateway):

@@ -55,12 +55,14 @@ class _AudioModel:
 class AudioTokenizerModel(_AudioModel):
     output = io.SPEECH_TOKENS.name
     compute = staticmethod(speech_tokens)
+    #: the speech tokenizer in `model_dir` (CosyVoice2's v2; CosyVoice3's subclass names its v3, same interface)
+    tokenizer_file = SPEECH_TOKENIZER_FILE
 
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         device = instance_device(args, params.device)
         make_current(device)
-        self.model = SpeechTokenizer(params.model_dir / SPEECH_TOKENIZER_FILE, _providers(device))
+        self.model = SpeechTokenizer(params.model_dir / self.tokenizer_file, _providers(device))
 
 
 class SpeakerEmbeddingModel(_AudioModel):

@@ -21,11 +21,17 @@ from triton_repo.model_params import EngineParams
 class EngineHandler:
     """The LLM's and token2wav's handlers in one process; each request goes to the one its inputs name."""
 
-    def __init__(self, params: EngineParams) -> None:
-        # The LLM first: its CUDA graphs are captured while no other thread uses the GPU yet.
-        self.llm = LLMHandler(params.llm)
-        self.token2wav = Token2WavHandler(params.token2wav)
+    def __init__(self, llm: LLMHandler, token2wav: Token2WavHandler) -> None:
+        self.llm = llm
+        self.token2wav = token2wav
         self.stats = (self.llm.stats, self.token2wav.stats)
+
+    @classmethod
+    def from_params(cls, params: EngineParams) -> EngineHandler:
+        """CosyVoice2's LLM and token2wav (CosyVoice3's: `adapters.cosyvoice3`). The LLM first: its CUDA graphs are
+        captured while no other thread uses the GPU yet."""
+        llm = LLMHandler.from_params(params.llm)
+        return cls(llm, Token2WavHandler.from_params(params.token2wav))
 
     async def handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())
@@ -37,4 +43,4 @@ class EngineHandler:
         self.token2wav.close()
 
 
-TritonPythonModel = handler_model(EngineParams, EngineHandler)
+TritonPythonModel = handler_model(EngineParams, EngineHandler.from_params)

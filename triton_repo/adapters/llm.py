@@ -10,16 +10,17 @@ boundary (the last one flagged final) instead of one per token; without it, one 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from speech_lm.decode import BatchedDecoder
+from cosyvoice2.llm.request import CosyVoice2Sampling
 from cosyvoice2.loading import LLM_FILE, load_llm
 from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
+from speech_lm.decode import BatchedDecoder
 from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
 from speech_serving.engines import build_decode_request, disable_stop_tokens
 from speech_serving.errors import InvalidInput
@@ -27,26 +28,44 @@ from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
-from triton_repo.model_params import LLMParams
+from triton_repo.model_params import DecoderParams, LLMParams
+
+
+#: A per-request filter of the decoded speech tokens (`accept(token)` -> keep it); CosyVoice3 drops long silent runs.
+TokenFilter = Callable[[int], bool]
 
 
 class LLMHandler:
-    """The scheduler built from the model's parameters, and the answer to one LLM request."""
+    """A speech LLM on our batched decoder under the continuous-batching scheduler, and the answer to one LLM
+    request. CosyVoice2's (`from_params`) and CosyVoice3's (`adapters.cosyvoice3`) differ only in the model, the
+    flat vocabulary of their requests, the sampler and an optional filter of the decoded tokens."""
 
-    def __init__(self, params: LLMParams) -> None:
-        model_dir = params.model_dir
-        config = EngineConfig.for_model_dir(model_dir)
-        device = torch.device(params.device)
-        llm = load_llm(model_dir / LLM_FILE, config, device, resolve_dtype(params.dtype))
-        self.vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
-        if params.benchmark:
-            disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
+    def __init__(self, llm: torch.nn.Module, vocab: SpeechVocabLayout, params: DecoderParams,
+                 sampling: CosyVoice2Sampling | None = None,
+                 token_filter: Callable[[], TokenFilter] | None = None) -> None:
+        """`sampling`: the sampler each request's values go into (None: CosyVoice2's); `token_filter`: makes one
+        request's filter (None: every decoded token is sent)."""
+        self.vocab = vocab
+        self.sampling = sampling
+        self.token_filter = token_filter
         # On CUDA the decoder captures its step as CUDA graphs (one per batch/length bucket) right here.
         decoder = BatchedDecoder(llm, num_slots=params.max_batch, max_seq_len=params.max_seq_len)
         self.stats = Stats(LLM_STATS)
         self.scheduler = ContinuousBatchingScheduler(
-            StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY)), params.max_waiting, self.stats
-        )
+            StreamDecoder(decoder, worker_stream(torch.device(params.device), LLM_STREAM_PRIORITY)),
+            params.max_waiting, self.stats,
+        )  # fmt: skip
+
+    @classmethod
+    def from_params(cls, params: LLMParams) -> LLMHandler:
+        """CosyVoice2's LLM from its model directory."""
+        model_dir = params.model_dir
+        config = EngineConfig.for_model_dir(model_dir)
+        llm = load_llm(model_dir / LLM_FILE, config, torch.device(params.device), resolve_dtype(params.dtype))
+        vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
+        if params.benchmark:
+            disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
+        return cls(llm, vocab, params)
 
     async def handle(self, request: Any, sender: Any) -> None:
         request_id = request.request_id()
@@ -59,17 +78,19 @@ class LLMHandler:
             raise InvalidInput("LLM requests need a request id (it is how `stop` finds them)")
         decode_request = build_decode_request(
             llm_request.input_ids, self.vocab, llm_request.min_tokens, llm_request.max_tokens,
-            llm_request.seed, llm_request.top_k, llm_request.top_p,
+            llm_request.seed, llm_request.top_k, llm_request.top_p, self.sampling,
         )  # fmt: skip
+        keep = self.token_filter() if self.token_filter is not None else None
         # not streaming: the caller reads one response, so the scheduler hands over nothing before the end
         deliver_at = llm_request.deliver_at if llm_request.streaming else ()
         stream = self.scheduler.submit(request_id, decode_request, deliver_at, streaming=llm_request.streaming)
         try:
             async for delivery in stream.deliveries():
                 flags = FINAL if delivery.last else 0
-                if delivery.tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
+                tokens = delivery.tokens if keep is None else [t for t in delivery.tokens if keep(t)]
+                if tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
                     # the decoder counts speech tokens; the LLM's responses are vocabulary ids
-                    ids = self.vocab.to_vocab_ids(np.asarray(delivery.tokens, dtype=np.int64)).tolist()
+                    ids = self.vocab.to_vocab_ids(np.asarray(tokens, dtype=np.int64)).tolist()
                     sender.send(response(io.llm_response_tensors(ids)), flags=flags)
                 elif delivery.last:  # the end came without a token (a stop id): nothing but the flag
                     sender.send(flags=FINAL)
@@ -83,4 +104,4 @@ class LLMHandler:
         self.scheduler.close()
 
 
-TritonPythonModel = handler_model(LLMParams, LLMHandler, on_instance_device=True)
+TritonPythonModel = handler_model(LLMParams, LLMHandler.from_params, on_instance_device=True)

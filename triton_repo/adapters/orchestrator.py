@@ -55,7 +55,8 @@ class TritonClients:
         self.token2wav_router = StickyRouter(replicas, start=secrets.randbelow(len(replicas)))
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> PromptTensors:
-        out = await bls("voice_prompt", io.voice_prompt_tensors(request), [spec.name for spec in io.VOICE_PROMPT_OUTPUTS])
+        out = await bls(self.models.voice_prompt_model, io.voice_prompt_tensors(request),
+                        [spec.name for spec in io.VOICE_PROMPT_OUTPUTS])
         prompt = io.prompt_from_tensors(out)
         assert prompt is not None
         return prompt

@@ -21,7 +21,7 @@ from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from speech_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from speech_serving.stats import Stats
-from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavService
+from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavEngine, Token2WavService
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import ParameterError, Token2WavParams
@@ -30,9 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 class Token2WavHandler:
-    """The token2wav service built from the model's parameters, and the answer to one request."""
+    """A token2wav engine behind the token2wav service (its worker on its own CUDA stream), and the answer to one
+    request. CosyVoice2's engines come from the model's parameters (`from_params`); CosyVoice3's from its own
+    (`adapters.cosyvoice3`)."""
 
-    def __init__(self, params: Token2WavParams) -> None:
+    def __init__(self, engine: Token2WavEngine, device: torch.device) -> None:
+        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
+        if graphs:
+            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
+        self.stats = Stats(TOKEN2WAV_STATS)
+        self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
+                                        self.stats)
+        logger.info("token2wav: whole calls of at most %s jobs, deadline order", self.service.policy.max_rows)
+
+    @classmethod
+    def from_params(cls, params: Token2WavParams) -> Token2WavHandler:
         model_dir = params.model_dir
         device, dtype = torch.device(params.device), resolve_dtype(params.dtype)
         engine: BatchedToken2Wav | DiTBatchedToken2Wav
@@ -50,13 +62,7 @@ class Token2WavHandler:
             engine = BatchedToken2Wav(
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb
             )
-        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
-        if graphs:
-            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
-        self.stats = Stats(TOKEN2WAV_STATS)
-        self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
-                                        self.stats)
-        logger.info("token2wav: whole calls of at most %s jobs, deadline order", self.service.policy.max_rows)
+        return cls(engine, device)
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
@@ -71,4 +77,4 @@ class Token2WavHandler:
         self.service.shutdown()
 
 
-TritonPythonModel = handler_model(Token2WavParams, Token2WavHandler, on_instance_device=True)
+TritonPythonModel = handler_model(Token2WavParams, Token2WavHandler.from_params, on_instance_device=True)

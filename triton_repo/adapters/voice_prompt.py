@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from cosyvoice2.frontend.features import MEL_FMAX
 from speech_serving.engines import prompt_tensors
 from speech_serving.io_struct import PromptTensors
 from speech_serving.stats import Stats
@@ -22,6 +23,12 @@ from triton_repo.model_params import VoicePromptParams
 
 
 class TritonPythonModel:
+    """CosyVoice2's voice prompt; CosyVoice3's (`adapters.cosyvoice3`) names its own audio models and mel band."""
+
+    tokenizer_model = "audio_tokenizer"
+    speaker_model = "speaker_embedding"
+    mel_fmax = MEL_FMAX  # the prompt mel's top filter edge
+
     def initialize(self, args: dict[str, str]) -> None:
         params = VoicePromptParams.from_parameters(model_params(args), args["model_name"])
         self.stats = Stats(CACHE_STATS)
@@ -45,9 +52,9 @@ class TritonPythonModel:
             contract.REFERENCE_WAV_LEN.name: np.array([[wav.size]], dtype=np.int32),
         }
         tokens, xvector = await asyncio.gather(
-            bls("audio_tokenizer", audio, [io.SPEECH_TOKENS.name]),
-            bls("speaker_embedding", audio, [io.XVECTOR.name]),
+            bls(self.tokenizer_model, audio, [io.SPEECH_TOKENS.name]),
+            bls(self.speaker_model, audio, [io.XVECTOR.name]),
         )
         return await asyncio.get_running_loop().run_in_executor(
-            None, prompt_tensors, tokens[io.SPEECH_TOKENS.name], xvector[io.XVECTOR.name], wav
+            None, prompt_tensors, tokens[io.SPEECH_TOKENS.name], xvector[io.XVECTOR.name], wav, self.mel_fmax
         )

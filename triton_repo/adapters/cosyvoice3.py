@@ -1,0 +1,46 @@
+"""`cosyvoice3` / `cosyvoice3_stream`: CosyVoice3's pipeline entry models (one code, decoupled or not by config).
+
+CosyVoice2's orchestrator machinery (`TritonClients`, `PipelineEntryModel`) with `CosyVoice3Orchestrator`: its BLS
+calls go to CosyVoice3's own internal models (`cosyvoice3_voice_prompt`, `cosyvoice3_engine`), named in the
+rendered `InternalModels`. Torch-free, like CosyVoice2's entry models: the internal models are in
+`adapters.cosyvoice3_engine`.
+"""
+
+from __future__ import annotations
+
+from cosyvoice3.config import CosyVoice3Config
+from cosyvoice3.text import CosyVoice3Tokenizer
+from speech_serving.cosyvoice3 import CosyVoice3Orchestrator, cosyvoice3_schedule, cosyvoice3_vocab
+from speech_serving.orchestrator import ORCHESTRATOR_STATS, OrchestratorConfig, SamplingConfig
+from speech_serving.stats import Stats
+from triton_repo.adapters.common import MetricsExporter, PipelineEntryModel, is_decoupled, model_params
+from triton_repo.adapters.orchestrator import TritonClients
+from triton_repo.model_params import CosyVoice3OrchestratorParams
+
+
+def orchestrator_config(params: CosyVoice3OrchestratorParams, config: CosyVoice3Config) -> OrchestratorConfig:
+    """The orchestrator's settings: CosyVoice3's vocabulary, schedule and sampler, the rendered limits."""
+    sampling = config.llm.sampling
+    benchmark = params.benchmark
+    return OrchestratorConfig(
+        vocab=cosyvoice3_vocab(config),
+        schedule=cosyvoice3_schedule(config, params.first_hop, params.second_hop),
+        sampling=SamplingConfig(top_k=sampling.top_k, top_p=sampling.top_p,
+                                fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
+        max_sequence_len=params.max_sequence_len,
+        max_target_text_tokens=params.max_target_text_tokens,
+        voice_cache=params.voice_cache,
+    )  # fmt: skip
+
+
+class CosyVoice3OrchestratorModel(PipelineEntryModel):
+    def initialize(self, args: dict[str, str]) -> None:
+        params = CosyVoice3OrchestratorParams.from_parameters(model_params(args), args["model_name"])
+        config = CosyVoice3Config.from_model_dir(params.model_dir)
+        orchestrator_settings = orchestrator_config(params, config)
+        self.streaming = is_decoupled(args)
+        self.stats = Stats(ORCHESTRATOR_STATS)
+        clients = TritonClients(orchestrator_settings.vocab, None, params.models)
+        tokenizer = CosyVoice3Tokenizer.from_model_dir(params.model_dir)
+        self.orchestrator = CosyVoice3Orchestrator(orchestrator_settings, tokenizer, clients, self.stats)
+        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)

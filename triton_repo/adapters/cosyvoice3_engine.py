@@ -1,0 +1,64 @@
+"""CosyVoice3's internal models: `cosyvoice3_engine` (the LLM and token2wav in one process), its voice prompt
+(`cosyvoice3_voice_prompt`) and speech tokenizer (`cosyvoice3_audio_tokenizer`); its speaker embedding is
+CosyVoice2's `SpeakerEmbeddingModel` on CosyVoice3's `campplus.onnx`.
+
+Every one is CosyVoice2's adapter with CosyVoice3's parts: the engine is `EngineHandler` over an `LLMHandler` (our
+batched decoder under the continuous-batching scheduler) and a `Token2WavHandler` (the token2wav service and its
+scheduling policy) around `CosyVoice3BatchedToken2Wav`; the voice prompt is `voice_prompt`'s with CosyVoice3's
+audio models and its 12 kHz mel band. The tensors are CosyVoice2's (`internal_io`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cosyvoice2.config import resolve_dtype
+from cosyvoice3.frontend import PROMPT_MEL_FMAX
+from cosyvoice3.layout import FLOW_FILE, HIFT_FILE, LLM_FILE, SPEECH_TOKENIZER_FILE
+from cosyvoice3.llm import SilentTokenFilter, sampling_params
+from cosyvoice3.loading import load_config, load_flow, load_hift, load_llm
+from cosyvoice3.token2wav import CosyVoice3Token2Wav
+from speech_serving.cosyvoice3 import cosyvoice3_vocab
+from speech_serving.engines import CosyVoice3BatchedToken2Wav
+from triton_repo import internal_io as io
+from triton_repo.adapters import voice_prompt
+from triton_repo.adapters.audio_features import AudioTokenizerModel
+from triton_repo.adapters.common import handler_model
+from triton_repo.adapters.engine import EngineHandler
+from triton_repo.adapters.llm import LLMHandler
+from triton_repo.adapters.token2wav import Token2WavHandler
+from triton_repo.model_params import CosyVoice3EngineParams
+
+def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler:
+    """CosyVoice3's LLM (loaded first: its CUDA graphs are captured before another thread uses the GPU) and
+    token2wav from the model directory."""
+    config = load_config(params.model_dir)
+    device, dtype = torch.device(params.device), resolve_dtype(params.dtype)
+    benchmark = params.benchmark is not None
+    llm = LLMHandler(
+        load_llm(params.model_dir / LLM_FILE, config, device, dtype), cosyvoice3_vocab(config), params,
+        # benchmark mode: no stop id is drawn and every token counts (the orchestrator fixes the length)
+        sampling=sampling_params(config.llm, ignore_eos=benchmark),
+        token_filter=None if benchmark else lambda: SilentTokenFilter.for_config(config.llm).accept,
+    )  # fmt: skip
+    flow = load_flow(params.model_dir / FLOW_FILE, config, device, dtype)
+    hift = load_hift(params.model_dir / HIFT_FILE, config, device)
+    engine = CosyVoice3Token2Wav(flow, hift, voice_capacity=params.flow_voices)
+    token2wav = Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device)
+    return EngineHandler(llm, token2wav)
+
+
+CosyVoice3EngineModel = handler_model(CosyVoice3EngineParams, engine_handler)
+
+
+class CosyVoice3VoicePromptModel(voice_prompt.TritonPythonModel):
+    """A voice's CosyVoice3 prompt (v3 speech tokens, CAM++ x-vector, the 24 kHz mel up to 12 kHz), cached by voice
+    id apart from CosyVoice2's: the two models' prompts of one voice differ."""
+
+    tokenizer_model = io.COSYVOICE3_AUDIO_TOKENIZER_MODEL
+    speaker_model = io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL
+    mel_fmax = PROMPT_MEL_FMAX
+
+
+class CosyVoice3AudioTokenizerModel(AudioTokenizerModel):
+    tokenizer_file = SPEECH_TOKENIZER_FILE

@@ -1,0 +1,139 @@
+"""The CosyVoice3 models of the rendered repository (`render --cosyvoice3-dir DIR`), beside CosyVoice2's.
+
+| model | what |
+|---|---|
+| `cosyvoice3` / `cosyvoice3_stream` | the pipeline contract (offline / decoupled), 24 kHz `waveform` + `sample_rate` |
+| `cosyvoice3_voice_prompt` | the voice cache (LRU by voice id) in front of the two audio models |
+| `cosyvoice3_audio_tokenizer` | `speech_tokenizer_v3.onnx`, dynamically batched |
+| `cosyvoice3_speaker_embedding` | CAM++ (`campplus.onnx` of the CosyVoice3 directory), dynamically batched |
+| `cosyvoice3_engine` | the LLM (our batched decoder under the continuous-batching scheduler) and token2wav (DiT flow + causal HiFT under the token2wav service) in one process |
+
+Every model is one of CosyVoice2's templates and adapters with CosyVoice3's parameters (the adapter factory
+`ModelSpec` and the tables below). Without `--cosyvoice3-dir` nothing here is rendered and the repository is
+unchanged. The layout is colocated whatever `--layout` says (as Spark-TTS's `spark_engine`).
+"""
+
+from __future__ import annotations
+
+from cosyvoice3.config import CosyVoice3Config
+from cosyvoice3.errors import CosyVoice3Error
+from cosyvoice3.layout import ENGINE_FILES, FRONTEND_FILES, TOKENIZER_FILES
+import pipeline_contract as contract
+from triton_repo import internal_io as io
+from triton_repo.model_params import (
+    AudioModelParams,
+    BenchmarkMode,
+    CosyVoice3EngineParams,
+    CosyVoice3OrchestratorParams,
+    InternalModels,
+    VoicePromptParams,
+)
+from triton_repo.render_options import CosyVoice3RenderOptions, RenderOptions
+from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, with_options
+
+__all__ = ["CosyVoice3RenderOptions", "check", "model_specs", "models"]
+
+ENGINE = io.COSYVOICE3_ENGINE_MODEL
+VOICE_PROMPT = io.COSYVOICE3_VOICE_PROMPT_MODEL
+AUDIO_TOKENIZER = io.COSYVOICE3_AUDIO_TOKENIZER_MODEL
+SPEAKER_EMBEDDING = io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL
+MODELS = frozenset({contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, VOICE_PROMPT,
+                    AUDIO_TOKENIZER, SPEAKER_EMBEDDING, ENGINE})
+SINGLE_INSTANCE = (ENGINE,)
+#: What a served CosyVoice3 directory must hold (the engine alone could do with fewer: id-level calls only).
+SERVED_FILES = (*ENGINE_FILES, *TOKENIZER_FILES, *FRONTEND_FILES)
+#: The orchestrators' targets: the colocated engine answers both the LLM's and token2wav's calls.
+INTERNAL_MODELS = InternalModels(llm_model=ENGINE, token2wav_model=(ENGINE,), token2wav_decoupled=True,
+                                 llm_deliver_at=True, voice_prompt_model=VOICE_PROMPT)
+
+
+def models(opts: RenderOptions) -> set[str]:
+    """The CosyVoice3 models `model_specs` describes (none without `opts.cosyvoice3`), for the validation of the
+    rendered repository."""
+    return set(MODELS) if opts.cosyvoice3 is not None else set()
+
+
+def check(opts: RenderOptions) -> list[str]:
+    """What the CosyVoice3 options' fields cannot say themselves (their bounds: `render_checks.field_errors`)."""
+    cv3 = opts.cosyvoice3
+    if cv3 is None:
+        return []
+    errors = []
+    # serving reads text and reference audio: the engine's files, the tokenizer's and both frontend models
+    missing = [name for name in SERVED_FILES if not (cv3.model_dir / name).is_file()]
+    if not cv3.model_dir.is_dir():
+        errors.append(f"--cosyvoice3-dir {cv3.model_dir} is not a directory (expected a CosyVoice3 model directory)")
+    elif missing:
+        errors.append(f"--cosyvoice3-dir {cv3.model_dir} lacks {', '.join(missing)}")
+    else:
+        try:
+            CosyVoice3Config.from_model_dir(cv3.model_dir)
+        except (CosyVoice3Error, ValueError, KeyError, TypeError) as exc:  # a malformed yaml or config.json
+            errors.append(f"--cosyvoice3-dir: {exc}")
+    if cv3.benchmark_ratio is not None and not cv3.benchmark_ratio > 0:
+        errors.append(f"--cosyvoice3-benchmark-ratio must be > 0, got {cv3.benchmark_ratio}")
+    return errors
+
+
+def model_specs(opts: RenderOptions) -> list[ModelSpec]:
+    """The CosyVoice3 models (none without `opts.cosyvoice3`)."""
+    cv3 = opts.cosyvoice3
+    if cv3 is None:
+        return []
+    model_dir = cv3.model_dir.resolve()
+    specs = entry_specs(
+        opts, orchestrator_params(opts), ("cosyvoice3", "CosyVoice3OrchestratorModel"),
+        (contract.COSYVOICE3_OFFLINE_MODEL, "CosyVoice3 offline pipeline: one response with the whole waveform of one "
+                                            "segment."),
+        (contract.COSYVOICE3_STREAMING_MODEL, "CosyVoice3 streaming pipeline: waveform chunks; FINAL rides on the "
+                                              "last one."),
+    )
+    specs.append(ModelSpec(VOICE_PROMPT, "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
+                           VoicePromptParams(cache_capacity=opts.voice_cache),
+                           ("cosyvoice3_engine", "CosyVoice3VoicePromptModel"),
+                           dict(instances=opts.instances_of(VOICE_PROMPT))))
+    specs += [
+        ModelSpec(name, "audio_model.pbtxt", io.AUDIO_INPUTS, (output,),
+                  AudioModelParams(model_dir, opts.device_of(name)), adapter,
+                  dict(description=description, max_batch=opts.audio_max_batch,
+                       max_queue_delay_us=opts.max_queue_delay_us,
+                       instance_group=instance_group(opts, name, opts.instances_of(name))))
+        for name, output, adapter, description in (
+            (AUDIO_TOKENIZER, io.SPEECH_TOKENS, ("cosyvoice3_engine", "CosyVoice3AudioTokenizerModel"),
+             "CosyVoice3 speech tokenizer (speech_tokenizer_v3.onnx), 25 Hz tokens of 16 kHz audio."),
+            (SPEAKER_EMBEDDING, io.XVECTOR, ("audio_features", "SpeakerEmbeddingModel"),
+             "CAM++ x-vector (CosyVoice3's campplus.onnx) of 16 kHz audio."),
+        )
+    ]  # fmt: skip
+    specs.append(ModelSpec(ENGINE, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
+                           ("cosyvoice3_engine", "CosyVoice3EngineModel")))
+    return specs
+
+
+def _benchmark(cv3: CosyVoice3RenderOptions) -> BenchmarkMode | None:
+    return None if cv3.benchmark_ratio is None else BenchmarkMode(cv3.benchmark_ratio)
+
+
+def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
+    """Parameters of both CosyVoice3 pipeline models (`adapters.cosyvoice3.CosyVoice3OrchestratorModel`)."""
+    cv3 = opts.cosyvoice3
+    assert cv3 is not None
+    return CosyVoice3OrchestratorParams(
+        model_dir=cv3.model_dir.resolve(),
+        max_sequence_len=opts.max_seq_len,
+        max_target_text_tokens=opts.max_target_text_tokens,
+        first_hop=cv3.first_hop,
+        second_hop=cv3.second_hop,
+        models=INTERNAL_MODELS,
+        voice_cache=opts.voice_cache,
+        benchmark=_benchmark(cv3),
+    )
+
+
+def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
+    """Parameters of `cosyvoice3_engine` (`adapters.cosyvoice3_engine`): the LLM's capacity and dtype are the
+    render's (`with_options`); `flow_cache` is CosyVoice3's own option, not CosyVoice2's of that name."""
+    cv3 = opts.cosyvoice3
+    assert cv3 is not None
+    return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
+                        flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, benchmark=_benchmark(cv3))
