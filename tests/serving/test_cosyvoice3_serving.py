@@ -11,7 +11,6 @@ import torch
 
 import cosyvoice3
 from cosyvoice2.frontend.llm_prompt import llm_prompt
-from cosyvoice2.llm.decode import generate_tokens
 from cosyvoice2.streaming import Chunk
 from cosyvoice3.llm import CosyVoice3LM, sampling_params
 from cosyvoice3.prompts import cross_lingual_text, instruct_prompt, zero_shot_prompt
@@ -25,6 +24,7 @@ from speech_serving.errors import InvalidInput
 from speech_serving.io_struct import PromptTensors
 from speech_serving.orchestrator import OrchestratorConfig
 from speech_serving.token2wav import Work
+from speech_lm.decode import generate_tokens
 
 AUDIO_ATOL = 1e-4  # cached and recompute flows agree to float rounding (docs/cosyvoice3.md: 1.2e-6 on the mel)
 TARGET = "Hello there, how are you today?"
