@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,38 +143,39 @@ def _smoke(settings: BuildSettings) -> None:
     smoke.run_smoke_test(settings)
 
 
-# spark-weights -------------------------------------------------------------------------------------------
-def _spark_inputs(settings: BuildSettings) -> StageInputs:
-    local = settings.spark_source == "local"
-    return StageInputs(values={
-        "source": settings.spark_source,
-        "model": str(settings.spark_model_dir) if local else settings.spark_model_id,
-        "revision": settings.spark_revision,
-        "patterns": list(spark_weights.DOWNLOAD_PATTERNS),
-    })
+# spark-weights, cosyvoice3-weights: optional models, fetched only when their source is not "off" ------------
+def _optional_weights_inputs(model: str, patterns: Sequence[str]) -> Callable[[BuildSettings], StageInputs]:
+    """The inputs of `model`'s weights stage, read from its `<model>_source` / `_model_id` / `_model_dir` /
+    `_revision` settings."""
+
+    def inputs(settings: BuildSettings) -> StageInputs:
+        source = getattr(settings, f"{model}_source")
+        local = str(getattr(settings, f"{model}_model_dir")) if source == "local" else None
+        return StageInputs(values={
+            "source": source,
+            "model": local or getattr(settings, f"{model}_model_id"),
+            "revision": getattr(settings, f"{model}_revision"),
+            "patterns": list(patterns),
+        })
+
+    return inputs
 
 
-def _spark_outputs(settings: BuildSettings) -> list[Path]:
-    return [] if settings.spark_source == "off" else [settings.spark_weights_dir]
+def _optional_weights_outputs(model: str) -> Callable[[BuildSettings], list[Path]]:
+    def outputs(settings: BuildSettings) -> list[Path]:
+        return [] if getattr(settings, f"{model}_source") == "off" else [getattr(settings, f"{model}_weights_dir")]
+
+    return outputs
+
+
+_spark_inputs = _optional_weights_inputs("spark", spark_weights.DOWNLOAD_PATTERNS)
+_spark_outputs = _optional_weights_outputs("spark")
+_cosyvoice3_inputs = _optional_weights_inputs("cosyvoice3", cosyvoice3_weights.DOWNLOAD_PATTERNS)
+_cosyvoice3_outputs = _optional_weights_outputs("cosyvoice3")
 
 
 def _spark(settings: BuildSettings) -> None:
     spark_weights.fetch_spark_weights(settings)
-
-
-# cosyvoice3-weights --------------------------------------------------------------------------------------
-def _cosyvoice3_inputs(settings: BuildSettings) -> StageInputs:
-    local = settings.cosyvoice3_source == "local"
-    return StageInputs(values={
-        "source": settings.cosyvoice3_source,
-        "model": str(settings.cosyvoice3_model_dir) if local else settings.cosyvoice3_model_id,
-        "revision": settings.cosyvoice3_revision,
-        "patterns": list(cosyvoice3_weights.DOWNLOAD_PATTERNS),
-    })
-
-
-def _cosyvoice3_outputs(settings: BuildSettings) -> list[Path]:
-    return [] if settings.cosyvoice3_source == "off" else [settings.cosyvoice3_weights_dir]
 
 
 def _cosyvoice3(settings: BuildSettings) -> None:
