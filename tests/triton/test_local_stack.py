@@ -14,7 +14,15 @@ import pytest
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from tests.reliability.stack_rig import StackProcess
 from triton_repo.server import REPO_ROOT
-from triton_repo.local_stack import DEMO_MARKER, StackError, ensure_demo_model, main
+from cosyvoice3.layout import released_dir_problems
+from triton_repo.local_stack import (
+    DEMO_COSYVOICE3_SUBDIR,
+    DEMO_MARKER,
+    StackError,
+    ensure_demo_cosyvoice3,
+    ensure_demo_model,
+    main,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -77,6 +85,19 @@ def test_the_demo_model_is_written_once_and_only_where_it_may(tmp_path):
     (demo_dir / "flow.pt").unlink()  # damaged: ours, so it is rewritten
     ensure_demo_model(demo_dir)
     assert model_dir_problems(demo_dir) == []
+    # the demo's CosyVoice3: every released file (serving reads the tokenizer and the frontend models too), inside
+    # the one demo directory, written once as well
+    cv3 = ensure_demo_cosyvoice3(demo_dir)
+    assert cv3 == demo_dir / DEMO_COSYVOICE3_SUBDIR and released_dir_problems(cv3) == []
+    assert (cv3 / DEMO_MARKER).is_file() and "CosyVoice3" in (cv3 / DEMO_MARKER).read_text()
+    assert sorted(p.name for p in demo_dir.iterdir() if p.name.startswith(".")) == []  # no staging directory left
+    written = {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")}
+    assert ensure_demo_model(demo_dir) == demo_dir and ensure_demo_cosyvoice3(demo_dir) == cv3
+    assert {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")} == written  # both cached
+    (cv3 / "llm.pt").unlink()  # damaged: rewritten, CosyVoice2's untouched
+    ensure_demo_cosyvoice3(demo_dir)
+    assert released_dir_problems(cv3) == []
+    assert (demo_dir / "flow.pt").stat().st_mtime_ns == written[demo_dir / "flow.pt"]
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "holiday.jpg").write_bytes(b"jpeg")
