@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
+from cosyvoice3.layout import released_dir_problems
 from triton_repo.cuda_mps import SETTING_ENV as MPS_SETTING, MpsDaemon, MpsError, mps_setting
 from triton_repo.render import TOKEN2WAVS, CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
 from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
@@ -142,13 +143,6 @@ def check_model_dir(model_dir: Path) -> None:
     )
 
 
-def _demo_cosyvoice3_problems(model_dir: Path) -> list[str]:
-    """What keeps the demo's CosyVoice3 in `model_dir` from being served (empty: complete)."""
-    from cosyvoice3.layout import released_dir_problems  # noqa: PLC0415 - the demo only
-
-    return released_dir_problems(model_dir)
-
-
 def _write_demo_model(target: Path, what: str, write: Callable[[Path], object],
                       problems: Callable[[Path], list[str]]) -> Path:
     """`target`, holding the tiny random `what` model `write` puts there once (atomically: a directory is either
@@ -195,13 +189,13 @@ def ensure_demo_model(demo_dir: Path) -> Path:
 
 def ensure_demo_cosyvoice3(demo_dir: Path) -> Path:
     """The demo's tiny random-weight CosyVoice3 (with its tokenizer and frontend models: everything serving reads)
-    in `demo_dir`/DEMO_COSYVOICE3_SUBDIR, written there once like the CosyVoice2 one (which it needs: a rewrite of a
-    damaged CosyVoice2 demo model takes this one with it, and it is written again)."""
+    in `demo_dir`/DEMO_COSYVOICE3_SUBDIR, written there once like the CosyVoice2 one. Call it after
+    `ensure_demo_model`: rewriting a damaged CosyVoice2 demo model removes this one, which is then written again."""
     from cosyvoice3.testing import write_tiny_model  # noqa: PLC0415 - torch, only for the demo
 
     return _write_demo_model(demo_dir / DEMO_COSYVOICE3_SUBDIR, "CosyVoice3",
                              lambda path: write_tiny_model(path, seed=DEMO_SEED, text_frontend=True),
-                             _demo_cosyvoice3_problems)
+                             released_dir_problems)
 
 
 @dataclass
