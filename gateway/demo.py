@@ -6,7 +6,8 @@ everywhere a client or an operator looks:
 * every HTTP response carries ``X-Demo-Model: random-weights`` (also errors, health and metrics);
 * ``/v1/models`` and ``/v1/audio/models`` list ``cosyvoice2-demo-random-weights`` first (also accepted as
   ``model``, like every served id);
-* the startup log shows a banner with the base URL and copy-paste curl and OpenAI SDK calls;
+* the startup log shows a banner with the base URL and copy-paste curl and OpenAI SDK calls (and says that
+  `model="cosyvoice3"` is there too: `make demo` serves a tiny random CosyVoice3 beside CosyVoice2);
 * the playground shows a notice (it reads the header of its voice listing).
 """
 
@@ -23,6 +24,8 @@ DEMO_HEADER_VALUE = "random-weights"
 #: What the banner's examples ask for (a shipped voice through its OpenAI alias, a format every player opens).
 EXAMPLE_VOICE = "alloy"
 EXAMPLE_TEXT = "Hello from the demo stack!"
+#: The other model `make demo` serves (random weights too), as a request names it (gateway setting cosyvoice3_models).
+DEMO_COSYVOICE3_MODEL = "cosyvoice3"
 
 
 class DemoLabel:
@@ -74,6 +77,7 @@ def banner(host: str, port: int, with_api_key: bool) -> str:
         "  " + " \\\n    ".join(curl),
         "OpenAI SDK (Python):",
         *(f"  {line}" for line in sdk if line),
+        f"CosyVoice3 (random weights too): the same calls with model={json.dumps(DEMO_COSYVOICE3_MODEL)}.",
     ]
     if with_api_key:
         lines.append("(API keys are on: export TTS_API_KEY=<one of TTS_API_KEYS> first)")

@@ -38,7 +38,8 @@ Files: each stack renders into its own `var/stack-<gateway port>/triton_repo` (`
 tritonserver logs to `tritonserver.log` beside it.
 
 `--demo` (`make demo`) needs no weights: it writes a tiny random-weight model into `--demo-dir`
-(`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, runs it in benchmark
+(`COSYVOICE_DEMO_DIR`, default `$XDG_CACHE_HOME/cosyvoice-serve/demo-model`) once, and a tiny random CosyVoice3
+into its `cosyvoice3/` (served beside it as `model="cosyvoice3"`), runs both in benchmark
 mode (random weights never stop by themselves) and starts the gateway with `TTS_DEMO=true`, which labels
 every response and prints the base URL with example calls. Its audio is noise.
 """
@@ -56,9 +57,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
+from cosyvoice3.layout import released_dir_problems
 from triton_repo.cuda_mps import SETTING_ENV as MPS_SETTING, MpsDaemon, MpsError, mps_setting
 from triton_repo.render import TOKEN2WAVS, CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
 from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
@@ -94,6 +96,9 @@ DEMO_SPEECH_RATIO = 2.0
 DEMO_SEED = 0
 #: Written last into a demo model directory: marks it as ours (so it may be rewritten) and says what it is.
 DEMO_MARKER = "RANDOM_WEIGHTS.txt"
+#: The demo's CosyVoice3 (served beside its CosyVoice2 as `model="cosyvoice3"`) lives in this subdirectory of the
+#: demo directory: one cache directory holds the whole demo.
+DEMO_COSYVOICE3_SUBDIR = "cosyvoice3"
 
 
 def _shown_python() -> str:
@@ -138,41 +143,59 @@ def check_model_dir(model_dir: Path) -> None:
     )
 
 
-def ensure_demo_model(demo_dir: Path) -> Path:
-    """The demo's tiny random-weight model in `demo_dir`, written there once (atomically: a directory is
-    either complete or absent, also when two demos start together or one is interrupted)."""
-    if (demo_dir / DEMO_MARKER).is_file() and not model_dir_problems(demo_dir):
-        _log(f"demo model: {demo_dir} (tiny, random weights)")
-        return demo_dir
-    if demo_dir.exists() and any(demo_dir.iterdir()) and not (demo_dir / DEMO_MARKER).is_file():
+def _write_demo_model(target: Path, what: str, write: Callable[[Path], object],
+                      problems: Callable[[Path], list[str]]) -> Path:
+    """`target`, holding the tiny random `what` model `write` puts there once (atomically: a directory is either
+    complete or absent, also when two demos start together or one is interrupted); marked with DEMO_MARKER."""
+    if (target / DEMO_MARKER).is_file() and not problems(target):
+        _log(f"demo model: {target} ({what}, tiny, random weights)")
+        return target
+    if target.exists() and any(target.iterdir()) and not (target / DEMO_MARKER).is_file():
         raise StackError(
-            f"{demo_dir} is not empty and holds no demo model: point --demo-dir / COSYVOICE_DEMO_DIR elsewhere"
+            f"{target} is not empty and holds no demo model: point --demo-dir / COSYVOICE_DEMO_DIR elsewhere"
         )
+    _log(f"writing the demo model ({what}, tiny, random weights) to {target}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(staging)
+        (staging / DEMO_MARKER).write_text(
+            f"A tiny {what} with random weights, written by `python -m triton_repo.local_stack --demo` for trying the\n"
+            "serving stack without the real weights. Everything it says is noise. Safe to delete.\n",
+            encoding="utf-8",
+        )
+        if target.exists():
+            shutil.rmtree(target)  # an empty directory, or a damaged demo model of ours
+        try:
+            staging.rename(target)
+        except OSError:
+            # another demo finished first: use its model when it is complete
+            if not ((target / DEMO_MARKER).is_file() and not problems(target)):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def ensure_demo_model(demo_dir: Path) -> Path:
+    """The demo's tiny random-weight CosyVoice2 in `demo_dir`, written there once (`_write_demo_model`)."""
     try:
         from cosyvoice2.testing import write_tiny_model  # noqa: PLC0415 - torch, only for the demo
     except ImportError as exc:
         raise StackError(f"the demo model is written with torch ({exc}): pip install -e '.[engine]'") from exc
-    _log(f"writing the demo model (tiny, random weights) to {demo_dir}")
-    demo_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{demo_dir.name}.", dir=demo_dir.parent))
-    try:
-        write_tiny_model(staging, seed=DEMO_SEED)
-        (staging / DEMO_MARKER).write_text(
-            "A tiny CosyVoice2 with random weights, written by `python -m triton_repo.local_stack --demo` for trying the\n"
-            "serving stack without the real weights. Everything it says is noise. Safe to delete.\n",
-            encoding="utf-8",
-        )
-        if demo_dir.exists():
-            shutil.rmtree(demo_dir)  # an empty directory, or a damaged demo model of ours
-        try:
-            staging.rename(demo_dir)
-        except OSError:
-            # another demo finished first: use its model when it is complete
-            if not ((demo_dir / DEMO_MARKER).is_file() and not model_dir_problems(demo_dir)):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return demo_dir
+    return _write_demo_model(demo_dir, "CosyVoice2", lambda path: write_tiny_model(path, seed=DEMO_SEED),
+                             model_dir_problems)
+
+
+def ensure_demo_cosyvoice3(demo_dir: Path) -> Path:
+    """The demo's tiny random-weight CosyVoice3 (with its tokenizer and frontend models: everything serving reads)
+    in `demo_dir`/DEMO_COSYVOICE3_SUBDIR, written there once like the CosyVoice2 one. Call it after
+    `ensure_demo_model`: rewriting a damaged CosyVoice2 demo model removes this one, which is then written again."""
+    from cosyvoice3.testing import write_tiny_model  # noqa: PLC0415 - torch, only for the demo
+
+    return _write_demo_model(demo_dir / DEMO_COSYVOICE3_SUBDIR, "CosyVoice3",
+                             lambda path: write_tiny_model(path, seed=DEMO_SEED, text_frontend=True),
+                             released_dir_problems)
 
 
 @dataclass
@@ -406,6 +429,8 @@ def run_stack(
     if demo_dir is not None:
         if token2wav != "unet":
             raise StackError("the demo runs its tiny model's own flow: leave --token2wav / COSYVOICE_TOKEN2WAV unset")
+        if cosyvoice3_dir is not None:
+            raise StackError("the demo serves its own tiny CosyVoice3: leave --cosyvoice3-dir / COSYVOICE3_DIR unset")
         gateway_env["TTS_DEMO"] = "true"
     else:
         check_model_dir(model_dir)
@@ -414,13 +439,14 @@ def run_stack(
     repo_dir = repo_dir or default_stack_dir(port) / "triton_repo"
     if demo_dir is not None:
         model_dir = ensure_demo_model(demo_dir)
+        cosyvoice3_dir = ensure_demo_cosyvoice3(demo_dir)
         if benchmark_speech_ratio is None:
             benchmark_speech_ratio = DEMO_SPEECH_RATIO
         _log("DEMO: the pipeline runs random weights, its audio is NOISE; `make run` serves the real model")
     options = RenderOptions(
         model_dir=model_dir, out=repo_dir, device=device, dtype=dtype, benchmark_speech_ratio=benchmark_speech_ratio,
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
-        cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir) if cosyvoice3_dir is not None else None,
+        cosyvoice3=cosyvoice3_options(cosyvoice3_dir, benchmark_speech_ratio if demo_dir is not None else None),
     )
     if cuda_mps and device != "cuda":
         raise StackError(f"{MPS_SETTING}=on shares a GPU between processes: it needs --device cuda")
@@ -446,6 +472,14 @@ def run_stack(
         supervisor.shutdown()
         if mps is not None:
             mps.stop()
+
+
+def cosyvoice3_options(cosyvoice3_dir: Path | None, benchmark_ratio: float | None) -> CosyVoice3RenderOptions | None:
+    """CosyVoice3's render part (None: not served); the demo's random CosyVoice3 in benchmark mode at
+    `benchmark_ratio` (its text tokens are the same byte-level kind as the demo CosyVoice2's: the same pace)."""
+    if cosyvoice3_dir is None:
+        return None
+    return CosyVoice3RenderOptions(cosyvoice3_dir, benchmark_ratio=benchmark_ratio)
 
 
 def check_gateway(gateway_env: dict[str, str]) -> int:

@@ -3,6 +3,7 @@
     stack-bench --stub-env .venv-stub --repeat 3 [--render-arg first_hop=15]   # or: python -m stackbench ...
     stack-bench --stub-env .venv-stub --repeat 3 --token2wav dit   # the DiT token2wav
     stack-bench --stub-env .venv-stub --spark [--spark-dir models/Spark-TTS-0.5B]
+    stack-bench --stub-env .venv-stub --cosyvoice3 [--cosyvoice3-dir models/Fun-CosyVoice3-0.5B-2512]
 
 (`scripts/gpu_setup.sh` prepares a CUDA machine and prints the exact command; docs/PERFORMANCE.md.)
 
@@ -49,6 +50,16 @@ token2wav options do not apply: its results directories are named `spark-tts-<se
 token2wav, its summary says `pipeline: spark-tts` and its documents `"pipeline": "spark-tts"`, so they never mix
 with CosyVoice2 runs.
 
+With `--cosyvoice3` they load the CosyVoice3 pipeline the same way (`cosyvoice3` / `cosyvoice3_stream` through
+`tts-bench --pipeline cosyvoice3`, the gateway's `model="cosyvoice3"`): the stack is rendered with
+`--cosyvoice3-dir` beside CosyVoice2 (default: random weights written once, `cosyvoice3.testing`, the same
+`.partial` way: released-size dense ones under WORK/cosyvoice3-model with `--device cuda`, the tiny model under
+WORK/cosyvoice3-tiny with `--device cpu`), in benchmark mode with CosyVoice3's own ratio
+(`--cosyvoice3-benchmark-ratio`: speech tokens, 25 per second, per token of CosyVoice3's tokenizer). CosyVoice3
+has its own DiT flow and causal HiFT, so the token2wav options do not apply either: results directories
+`cosyvoice3-<settings>`, summary `pipeline: cosyvoice3` (it says every figure is CosyVoice3's), documents
+`"pipeline": "cosyvoice3"`.
+
 Options:
   --work DIR                    models, rendered repository and logs (default var/stackbench)
   --out DIR                     parent of the fresh results directories (default WORK/results)
@@ -74,6 +85,9 @@ Options:
   --spark                       benchmark the Spark-TTS pipeline instead of CosyVoice2
   --spark-dir DIR               Spark weights (default: released-size random weights under WORK)
   --spark-benchmark-ratio R     semantic tokens per Spark text token (0 = off, for real weights)
+  --cosyvoice3                  benchmark the CosyVoice3 pipeline instead of CosyVoice2
+  --cosyvoice3-dir DIR          CosyVoice3 weights (default: random weights under WORK, released size on cuda)
+  --cosyvoice3-benchmark-ratio R  speech tokens per CosyVoice3 text token (0 = off, for real weights)
   --open-loop START             also search the sustained open-loop rate from START requests/s, each run (default: off)
   --open-loop-scenario NAME     the streaming scenario the search loads (default triton-stream)
   --open-loop-min R             lowest rate the search may try, requests/s (default 0.25)
@@ -108,6 +122,7 @@ from stackbench.launch import (
     SPARK_TOKENS_PER_CHAR,
     SPEECH_TOKENS_PER_CHAR,
     BenchStack,
+    ensure_cosyvoice3_dir,
     ensure_dit_dir,
     ensure_model_dir,
     ensure_spark_dir,
@@ -132,9 +147,13 @@ METRICS_SETTLE_S = 0.5
 METRICS_SETTLE_MAX_S = 10.0
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
-OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark"}
+OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark", "cosyvoice3": "--cosyvoice3"}
 #: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
 SPARK_PIPELINE = "spark-tts"
+#: The pipeline `--cosyvoice3` loads (the same two names).
+COSYVOICE3_PIPELINE = "cosyvoice3"
+#: The model each pipeline other than CosyVoice2 runs, as the summary names whose figures it shows.
+PIPELINE_MODELS = {SPARK_PIPELINE: "Spark-TTS", COSYVOICE3_PIPELINE: "CosyVoice3"}
 #: The open-loop rule: the first audio within this p95 for requests arriving at random, no stall, no error.
 OPEN_LOOP_BOUND = ListenerBound(first_chunk_p95=0.5)
 
@@ -689,7 +708,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
     for row in rows:
         groups.setdefault((row["scenario"], row["concurrency"]), []).append(row)
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
-    measured = f"pipeline: **{pipeline}**" if pipeline is not None else f"token2wav: **{token2wav}**"
+    measured = (f"pipeline: **{pipeline}** (every figure below is {PIPELINE_MODELS.get(pipeline, pipeline)}'s)"
+                if pipeline is not None else f"token2wav: **{token2wav}**")  # fmt: skip
     servers = (f"{replicas} tritonserver replicas (colocated, one per GPU) behind one round-robin target"
                if replicas > 1 else "one tritonserver")  # fmt: skip
     lines = [f"# {title}", "", measured, "", f"replicas: **{replicas}** ({servers}); GPUs used: **{gpus}**", "",
@@ -836,11 +856,20 @@ def sampled_gpu_indices(gpus: Sequence[int], environ: dict[str, str]) -> list[in
 # Results directory ---------------------------------------------------------------------------------
 
 
+def selected_pipeline(args: argparse.Namespace) -> str | None:
+    """The pipeline the levels load: `--spark`'s, `--cosyvoice3`'s, or None (CosyVoice2, tts-bench's default)."""
+    if args.spark:
+        return SPARK_PIPELINE
+    return COSYVOICE3_PIPELINE if args.cosyvoice3 else None
+
+
 def settings_slug(args: argparse.Namespace) -> str:
     """A short, file-name-safe description of the settings that change the numbers."""
-    # UNet and DiT runs never share a name; a Spark run (its own vocoder) is named as one from its first word
-    parts = [SPARK_PIPELINE] if args.spark else []
-    parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if args.spark else [args.token2wav])
+    # UNet and DiT runs never share a name; a Spark or CosyVoice3 run (a vocoder of its own) is named as one from its
+    # first word
+    pipeline = selected_pipeline(args)
+    parts = [pipeline] if pipeline is not None else []
+    parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if pipeline is not None else [args.token2wav])
     parts += [item.replace("=", "") for item in args.render_arg]
     if args.only:
         parts.append(args.only.replace(",", "+"))
@@ -931,6 +960,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--spark-benchmark-ratio", type=float,
                         help="semantic tokens per Spark text token (0 = off: real weights); default: what makes the "
                              f"built-in sentences last {SPARK_TOKENS_PER_CHAR} tokens per character")
+    parser.add_argument("--cosyvoice3", action="store_true",
+                        help="load the CosyVoice3 pipeline (cosyvoice3 / cosyvoice3_stream; the gateway's cosyvoice3) "
+                             "instead of CosyVoice2; the stack is rendered with both")
+    parser.add_argument("--cosyvoice3-dir", type=Path,
+                        help="CosyVoice3 weights for --cosyvoice3 (default: random weights written once: released "
+                             "size under WORK/cosyvoice3-model on cuda, the tiny model under WORK/cosyvoice3-tiny "
+                             "on cpu)")
+    parser.add_argument("--cosyvoice3-benchmark-ratio", type=float,
+                        help="speech tokens per CosyVoice3 text token (0 = off: real weights); default: what makes "
+                             f"the built-in sentences last {SPEECH_TOKENS_PER_CHAR} tokens per character")
     parser.add_argument("--open-loop", type=positive_rate, metavar="START",
                         help="each run, after its levels: search the highest rate of Poisson arrivals (requests/s) "
                              f"with {OPEN_LOOP_BOUND.describe()}, starting at START")
@@ -968,7 +1007,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.spark and (args.token2wav != "unet" or args.dit_dir is not None):
         raise SystemExit("stack-bench: --spark measures Spark-TTS, which vocodes with its own BiCodec: "
                          "--token2wav and --dit-dir do not apply")
-    pipeline = SPARK_PIPELINE if args.spark else None
+    if not args.cosyvoice3 and (args.cosyvoice3_dir is not None or args.cosyvoice3_benchmark_ratio is not None):
+        raise SystemExit("stack-bench: --cosyvoice3-dir and --cosyvoice3-benchmark-ratio need --cosyvoice3")
+    if args.cosyvoice3 and args.spark:
+        raise SystemExit("stack-bench: --spark and --cosyvoice3 each load one pipeline: measure one per run")
+    if args.cosyvoice3 and (args.token2wav != "unet" or args.dit_dir is not None):
+        raise SystemExit("stack-bench: --cosyvoice3 measures CosyVoice3, which has its own DiT flow and HiFT: "
+                         "--token2wav and --dit-dir do not apply")
+    pipeline = selected_pipeline(args)
     if args.dit_dir is not None:
         if args.token2wav != "dit":
             raise SystemExit("stack-bench: --dit-dir is only used with --token2wav dit")
@@ -988,13 +1034,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = ensure_model_dir(args.work, args.model_dir)
     dit_dir = ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None
     spark_dir = ensure_spark_dir(args.work, args.spark_dir) if args.spark else None
+    cosyvoice3_dir = ensure_cosyvoice3_dir(args.work, args.cosyvoice3_dir, args.device) if args.cosyvoice3 else None
     token2wav = args.token2wav if dit_dir is None else f"{args.token2wav} ({dit_dir})"
-    print(f"pipeline: {pipeline} ({spark_dir})" if args.spark else f"token2wav: {token2wav}", flush=True)
+    print(f"pipeline: {pipeline} ({spark_dir or cosyvoice3_dir})" if pipeline else f"token2wav: {token2wav}",
+          flush=True)  # fmt: skip
     options, repo = render_stack(
         work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
         max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
         token2wav=args.token2wav, dit_dir=dit_dir, spark_dir=spark_dir,
-        spark_benchmark_ratio=args.spark_benchmark_ratio,
+        spark_benchmark_ratio=args.spark_benchmark_ratio, cosyvoice3_dir=cosyvoice3_dir,
+        cosyvoice3_benchmark_ratio=args.cosyvoice3_benchmark_ratio,
     )  # fmt: skip
 
     stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices, cuda_mps=args.cuda_mps)
@@ -1005,9 +1054,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     document: dict[str, Any] = {
         "settings": settings,
         "pipeline": pipeline or "cosyvoice2",
-        "token2wav": None if args.spark else args.token2wav,  # Spark vocodes with its own BiCodec
+        "token2wav": None if pipeline else args.token2wav,  # Spark and CosyVoice3 vocode with their own
         "dit_dir": None if dit_dir is None else str(dit_dir),
         "spark_dir": None if spark_dir is None else str(spark_dir),
+        "cosyvoice3_dir": None if cosyvoice3_dir is None else str(cosyvoice3_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
         "replicas": args.replicas,
         "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)

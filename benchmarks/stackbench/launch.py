@@ -1,8 +1,8 @@
 """The rendered stack the whole-stack tools start on one machine: the weights (released-size random ones written
 once under a work directory unless a model directory is given), the repository rendered for a device and dtype
-(in benchmark mode for random weights; Spark-TTS beside CosyVoice2 when asked), tritonserver with its python
-stubs in a chosen Python environment, and the gateway in front of it. `stack-bench` (``stackbench.cli``) and the
-soak (`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
+(in benchmark mode for random weights; Spark-TTS or CosyVoice3 beside CosyVoice2 when asked), tritonserver with
+its python stubs in a chosen Python environment, and the gateway in front of it. `stack-bench` (``stackbench.cli``)
+and the soak (`tests/reliability/soak.py --full-size`) start it this way, so both measure the same stack.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pipeline_contract as contract
 from triton_repo.cuda_mps import MpsDaemon
-from triton_repo.render import RenderOptions, write_repository
+from triton_repo.render import CosyVoice3RenderOptions, RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
@@ -56,6 +56,14 @@ def realistic_spark_ratio(spark_dir: Path) -> float:
     return sentences_ratio(SPARK_TOKENS_PER_CHAR, SparkTokenizer.from_model_dir(spark_dir).encode)
 
 
+def realistic_cosyvoice3_ratio(cosyvoice3_dir: Path) -> float:
+    """`realistic_ratio` for CosyVoice3: its speech tokens (25 per second, as CosyVoice2's) per token of its
+    tokenizer."""
+    from cosyvoice3.text import CosyVoice3Tokenizer
+
+    return sentences_ratio(SPEECH_TOKENS_PER_CHAR, CosyVoice3Tokenizer.from_model_dir(cosyvoice3_dir).encode)
+
+
 def random_weights(path: Path, write: Callable[[Path], Any], what: str) -> Path:
     """`path`, holding random weights `write` puts there on the first use. They are written into a sibling
     `.partial` directory renamed when complete: an interrupted write is never taken for a model, it is redone."""
@@ -66,7 +74,7 @@ def random_weights(path: Path, write: Callable[[Path], Any], what: str) -> Path:
     started = time.perf_counter()
     write(partial)
     partial.rename(path)
-    print(f"wrote random full-size {what} weights to {path} in {time.perf_counter() - started:.0f} s", flush=True)
+    print(f"wrote random {what} weights to {path} in {time.perf_counter() - started:.0f} s", flush=True)
     return path
 
 
@@ -88,20 +96,43 @@ def write_random_spark(path: Path) -> None:
     write_full_size_random_model(path)
 
 
+def write_random_cosyvoice3(path: Path) -> None:
+    from cosyvoice3.testing import write_full_size_model  # noqa: PLC0415 - only when no --cosyvoice3-dir
+
+    write_full_size_model(path, text_frontend=True)  # serving reads the tokenizer and the frontend models too
+
+
+def write_tiny_cosyvoice3(path: Path) -> None:
+    from cosyvoice3.testing import write_tiny_model  # noqa: PLC0415 - only when no --cosyvoice3-dir
+
+    write_tiny_model(path, text_frontend=True)
+
+
 def ensure_model_dir(work: Path, model_dir: Path | None) -> Path:
     """``model_dir`` as given, else released-size random weights under WORK/model (written once, then reused)."""
-    return model_dir or random_weights(work / "model", write_random_model, "CosyVoice2")
+    return model_dir or random_weights(work / "model", write_random_model, "full-size CosyVoice2")
 
 
 def ensure_dit_dir(work: Path, dit_dir: Path | None) -> Path:
     """``dit_dir`` as given, else a released-size random DiT token2wav under WORK/dit (written once, then reused)."""
-    return dit_dir or random_weights(work / "dit", write_random_dit, "DiT token2wav")
+    return dit_dir or random_weights(work / "dit", write_random_dit, "full-size DiT token2wav")
 
 
 def ensure_spark_dir(work: Path, spark_dir: Path | None) -> Path:
     """``spark_dir`` as given, else released-size random Spark-TTS weights under WORK/spark-model (written once,
     then reused)."""
-    return spark_dir or random_weights(work / "spark-model", write_random_spark, "Spark-TTS")
+    return spark_dir or random_weights(work / "spark-model", write_random_spark, "full-size Spark-TTS")
+
+
+def ensure_cosyvoice3_dir(work: Path, cosyvoice3_dir: Path | None, device: str) -> Path:
+    """``cosyvoice3_dir`` as given, else random CosyVoice3 weights written once, then reused: released-size ones
+    (dense, 3.4 GB) under WORK/cosyvoice3-model for CUDA; on the CPU the tiny model under WORK/cosyvoice3-tiny
+    (the released size decodes far slower than real time there: a CPU run checks the wiring, not the speed)."""
+    if cosyvoice3_dir is not None:
+        return cosyvoice3_dir
+    if device == "cuda":
+        return random_weights(work / "cosyvoice3-model", write_random_cosyvoice3, "full-size CosyVoice3")
+    return random_weights(work / "cosyvoice3-tiny", write_tiny_cosyvoice3, "tiny CosyVoice3")
 
 
 def render_fields(items: Sequence[str]) -> dict[str, Any]:
@@ -113,29 +144,41 @@ def render_fields(items: Sequence[str]) -> dict[str, Any]:
     return extra
 
 
+def benchmark_ratio(given: float | None, realistic: Callable[[], float], announce: str) -> float | None:
+    """A model's benchmark ratio as rendered: ``given``; None: the realistic one (``realistic()``, announced with
+    ``announce``); 0: off (None, for real weights)."""
+    if given is None:
+        given = realistic()
+        print(announce.format(given), flush=True)
+    return given or None
+
+
 def render_stack(
     *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int, max_seq_len: int,
     benchmark_speech_ratio: float | None, render_args: Sequence[str] = (), token2wav: str = "unet",
     dit_dir: Path | None = None, spark_dir: Path | None = None, spark_benchmark_ratio: float | None = None,
+    cosyvoice3_dir: Path | None = None, cosyvoice3_benchmark_ratio: float | None = None,
 ) -> tuple[RenderOptions, Path]:  # fmt: skip
-    """Render WORK/repo, with Spark-TTS beside CosyVoice2 when ``spark_dir`` is given. A benchmark ratio of None
-    picks the realistic one for that model's tokenizer; 0 turns benchmark mode off (real weights stop by
-    themselves)."""
+    """Render WORK/repo, with Spark-TTS beside CosyVoice2 when ``spark_dir`` is given, CosyVoice3 when
+    ``cosyvoice3_dir`` is. A benchmark ratio of None picks the realistic one for that model's tokenizer; 0 turns
+    benchmark mode off (real weights stop by themselves)."""
     ratio = benchmark_speech_ratio
     if ratio is None:
         ratio = realistic_ratio(model_dir)
         print(f"benchmark mode: {ratio} speech tokens per text token", flush=True)
-    spark = None
+    spark = cosyvoice3 = None
     if spark_dir is not None:
-        spark_ratio = spark_benchmark_ratio
-        if spark_ratio is None:
-            spark_ratio = realistic_spark_ratio(spark_dir)
-            print(f"Spark benchmark mode: {spark_ratio} semantic tokens per text token", flush=True)
-        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio or None)
+        spark_ratio = benchmark_ratio(spark_benchmark_ratio, lambda: realistic_spark_ratio(spark_dir),
+                                      "Spark benchmark mode: {} semantic tokens per text token")
+        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio)
+    if cosyvoice3_dir is not None:
+        cosyvoice3_ratio = benchmark_ratio(cosyvoice3_benchmark_ratio,
+                                           lambda: realistic_cosyvoice3_ratio(cosyvoice3_dir), "CosyVoice3 benchmark mode: {} speech tokens per text token")
+        cosyvoice3 = CosyVoice3RenderOptions(model_dir=cosyvoice3_dir, benchmark_ratio=cosyvoice3_ratio)
     options = RenderOptions(
         model_dir=model_dir, out=work / "repo", device=device, dtype=dtype, max_batch=max_batch,
         max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, token2wav=token2wav, dit_dir=dit_dir,
-        spark=spark,
+        spark=spark, cosyvoice3=cosyvoice3,
         **render_fields(render_args),
     )  # fmt: skip
     return options, write_repository(options)

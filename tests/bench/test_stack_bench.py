@@ -91,7 +91,10 @@ def test_summary_has_a_row_per_scenario_and_level_with_all_runs():
     text = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), "dit (var/stackbench/dit)")
     assert "token2wav: **dit (var/stackbench/dit)**" in text.splitlines()[:4]
     spark = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), None, sb.SPARK_PIPELINE)
-    assert "pipeline: **spark-tts**" in spark.splitlines()[:4] and "token2wav: **" not in spark  # its own vocoder
+    assert "pipeline: **spark-tts**" in spark.splitlines()[2] and "token2wav: **" not in spark  # its own vocoder
+    cv3 = sb.summary_markdown(rows, "title", sb.realtime_streams(rows), None, sb.COSYVOICE3_PIPELINE)
+    assert cv3.splitlines()[2] == "pipeline: **cosyvoice3** (every figure below is CosyVoice3's)"
+    assert "token2wav: **" not in cv3
     line = next(x for x in text.splitlines() if x.startswith("| triton-stream | 1 | 16 (0)"))
     assert "200 / 220 (200–220)" in line and "1000 / 1100 (1000–1100)" in line and "0 / 25 (0–25)" in line and "50 / n/a (50–50)" in line
     assert "| triton-stream | 1 | n/a / n/a | 2.25 / 2.50 (2.25–2.50)" in text  # the stage table
@@ -112,7 +115,7 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
-                              render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
+                              cosyvoice3=False, render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
                               replicas=1, cuda_mps=False)
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
@@ -125,6 +128,9 @@ def test_settings_slug_is_short_and_file_name_safe():
     spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
     # and without a token2wav: Spark vocodes with its own BiCodec
     assert sb.settings_slug(spark).startswith("spark-tts-cuda-bf16-b32-first_hop15-")
+    # a CosyVoice3 run likewise (its own DiT flow and HiFT)
+    cv3 = sb.settings_slug(argparse.Namespace(**{**vars(args), "cosyvoice3": True}))
+    assert cv3 == "cosyvoice3-cuda-bf16-b32-first_hop15-layoutab-triton-stream+triton-offline-r3"
 
 
 async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: the targets open gRPC clients
@@ -140,6 +146,18 @@ async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: th
     from gateway.settings import Settings
 
     assert gateway.model in Settings().spark_models  # the name the gateway serves Spark under
+
+
+async def test_cosyvoice3_scenarios_aim_tts_bench_at_the_cosyvoice3_models():  # async: the targets open gRPC clients
+    from gateway.settings import Settings
+    from ttsbench.cli import build_parser, make_targets
+
+    args = build_parser().parse_args(["triton", *sb.pipeline_args("triton", sb.COSYVOICE3_PIPELINE), "--mode", "both"])
+    assert {t.model for t in make_targets(args)} == {contract.COSYVOICE3_OFFLINE_MODEL,
+                                                     contract.COSYVOICE3_STREAMING_MODEL}
+    assert all(t.mode.startswith("triton-cosyvoice3/") for t in make_targets(args))
+    gateway = build_parser().parse_args(["gateway", *sb.pipeline_args("gateway", sb.COSYVOICE3_PIPELINE)])
+    assert gateway.model in Settings().cosyvoice3_models  # the name the gateway serves CosyVoice3 under
 
 
 def test_busy_share_averages_the_samples_inside_the_window():
@@ -231,6 +249,11 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--spark-benchmark-ratio", "2"], "--spark-dir and --spark-benchmark-ratio need --spark"),
     (["--spark", "--token2wav", "dit"], "--token2wav and --dit-dir do not apply"),
     (["--spark", "--dit-dir", "/x"], "--token2wav and --dit-dir do not apply"),
+    (["--cosyvoice3-dir", "/x"], "--cosyvoice3-dir and --cosyvoice3-benchmark-ratio need --cosyvoice3"),
+    (["--cosyvoice3-benchmark-ratio", "2"], "--cosyvoice3-dir and --cosyvoice3-benchmark-ratio need --cosyvoice3"),
+    (["--cosyvoice3", "--spark"], "--spark and --cosyvoice3 each load one pipeline"),
+    (["--cosyvoice3", "--token2wav", "dit"], "CosyVoice3, which has its own DiT flow and HiFT: --token2wav and"),
+    (["--cosyvoice3", "--render-arg", "cosyvoice3=x"], "give cosyvoice3 with --cosyvoice3, not --render-arg"),
     (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
     (["--replicas", "2", "--render-arg", "layout=disaggregated"],
      "--replicas 2 runs 2 independent colocated tritonservers, one per GPU; layout=disaggregated belongs"),
@@ -318,6 +341,42 @@ def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(
     for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
         options, _ = launch.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
         assert options.spark.benchmark_ratio == rendered
+
+
+def test_render_stack_renders_cosyvoice3_beside_cosyvoice2_in_its_own_benchmark_mode(tmp_path, capsys):
+    from cosyvoice2.testing import write_tiny_model
+    from cosyvoice3.layout import released_dir_problems
+    from cosyvoice3.text import CosyVoice3Tokenizer
+    from ttsbench.sentences import SENTENCES
+
+    model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
+    # no --cosyvoice3-dir: on the CPU the tiny model (every file serving reads), written once, then reused
+    cv3 = launch.ensure_cosyvoice3_dir(work, None, "cpu")
+    assert cv3 == work / "cosyvoice3-tiny" and released_dir_problems(cv3) == []
+    written = {p: p.stat().st_mtime_ns for p in cv3.rglob("*")}
+    assert launch.ensure_cosyvoice3_dir(work, None, "cpu") == cv3
+    assert {p: p.stat().st_mtime_ns for p in cv3.rglob("*")} == written
+    assert launch.ensure_cosyvoice3_dir(work, tmp_path / "given", "cuda") == tmp_path / "given"  # never rewritten
+    (work / "cosyvoice3-model").mkdir()  # CUDA's released-size one, once written, is reused (not the tiny one)
+    assert launch.ensure_cosyvoice3_dir(work, None, "cuda") == work / "cosyvoice3-model"
+
+    common = {"work": work, "model_dir": model, "device": "cpu", "dtype": "fp32", "max_batch": 4,
+              "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
+    options, repo = launch.render_stack(**common, cosyvoice3_dir=cv3)
+    ratio = options.cosyvoice3.benchmark_ratio
+    assert options.cosyvoice3.model_dir == cv3 and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
+    assert f"CosyVoice3 benchmark mode: {ratio} speech tokens per text token" in capsys.readouterr().out
+    # the default ratio gives the built-in sentences 1.67 speech tokens (25 per second) per character
+    tokenizer = CosyVoice3Tokenizer.from_model_dir(cv3)
+    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
+    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(launch.SPEECH_TOKENS_PER_CHAR, rel=1e-3)
+    for name in (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL):
+        assert (repo / name / "config.pbtxt").is_file()
+    assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
+
+    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
+        options, _ = launch.render_stack(**common, cosyvoice3_dir=cv3, cosyvoice3_benchmark_ratio=given)
+        assert options.cosyvoice3.benchmark_ratio == rendered
 
 
 # -- the first-chunk breakdown, from two scrapes of /metrics around a level --------------------------------------

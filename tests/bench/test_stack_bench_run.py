@@ -230,3 +230,49 @@ def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
             text = SENTENCES[int(record["item_id"].rsplit("-", 1)[1])]
             tokens = max(1, round(SPARK_RATIO * len(tokenizer.encode(text))))
             assert record["audio_seconds"] == pytest.approx(tokens * SPARK_SECONDS_PER_TOKEN), (scenario, text)
+
+
+COSYVOICE3_RATIO = 2.0
+COSYVOICE3_SECONDS_PER_TOKEN = 0.04  # 25 speech tokens per second: 2 mel frames of 480 samples at 24 kHz each
+
+
+@pytest.mark.timeout(1200)
+def test_a_cosyvoice3_run_loads_the_cosyvoice3_models_in_benchmark_mode(tmp_path):
+    """`--cosyvoice3` on the CPU: without --cosyvoice3-dir the tiny random CosyVoice3 is written under WORK; the
+    CosyVoice3 pipeline in benchmark mode, offline and streaming; every response lasts exactly the configured speech
+    tokens per CosyVoice3 text token, and the results say they are CosyVoice3's."""
+    from cosyvoice2.testing import write_tiny_model
+    from cosyvoice3.text import CosyVoice3Tokenizer
+    from ttsbench.sentences import SENTENCES
+
+    model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model),
+               "--cosyvoice3", "--cosyvoice3-benchmark-ratio", str(COSYVOICE3_RATIO),
+               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
+               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
+               "--warmup", "0", "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    assert re.search(r"Z-cosyvoice3-cpu-fp32-b4-triton-stream\+triton-offline-r1$", out.name)  # no token2wav in it
+    cv3 = work / "cosyvoice3-tiny"
+    results = json.loads((out / "results.json").read_text())
+    assert (results["pipeline"], results["token2wav"], results["cosyvoice3_dir"]) == ("cosyvoice3", None, str(cv3))
+    assert results["render"]["cosyvoice3"] != "None" and results["spark_dir"] is None
+    summary = (out / "summary.md").read_text()
+    assert "pipeline: **cosyvoice3** (every figure below is CosyVoice3's)" in summary and "token2wav: **" not in summary
+    assert sorted(r["scenario"] for r in results["levels"]) == ["triton-offline", "triton-stream"]
+    # the stage tables read CosyVoice3's counters (its engine counts like CosyVoice2's; CosyVoice2 stays idle), all but
+    # the flow padding, which CosyVoice3's flow does not count (n/a)
+    stream = next(r["stages"] for r in results["levels"] if r["scenario"] == "triton-stream")
+    assert stream["first_chunks"] == 2 and stream["llm_step_ms"] > 0 and stream["token2wav_call_ms"] > 0
+    assert stream["token2wav_padded_share_pct"] is None
+    tokenizer = CosyVoice3Tokenizer.from_model_dir(cv3)
+    for scenario, mode in (("triton-stream", "streaming"), ("triton-offline", "offline")):
+        (level,) = json.loads((out / "levels" / f"{scenario}-c1-r1.json").read_text())["levels"]
+        assert level["mode"] == f"triton-cosyvoice3/{mode}" and level["errors"] == 0
+        for record in level["records"]:
+            text = SENTENCES[int(record["item_id"].rsplit("-", 1)[1])]
+            tokens = max(1, round(COSYVOICE3_RATIO * len(tokenizer.encode(text))))
+            assert record["audio_seconds"] == pytest.approx(tokens * COSYVOICE3_SECONDS_PER_TOKEN), (scenario, text)

@@ -13,9 +13,9 @@ import numpy as np
 import openai
 import pytest
 
-from gateway.demo import DEMO_HEADER, DEMO_HEADER_VALUE, DEMO_MODEL_ID
+from gateway.demo import DEMO_COSYVOICE3_MODEL, DEMO_HEADER, DEMO_HEADER_VALUE, DEMO_MODEL_ID
 from tests.reliability.stack_rig import StackProcess, descendants, http_status
-from triton_repo.local_stack import DEMO_MARKER
+from triton_repo.local_stack import DEMO_COSYVOICE3_SUBDIR, DEMO_MARKER
 
 #: The whole stack: its start (up to START_TIMEOUT_S, again after a port conflict), the calls, the drain.
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]
@@ -39,16 +39,20 @@ def test_the_demo_serves_labelled_noise_through_the_openai_sdk_and_stops_cleanly
     try:
         stack.start()
         assert (demo_dir / DEMO_MARKER).is_file() and not (tmp_path / "no-weights-here").exists()
+        assert (demo_dir / DEMO_COSYVOICE3_SUBDIR / DEMO_MARKER).is_file()  # and its CosyVoice3, in the same cache
         log = stack.log_path.read_text()
         base_url = f"http://127.0.0.1:{stack.gateway_port}/v1"
         assert "DEMO MODE" in log and f"Base URL (OpenAI SDKs, Open WebUI, ...): {base_url}" in log
         assert f"curl -sS -D - {base_url}/audio/speech" in log and f'OpenAI(base_url="{base_url}"' in log
+        assert f'model="{DEMO_COSYVOICE3_MODEL}"' in log
 
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
         models = client.models.with_raw_response.list()
         assert models.headers[DEMO_HEADER] == DEMO_HEADER_VALUE
         assert models.parse().data[0].id == DEMO_MODEL_ID
-        for model in (DEMO_MODEL_ID, "tts-1"):  # an integration wired for OpenAI's names works unchanged
+        assert DEMO_COSYVOICE3_MODEL in {model.id for model in models.parse().data}  # served out of the box
+        # an integration wired for OpenAI's names works unchanged; CosyVoice3 is one model name away
+        for model in (DEMO_MODEL_ID, "tts-1", DEMO_COSYVOICE3_MODEL):
             speech = client.audio.speech.with_raw_response.create(
                 model=model, voice="alloy", input="Wiring up a client.", response_format="wav"
             )
@@ -56,7 +60,7 @@ def test_the_demo_serves_labelled_noise_through_the_openai_sdk_and_stops_cleanly
             with wave.open(io.BytesIO(speech.content)) as wav:
                 assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
                 samples = np.frombuffer(wav.readframes(wav.getnframes()), np.int16)
-            # benchmark mode: 2 speech tokens (2 x 960 samples) per text token, so a few hundred ms at least
+            # benchmark mode (both models): 2 speech tokens (2 x 960 samples) per text token, a few hundred ms at least
             assert samples.size >= 24000 // 4 and np.abs(samples).max() > 0
 
         processes = [stack.proc.pid, *descendants(stack.proc.pid)]

@@ -14,7 +14,15 @@ import pytest
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from tests.reliability.stack_rig import StackProcess
 from triton_repo.server import REPO_ROOT
-from triton_repo.local_stack import DEMO_MARKER, StackError, ensure_demo_model, main
+from cosyvoice3.layout import released_dir_problems
+from triton_repo.local_stack import (
+    DEMO_COSYVOICE3_SUBDIR,
+    DEMO_MARKER,
+    StackError,
+    ensure_demo_cosyvoice3,
+    ensure_demo_model,
+    main,
+)
 
 pytestmark = pytest.mark.triton
 
@@ -22,7 +30,7 @@ pytestmark = pytest.mark.triton
 def _stack(*args: str, **env: str) -> subprocess.CompletedProcess:
     """`python -m triton_repo.local_stack` as `make run` starts it, in its own process (a developer's COSYVOICE_*
     variables left out: only `env` sets them)."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_")}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("COSYVOICE_", "COSYVOICE3_"))}
     environment = {**inherited, "PYTHONPATH": str(REPO_ROOT), **env}
     return subprocess.run(
         [sys.executable, "-m", "triton_repo.local_stack", *args], cwd=REPO_ROOT, env=environment,
@@ -77,12 +85,32 @@ def test_the_demo_model_is_written_once_and_only_where_it_may(tmp_path):
     (demo_dir / "flow.pt").unlink()  # damaged: ours, so it is rewritten
     ensure_demo_model(demo_dir)
     assert model_dir_problems(demo_dir) == []
+    # the demo's CosyVoice3: every released file (serving reads the tokenizer and the frontend models too), inside
+    # the one demo directory, written once as well
+    cv3 = ensure_demo_cosyvoice3(demo_dir)
+    assert cv3 == demo_dir / DEMO_COSYVOICE3_SUBDIR and released_dir_problems(cv3) == []
+    assert (cv3 / DEMO_MARKER).is_file() and "CosyVoice3" in (cv3 / DEMO_MARKER).read_text()
+    assert sorted(p.name for p in demo_dir.iterdir() if p.name.startswith(".")) == []  # no staging directory left
+    written = {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")}
+    assert ensure_demo_model(demo_dir) == demo_dir and ensure_demo_cosyvoice3(demo_dir) == cv3
+    assert {p: p.stat().st_mtime_ns for p in demo_dir.rglob("*")} == written  # both cached
+    (cv3 / "llm.pt").unlink()  # damaged: rewritten, CosyVoice2's untouched
+    ensure_demo_cosyvoice3(demo_dir)
+    assert released_dir_problems(cv3) == []
+    assert (demo_dir / "flow.pt").stat().st_mtime_ns == written[demo_dir / "flow.pt"]
     foreign = tmp_path / "photos"
     foreign.mkdir()
     (foreign / "holiday.jpg").write_bytes(b"jpeg")
     with pytest.raises(StackError, match="holds no demo model"):
         ensure_demo_model(foreign)
     assert [p.name for p in foreign.iterdir()] == ["holiday.jpg"]
+
+
+def test_the_demo_serves_its_own_cosyvoice3_and_refuses_another_before_writing_anything(tmp_path):
+    done = _stack("--demo", "--demo-dir", str(tmp_path / "demo"), COSYVOICE3_DIR=str(tmp_path / "cv3"))
+    assert done.returncode == 2, done.stderr
+    assert "the demo serves its own tiny CosyVoice3: leave --cosyvoice3-dir / COSYVOICE3_DIR unset" in done.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_directory(
