@@ -18,11 +18,12 @@ from cosyvoice3.testing import write_tiny_model
 from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, FlowCache, FlowRow, VoicePrompt, batched_solve
 
 # Batched rows differ from rows alone only in float summation order (padded keys add exact zeros to the softmax;
-# the rows' matrix products are split differently). Measured on this model: mel 6e-7 of a scale of 4; audio
-# about 1e-5 of a scale of 0.5 (the causal f0 predictor magnifies mel rounding, as between the cached and the
-# recompute paths).
+# the rows' matrix products are split differently). Measured on this model: mel at most 4.8e-7 of a scale of 4
+# (about 1e-7 relative). The audio is compared relative to its scale and looser: the causal HiFT magnifies mel
+# rounding (its f0 drives an accumulated source phase): a random 1e-7 change of a mel moves its audio by up to
+# 1.4e-3 of a scale of 0.64 on this model; the batched calls measured at most 5.6e-4 of the scale.
 MEL_ATOL = 1e-5
-AUDIO_ATOL = 2e-4
+AUDIO_OF_SCALE = 5e-3
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,10 @@ def assert_close(ours: np.ndarray | torch.Tensor, theirs: np.ndarray | torch.Ten
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol, err_msg=what)
 
 
+def assert_audio_close(ours: np.ndarray, theirs: np.ndarray, what: str) -> None:
+    assert_close(ours, theirs, AUDIO_OF_SCALE * float(np.abs(theirs).max(initial=0.0)), what)
+
+
 COMPOSITIONS = {
     # first chunks beside later ones, streams of both voices, finals while others are mid-stream
     "staggered": [Plan("short", 120, first_round=0, seed=1), Plan("long", 80, first_round=1, seed=2),
@@ -115,10 +120,10 @@ def test_batched_rounds_equal_each_stream_alone(token2wav: CosyVoice3Token2Wav, 
         theirs, mel = alone(token2wav, plan)
         assert_close(torch.cat(stream._mels, dim=2), mel, MEL_ATOL, f"{plan} mel")
         assert [p.shape for p in ours] == [p.shape for p in theirs], plan
-        assert_close(np.concatenate(ours), np.concatenate(theirs), AUDIO_ATOL, f"{plan} audio")
+        assert_audio_close(np.concatenate(ours), np.concatenate(theirs), f"{plan} audio")
         assert np.concatenate(ours).shape == (plan.tokens * token2wav.samples_per_token,)
     for plan, audio in offline:
-        assert_close(audio, token2wav.offline(tokens_of(plan), VOICES[plan.voice]), AUDIO_ATOL, f"offline {plan}")
+        assert_audio_close(audio, token2wav.offline(tokens_of(plan), VOICES[plan.voice]), f"offline {plan}")
 
 
 def test_a_batched_call_is_all_or_nothing(token2wav: CosyVoice3Token2Wav) -> None:
