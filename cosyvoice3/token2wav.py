@@ -110,6 +110,9 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow]) -> list[tuple[t
         if row.new_frames <= 0 or (row.start and not row.streaming):
             raise ValueError(f"a flow row needs new frames, and full attention an empty cache (start {row.start}, "
                              f"{row.inputs.frames} frames)")
+        if row.inputs.frames > cfm.rand_noise.size(-1):
+            raise CosyVoice3InputError(f"a flow call of {row.inputs.frames} frames exceeds the "
+                                       f"{cfm.rand_noise.size(-1)}-frame noise table")
     batch = len(rows)
     starts = [row.start for row in rows]
     counts = [row.new_frames for row in rows]
@@ -148,30 +151,55 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow]) -> list[tuple[t
     spks_in, valid_in = torch.cat([spks, torch.zeros_like(spks)]), torch.cat([valid, valid])
     positions_in, visible_in = torch.cat([positions, positions]), torch.cat([visible, visible])
     depth = len(estimator.transformer_blocks)
-    commits = [max(start, (start + count) // chunk * chunk) if row.streaming else 0
-               for row, start, count in zip(rows, starts, counts)]
-    kept = [min(commit, receptive) for commit in commits]
-    news = [FlowCache(commit) for commit in commits]
+    caches = [_RowCache(row, i, batch, width, context, receptive, chunk)
+              for i, (row, context) in enumerate(zip(rows, contexts))]
     for step, (t, dt) in enumerate(cfm.schedule):
-        left = torch.zeros(batch, bins, width, dtype=dtype, device=device)  # the ODE state of the context frames
-        for i, (row, context) in enumerate(zip(rows, contexts)):
-            if context:
-                left[i, :, width - context:] = row.cache.context[step][0]
-        window = torch.cat([left, x], dim=2)
-        past = [_stack_past(rows, step, block, history) for block in range(depth)] if history else [None] * depth
+        # staging (what would fill a step graph's static inputs): the rows' cached context state and keys/values
+        # of this step, padded; gathered per step, not for all steps at once, to hold one step's copy only
+        left = _stack_context(rows, contexts, step, width, x)
+        past = [_stack_past(rows, step, block, history) if history else None for block in range(depth)]
+        # the step (same kernels on the same shapes every step, no host syncs: what a step graph would capture)
+        window = torch.cat([left, x], dim=2)  # the ODE state of the context frames, then the new frames
         t_in = torch.full((2 * batch,), t, dtype=dtype, device=device)
         velocity, own = estimator.forward_rows(torch.cat([window, window]), mu_in, t_in, spks_in, cond_in,
                                                valid_in, positions_in, visible_in, past)
         x = x + dt * ((1.0 + rate) * velocity[:batch] - rate * velocity[batch:])
-        for i, (row, start, context) in enumerate(zip(rows, starts, contexts)):
-            if not row.streaming:
-                continue
-            rows_kv = [(keys[i::batch], values[i::batch]) for keys, values in own]  # (conditional, unconditional)
-            past_i = row.cache.kv[step] if row.cache.kv else [None] * depth
-            news[i].kv.append([_extend(p, k, v, commits[i] - start) for p, (k, v) in zip(past_i, rows_kv)])
-            offset = width - context + commits[i] - kept[i] - (start - context)  # the kept context in `window`
-            news[i].context.append(window[i:i + 1, :, offset:offset + kept[i]].clone())
-    return [(x[i:i + 1, :, :count].float(), new) for i, (count, new) in enumerate(zip(counts, news))]
+        for cache in caches:  # reads the step's outputs (after a replay, from the graph's output buffers)
+            cache.add_step(step, window, own)
+    return [(x[i:i + 1, :, :count].float(), cache.cache) for i, (count, cache) in enumerate(zip(counts, caches))]
+
+
+def _stack_context(rows: Sequence[FlowRow], contexts: Sequence[int], step: int, width: int,
+                   like: torch.Tensor) -> torch.Tensor:
+    """The ODE state entering `step` of each row's conv context frames (B, 80, R), left-padded with zeros."""
+    left = like.new_zeros(len(rows), like.shape[1], width)
+    for i, (row, context) in enumerate(zip(rows, contexts)):
+        if context:
+            left[i, :, width - context:] = row.cache.context[step][0]
+    return left
+
+
+class _RowCache:
+    """Row i's cache as a solve builds it: its old cache plus, per step, the keys/values of its new frames up to
+    the last complete chunk and the kept context frames of the step's window (a full-attention row keeps none)."""
+
+    def __init__(self, row: FlowRow, i: int, batch: int, width: int, context: int, receptive: int,
+                 chunk: int) -> None:
+        self.row, self.i, self.batch = row, i, batch
+        start = row.start
+        commit = max(start, row.inputs.frames // chunk * chunk) if row.streaming else 0
+        self.keep, self.kept = commit - start, min(commit, receptive)
+        self.offset = width - context + commit - self.kept - (start - context)  # the kept context in a window
+        self.cache = FlowCache(commit)
+
+    def add_step(self, step: int, window: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not self.row.streaming:
+            return
+        i, batch = self.i, self.batch
+        past = self.row.cache.kv[step] if self.row.cache.kv else [None] * len(own)
+        # own's rows are the conditional rows then the unconditional ones: row i's pair is [i, batch + i]
+        self.cache.kv.append([_extend(p, k[i::batch], v[i::batch], self.keep) for p, (k, v) in zip(past, own)])
+        self.cache.context.append(window[i:i + 1, :, self.offset:self.offset + self.kept].clone())
 
 
 def _stack_past(rows: Sequence[FlowRow], step: int, block: int, history: int) -> tuple[torch.Tensor, torch.Tensor]:
