@@ -16,6 +16,10 @@ Two flow paths, the same numbers up to float rounding:
   Under the chunk mask such frames never see a later frame, and their inputs (tokens with their real lookahead,
   prompt mel, noise) never change, so their values are final: a chunk only computes the frames from the last
   complete chunk on. The final chunk (full attention) is always recomputed, as in the reference.
+
+`run_chunks` solves the flow of a call's cached chunks and offline jobs together (`batched_solve`: rows padded and
+masked so each sees only its own frames, one estimator pass per Euler step); the vocoder runs per chunk, and
+streams without a cache keep the reference path one by one (docs/cosyvoice3.md, "Batched calls").
 """
 
 from __future__ import annotations
