@@ -330,20 +330,21 @@ class CosyVoice3Token2Wav:
         for stream, chunk in work:
             stream.check_next(chunk)
         batched = [i for i, (stream, _) in enumerate(work) if stream.cached and stream.tokens]
-        rows = [work[i][0].flow_row(work[i][1]) for i in batched]
-        solved = dict(zip(batched, batched_solve(self.flow, rows) if rows else []))
+        rows = {i: work[i][0].flow_row(work[i][1]) for i in batched}
+        solved = dict(zip(batched, batched_solve(self.flow, list(rows.values())) if rows else []))
         pending = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:
                 mel, cache = solved[i]
-                pending.append(stream.pending(chunk, stream.own_frames(chunk, rows[batched.index(i)], mel), cache))
+                pending.append(stream.pending(chunk, stream.own_frames(chunk, rows[i], mel), cache))
             else:
                 pending.append(stream.prepare(chunk))
         return [p.stream.commit(p) for p in pending]
 
     def offline_job(self, tokens: Sequence[int], prompt: VoicePrompt) -> tuple["CosyVoice3Stream", Chunk]:
         """A whole utterance as a one-chunk stream (a final chunk over all tokens: full attention, final vocoder
-        call, the same audio as `offline`), to run in `run_chunks` beside streaming chunks."""
+        call: the audio of `offline` up to float summation order), to run in `run_chunks` beside streaming chunks,
+        its flow solved in the call's batch."""
         stream = CosyVoice3Stream(self, prompt, FlowCache())  # on the batched path; a final chunk reads no cache
         stream.extend(tokens)
         return stream, Chunk(0, len(stream.tokens), len(stream.tokens), final=True)
@@ -381,7 +382,8 @@ class CosyVoice3Stream(ChunkedStream):
         inputs = self.engine.flow_inputs(self.tokens[: chunk.feed], self.prompt, finalize=chunk.final)
         if chunk.final:
             return FlowRow(inputs, FlowCache(), streaming=False)
-        assert self.flow_cache is not None, "a stream without a flow cache runs the reference path"
+        if self.flow_cache is None:
+            raise RuntimeError("a stream without a flow cache runs the reference path (`chunk_mel`)")
         return FlowRow(inputs, self.flow_cache, streaming=True)
 
     def own_frames(self, chunk: Chunk, row: FlowRow, mel: torch.Tensor) -> torch.Tensor:
