@@ -320,8 +320,9 @@ class CosyVoice3Token2Wav:
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]]) -> list[np.ndarray]:
         """Run the next chunk of each stream and return each one's new audio. The chunks of cached streams (and
-        offline jobs) share one batched flow solve (`batched_solve`: one estimator pass per Euler step for all
-        of them); the vocoder runs per chunk; streams opened without a cache run the reference path one by one.
+        offline jobs) share batched flow solves (`batched_solve`: one estimator pass per Euler step), one for the
+        non-final chunks (chunk mask) and one for the final chunks and offline jobs (full attention); the vocoder
+        runs per chunk; streams opened without a cache run the reference path one by one.
         All or nothing: the chunks are computed first and applied only when every one succeeded, so a call that
         raises leaves every stream as it was (a caller may retry each job alone)."""
         streams = [stream for stream, _ in work]
@@ -331,7 +332,13 @@ class CosyVoice3Token2Wav:
             stream.check_next(chunk)
         batched = [i for i, (stream, _) in enumerate(work) if stream.cached and stream.tokens]
         rows = {i: work[i][0].flow_row(work[i][1]) for i in batched}
-        solved = dict(zip(batched, batched_solve(self.flow, list(rows.values())) if rows else []))
+        solved = {}
+        # one solve per attention mode: final chunks and offline jobs (whole calls, often long) would otherwise pad
+        # every short streaming row to their length
+        for streaming in (True, False):
+            group = [i for i in batched if rows[i].streaming == streaming]
+            if group:
+                solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group])))
         pending = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:
