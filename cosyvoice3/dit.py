@@ -15,9 +15,10 @@ Two details of the reference that matter for exact results:
 - streaming calls use a static chunk mask: frame i sees frame j iff j < (i // chunk + 1) * chunk, chunks counted
   from the first (prompt) frame; offline calls see every valid frame.
 
-`forward_window` runs the same network over the frames [start, T) of a call whose earlier frames' attention
-keys/values (per block) are given: with the chunk mask, frames in complete chunks never see later frames, so a
-stream can keep their keys/values instead of recomputing them (`cosyvoice3.token2wav`).
+`forward_rows` runs the same network over the frames [start, T) of several calls (rows, right-padded) whose
+earlier frames' attention keys/values (per block) are given: with the chunk mask, frames in complete chunks never
+see later frames, so a stream can keep their keys/values instead of recomputing them (`cosyvoice3.token2wav`);
+a row without earlier frames is a whole call (chunk mask or full attention, as its mask says).
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ class CausalConvPositionEmbedding(nn.Module):
         """Input frames before a frame that reach it (both convs)."""
         return 2 * (self.kernel - 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """valid (B, T, 1), 1 where a frame exists and 0 on a row's left padding: both convs then read zeros
+        there, exactly the zero padding an unpadded row's convs read before its first frame."""
+        if valid is not None:
+            x = x * valid
         h = self.conv1(F.pad(x.transpose(1, 2), (self.kernel - 1, 0)))
+        if valid is not None:
+            h = h * valid.transpose(1, 2)
         h = self.conv2(F.pad(h, (self.kernel - 1, 0)))
         return h.transpose(1, 2)
 
@@ -85,10 +92,11 @@ class InputEmbedding(nn.Module):
         self.proj = nn.Linear(config.in_channels, config.dim)
         self.conv_pos_embed = CausalConvPositionEmbedding(config.dim, config.conv_pos_kernel, config.conv_pos_groups)
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor) -> torch.Tensor:
-        """x, cond, mu (B, T, 80), spks (B, 80) -> (B, T, dim)."""
+    def forward(self, x: torch.Tensor, cond: torch.Tensor, mu: torch.Tensor, spks: torch.Tensor,
+                valid: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x, cond, mu (B, T, 80), spks (B, 80), valid (B, T, 1) or None (see the conv) -> (B, T, dim)."""
         h = self.proj(torch.cat([x, cond, mu, spks.unsqueeze(1).expand(-1, x.shape[1], -1)], dim=-1))
-        return self.conv_pos_embed(h) + h
+        return self.conv_pos_embed(h, valid) + h
 
 
 class RotaryEmbedding(nn.Module):
@@ -99,8 +107,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (_ROTARY_BASE ** (torch.arange(0, dim_head, 2).float() / dim_head)))
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (T,) -> (T, dim_head / 2) float32."""
-        return positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        """positions (T,) or (B, T) -> (T or B, T, dim_head / 2) float32."""
+        return positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq
 
 
 def rotate_leading(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
@@ -129,7 +137,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, visible: Optional[torch.Tensor],
                 past: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x (B, T, dim); angles (T, dim_head/2) at the frames' absolute positions; visible (B, 1, T, T_past + T)
+        """x (B, T, dim); angles (T or B, T, dim_head/2) at the frames' absolute positions; visible (B, 1, T, T_past + T)
         bool or None (all); past: keys and values (B, H, T_past, dim_head) of earlier frames.
         Returns the output and this call's (keys, values), each (B, H, T, dim_head)."""
         q = self._heads(rotate_leading(self.to_q(x), angles))
@@ -222,26 +230,23 @@ class DiT(nn.Module):
             h, _ = block(h, t_emb, angles, visible)
         return self._output(h, t_emb, mask)
 
-    def forward_window(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
-                       cond: torch.Tensor, start: int, past: list[tuple[torch.Tensor, torch.Tensor]],
-                       streaming: bool = True) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """The frames [start, T) of one call (rows unpadded) whose frames before `start` gave `past` (per block:
-        keys, values (B, H, start, dim_head)).
+    def forward_rows(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
+                     cond: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
+                     past: list[Optional[tuple[torch.Tensor, torch.Tensor]]]
+                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """New frames of several rows (each its own call) over their earlier frames' keys/values; static shapes
+        and no host syncs (what a CUDA graph per shape bucket can capture).
 
-        x, mu, cond (B, 80, T_in) cover frames [start - context, T) where context = min(start, the conv
-        position embedding's receptive field): the convs need those earlier inputs, nothing else does.
-        Returns the velocity of frames [start, T) and, per block, their keys and values."""
-        context = min(start, self.input_embed.conv_pos_embed.receptive_field)
+        x, mu, cond (B, 80, R + N): per row, up to R frames of left context (the earlier frames the conv position
+        embedding reads; a row with fewer is left-padded, `valid` (B, R + N, 1) zero there) then its new frames,
+        right-padded to N. positions (B, N): the new frames' absolute positions (rotary angles). visible
+        (B, 1, N, P + N): which of the past keys (P, per row right-padded) and new keys each new frame sees.
+        past: per block, keys and values (B, H, P, dim_head), or None when P = 0.
+        Returns the velocity of the N new frames (B, 80, N) and, per block, their keys and values."""
+        context = x.shape[2] - positions.shape[1]
         t_emb = self.time_embed(t)
-        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks)[:, context:]
-        total = start + h.shape[1]
-        angles = self.rotary_embed.angles(torch.arange(start, total, device=h.device))
-        visible = None
-        if streaming:
-            queries = torch.arange(start, total, device=h.device)
-            chunk = self.config.static_chunk_size
-            visible = (torch.arange(total, device=h.device)[None, :] < ((queries // chunk + 1) * chunk)[:, None])
-            visible = visible[None, None]
+        h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, valid)[:, context:]
+        angles = self.rotary_embed.angles(positions)
         new = []
         for block, kv in zip(self.transformer_blocks, past):
             h, own = block(h, t_emb, angles, visible, kv)

@@ -16,6 +16,10 @@ Two flow paths, the same numbers up to float rounding:
   Under the chunk mask such frames never see a later frame, and their inputs (tokens with their real lookahead,
   prompt mel, noise) never change, so their values are final: a chunk only computes the frames from the last
   complete chunk on. The final chunk (full attention) is always recomputed, as in the reference.
+
+`run_chunks` solves the flow of a call's cached chunks and offline jobs together (`batched_solve`: rows padded and
+masked so each sees only its own frames, one estimator pass per Euler step); the vocoder runs per chunk, and
+streams without a cache keep the reference path one by one (docs/cosyvoice3.md, "Batched calls").
 """
 
 from __future__ import annotations
@@ -74,33 +78,150 @@ class FlowCache:
         return sum(k.nbytes + v.nbytes for step in self.kv for k, v in step) + sum(c.nbytes for c in self.context)
 
 
-def cached_solve(flow: CosyVoice3Flow, inputs: FlowInputs, cache: FlowCache) -> tuple[torch.Tensor, FlowCache]:
-    """Streaming-mask Euler solve of frames [cache.committed, T) over the cache -> (mel of those frames
-    (1, 80, T - committed), the cache extended to every complete chunk of this call)."""
+@dataclass(frozen=True)
+class FlowRow:
+    """One row of a batched flow solve: a call's inputs, the cache its frames before `cache.committed` come from
+    (an empty cache: the whole call), and its attention: the chunk mask (`streaming`) or full attention (only
+    from an empty cache: no frame of a full-attention call is final before the call)."""
+
+    inputs: FlowInputs
+    cache: FlowCache
+    streaming: bool
+
+    @property
+    def start(self) -> int:
+        return self.cache.committed
+
+    @property
+    def new_frames(self) -> int:
+        return self.inputs.frames - self.cache.committed
+
+
+def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow]) -> list[tuple[torch.Tensor, FlowCache]]:
+    """Euler solves of several calls in lock step, one estimator pass per step for all rows (conditional and
+    unconditional rows stacked): per row, the mel of frames [start, T) (1, 80, T - start) float32 and its cache
+    extended to every complete chunk of the call (for a chunk-mask row; a full-attention row's has nothing to keep).
+
+    Rows are right-padded to the longest new-frame count N, their cached keys/values to the longest history P,
+    their conv context left-padded to R frames; masks make each row see exactly its own history and new frames,
+    so a row's numbers equal its solve alone up to float summation order. Every tensor of the step loop has a
+    shape fixed by (rows, N, P, R), and the loop has no host syncs: a CUDA graph per bucket can capture it."""
     estimator, cfm = flow.estimator, flow.decoder
-    start, total = cache.committed, inputs.frames
     receptive = estimator.input_embed.conv_pos_embed.receptive_field
-    context = min(start, receptive)
-    rate = cfm.config.inference_cfg_rate
-    mu, cond = inputs.mu[:, :, start - context:], inputs.cond[:, :, start - context:]
-    mu_in, cond_in = torch.cat([mu, torch.zeros_like(mu)]), torch.cat([cond, torch.zeros_like(cond)])
-    spks_in = torch.cat([inputs.spks, torch.zeros_like(inputs.spks)])
-    x = cfm.rand_noise[:, :, start:total].to(mu)
     chunk = estimator.config.static_chunk_size
-    commit = max(start, total // chunk * chunk)
-    kept = min(commit, receptive)
-    new = FlowCache(commit)
+    rate = cfm.config.inference_cfg_rate
+    for row in rows:
+        if row.new_frames <= 0 or (row.start and not row.streaming):
+            raise ValueError(f"a flow row needs new frames, and full attention an empty cache (start {row.start}, "
+                             f"{row.inputs.frames} frames)")
+        if row.inputs.frames > cfm.rand_noise.size(-1):
+            raise CosyVoice3InputError(f"a flow call of {row.inputs.frames} frames exceeds the "
+                                       f"{cfm.rand_noise.size(-1)}-frame noise table")
+    batch = len(rows)
+    starts = [row.start for row in rows]
+    counts = [row.new_frames for row in rows]
+    contexts = [min(start, receptive) for start in starts]
+    n, history, width = max(counts), max(starts), max(contexts)
+    like = rows[0].inputs.mu
+    device, dtype = like.device, like.dtype
+    bins = like.shape[1]
+
+    # the call's constant inputs: mu, cond, speaker, frame validity, noise, positions and attention masks
+    mu = torch.zeros(batch, bins, width + n, dtype=dtype, device=device)
+    cond, valid = torch.zeros_like(mu), torch.zeros(batch, width + n, 1, dtype=dtype, device=device)
+    x = torch.zeros(batch, bins, n, dtype=dtype, device=device)
+    for i, (row, start, count, context) in enumerate(zip(rows, starts, counts, contexts)):
+        frames = slice(width - context, width + count)
+        mu[i, :, frames] = row.inputs.mu[0, :, start - context:]
+        cond[i, :, frames] = row.inputs.cond[0, :, start - context:]
+        valid[i, frames] = 1
+        x[i, :, :count] = cfm.rand_noise[0, :, start:start + count].to(mu)
+    spks = torch.cat([row.inputs.spks for row in rows])
+    start_t = torch.tensor(starts, device=device)
+    count_t = torch.tensor(counts, device=device)
+    steps = torch.arange(n, device=device)
+    positions = start_t[:, None] + steps[None, :]  # (B, N) absolute positions of the new frames
+    past_keys = torch.arange(history, device=device)[None, None, :] < start_t[:, None, None]  # (B, 1, P)
+    key_pos = positions[:, None, :]  # new keys' positions (B, 1, N)
+    new_keys = (steps[None, None, :] < count_t[:, None, None]).expand(-1, n, -1)  # a row's real frames only
+    streaming = torch.tensor([row.streaming for row in rows], device=device)[:, None, None]
+    # the static chunk mask: frame i sees j < (i // chunk + 1) chunk; padded queries see every real frame (never
+    # an empty softmax row, whose NaN would reach real frames through the padded frames' keys and values)
+    chunk_end = (positions // chunk + 1) * chunk
+    new_keys = new_keys & (~streaming | (key_pos < chunk_end[:, :, None]) | ~new_keys[:, :1].transpose(1, 2))
+    visible = torch.cat([past_keys.expand(-1, n, -1), new_keys], dim=2)[:, None]  # (B, 1, N, P + N)
+
+    mu_in, cond_in = torch.cat([mu, torch.zeros_like(mu)]), torch.cat([cond, torch.zeros_like(cond)])
+    spks_in, valid_in = torch.cat([spks, torch.zeros_like(spks)]), torch.cat([valid, valid])
+    positions_in, visible_in = torch.cat([positions, positions]), torch.cat([visible, visible])
+    depth = len(estimator.transformer_blocks)
+    caches = [_RowCache(row, i, batch, width, context, receptive, chunk)
+              for i, (row, context) in enumerate(zip(rows, contexts))]
     for step, (t, dt) in enumerate(cfm.schedule):
-        window = torch.cat([cache.context[step], x], dim=2) if context else x  # frames [start - context, T)
-        t_in = torch.full((2,), t, dtype=mu.dtype, device=mu.device)
-        past = cache.kv[step] if cache.kv else [None] * len(estimator.transformer_blocks)
-        velocity, own = estimator.forward_window(torch.cat([window, window]), mu_in, t_in, spks_in, cond_in,
-                                                 start, past)  # type: ignore[arg-type]
-        x = x + dt * ((1.0 + rate) * velocity[:1] - rate * velocity[1:])
-        new.kv.append([_extend(p, k, v, commit - start) for p, (k, v) in zip(past, own)])
-        offset = commit - kept - (start - context)  # where the kept context starts inside `window`
-        new.context.append(window[:, :, offset:offset + kept].clone())
-    return x.float(), new
+        # staging (what would fill a step graph's static inputs): the rows' cached context state and keys/values
+        # of this step, padded; gathered per step, not for all steps at once, to hold one step's copy only
+        left = _stack_context(rows, contexts, step, width, x)
+        past = [_stack_past(rows, step, block, history) if history else None for block in range(depth)]
+        # the step (same kernels on the same shapes every step, no host syncs: what a step graph would capture)
+        window = torch.cat([left, x], dim=2)  # the ODE state of the context frames, then the new frames
+        t_in = torch.full((2 * batch,), t, dtype=dtype, device=device)
+        velocity, own = estimator.forward_rows(torch.cat([window, window]), mu_in, t_in, spks_in, cond_in,
+                                               valid_in, positions_in, visible_in, past)
+        x = x + dt * ((1.0 + rate) * velocity[:batch] - rate * velocity[batch:])
+        for cache in caches:  # reads the step's outputs (after a replay, from the graph's output buffers)
+            cache.add_step(step, window, own)
+    return [(x[i:i + 1, :, :count].float(), cache.cache) for i, (count, cache) in enumerate(zip(counts, caches))]
+
+
+def _stack_context(rows: Sequence[FlowRow], contexts: Sequence[int], step: int, width: int,
+                   like: torch.Tensor) -> torch.Tensor:
+    """The ODE state entering `step` of each row's conv context frames (B, 80, R), left-padded with zeros."""
+    left = like.new_zeros(len(rows), like.shape[1], width)
+    for i, (row, context) in enumerate(zip(rows, contexts)):
+        if context:
+            left[i, :, width - context:] = row.cache.context[step][0]
+    return left
+
+
+class _RowCache:
+    """Row i's cache as a solve builds it: its old cache plus, per step, the keys/values of its new frames up to
+    the last complete chunk and the kept context frames of the step's window (a full-attention row keeps none)."""
+
+    def __init__(self, row: FlowRow, i: int, batch: int, width: int, context: int, receptive: int,
+                 chunk: int) -> None:
+        self.row, self.i, self.batch = row, i, batch
+        start = row.start
+        commit = max(start, row.inputs.frames // chunk * chunk) if row.streaming else 0
+        self.keep, self.kept = commit - start, min(commit, receptive)
+        self.offset = width - context + commit - self.kept - (start - context)  # the kept context in a window
+        self.cache = FlowCache(commit)
+
+    def add_step(self, step: int, window: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not self.row.streaming:
+            return
+        i, batch = self.i, self.batch
+        past = self.row.cache.kv[step] if self.row.cache.kv else [None] * len(own)
+        # own's rows are the conditional rows then the unconditional ones: row i's pair is [i, batch + i]
+        self.cache.kv.append([_extend(p, k[i::batch], v[i::batch], self.keep) for p, (k, v) in zip(past, own)])
+        self.cache.context.append(window[i:i + 1, :, self.offset:self.offset + self.kept].clone())
+
+
+def _stack_past(rows: Sequence[FlowRow], step: int, block: int, history: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' cached keys and values of one step and block, (2 B, H, P, dim_head): conditional rows, then
+    unconditional rows (the order of the stacked CFG batch), each right-padded to P frames."""
+    batch = len(rows)
+    for row in rows:
+        if row.cache.kv:
+            like = row.cache.kv[step][block][0]
+            break
+    shape = (2 * batch, like.shape[1], history, like.shape[3])
+    keys, values = like.new_zeros(shape), like.new_zeros(shape)
+    for i, row in enumerate(rows):
+        if row.start:
+            k, v = row.cache.kv[step][block]
+            keys[i::batch, :, :row.start] = k
+            values[i::batch, :, :row.start] = v
+    return keys, values
 
 
 def _extend(past: Optional[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor, values: torch.Tensor,
@@ -188,7 +309,7 @@ class CosyVoice3Token2Wav:
         def compute() -> FlowCache:
             inputs = self.flow.inputs([], prompt.tokens, prompt.mel.unsqueeze(0).to(self.flow_device, self.flow_dtype),
                                       prompt.xvector.unsqueeze(0).to(self.flow_device), finalize=False)
-            return cached_solve(self.flow, inputs, FlowCache())[1]
+            return batched_solve(self.flow, [FlowRow(inputs, FlowCache(), streaming=True)])[0][1]
 
         return self.voice_caches.get(key, compute)  # type: ignore[arg-type, return-value]
 
@@ -198,16 +319,40 @@ class CosyVoice3Token2Wav:
 
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]]) -> list[np.ndarray]:
-        """Run the next chunk of each stream (one after another) and return each one's new audio. All or
-        nothing: the chunks are computed first and applied only when every one succeeded, so a call that raises
-        leaves every stream as it was (a caller may retry each job alone)."""
-        pending = [stream.prepare(chunk) for stream, chunk in work]
+        """Run the next chunk of each stream and return each one's new audio. The chunks of cached streams (and
+        offline jobs) share batched flow solves (`batched_solve`: one estimator pass per Euler step), one for the
+        non-final chunks (chunk mask) and one for the final chunks and offline jobs (full attention); the vocoder
+        runs per chunk; streams opened without a cache run the reference path one by one.
+        All or nothing: the chunks are computed first and applied only when every one succeeded, so a call that
+        raises leaves every stream as it was (a caller may retry each job alone)."""
+        streams = [stream for stream, _ in work]
+        if len({id(stream) for stream in streams}) != len(streams):
+            raise ValueError("run_chunks takes at most one chunk per stream")
+        for stream, chunk in work:
+            stream.check_next(chunk)
+        batched = [i for i, (stream, _) in enumerate(work) if stream.cached and stream.tokens]
+        rows = {i: work[i][0].flow_row(work[i][1]) for i in batched}
+        solved = {}
+        # one solve per attention mode: final chunks and offline jobs (whole calls, often long) would otherwise pad
+        # every short streaming row to their length
+        for streaming in (True, False):
+            group = [i for i in batched if rows[i].streaming == streaming]
+            if group:
+                solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group])))
+        pending = []
+        for i, (stream, chunk) in enumerate(work):
+            if i in solved:
+                mel, cache = solved[i]
+                pending.append(stream.pending(chunk, stream.own_frames(chunk, rows[i], mel), cache))
+            else:
+                pending.append(stream.prepare(chunk))
         return [p.stream.commit(p) for p in pending]
 
     def offline_job(self, tokens: Sequence[int], prompt: VoicePrompt) -> tuple["CosyVoice3Stream", Chunk]:
         """A whole utterance as a one-chunk stream (a final chunk over all tokens: full attention, final vocoder
-        call, the same audio as `offline`), to run in `run_chunks` beside streaming chunks."""
-        stream = self.open_stream(prompt)
+        call: the audio of `offline` up to float summation order), to run in `run_chunks` beside streaming chunks,
+        its flow solved in the call's batch."""
+        stream = CosyVoice3Stream(self, prompt, FlowCache())  # on the batched path; a final chunk reads no cache
         stream.extend(tokens)
         return stream, Chunk(0, len(stream.tokens), len(stream.tokens), final=True)
 
@@ -238,28 +383,45 @@ class CosyVoice3Stream(ChunkedStream):
         if not chunk.final and chunk.feed - chunk.stop != self.engine.lookahead:
             raise CosyVoice3InputError(f"a non-final chunk carries exactly {self.engine.lookahead} lookahead tokens")
 
+    def flow_row(self, chunk: Chunk) -> FlowRow:
+        """This chunk's row of a batched flow solve (cached streams): a non-final chunk continues the stream's
+        flow cache under the chunk mask; the final chunk (full attention: nothing carries over) is a whole call."""
+        inputs = self.engine.flow_inputs(self.tokens[: chunk.feed], self.prompt, finalize=chunk.final)
+        if chunk.final:
+            return FlowRow(inputs, FlowCache(), streaming=False)
+        if self.flow_cache is None:
+            raise RuntimeError("a stream without a flow cache runs the reference path (`chunk_mel`)")
+        return FlowRow(inputs, self.flow_cache, streaming=True)
+
+    def own_frames(self, chunk: Chunk, row: FlowRow, mel: torch.Tensor) -> torch.Tensor:
+        """The frames of tokens [start, stop) (final: [start, end)) among a solve's frames [row.start, T)."""
+        ratio = self.engine.flow.config.token_mel_ratio
+        return mel[:, :, row.inputs.prompt_frames + ratio * chunk.start - row.start:]
+
     def chunk_mel(self, chunk: Chunk) -> tuple[torch.Tensor, Optional[FlowCache]]:
         """The mel frames of tokens [start, stop) (final: [start, end)) of this chunk, (1, 80, frames), and the
-        flow cache after it (None without one). Changes nothing in the stream."""
-        engine, ratio = self.engine, self.engine.flow.config.token_mel_ratio
-        tokens = self.tokens[: chunk.feed]
-        if chunk.final or self.flow_cache is None:  # the final chunk has full attention: nothing carries over
-            mel = engine.mel(tokens, self.prompt, streaming=not chunk.final, finalize=chunk.final)
-            return mel[:, :, ratio * chunk.start:], None
-        inputs = engine.flow_inputs(tokens, self.prompt, finalize=False)
-        solved_from = self.flow_cache.committed  # the solve returns frames [solved_from, T), prompt frames counted
-        mel, cache = cached_solve(engine.flow, inputs, self.flow_cache)
-        return mel[:, :, inputs.prompt_frames + ratio * chunk.start - solved_from:], cache
+        flow cache after it (None without one, or after the final chunk). Changes nothing in the stream."""
+        if self.cached:
+            row = self.flow_row(chunk)
+            mel, cache = batched_solve(self.engine.flow, [row])[0]
+            return self.own_frames(chunk, row, mel), None if chunk.final else cache
+        ratio = self.engine.flow.config.token_mel_ratio
+        mel = self.engine.mel(self.tokens[: chunk.feed], self.prompt, streaming=not chunk.final,
+                              finalize=chunk.final)
+        return mel[:, :, ratio * chunk.start:], None
 
     def prepare(self, chunk: Chunk) -> "PendingChunk":
         """Compute `chunk` (the schedule's next one) without changing the stream; `commit` applies it."""
         self.check_next(chunk)
         if not self.tokens:  # an empty stream: nothing to vocode
             return PendingChunk(self, chunk, None, None, np.zeros(0, dtype=np.float32))
-        mel, cache = self.chunk_mel(chunk)
+        return self.pending(chunk, *self.chunk_mel(chunk))
+
+    def pending(self, chunk: Chunk, mel: torch.Tensor, cache: Optional[FlowCache]) -> "PendingChunk":
+        """Vocode the accumulated mel with this chunk's frames (causal HiFT, one stream) -> the chunk, not applied."""
         mel = mel.to(self.engine.hift_device, torch.float32)
         audio = self.engine.vocode(torch.cat([*self._mels, mel], dim=2), finalize=chunk.final)
-        return PendingChunk(self, chunk, mel, cache, audio[self._sent:].numpy())
+        return PendingChunk(self, chunk, mel, None if chunk.final else cache, audio[self._sent:].numpy())
 
     def commit(self, pending: "PendingChunk") -> np.ndarray:
         if pending.mel is not None:

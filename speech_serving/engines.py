@@ -269,11 +269,12 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
     """`Token2WavEngine` over CosyVoice3's token2wav (DiT flow + causal HiFT). The orchestrator's chunks drive the
     streams as they are (any hop, 3 lookahead tokens); `cached` streams keep their flow caches per stream and start
     from their voice's prompt cache (computed once per voice, `voice_capacity` voices kept), the others recompute
-    every chunk (the reference path). The engine runs the jobs of a call one after another; a failed call changes no
+    every chunk (the reference path). The engine solves the flow of a call's cached chunks and offline jobs in one
+    batch per attention mode (the vocoder per job; recompute streams one after another); a failed call changes no
     stream, so each job is then retried alone (`_BatchedStreams`). The seed is unused: CosyVoice3's flow and source
     noise come from fixed tables, so a request's audio depends only on its tokens and voice."""
 
-    #: Jobs per call at most (the service's cap): no CUDA-graph buckets bound it, the engine runs jobs one by one.
+    #: Jobs per call at most (the service's cap): no CUDA-graph buckets bound it (the batched flow runs eagerly).
     max_rows = DEFAULT_MAX_ROWS
 
     def __init__(self, engine: CosyVoice3Token2Wav, cached: bool) -> None:

@@ -138,7 +138,9 @@ def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_toke
     assert not good.chunks and good.flow_cache is micro_token2wav.prompt_flow_cache(voice)
     first, offline = micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), job])
     assert good.chunks and good.flow_cache.committed > 0 and first.shape[0] > 0
-    assert max_abs(offline, micro_token2wav.offline(tokens, voice)) == 0.0
+    # the batched flow solve equals the offline one up to float summation order; HiFT magnifies that in the audio
+    assert max_abs(job[0]._mels[0], micro_token2wav.mel(tokens, voice)) <= MEL_TOL
+    assert max_abs(offline, micro_token2wav.offline(tokens, voice)) <= AUDIO_TOL
 
 
 def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wav, voice: VoicePrompt, dump) -> None:
