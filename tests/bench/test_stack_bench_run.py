@@ -193,6 +193,17 @@ SPARK_RATIO = 2.0
 SPARK_SECONDS_PER_TOKEN = 320 / 16_000  # BiCodec: 320 samples of 16 kHz audio per semantic token
 
 
+def _one_level_each(work: Path, model: Path, *pipeline: str) -> Path:
+    """A CPU run of `pipeline`'s options: one streaming and one offline level of two requests; its results dir."""
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model), *pipeline,
+               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
+               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
+               "--warmup", "0", "--timeout", "120"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+
+
 @pytest.mark.timeout(1200)
 def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
     """`--spark`: the Spark pipeline in benchmark mode, offline and streaming; every response lasts exactly the
@@ -206,15 +217,7 @@ def test_a_spark_run_loads_the_spark_models_in_benchmark_mode(tmp_path):
     # Without --spark-dir the run takes WORK/spark-model, written once (released size) and reused: a tiny Spark
     # model placed there keeps this CPU run short and exercises that default.
     spark = write_tiny_spark(work / "spark-model", seed=2)
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model),
-               "--spark", "--spark-benchmark-ratio", str(SPARK_RATIO),
-               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
-               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
-               "--warmup", "0", "--timeout", "120"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    out = _one_level_each(work, model, "--spark", "--spark-benchmark-ratio", str(SPARK_RATIO))
     assert re.search(r"Z-spark-tts-cpu-fp32-b4-triton-stream\+triton-offline-r1$", out.name)  # no token2wav in it
     results = json.loads((out / "results.json").read_text())
     assert (results["pipeline"], results["token2wav"], results["spark_dir"]) == ("spark-tts", None, str(spark))
@@ -246,15 +249,7 @@ def test_a_cosyvoice3_run_loads_the_cosyvoice3_models_in_benchmark_mode(tmp_path
     from ttsbench.sentences import SENTENCES
 
     model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model),
-               "--cosyvoice3", "--cosyvoice3-benchmark-ratio", str(COSYVOICE3_RATIO),
-               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
-               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
-               "--warmup", "0", "--timeout", "120"]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    out = _one_level_each(work, model, "--cosyvoice3", "--cosyvoice3-benchmark-ratio", str(COSYVOICE3_RATIO))
     assert re.search(r"Z-cosyvoice3-cpu-fp32-b4-triton-stream\+triton-offline-r1$", out.name)  # no token2wav in it
     cv3 = work / "cosyvoice3-tiny"
     results = json.loads((out / "results.json").read_text())
