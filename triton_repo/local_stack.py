@@ -24,7 +24,7 @@ exits, then tritonserver is stopped; a second signal stops at once.
 Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (the model directory),
 `COSYVOICE_DEVICE`, `COSYVOICE_DTYPE`, `COSYVOICE_TOKEN2WAV` / `COSYVOICE_DIT_DIR` (which token2wav, render's
 `--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
-CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE3_DIR` (a CosyVoice3 model directory:
+CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_COSYVOICE3_DIR` (a CosyVoice3 model directory:
 CosyVoice3 is served beside CosyVoice2 as `model="cosyvoice3"`, render's `--cosyvoice3-dir`),
 `COSYVOICE_CUDA_MPS` (on: a CUDA MPS daemon of the stack's own, started before tritonserver and stopped after
 it, `triton_repo.cuda_mps`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
@@ -430,7 +430,8 @@ def run_stack(
         if token2wav != "unet":
             raise StackError("the demo runs its tiny model's own flow: leave --token2wav / COSYVOICE_TOKEN2WAV unset")
         if cosyvoice3_dir is not None:
-            raise StackError("the demo serves its own tiny CosyVoice3: leave --cosyvoice3-dir / COSYVOICE3_DIR unset")
+            raise StackError("the demo serves its own tiny CosyVoice3: "
+                             "leave --cosyvoice3-dir / COSYVOICE_COSYVOICE3_DIR unset")
         gateway_env["TTS_DEMO"] = "true"
     else:
         check_model_dir(model_dir)
@@ -523,8 +524,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where the demo model is written once (default: COSYVOICE_DEMO_DIR, else the user cache)")
     parser.add_argument("--spark-dir", type=Path, default=os.environ.get("COSYVOICE_SPARK_DIR") or None,
                         help="a Spark-TTS model directory to serve beside CosyVoice2 (default: COSYVOICE_SPARK_DIR)")
-    parser.add_argument("--cosyvoice3-dir", type=Path, default=os.environ.get("COSYVOICE3_DIR") or None,
-                        help="a CosyVoice3 model directory to serve beside CosyVoice2 (default: COSYVOICE3_DIR)")
+    parser.add_argument("--cosyvoice3-dir", type=Path, default=os.environ.get("COSYVOICE_COSYVOICE3_DIR") or None,
+                        help="a CosyVoice3 model directory to serve beside CosyVoice2 "
+                             "(default: COSYVOICE_COSYVOICE3_DIR)")
     for kind in ("http", "grpc", "metrics"):
         parser.add_argument(
             f"--triton-{kind}-port", type=int, default=None,

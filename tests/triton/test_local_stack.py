@@ -30,7 +30,7 @@ pytestmark = pytest.mark.triton
 def _stack(*args: str, **env: str) -> subprocess.CompletedProcess:
     """`python -m triton_repo.local_stack` as `make run` starts it, in its own process (a developer's COSYVOICE_*
     variables left out: only `env` sets them)."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("COSYVOICE_", "COSYVOICE3_"))}
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("COSYVOICE_")}
     environment = {**inherited, "PYTHONPATH": str(REPO_ROOT), **env}
     return subprocess.run(
         [sys.executable, "-m", "triton_repo.local_stack", *args], cwd=REPO_ROOT, env=environment,
@@ -107,9 +107,9 @@ def test_the_demo_model_is_written_once_and_only_where_it_may(tmp_path):
 
 
 def test_the_demo_serves_its_own_cosyvoice3_and_refuses_another_before_writing_anything(tmp_path):
-    done = _stack("--demo", "--demo-dir", str(tmp_path / "demo"), COSYVOICE3_DIR=str(tmp_path / "cv3"))
+    done = _stack("--demo", "--demo-dir", str(tmp_path / "demo"), COSYVOICE_COSYVOICE3_DIR=str(tmp_path / "cv3"))
     assert done.returncode == 2, done.stderr
-    assert "the demo serves its own tiny CosyVoice3: leave --cosyvoice3-dir / COSYVOICE3_DIR unset" in done.stderr
+    assert "leave --cosyvoice3-dir / COSYVOICE_COSYVOICE3_DIR unset" in done.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -126,7 +126,7 @@ def test_the_dit_token2wav_is_chosen_from_the_environment_and_needs_its_director
 
 
 @pytest.mark.parametrize("variable, flag", [("COSYVOICE_SPARK_DIR", "--spark-dir"),
-                                            ("COSYVOICE3_DIR", "--cosyvoice3-dir")])
+                                            ("COSYVOICE_COSYVOICE3_DIR", "--cosyvoice3-dir")])
 def test_another_models_dir_comes_from_the_environment_and_is_checked(tiny_model_dir, tmp_path, monkeypatch, capsys,
                                                                       variable, flag):
     monkeypatch.setenv(variable, str(tmp_path / "not_there"))
