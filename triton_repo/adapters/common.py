@@ -21,7 +21,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
-from speech_serving.orchestrator import parse_request, run_until_cancelled
+from speech_serving.cancellation import CancellationWatcher, run_until_cancelled
+from speech_serving.orchestrator import parse_request
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
@@ -82,23 +83,33 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+#: Asks tritonserver whether the entry models' clients left, off the event loop (speech_serving.cancellation).
+_CANCELLATIONS = CancellationWatcher()
+
+
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
     """Start one task per request; the model's async `execute` returns at once (no head-of-line blocking).
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
-    the error goes back as the final response. A client cancellation cancels the task.
+    the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
+    cancels the task. The models behind them are stopped by their callers explicitly and are not watched.
     """
     loop = asyncio.get_running_loop()
     for request in requests:
-        task = loop.create_task(_serve_one(request, handle))
+        task = loop.create_task(_serve_one(request, handle, cancellable))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
 
 
-async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]) -> None:
+async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
     sender = request.get_response_sender()
     try:
-        cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled)
+        if cancellable:
+            cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled,
+                                                  _CANCELLATIONS)
+        else:
+            await handle(request, sender)
+            cancelled = False
         if cancelled:
             sender.send(flags=FINAL)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the request's error response
@@ -257,7 +268,7 @@ class PipelineEntryModel:
     streaming: bool
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
+        serve(requests, self._handle, cancellable=True)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
@@ -291,7 +302,7 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any], 
             self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 
         async def execute(self, requests: list[Any]) -> None:
-            serve(requests, self.handler.handle)
+            serve(requests, self.handler.handle, cancellable=False)
 
         def finalize(self) -> None:
             self.handler.close()

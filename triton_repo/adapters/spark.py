@@ -145,7 +145,7 @@ class SparkVoicePromptModel:
         self.cache: VoicePromptCache[SparkVoicePrompt] = VoicePromptCache(params.cache_capacity, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
+        serve(requests, self._handle, cancellable=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = internal_io.parse_voice_prompt(read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS))

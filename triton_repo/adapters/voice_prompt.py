@@ -36,7 +36,7 @@ class TritonPythonModel:
         self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(params.cache_capacity, self.stats)
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle)
+        serve(requests, self._handle, cancellable=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = io.parse_voice_prompt(read_inputs(request, io.VOICE_PROMPT_INPUTS))
