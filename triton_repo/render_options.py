@@ -64,6 +64,11 @@ SCALABLE = (
 LLM_GPU = 0
 #: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
 DEFAULT_TOKEN2WAV_GPUS = (1,)
+#: LLM sequences decoded together unless `--max-batch` says: 16, and 32 where only PyTorch LLMs run on a GPU. A GPU's
+#: decode step costs little more for 32 rows than for 16 (the published figures are of 32 slots, docs/PERFORMANCE.md),
+#: while a CPU's grows with every row; a TensorRT-LLM engine is built for its own maximum (Spark's build: 16).
+DEFAULT_MAX_BATCH = 16
+GPU_PYTORCH_MAX_BATCH = 32
 _SPARK_SCHEDULE = ChunkSchedule()
 
 
@@ -226,7 +231,9 @@ class RenderOptions(_Options):
     device: str | None = option(None, choices=DEVICES,
                                 help="default: cuda for tensorrt_llm or the disaggregated layout, else cpu")
     dtype: str = option("fp32", choices=DTYPES, help="LLM and flow dtype")
-    max_batch: int = option(16, minimum=1, help="LLM sequences decoded together")  # KV slots
+    # KV slots; None: GPU_PYTORCH_MAX_BATCH or DEFAULT_MAX_BATCH (above)
+    max_batch: int | None = option(None, minimum=1, help=f"LLM sequences decoded together (default: "
+                                   f"{GPU_PYTORCH_MAX_BATCH} on CUDA without TensorRT-LLM engines, else {DEFAULT_MAX_BATCH})")
     max_seq_len: int = option(4096, minimum=64, help="prompt + generated tokens")  # per sequence
     # LLM requests queued beyond the slots before [overloaded]
     max_waiting: int = option(64, minimum=0, help="queued LLM requests before overload")
@@ -290,6 +297,10 @@ class RenderOptions(_Options):
             object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
         if self.device is None:
             object.__setattr__(self, "device", default_device(self.llm_backend, self.layout, self.gpu_emulation))
+        if self.max_batch is None:
+            engines = self.engine_dir is not None or (self.spark is not None and self.spark.engine_dir is not None)
+            gpu_pytorch = self.device != "cpu" and self.llm_backend == "pytorch" and not engines
+            object.__setattr__(self, "max_batch", GPU_PYTORCH_MAX_BATCH if gpu_pytorch else DEFAULT_MAX_BATCH)
 
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)

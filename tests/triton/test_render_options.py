@@ -33,6 +33,18 @@ def test_key_value_strings_parse_by_the_field_type() -> None:
     assert options(cosyvoice3="/cv3").cosyvoice3 == CosyVoice3RenderOptions(Path("/cv3"))
 
 
+@pytest.mark.parametrize("values, slots", [
+    ({}, 16),  # the CPU
+    ({"device": "cuda"}, 32),  # PyTorch LLMs on a GPU
+    ({"layout": "disaggregated"}, 32),  # cuda by default
+    ({"device": "cuda", "max_batch": "8"}, 8),  # what the operator says
+    ({"llm_backend": "tensorrt_llm", "engine_dir": "/e"}, 16),  # an engine is built for its own maximum
+    ({"device": "cuda", "spark": SparkRenderOptions(Path("/s"), engine_dir=Path("/se"))}, 16),
+])
+def test_llm_slots_default_by_device_and_backend(values: dict, slots: int) -> None:
+    assert options(**values).max_batch == slots
+
+
 @pytest.mark.parametrize("values, message", [
     ({"token2wav_gpus": "1,two"}, "--token2wav-gpus expects comma-separated GPU ids"),
     ({"gpu_emulation": "maybe"}, "--gpu-emulation expects true or false"),
