@@ -18,5 +18,5 @@ ENV COSYVOICE_WORK_DIR=/models
 VOLUME ["/models"]
 EXPOSE 8000 8001 8002
 # Refuse an engine built for another GPU or TensorRT-LLM version before serving it (compose uses the same command);
-# triton_repo.launch adds the serving arguments and, with COSYVOICE_CUDA_MPS=on, runs the CUDA MPS daemon.
+# triton_repo.launch adds the serving arguments and execs tritonserver.
 CMD ["python3", "-m", "cosyvoice_build.check_engine", "--", "python3", "-m", "triton_repo.launch", "--model-repository=/models/triton_repo/trtllm_single"]

@@ -26,9 +26,7 @@ Settings come from the command line or the environment: `COSYVOICE_MODEL_DIR` (t
 `--token2wav` / `--dit-dir`), `COSYVOICE_SPARK_DIR` (a Spark-TTS model directory: Spark-TTS is served beside
 CosyVoice2 as `model="spark-tts"`, render's `--spark-dir`), `COSYVOICE_COSYVOICE3_DIR` (a CosyVoice3 model directory:
 CosyVoice3 is served beside CosyVoice2 as `model="cosyvoice3"`, render's `--cosyvoice3-dir`),
-`COSYVOICE_CUDA_MPS` (on: a CUDA MPS daemon of the stack's own, started before tritonserver and stopped after
-it, `triton_repo.cuda_mps`), `COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` /
-`_METRICS_PORT`
+`COSYVOICE_TRITON_HTTP_PORT` / `_GRPC_PORT` / `_METRICS_PORT`
 (0 or unset: free ports, chosen once and kept across restarts), and the gateway's own `TTS_*`
 variables (its port, voices, ...). When the model directory lacks a file the engine reads, the launcher
 stops before creating anything and says what to do: the command that downloads the weights (`make weights`,
@@ -61,7 +59,6 @@ from typing import Callable, Sequence
 
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from cosyvoice3.layout import released_dir_problems
-from triton_repo.cuda_mps import SETTING_ENV as MPS_SETTING, MpsDaemon, MpsError, mps_setting
 from triton_repo.render import TOKEN2WAVS, CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
 from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
 from triton_repo.spark_render import SparkRenderOptions
@@ -419,7 +416,6 @@ def run_stack(
     demo_dir: Path | None = None,
     spark_dir: Path | None = None,
     cosyvoice3_dir: Path | None = None,
-    cuda_mps: bool = False,
 ) -> int:
     """Run the stack until a signal; `demo_dir` set: the demo (its random model instead of `model_dir`); `repo_dir`
     None: `triton_repo/` in the stack's own directory (`default_stack_dir`), the log beside it."""
@@ -449,11 +445,7 @@ def run_stack(
         token2wav=token2wav, dit_dir=dit_dir, spark=SparkRenderOptions(spark_dir) if spark_dir is not None else None,
         cosyvoice3=cosyvoice3_options(cosyvoice3_dir, benchmark_speech_ratio if demo_dir is not None else None),
     )
-    if cuda_mps and device != "cuda":
-        raise StackError(f"{MPS_SETTING}=on shares a GPU between processes: it needs --device cuda")
     repo = write_repository(options)
-    # CUDA MPS: the daemon outlives every tritonserver restart and stops after the last one (triton_repo.cuda_mps)
-    mps = MpsDaemon().start() if cuda_mps else None
     _log(f"rendered {repo}; starting tritonserver (loading models takes a while)")
     server = TritonServer(
         model_repository=repo,
@@ -461,7 +453,6 @@ def run_stack(
         http_port=ports.http,
         grpc_port=ports.grpc,
         metrics_port=ports.metrics,
-        extra_env=mps.env() if mps is not None else {},
     )
     # Triton ports left at 0 are chosen by the first start (retried on a conflict) and kept by every restart.
     supervisor = Supervisor(server, gateway_env, threading.Event())
@@ -471,8 +462,6 @@ def run_stack(
         return supervisor.run()
     finally:
         supervisor.shutdown()
-        if mps is not None:
-            mps.stop()
 
 
 def cosyvoice3_options(cosyvoice3_dir: Path | None, benchmark_ratio: float | None) -> CosyVoice3RenderOptions | None:
@@ -532,9 +521,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--triton-{kind}-port", type=int, default=None,
             help=f"tritonserver {kind} port (default: COSYVOICE_TRITON_{kind.upper()}_PORT, else a free one)",
         )  # fmt: skip
-    parser.add_argument("--cuda-mps", choices=("on", "off"), default=None,
-                        help=f"run the GPU processes under a CUDA MPS daemon the stack starts and stops "
-                             f"(default: {MPS_SETTING}, else off)")
     parser.add_argument(
         "--benchmark-speech-ratio", type=float, default=None,
         help="benchmark mode: every request generates exactly this many speech tokens per text token",
@@ -557,9 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.demo_dir).resolve() if args.demo else None,
             Path(args.spark_dir).resolve() if args.spark_dir else None,
             Path(args.cosyvoice3_dir).resolve() if args.cosyvoice3_dir else None,
-            mps_setting(args.cuda_mps if args.cuda_mps is not None else os.environ.get(MPS_SETTING)),
         )  # fmt: skip
-    except (StackError, RenderError, TritonLaunchError, MpsError) as exc:
+    except (StackError, RenderError, TritonLaunchError) as exc:
         print(f"[stack] error: {exc}", file=sys.stderr)
         return 2
 

@@ -95,7 +95,6 @@ Options:
   --open-loop-step-seconds S    arrivals offered per search step (default 30)
   --open-loop-steps N           most rates one search measures (default 8)
   --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
-  --cuda-mps                    the tritonservers run under a CUDA MPS daemon the run starts and stops
 """
 
 from __future__ import annotations
@@ -875,8 +874,6 @@ def settings_slug(args: argparse.Namespace) -> str:
         parts.append(args.only.replace(",", "+"))
     if args.replicas > 1:
         parts.append(f"rep{args.replicas}")
-    if args.cuda_mps:
-        parts.append("mps")
     parts.append(f"r{args.repeat}")
     return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
 
@@ -985,9 +982,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive, default=1,
                         help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
                              "one round-robin gRPC target (default 1)")
-    parser.add_argument("--cuda-mps", action="store_true",
-                        help="run the tritonservers under a CUDA MPS daemon of the run's own (triton_repo.cuda_mps), "
-                             "as COSYVOICE_CUDA_MPS=on does for the local stack and the containers")
     return parser
 
 
@@ -1046,7 +1040,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cosyvoice3_benchmark_ratio=args.cosyvoice3_benchmark_ratio,
     )  # fmt: skip
 
-    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices, cuda_mps=args.cuda_mps)
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices)
     servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pipeline_contract as contract
-from triton_repo.cuda_mps import MpsDaemon
 from triton_repo.render import CosyVoice3RenderOptions, RenderOptions, write_repository
 from triton_repo.server import REPO_ROOT, TritonServer, free_port, stop_process
 from triton_repo.spark_render import SparkRenderOptions
@@ -214,10 +213,7 @@ class BenchStack:
     gateway_env: dict[str, str] = field(default_factory=dict)
     #: CUDA_VISIBLE_DEVICES of each server; empty: one server that sees the devices this process sees.
     replica_devices: Sequence[str] = ()
-    #: Run the servers as clients of a CUDA MPS daemon started with them and stopped after them.
-    cuda_mps: bool = False
     servers: list[TritonServer] = field(init=False)
-    mps: MpsDaemon | None = field(default=None, init=False)
     gateway: subprocess.Popen | None = field(default=None, init=False)
     gateway_port: int = field(default=0, init=False)
 
@@ -261,10 +257,6 @@ class BenchStack:
         return contract.grpc_target([server.grpc_url for server in self.servers])
 
     def start_triton(self, ready_timeout: float = TRITON_READY_TIMEOUT_S) -> None:
-        if self.cuda_mps and self.mps is None:
-            self.mps = MpsDaemon().start()
-            for server in self.servers:
-                server.extra_env.update(self.mps.env())
         # One after the other: servers loading at once would share the CPU and the kernel caches while compiling.
         for server in self.servers:
             server.start(ready_timeout=ready_timeout)
@@ -290,6 +282,3 @@ class BenchStack:
             stop_process(self.gateway, 10)
         for server in self.servers:
             server.cleanup()
-        if self.mps is not None:
-            self.mps.stop()
-            self.mps = None

@@ -116,13 +116,12 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
                               cosyvoice3=False, render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
-                              replicas=1, cuda_mps=False)
+                              replicas=1)
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
     replicas = sb.settings_slug(argparse.Namespace(**{**vars(args), "replicas": 4}))
     assert replicas == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-rep4-r3"
     assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
-    assert sb.settings_slug(argparse.Namespace(**{**vars(args), "cuda_mps": True})).endswith("-mps-r3")
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
     # a Spark run is named as one from its first word, however long the rest
     spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
@@ -643,31 +642,16 @@ def test_the_flow_padding_share_comes_from_the_frame_counters():
     assert sb.stage_breakdown({}, {})["token2wav_padded_share_pct"] is None  # an engine that does not count
 
 
-def test_a_cuda_mps_run_starts_the_daemon_before_its_servers_and_stops_it_after_them(tmp_path, monkeypatch):
-    """The servers are replaced by recorders; the daemon is the stand-in control program of tests/triton."""
-    from tests.triton.test_launch import FAKE_CONTROL
-    from triton_repo.cuda_mps import CONTROL_SOCKET, PIPE_DIR_ENV
-
-    bin_dir, record = tmp_path / "bin", tmp_path / "record"
-    bin_dir.mkdir()
-    record.mkdir()
-    (bin_dir / "nvidia-cuda-mps-control").write_text(FAKE_CONTROL)
-    (bin_dir / "nvidia-cuda-mps-control").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("RECORD_DIR", str(record))
-    events: list[tuple[str, bool]] = []
-
-    def start(server, ready_timeout):
-        pipe = Path(server.extra_env[PIPE_DIR_ENV])
-        events.append(("start", (pipe / CONTROL_SOCKET).exists()))
-
-    monkeypatch.setattr(launch.TritonServer, "start", start)
-    monkeypatch.setattr(launch.TritonServer, "cleanup", lambda server: events.append(("stop", True)))
-    stack = launch.BenchStack(tmp_path / "repo", tmp_path, replica_devices=("0", "1"), cuda_mps=True)
+def test_each_replica_server_sees_its_own_device_and_all_are_started_and_stopped(tmp_path, monkeypatch):
+    """The servers are replaced by recorders of what each was started with."""
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(launch.TritonServer, "start", lambda server, ready_timeout: events.append(
+        ("start", server.extra_env["CUDA_VISIBLE_DEVICES"])))
+    monkeypatch.setattr(launch.TritonServer, "cleanup", lambda server: events.append(
+        ("stop", server.extra_env["CUDA_VISIBLE_DEVICES"])))
+    stack = launch.BenchStack(tmp_path / "repo", tmp_path, replica_devices=("0", "1"))
     stack.start_triton()
-    assert events == [("start", True), ("start", True)]  # both replicas are clients of the running daemon
-    pipe = Path(stack.servers[1].extra_env[PIPE_DIR_ENV])
-    assert stack.servers[1].extra_env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert events == [("start", "0"), ("start", "1")]  # one after the other
+    assert stack.server_logs == [tmp_path / "tritonserver.log", tmp_path / "tritonserver-1.log"]
     stack.stop()
-    assert events[2:] == [("stop", True), ("stop", True)] and not (pipe / CONTROL_SOCKET).exists()
-    assert len((record / "control.calls").read_text().splitlines()) == 2  # started once, quit once
+    assert events[2:] == [("stop", "0"), ("stop", "1")]

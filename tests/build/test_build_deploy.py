@@ -20,7 +20,7 @@ DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
 PROFILES = ("trtllm", "torch", "dit", "disaggregated")
 GATEWAY_COMMAND = ["python", "-m", "gateway"]
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3"
-#: Every container starts tritonserver through the launcher (its serving arguments, CUDA MPS).
+#: Every container starts tritonserver through the launcher (it adds the serving arguments).
 TRITON_LAUNCHER = "triton_repo.launch"
 
 

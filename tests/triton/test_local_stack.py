@@ -134,15 +134,6 @@ def test_another_models_dir_comes_from_the_environment_and_is_checked(tiny_model
     assert flag in capsys.readouterr().err and not (tmp_path / "repo").exists()
 
 
-@pytest.mark.parametrize("value, message", [("on", "needs --device cuda"), ("sometimes", "use on or off")])
-def test_cuda_mps_comes_from_the_environment_and_is_refused_where_it_cannot_work(
-    tiny_model_dir, tmp_path, monkeypatch, capsys, value, message
-):
-    monkeypatch.setenv("COSYVOICE_CUDA_MPS", value)
-    assert main(["--model-dir", str(tiny_model_dir), "--repo-dir", str(tmp_path / "repo"), "--device", "cpu"]) == 2
-    assert message in capsys.readouterr().err and not (tmp_path / "repo").exists()
-
-
 @pytest.mark.timeout(1200)  # the whole stack: its start (up to START_TIMEOUT_S, again after a port conflict)
 def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tmp_path):
     # the rig picks free ports and starts again on new ones if another process took one first
