@@ -371,3 +371,21 @@ async def accounted(stats: Stats, release: Callable[[], Awaitable[None]]) -> Asy
             await release()
         finally:
             stats.add("orchestrator_active_requests", -1)
+
+
+async def run_until_cancelled(
+    work: Callable[[], Awaitable[None]], is_cancelled: Callable[[], bool], poll_s: float = 0.05
+) -> bool:
+    """Run `work()` and cancel it as soon as `is_cancelled()` turns true. Returns True if cancelled."""
+    task = asyncio.ensure_future(work())
+    while not task.done():
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and is_cancelled():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return True
+    task.result()
+    return False

@@ -65,7 +65,7 @@ def run_flow(engine: DiTToken2Wav, mix, graphs: DiTStepGraphs | None):
         active = [i for i, plan in enumerate(chunk_plans) if index < len(plan)]
         chunks = [chunk_plans[i][index] for i in active]
         results = engine.flow.chunks(
-            [torch.tensor(tokens[i][c.start:c.feed])[None] for i, c in zip(active, chunks)],
+            [torch.tensor(tokens[i][c.start:c.feed], device=engine.flow_device)[None] for i, c in zip(active, chunks)],
             [states[i] for i in active], [c.final for c in chunks], graphs)
         for i, (_, mel, state) in zip(active, results):
             mels[i].append(mel)

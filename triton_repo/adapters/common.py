@@ -21,8 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
-from speech_serving.cancellation import CancellationWatcher, run_until_cancelled
-from speech_serving.orchestrator import parse_request
+from speech_serving.orchestrator import parse_request, run_until_cancelled
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
@@ -83,16 +82,15 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-#: Asks tritonserver whether the entry models' clients left, off the event loop (speech_serving.cancellation).
-_CANCELLATIONS = CancellationWatcher()
-
-
 def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
     """Start one task per request; the model's async `execute` returns at once (no head-of-line blocking).
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
-    cancels the task. The models behind them are stopped by their callers explicitly and are not watched.
+    cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
+    started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
+    blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
+    sequence and token2wav job every 50 ms.
     """
     loop = asyncio.get_running_loop()
     for request in requests:
@@ -105,8 +103,7 @@ async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]]
     sender = request.get_response_sender()
     try:
         if cancellable:
-            cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled,
-                                                  _CANCELLATIONS)
+            cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled)
         else:
             await handle(request, sender)
             cancelled = False
