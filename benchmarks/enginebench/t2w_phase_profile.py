@@ -8,8 +8,11 @@ history) three ways:
   step, the mel out, HiFT, emit), so each phase's time is its own (the sum is a little above the wall time);
 - kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
   waited for the host.
+With `--by-op`, one more call of each case runs with the step graphs off, under the profiler with input shapes, and
+the operators that launched the most kernel time are listed with their shapes: a graph replay shows only kernel
+names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op]
 """
 
 from __future__ import annotations
@@ -57,6 +60,29 @@ class Phases:
         setattr(owner, name, timed)
 
 
+def op_profile(fn: Callable[[], object], device: torch.device, top: int) -> list[tuple[str, str, int, float]]:
+    """(operator, input shapes, calls, device ms) of the operators whose own kernels took the most device time in
+    one call of `fn` (CPU: their own CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    fn()
+    sync(device)
+    with profile(activities=activities, record_shapes=True) as prof:
+        fn()
+        sync(device)
+
+    def own_time(event) -> float:  # microseconds; the attribute's name moved between torch versions
+        for name in ("self_device_time_total", "self_cuda_time_total"):
+            value = getattr(event, name, None)
+            if value is not None and device.type == "cuda":
+                return value
+        return event.self_cpu_time_total
+
+    events = sorted(prof.key_averages(group_by_input_shape=True), key=own_time, reverse=True)[:top]
+    return [(e.key, str(e.input_shapes)[:90], e.count, own_time(e) / 1e3) for e in events]
+
+
 def median_ms(device: torch.device, fn: Callable[[], object], repeats: int) -> float:
     samples = []
     for _ in range(repeats):
@@ -74,6 +100,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
+    parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
@@ -118,6 +146,16 @@ def main() -> int:
                   f"{split}", flush=True)
             for kernel, ms in kernels["top"]:
                 print(f"{'':<30}{ms:8.2f} ms  {kernel}")
+            if args.by_op:
+                graphs, runner.graphs = runner.graphs, None  # eager: each kernel keeps its launching operator
+                try:
+                    prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(2)]
+                    ops = op_profile(lambda: engine.run_chunks(prepared.pop()), device, args.top)
+                finally:
+                    runner.graphs = graphs
+                print(f"{'':<30}eager, by operator (own device ms, calls, input shapes):")
+                for op, shapes, calls, ms in ops:
+                    print(f"{'':<30}{ms:8.2f} ms {calls:6d}x  {op}  {shapes}")
     return 0
 
 
