@@ -95,6 +95,7 @@ Options:
   --open-loop-step-seconds S    arrivals offered per search step (default 30)
   --open-loop-steps N           most rates one search measures (default 8)
   --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
+  --server-arg ARG              an extra tritonserver argument, repeatable (named in the results directory)
 """
 
 from __future__ import annotations
@@ -870,6 +871,7 @@ def settings_slug(args: argparse.Namespace) -> str:
     parts = [pipeline] if pipeline is not None else []
     parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if pipeline is not None else [args.token2wav])
     parts += [item.replace("=", "") for item in args.render_arg]
+    parts += [item.rpartition(",")[2].replace("=", "") for item in args.server_arg]  # e.g. thread-pool-size128
     if args.only:
         parts.append(args.only.replace(",", "+"))
     if args.replicas > 1:
@@ -982,6 +984,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive, default=1,
                         help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
                              "one round-robin gRPC target (default 1)")
+    parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                        help="an extra tritonserver argument (repeatable), e.g. "
+                             "--server-arg=--backend-config=python,thread-pool-size=128")
     return parser
 
 
@@ -1040,7 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         cosyvoice3_benchmark_ratio=args.cosyvoice3_benchmark_ratio,
     )  # fmt: skip
 
-    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices)
+    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices,
+                       server_args=tuple(args.server_arg))
     servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))

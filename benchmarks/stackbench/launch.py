@@ -213,6 +213,8 @@ class BenchStack:
     gateway_env: dict[str, str] = field(default_factory=dict)
     #: CUDA_VISIBLE_DEVICES of each server; empty: one server that sees the devices this process sees.
     replica_devices: Sequence[str] = ()
+    #: extra tritonserver arguments of every server (`stack-bench --server-arg`)
+    server_args: tuple[str, ...] = ()
     servers: list[TritonServer] = field(init=False)
     gateway: subprocess.Popen | None = field(default=None, init=False)
     gateway_port: int = field(default=0, init=False)
@@ -221,7 +223,7 @@ class BenchStack:
         envs = [{"CUDA_VISIBLE_DEVICES": device} for device in self.replica_devices] or [{}]
         self.servers = [
             TritonServer(model_repository=self.repo, log_path=self.server_log_of(i),
-                         env_prefix=self.stub_env or Path(sys.prefix), extra_env=env)
+                         env_prefix=self.stub_env or Path(sys.prefix), extra_env=env, extra_args=self.server_args)
             for i, env in enumerate(envs)
         ]  # fmt: skip
         for log in (*self.server_logs, self.gateway_log):

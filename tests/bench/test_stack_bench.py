@@ -116,12 +116,14 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
                               cosyvoice3=False, render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
-                              replicas=1)
+                              replicas=1, server_arg=[])
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
     replicas = sb.settings_slug(argparse.Namespace(**{**vars(args), "replicas": 4}))
     assert replicas == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-rep4-r3"
     assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
+    pool = sb.settings_slug(argparse.Namespace(**{**vars(args), "server_arg": ["--backend-config=python,thread-pool-size=128"]}))
+    assert "-layoutab-thread-pool-size128-triton-stream" in pool  # a server argument names its run too
     assert len(sb.settings_slug(argparse.Namespace(**{**vars(args), "only": "x" * 300}))) <= 80
     # a Spark run is named as one from its first word, however long the rest
     spark = argparse.Namespace(**{**vars(args), "spark": True, "only": "x" * 300})
@@ -649,7 +651,9 @@ def test_each_replica_server_sees_its_own_device_and_all_are_started_and_stopped
         ("start", server.extra_env["CUDA_VISIBLE_DEVICES"])))
     monkeypatch.setattr(launch.TritonServer, "cleanup", lambda server: events.append(
         ("stop", server.extra_env["CUDA_VISIBLE_DEVICES"])))
-    stack = launch.BenchStack(tmp_path / "repo", tmp_path, replica_devices=("0", "1"))
+    stack = launch.BenchStack(tmp_path / "repo", tmp_path, replica_devices=("0", "1"),
+                              server_args=("--backend-config=python,thread-pool-size=128",))
+    assert all(server.extra_args == ("--backend-config=python,thread-pool-size=128",) for server in stack.servers)
     stack.start_triton()
     assert events == [("start", "0"), ("start", "1")]  # one after the other
     assert stack.server_logs == [tmp_path / "tritonserver.log", tmp_path / "tritonserver-1.log"]
