@@ -216,14 +216,34 @@ class HiFTCache:
 
 
 @dataclass(eq=False)
-class FlowCacheBook:
+class CacheBudget:
+    """The bytes that live streams' own flow caches hold against an optional budget (None: no limit), shared by
+    the threads that run chunks. A stream whose caches would pass the budget stops caching (and recomputes)."""
+
+    budget_bytes: int | None = None
+    nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Account `nbytes` more (negative: fewer); False (nothing accounted) when a growth would pass the budget.
+        A shrink is always accepted: it frees memory."""
+        with self.lock:
+            if nbytes > 0 and self.budget_bytes is not None and self.nbytes + nbytes > self.budget_bytes:
+                return False
+            self.nbytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.nbytes -= nbytes
+
+
+@dataclass(eq=False)
+class FlowCacheBook(CacheBudget):
     """The flow caches of one `Token2Wav`: the voice prefixes (LRU by prompt digest) and the bytes that live
     streams' own caches hold against the budget."""
 
-    budget_bytes: int | None = None
     prefixes: "OrderedDict[str, CachedSegment]" = field(default_factory=OrderedDict)
-    nbytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Token2Wav(FlowAndVocoder):
@@ -290,16 +310,10 @@ class Token2Wav(FlowAndVocoder):
 
     def reserve_cache(self, nbytes: int) -> bool:
         """Account `nbytes` of new stream caches; False (nothing reserved) when that would pass the budget."""
-        book = self.book
-        with book.lock:
-            if book.budget_bytes is not None and book.nbytes + nbytes > book.budget_bytes:
-                return False
-            book.nbytes += nbytes
-            return True
+        return self.book.reserve(nbytes)
 
     def release_cache(self, nbytes: int) -> None:
-        with self.book.lock:
-            self.book.nbytes -= nbytes
+        self.book.release(nbytes)
 
     def mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Mel (1, 80, frames) fp32 on the HiFT device per call; the calls of one attention mode share a forward.

@@ -15,7 +15,9 @@ Two flow paths, the same numbers up to float rounding:
   a complete 50-frame chunk are kept, with the ODE state of the frames the conv position embedding still needs.
   Under the chunk mask such frames never see a later frame, and their inputs (tokens with their real lookahead,
   prompt mel, noise) never change, so their values are final: a chunk only computes the frames from the last
-  complete chunk on. The final chunk (full attention) is always recomputed, as in the reference.
+  complete chunk on. The final chunk (full attention) is always recomputed, as in the reference. The live streams'
+  own caches share an optional memory budget (`cache_budget_bytes`): a stream whose next cache would pass it
+  drops its cache and recomputes from then on (`CosyVoice3Stream`).
 
 `run_chunks` solves the flow of a call's cached chunks and offline jobs together (`batched_solve`: rows padded and
 masked so each sees only its own frames, one estimator pass per Euler step); the vocoder runs per chunk, and
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 
 from cosyvoice2.dit.token2wav import DiTChunkSchedule, DiTStreamingConfig, VoiceCaches, prompt_key
-from cosyvoice2.streaming import Chunk, ChunkedStream
+from cosyvoice2.streaming import CacheBudget, Chunk, ChunkedStream
 
 from .errors import CosyVoice3InputError
 from .flow import CosyVoice3Flow, FlowInputs
@@ -74,8 +76,15 @@ class FlowCache:
     kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     context: list[torch.Tensor] = field(default_factory=list)
 
+    def tensors(self) -> Iterable[torch.Tensor]:
+        for step in self.kv:
+            for keys, values in step:
+                yield keys
+                yield values
+        yield from self.context
+
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for step in self.kv for k, v in step) + sum(c.nbytes for c in self.context)
+        return sum(tensor.nbytes for tensor in self.tensors())
 
 
 @dataclass(frozen=True)
@@ -250,12 +259,16 @@ class CosyVoice3Token2Wav:
     """Flow + causal HiFT; offline synthesis and streams."""
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
-                 voice_capacity: int = 8) -> None:
+                 voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None) -> None:
         """voice_capacity: voices whose prompt flow cache (`prompt_flow_cache`) is kept for cached streams, least
-        recently used dropped first (each holds its committed prompt frames' keys/values: see docs)."""
+        recently used dropped first (each holds its committed prompt frames' keys/values: see docs).
+        cache_budget_bytes: what the live cached streams' own flow caches may hold together (None: no limit; the
+        voices' prompt caches, bounded by `voice_capacity`, are not counted); a stream whose next cache would pass
+        it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`)."""
         self.flow = flow
         self.hift = hift
         self.voice_caches = VoiceCaches(voice_capacity)
+        self.budget = CacheBudget(cache_budget_bytes)
         self.schedule = schedule or runtime_schedule(lookahead=flow.config.pre_lookahead_len)
         self.lookahead = flow.config.pre_lookahead_len
         weight = flow.input_embedding.weight
@@ -265,6 +278,11 @@ class CosyVoice3Token2Wav:
     @property
     def sample_rate(self) -> int:
         return self.hift.config.sampling_rate
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of the live streams' own flow caches (what the budget counts)."""
+        return self.budget.nbytes
 
     @property
     def samples_per_token(self) -> int:
@@ -359,7 +377,11 @@ class CosyVoice3Token2Wav:
 
 class CosyVoice3Stream(ChunkedStream):
     """All state of one stream: tokens, chunks run, the accumulated mel, samples sent, the optional flow cache.
-    `extend` / `next_chunk` / `push` / `finish` as CosyVoice2's streams (`cosyvoice2.streaming.ChunkedStream`)."""
+    `extend` / `next_chunk` / `push` / `finish` as CosyVoice2's streams (`cosyvoice2.streaming.ChunkedStream`).
+
+    A cached stream's own flow-cache bytes count against the engine's budget: each chunk's new cache is charged
+    the difference to the one it replaces; the stream returns them all at its final chunk, at `close`, when the
+    budget refuses a new cache (it then recomputes from there on) and when it is dropped (cancelled, expired)."""
 
     def __init__(self, engine: CosyVoice3Token2Wav, prompt: VoicePrompt, flow_cache: Optional[FlowCache] = None) -> None:
         """flow_cache: where the cached flow path starts (None: every chunk recomputes, the reference path)."""
@@ -369,8 +391,12 @@ class CosyVoice3Stream(ChunkedStream):
         self.tokens: list[int] = []
         self.chunks: list[Chunk] = []
         self.finished = False
-        self.cached = flow_cache is not None
+        self.cached = flow_cache is not None  # cleared when the budget refuses the stream's next cache, or at close
         self.flow_cache = flow_cache
+        # the tensors of `flow_cache` this stream made (id -> bytes; alive while it holds them); the rest are
+        # shared with the voice's prompt cache and are the voice's
+        self._own: dict[int, int] = {}
+        self._flow_cache_bytes = 0  # sum of `_own`, as accounted in the engine's budget
         self._mels: list[torch.Tensor] = []
         self._sent = 0
 
@@ -427,10 +453,46 @@ class CosyVoice3Stream(ChunkedStream):
         if pending.mel is not None:
             self._mels.append(pending.mel)
         self._sent += pending.audio.shape[0]
-        self.flow_cache = None if pending.chunk.final or pending.cache is None else pending.cache
+        self._keep_flow_cache(None if pending.chunk.final else pending.cache)
         self.chunks.append(pending.chunk)
         self.finished = pending.chunk.final
         return pending.audio
+
+    def _keep_flow_cache(self, cache: Optional[FlowCache]) -> None:
+        """Replace the stream's flow cache by the one its chunk built, charging the budget the difference of the
+        stream's own bytes (a chunk that completes no new 50-frame chunk keeps the old keys/values, possibly the
+        voice's); a cache the budget refuses is dropped and the stream takes the reference path from then on (the
+        same audio up to float rounding, only slower). Never raises: `run_chunks` applies its chunks after all of
+        them were computed."""
+        if cache is None:  # the final chunk, or a stream on the reference path
+            self.release_flow_cache()
+            return
+        old = {id(tensor) for tensor in self.flow_cache.tensors()} if self.flow_cache is not None else set()
+        own = {id(tensor): tensor.nbytes for tensor in cache.tensors()
+               if id(tensor) not in old or id(tensor) in self._own}
+        nbytes = sum(own.values())
+        if self.engine.budget.reserve(nbytes - self._flow_cache_bytes):
+            self.flow_cache, self._own, self._flow_cache_bytes = cache, own, nbytes
+        else:  # over budget: recompute from here on
+            self.close()
+
+    def release_flow_cache(self) -> None:
+        """Drop the stream's flow cache and return its own bytes to the engine's budget."""
+        self.flow_cache, self._own = None, {}
+        if self._flow_cache_bytes:
+            self.engine.budget.release(self._flow_cache_bytes)
+            self._flow_cache_bytes = 0
+
+    def close(self) -> None:
+        """Free the stream's flow cache (a cancelled stream); a chunk run after this recomputes."""
+        self.release_flow_cache()
+        self.cached = False
+
+    def __del__(self) -> None:  # a stream dropped mid-utterance (cancelled, expired) returns its budget
+        try:
+            self.release_flow_cache()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     @torch.inference_mode()
     def run(self, chunk: Chunk) -> np.ndarray:
