@@ -132,8 +132,10 @@ def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
 
 def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
     """Parameters of `cosyvoice3_engine` (`adapters.cosyvoice3_engine`): the LLM's capacity and dtype are the
-    render's (`with_options`); `flow_cache` is CosyVoice3's own option, not CosyVoice2's of that name."""
+    render's (`with_options`); `flow_cache` and `flow_cache_gb` are CosyVoice3's own options, not CosyVoice2's of
+    those names."""
     cv3 = opts.cosyvoice3
     assert cv3 is not None
     return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
-                        flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, benchmark=_benchmark(cv3))
+                        flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, flow_cache_gb=cv3.flow_cache_gb,
+                        benchmark=_benchmark(cv3))

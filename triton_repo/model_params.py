@@ -331,4 +331,10 @@ class CosyVoice3EngineParams(DecoderParams):
 
     flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
     flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
+    flow_cache_gb: float  # the live cached streams' own flow caches together (voices not counted); 0: no limit
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+
+    @property
+    def flow_cache_budget_bytes(self) -> int | None:
+        """The streams' flow-cache budget in bytes; None: no limit."""
+        return int(self.flow_cache_gb * 2**30) if self.flow_cache_gb else None

@@ -15,6 +15,7 @@ from triton_repo import render_models
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
+    CosyVoice3EngineParams,
     EngineParams,
     LLMParams,
     OrchestratorParams,
@@ -24,10 +25,12 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
+from cosyvoice3.testing import write_tiny_model as write_tiny_cosyvoice3
 from spark_tts.streaming import ChunkSchedule
 from spark_tts.testing import write_tiny_model
-from triton_repo import spark_render
-from triton_repo.render import MARKER, RenderError, RenderOptions, main, render_repository, write_repository
+from triton_repo import cosyvoice3_render, spark_render
+from triton_repo.render import (MARKER, CosyVoice3RenderOptions, RenderError, RenderOptions, main, render_repository,
+                                write_repository)
 from triton_repo.spark_render import SparkRenderOptions
 from tests.triton.test_render import parameters, parsed_configs
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
@@ -114,6 +117,20 @@ def test_the_token2wav_replicas_and_their_share_of_the_gpu_budget_are_typed_para
                                              token2wav_instances_per_gpu=1))  # fmt: skip
     assert "replicas_per_gpu" not in single.to_parameters() and single.flow_cache_budget_gb == 10.0
     assert replace(single, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
+
+
+@pytest.mark.parametrize(("given", "budget"), [({}, 16 * 2**30), ({"flow_cache_gb": 0.5}, 2**29),
+                                              ({"flow_cache_gb": 0.0}, None)], ids=["default", "set", "no-limit"])
+def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp_path, given, budget):
+    """CosyVoice3's own `flow_cache_gb`, not CosyVoice2's option of that name (set apart here), reaches the
+    `cosyvoice3_engine` parameters; 0 means no limit."""
+    cv3_dir = write_tiny_cosyvoice3(tmp_path / "cv3", seed=3)
+    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", flow_cache_gb=7.0,
+                         cosyvoice3=CosyVoice3RenderOptions(cv3_dir, **given))
+    configs = parsed_configs(write_repository(opts))
+    read = CosyVoice3EngineParams.from_parameters(parameters(configs[cosyvoice3_render.ENGINE]))
+    assert read == cosyvoice3_render.engine_params(opts)
+    assert read.flow_cache_gb == given.get("flow_cache_gb", 16.0) and read.flow_cache_budget_bytes == budget
 
 
 @pytest.mark.parametrize("value", ["", "llm,", ",llm", "llm,,token2wav"])

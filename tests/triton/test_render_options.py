@@ -67,11 +67,13 @@ def test_the_command_line_sets_the_fields_the_library_call_sets() -> None:
     given = parse(["--token2wav-gpus", "1,2", "--instances", "cosyvoice2=2", "--instances", "voice_prompt=3",
                    "--flow-cache-gb", "2.5", "--gpu-emulation", "--llm-backend", "trtllm",
                    "--spark-dir", "/s", "--spark-first-chunk", "9", "--spark-benchmark-ratio", "2",
-                   "--cosyvoice3-dir", "/c", "--cosyvoice3-flow-cache", "recompute", "--cosyvoice3-second-hop", "30"])
+                   "--cosyvoice3-dir", "/c", "--cosyvoice3-flow-cache", "recompute", "--cosyvoice3-second-hop", "30",
+                   "--cosyvoice3-flow-cache-gb", "3"])
     assert given == options(token2wav_gpus=(1, 2), instances={"cosyvoice2": 2, "voice_prompt": 3}, flow_cache_gb=2.5,
                             gpu_emulation=True, llm_backend="tensorrt_llm",
                             spark=SparkRenderOptions(Path("/s"), first_chunk_tokens=9, benchmark_ratio=2.0),
-                            cosyvoice3=CosyVoice3RenderOptions(Path("/c"), flow_cache="recompute", second_hop=30))
+                            cosyvoice3=CosyVoice3RenderOptions(Path("/c"), flow_cache="recompute", second_hop=30,
+                                                                        flow_cache_gb=3.0))
     assert parse([]) == options()  # every flag left out keeps the field's default
 
 
@@ -82,8 +84,8 @@ def test_every_field_with_help_has_its_flag() -> None:
     expected = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(RenderOptions) if f.metadata.get("help")}
     assert expected - {"--spark"} <= flags
     assert {"--spark-dir", "--spark-first-chunk", "--spark-max-new-tokens", "--token2wav-gpus"} <= flags
-    assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-flow-voices", "--cosyvoice3-first-hop",
-            "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio"} <= flags
+    assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-flow-voices", "--cosyvoice3-flow-cache-gb",
+            "--cosyvoice3-first-hop", "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio"} <= flags
     assert "--max-target-text-tokens" not in flags  # a library option: no help, no flag
 
 

@@ -43,7 +43,8 @@ def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler:
     )  # fmt: skip
     flow = load_flow(params.model_dir / FLOW_FILE, config, device, dtype)
     hift = load_hift(params.model_dir / HIFT_FILE, config, device)
-    engine = CosyVoice3Token2Wav(flow, hift, voice_capacity=params.flow_voices)
+    engine = CosyVoice3Token2Wav(flow, hift, voice_capacity=params.flow_voices,
+                                 cache_budget_bytes=params.flow_cache_budget_bytes)
     token2wav = Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device)
     return EngineHandler(llm, token2wav)
 
