@@ -1,7 +1,7 @@
 """CosyVoice3's serving parts without Triton, on the tiny random CosyVoice3 model: the orchestrator's LLM requests
 per voice mode, their decoding by the shared LLM path equal to the engine's own, and the token2wav engine behind
-the token2wav service (cached streams equal the recompute reference; offline jobs equal the engine's offline audio;
-a bad job fails alone)."""
+the token2wav service (cached streams equal the recompute reference, also past a flow-cache budget; offline jobs
+equal the engine's offline audio; a bad job fails alone)."""
 
 from __future__ import annotations
 
@@ -113,11 +113,15 @@ def test_the_served_llm_request_decodes_the_engines_tokens(orchestrator, engine,
     assert decoded >= 20
 
 
-def _streams(engine: cosyvoice3.CosyVoice3, cached: bool, seed: int) -> list[list[np.ndarray]]:
+def _streams(engine: cosyvoice3.CosyVoice3, cached: bool, seed: int,
+             budget: int | None = None) -> list[list[np.ndarray]]:
     """Two streams of two voices in rounds of the orchestrator's chunks, one offline job beside the first round
-    (its audio: the engine's offline audio); each stream's pieces add up to 960 samples per token."""
+    (its audio: the engine's offline audio); each stream's pieces add up to 960 samples per token. `budget`: the
+    streams' flow caches run under that budget (a token2wav of their own), which is all returned at the end."""
     rng = np.random.default_rng(seed)
     token2wav: CosyVoice3Token2Wav = engine.token2wav_engine
+    if budget is not None:
+        token2wav = CosyVoice3Token2Wav(token2wav.flow, token2wav.hift, token2wav.schedule, cache_budget_bytes=budget)
     batched = CosyVoice3BatchedToken2Wav(token2wav, cached=cached)
     voices = [voice(rng, 23), voice(rng, 31)]
     tokens = [rng.integers(0, 6561, n).astype(np.int32) for n in (40, 28)]
@@ -146,16 +150,24 @@ def _streams(engine: cosyvoice3.CosyVoice3, cached: bool, seed: int) -> list[lis
     np.testing.assert_allclose(offline_audio, expected_offline, atol=AUDIO_ATOL)
     for pieces, t in zip(out, tokens):
         assert len(pieces) >= 4 and sum(p.size for p in pieces) == 960 * t.size
+    assert token2wav.cache_bytes == 0  # every stream ran its final chunk
     return out
 
 
-def test_cached_streams_equal_the_recompute_reference(engine):
-    cached = _streams(engine, cached=True, seed=3)
-    reference = _streams(engine, cached=False, seed=3)
-    for ours, theirs in zip(cached, reference):
+def _assert_same_pieces(streams: list[list[np.ndarray]], reference: list[list[np.ndarray]]) -> None:
+    for ours, theirs in zip(streams, reference):
         assert [p.size for p in ours] == [p.size for p in theirs]
         for a, b in zip(ours, theirs):
             np.testing.assert_allclose(a, b, atol=AUDIO_ATOL)
+
+
+def test_cached_streams_equal_the_recompute_reference(engine):
+    _assert_same_pieces(_streams(engine, cached=True, seed=3), _streams(engine, cached=False, seed=3))
+
+
+def test_streams_past_the_flow_cache_budget_recompute_the_same_audio(engine):
+    """A budget of one byte: every cached stream drops its cache at its first chunk and recomputes from then on."""
+    _assert_same_pieces(_streams(engine, cached=True, seed=3, budget=1), _streams(engine, cached=False, seed=3))
 
 
 def test_a_bad_job_fails_alone(engine):
