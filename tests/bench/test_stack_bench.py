@@ -315,11 +315,32 @@ def test_levels_repeat_and_token2wav_are_checked_by_the_parser(capsys):
             parser.parse_args(argv)
 
 
+def _check_own_benchmark_mode(capsys, common: dict, pipeline: str, model_dir, announced: str, tokenizer,
+                              tokens_per_char: float, models: tuple[str, ...]):
+    """A stack rendered with `pipeline`'s directory (`spark`, `cosyvoice3`) beside CosyVoice2: its own benchmark
+    ratio, announced, giving the built-in sentences `tokens_per_char`, its models rendered, CosyVoice2's ratio off;
+    a given ratio is rendered as given, 0 as off. Returns the default render (options, repository)."""
+    from ttsbench.sentences import SENTENCES
+
+    options, repo = launch.render_stack(**common, **{f"{pipeline}_dir": model_dir})
+    ratio = getattr(options, pipeline).benchmark_ratio
+    assert getattr(options, pipeline).model_dir == model_dir and options.benchmark_speech_ratio is None
+    assert announced.format(ratio) in capsys.readouterr().out
+    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
+    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(tokens_per_char, rel=1e-3)
+    for name in models:
+        assert (repo / name / "config.pbtxt").is_file()
+    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
+        given_options, _ = launch.render_stack(**common, **{f"{pipeline}_dir": model_dir,
+                                                            f"{pipeline}_benchmark_ratio": given})
+        assert getattr(given_options, pipeline).benchmark_ratio == rendered
+    return options, repo
+
+
 def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(tmp_path, capsys):
     from cosyvoice2.testing import write_tiny_model
     from spark_tts.prompt import SparkTokenizer
     from spark_tts.testing import write_tiny_model as write_tiny_spark
-    from ttsbench.sentences import SENTENCES
 
     model, spark = write_tiny_model(tmp_path / "tiny"), write_tiny_spark(tmp_path / "spark")
     assert launch.ensure_spark_dir(tmp_path / "work", spark) == spark  # given weights are never rewritten
@@ -328,27 +349,17 @@ def test_render_stack_renders_spark_beside_cosyvoice2_in_its_own_benchmark_mode(
     options, repo = launch.render_stack(**common)
     assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
 
-    options, repo = launch.render_stack(**common, spark_dir=spark)
-    ratio = options.spark.benchmark_ratio
-    assert options.spark.model_dir == spark and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
-    assert f"Spark benchmark mode: {ratio} semantic tokens per text token" in capsys.readouterr().out
     # the default ratio gives the built-in sentences 3.33 semantic tokens (50 per second) per character
-    tokenizer = SparkTokenizer.from_model_dir(spark)
-    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
-    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(launch.SPARK_TOKENS_PER_CHAR, rel=1e-3)
-    for name in (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL):
-        assert (repo / name / "config.pbtxt").is_file()
-
-    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
-        options, _ = launch.render_stack(**common, spark_dir=spark, spark_benchmark_ratio=given)
-        assert options.spark.benchmark_ratio == rendered
+    options, _ = _check_own_benchmark_mode(
+        capsys, common, "spark", spark, "Spark benchmark mode: {} semantic tokens per text token",
+        SparkTokenizer.from_model_dir(spark), launch.SPARK_TOKENS_PER_CHAR,
+        (contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL))
 
 
 def test_render_stack_renders_cosyvoice3_beside_cosyvoice2_in_its_own_benchmark_mode(tmp_path, capsys):
     from cosyvoice2.testing import write_tiny_model
     from cosyvoice3.layout import released_dir_problems
     from cosyvoice3.text import CosyVoice3Tokenizer
-    from ttsbench.sentences import SENTENCES
 
     model, work = write_tiny_model(tmp_path / "tiny"), tmp_path / "work"
     # no --cosyvoice3-dir: on the CPU the tiny model (every file serving reads), written once, then reused
@@ -363,21 +374,12 @@ def test_render_stack_renders_cosyvoice3_beside_cosyvoice2_in_its_own_benchmark_
 
     common = {"work": work, "model_dir": model, "device": "cpu", "dtype": "fp32", "max_batch": 4,
               "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
-    options, repo = launch.render_stack(**common, cosyvoice3_dir=cv3)
-    ratio = options.cosyvoice3.benchmark_ratio
-    assert options.cosyvoice3.model_dir == cv3 and options.benchmark_speech_ratio is None  # CosyVoice2's stays off
-    assert f"CosyVoice3 benchmark mode: {ratio} speech tokens per text token" in capsys.readouterr().out
     # the default ratio gives the built-in sentences 1.67 speech tokens (25 per second) per character
-    tokenizer = CosyVoice3Tokenizer.from_model_dir(cv3)
-    tokens = sum(ratio * len(tokenizer.encode(s)) for s in SENTENCES)
-    assert tokens / sum(len(s) for s in SENTENCES) == pytest.approx(launch.SPEECH_TOKENS_PER_CHAR, rel=1e-3)
-    for name in (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL):
-        assert (repo / name / "config.pbtxt").is_file()
+    options, repo = _check_own_benchmark_mode(
+        capsys, common, "cosyvoice3", cv3, "CosyVoice3 benchmark mode: {} speech tokens per text token",
+        CosyVoice3Tokenizer.from_model_dir(cv3), launch.SPEECH_TOKENS_PER_CHAR,
+        (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL))
     assert options.spark is None and not (repo / contract.SPARK_STREAMING_MODEL).exists()
-
-    for given, rendered in ((2.5, 2.5), (0, None)):  # 0: off, for real weights
-        options, _ = launch.render_stack(**common, cosyvoice3_dir=cv3, cosyvoice3_benchmark_ratio=given)
-        assert options.cosyvoice3.benchmark_ratio == rendered
 
 
 # -- the first-chunk breakdown, from two scrapes of /metrics around a level --------------------------------------
