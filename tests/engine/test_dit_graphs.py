@@ -188,8 +188,9 @@ def steady_shapes(schedule, prompt_tokens: int, tokens: int, ratio: int, window:
     return out
 
 
-def test_buckets_cover_the_served_schedule(engine: DiTToken2Wav) -> None:
-    served = StreamScheduleParams().schedule(EngineConfig())
+@pytest.mark.parametrize("align_first_hop", [True, False])
+def test_buckets_cover_the_served_schedule(engine: DiTToken2Wav, align_first_hop: bool) -> None:
+    served = StreamScheduleParams(align_first_hop=align_first_hop).schedule(EngineConfig())
     batched = DiTBatchedToken2Wav(engine, schedule=served)
     buckets = batched.engine.graphs.buckets
     assert batched.max_rows == max(buckets.rows)  # the token2wav service's cap on jobs per call

@@ -70,12 +70,15 @@ def stream_both_ways(flow: CausalFlow, prompt_tokens, prompt_mel, xvector, token
 
 
 @parity
-@pytest.mark.parametrize("first_hop", [25, 15])
-def test_cached_stream_equals_recompute_on_the_oracle(oracle, first_hop: int) -> None:
+@pytest.mark.parametrize(("first_hop", "aligned"), [(25, True), (15, True), (25, False), (15, False)])
+def test_cached_stream_equals_recompute_on_the_oracle(oracle, first_hop: int, aligned: bool) -> None:
+    """Aligned: the first hop padded to the grid (upstream's); unaligned (schedule grid 1, no pad): every chunk may
+    end inside a grid chunk, which the next chunk recomputes."""
     flow, dump = oracle
     prompt_tokens = dump["in_prompt_speech_token"][0].long()
     tokens = torch.cat([dump["in_flow_token"][0].long(), random_tokens(200, seed=3)])
-    schedule = ChunkSchedule(prompt_tokens=prompt_tokens.numel(), first_hop=first_hop)
+    schedule = ChunkSchedule(prompt_tokens=prompt_tokens.numel(), first_hop=first_hop, grid=25 if aligned else 1)
+    assert schedule.hop(0) == first_hop + (schedule.prompt_pad if aligned else 0)
     result, prefix, own = stream_both_ways(flow, prompt_tokens, dump["in_prompt_feat"][0], dump["in_xvector"][0],
                                            tokens, schedule, final_cached=False)
     assert sum(not chunk.final for chunk, _, _ in result) >= 3
@@ -271,7 +274,9 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
 
 
 # ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
-def test_buckets_cover_the_served_schedule(tiny_model_dir) -> None:
+@pytest.mark.parametrize("schedule_params", [{}, {"align_first_hop": False}, {"first_hop": 15, "align_first_hop": False}],
+                         ids=["upstream", "unaligned", "unaligned-15"])
+def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
     captured (rows, new frames, history frames) bucket of the engine, while the stream's history fits the table's
@@ -283,7 +288,7 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir) -> None:
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
-    served = StreamScheduleParams().schedule(config)
+    served = StreamScheduleParams(**schedule_params).schedule(config)
     engine = BatchedToken2Wav(load_flow(tiny_model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32),
                               load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config, served,
                               flow_cache="chunked")

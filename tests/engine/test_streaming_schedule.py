@@ -36,6 +36,24 @@ def test_configurable_first_hop_keeps_doubling_from_it() -> None:
     assert [schedule.hop(i) for i in range(5)] == [15, 30, 60, 100, 100]
 
 
+@pytest.mark.parametrize("prompt_tokens", [0, 1, 40, 75])
+def test_unaligned_served_schedule_needs_first_hop_plus_lookahead(prompt_tokens: int) -> None:
+    """`align_first_hop=False`: no prompt pad, whatever the prompt's length; the rest of the schedule is unchanged."""
+    from cosyvoice2.config import EngineConfig
+    from speech_serving.schedule import StreamScheduleParams, for_prompt
+
+    for first_hop in (15, 25):
+        aligned = for_prompt(StreamScheduleParams(first_hop=first_hop).schedule(EngineConfig()), prompt_tokens)
+        free = for_prompt(StreamScheduleParams(first_hop=first_hop, align_first_hop=False).schedule(EngineConfig()),
+                          prompt_tokens)
+        assert free.prompt_pad == 0 and free.hop(0) == first_hop
+        assert free.next_chunk(0, 0, available=first_hop + 2, finished=False) is None
+        assert free.next_chunk(0, 0, available=first_hop + 3, finished=False) == Chunk(0, first_hop, first_hop + 3,
+                                                                                       final=False)
+        assert [free.hop(i) for i in range(1, 5)] == [aligned.hop(i) for i in range(1, 5)]
+        assert aligned.hop(0) == first_hop + (-prompt_tokens % 25)
+
+
 def test_chunks_of_a_finished_stream() -> None:
     # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
     # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.

@@ -77,7 +77,8 @@ def _expected(opts: RenderOptions, model: str) -> object:
     "options",
     [
         {},
-        {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0},
+        {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
+         "align_first_hop": False},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "disaggregated", "device": "cuda", "dtype": "fp16"},
         {"layout": "disaggregated", "gpu_emulation": True, "token2wav_gpus": (1, 2), "token2wav_instances_per_gpu": 2},
@@ -97,7 +98,7 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     assert llm.benchmark == (BenchmarkMode(ratio) if ratio else None)  # one option, in the LLM and the orchestrators
     orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
-    assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth)
+    assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop)
     # the orchestrators address exactly the token2wav models rendered
     token2wavs = {name for name in configs if name.startswith("token2wav")} or {"engine"}
     assert set(orchestrator.models.token2wav_model) == token2wavs
