@@ -14,14 +14,14 @@ import os
 import sys
 from typing import Mapping, NoReturn, Sequence
 
-from triton_repo.server import SERVING_ARGS
+from triton_repo.server import SERVING_ARGS, serving_arg_key
 
 
 def tritonserver_command(args: Sequence[str], environ: Mapping[str, str]) -> list[str]:
     """tritonserver with `args` and the serving arguments (an argument given in `args` wins)."""
-    given = {arg.split("=", 1)[0] for arg in args}
+    given = {serving_arg_key(arg) for arg in args}
     return [environ.get("TRITONSERVER", "tritonserver"), *args,
-            *(arg for arg in SERVING_ARGS if arg.split("=", 1)[0] not in given)]
+            *(arg for arg in SERVING_ARGS if serving_arg_key(arg) not in given)]
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

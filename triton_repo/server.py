@@ -37,6 +37,10 @@ EXIT_TIMEOUT_S = 30
 #: A clean stop waits this long for tritonserver to exit by itself (then KILL): its exit timeout and a margin.
 CLEAN_STOP_S = EXIT_TIMEOUT_S + 5.0
 
+#: Threads of tritonserver's python backend that pass responses and BLS requests between the model processes and
+#: the server (`--backend-config=python,thread-pool-size`): more than the streams a GPU serves at once.
+PYTHON_BACKEND_THREADS = 128
+
 #: What every tritonserver of the project is started with: the local stack's (here) and the containers'
 #: (`triton_repo.launch`).
 SERVING_ARGS = (
@@ -47,7 +51,18 @@ SERVING_ARGS = (
     "--grpc-keepalive-permit-without-calls=1",
     "--grpc-http2-max-pings-without-data=0",
     "--grpc-http2-min-recv-ping-interval-without-data=10000",
+    # The python backend hands every response a model sends, and every BLS request it makes, to a pool of threads
+    # in tritonserver (32 by default, per backend). At 64 streams the streaming orchestrator's sends queued behind
+    # it: a first chunk waited ~1 s in the hand-overs (docs/experiments/2026-11-27-python-backend-thread-pool.md).
+    f"--backend-config=python,thread-pool-size={PYTHON_BACKEND_THREADS}",
 )
+
+
+def serving_arg_key(arg: str) -> str:
+    """What an argument sets, so that one given explicitly replaces the serving default: the flag, or for
+    `--backend-config=BACKEND,SETTING=VALUE` the backend's setting (there are many backend configs)."""
+    flag, _, value = arg.partition("=")
+    return f"{flag}={value.partition('=')[0]}" if flag == "--backend-config" else flag
 
 #: How far past its deadline a start may go while tritonserver keeps working (`wait_ready`), and how long without
 #: any CPU used by it and its model processes counts as stalled.
@@ -206,6 +221,7 @@ class TritonServer:
             self._make_backend_dir(ts_dir, backends)
         if self.log_path is None:
             self.log_path = self._workdir / "tritonserver.log"
+        overridden = {serving_arg_key(arg) for arg in self.extra_args}  # e.g. stack-bench --server-arg
         cmd = [
             str(ts_dir / "bin" / "tritonserver"),
             f"--model-repository={self.model_repository}",
@@ -221,7 +237,7 @@ class TritonServer:
             "--disable-auto-complete-config",
             "--allow-gpu-metrics=false",
             "--pinned-memory-pool-byte-size=0",
-            *SERVING_ARGS,
+            *(arg for arg in SERVING_ARGS if serving_arg_key(arg) not in overridden),
             "--backend-config=python,shm-default-byte-size=4194304",
             "--backend-config=python,shm-growth-byte-size=4194304",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",

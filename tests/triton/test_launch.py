@@ -59,6 +59,16 @@ def test_every_serving_argument_is_added_and_a_given_one_wins():
     assert tritonserver_command([], {"TRITONSERVER": "/opt/ts"})[0] == "/opt/ts"
 
 
+def test_a_backend_config_replaces_only_the_same_setting():
+    """`--backend-config` is given once per backend setting: another setting keeps the serving default, the same
+    setting given explicitly replaces it."""
+    default = next(a for a in SERVING_ARGS if a.startswith("--backend-config=python,thread-pool-size="))
+    other = tritonserver_command(["--backend-config=python,shm-default-byte-size=4194304"], {})
+    assert default in other and "--backend-config=python,shm-default-byte-size=4194304" in other
+    mine = tritonserver_command(["--backend-config=python,thread-pool-size=8"], {})
+    assert [a for a in mine if "thread-pool-size" in a] == ["--backend-config=python,thread-pool-size=8"]
+
+
 @pytest.mark.parametrize("status", [0, 3])
 def test_tritonserver_replaces_the_launcher_and_its_status_is_the_launchers(fakes, status):
     proc = launch(dict(fakes, FAKE_EXIT=str(status)))
