@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from speech_lm.graph_buckets import capture, fit
+from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .encoder import ConformerLayer, relative_position_table
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
@@ -151,6 +152,15 @@ class StepBatch:
 
 def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=dim)
+
+
+def _kept_kv(kv: torch.Tensor, b: int, rows_p: int, kept: int) -> torch.Tensor:
+    """Row b's first `kept` new frames of both guidance rows, (blocks, 2, 2, heads, kept, d), out of a step's new
+    keys/values (blocks, 2, 2 Bp, heads, N, d)."""
+    out = kv.new_empty(kv.size(0), kv.size(1), 2, kv.size(3), kept, kv.size(5))
+    copy_runs(out[:, :, 0], kv[:, :, b, :, :kept])
+    copy_runs(out[:, :, 1], kv[:, :, rows_p + b, :, :kept])
+    return out
 
 
 def _consecutive(values: list[int]) -> bool:
@@ -434,9 +444,8 @@ class CachedFlowRunner:
         x = x + schedule[step][1] * ((1.0 + rate) * v_cond - rate * v_uncond)  # the scalar dt, as the uncached solver
         # keep what the rows cache (graph outputs are overwritten by the next replay; slices and stack: an index
         # list would be a host-to-device copy, i.e. a sync, per row and step)
-        kept = [(torch.stack([kv[:, :, b, :, : s.kept], kv[:, :, rows_p + b, :, : s.kept]], dim=2),
-                 torch.stack([new_tails[b], new_tails[rows_p + b]])) if s.kept else None
-                for b, s in enumerate(solving)]
+        kept = [(_kept_kv(kv, b, rows_p, s.kept), torch.stack([new_tails[b], new_tails[rows_p + b]])) if s.kept
+                else None for b, s in enumerate(solving)]
         for b, s in enumerate(solving):  # commit the step to every row at once, after all of it succeeded
             s.x = x[b, :, : s.new]
             s.step += 1
@@ -488,23 +497,24 @@ class CachedFlowRunner:
         for b, row in enumerate(rows):
             if row.prefix.estimator.frames:
                 by_prefix.setdefault((id(row.prefix), steps[b]), []).append(b)
+        # every copy is a strided view of contiguous (frames x head_dim) runs: `copy_runs`, not PyTorch's generic copy
         for (_, step), members in by_prefix.items():
             piece = rows[members[0]].prefix.estimator.kv[step]  # (blocks, 2, 2, heads, n, d)
             n = piece.size(4)
             for cfg in (0, 1):
                 target = [b + cfg * rows_p for b in members]
                 if _consecutive(target):  # one broadcast copy for all rows of this voice
-                    out[:, :, target[0] : target[-1] + 1, :, :n] = piece[:, :, cfg : cfg + 1]
+                    copy_runs(out[:, :, target[0] : target[-1] + 1, :, :n], piece[:, :, cfg : cfg + 1])
                 else:
                     for b in target:
-                        out[:, :, b, :, :n] = piece[:, :, cfg]
+                        copy_runs(out[:, :, b, :, :n], piece[:, :, cfg])
         for b, row in enumerate(rows):
             if row.own.estimator.frames:
                 at = row.prefix.estimator.frames
                 piece = row.own.estimator.kv[steps[b]]
                 n = piece.size(4)
-                out[:, :, b, :, at : at + n] = piece[:, :, 0]
-                out[:, :, rows_p + b, :, at : at + n] = piece[:, :, 1]
+                copy_runs(out[:, :, b, :, at : at + n], piece[:, :, 0])
+                copy_runs(out[:, :, rows_p + b, :, at : at + n], piece[:, :, 1])
         return out
 
     def _gather_tails(self, rows: Sequence[CachedRow], steps: Sequence[int], rows_p: int,

@@ -1,7 +1,12 @@
-"""Fused elementwise kernels of the LLM decode step, where PyTorch has no single kernel.
+"""Kernels where PyTorch has no single (or no fast) one.
 
-- ``add_rms_norm(x, residual, weight, eps) -> (normed, summed)``: the residual add and the RMSNorm that follows it;
-- ``silu_mul(gate_up) -> silu(gate) * up`` over the fused ``[..., 2 * I]`` gate|up projection.
+- ``add_rms_norm(x, residual, weight, eps) -> (normed, summed)``: the residual add and the RMSNorm that follows it
+  (the LLM decode step);
+- ``silu_mul(gate_up) -> silu(gate) * up`` over the fused ``[..., 2 * I]`` gate|up projection (the LLM decode step);
+- ``copy_runs(dst, src)``: ``dst.copy_(src)`` for strided tensors made of long contiguous runs, such as a stream's
+  cached keys/values written into a slice of a static attention buffer. PyTorch copies any non-contiguous tensor
+  with its generic element-by-element kernel (index arithmetic and a 2-byte access per bf16 element); on a GPU
+  the flow's per-step key/value gathers ran at a fraction of the memory bandwidth that way.
 
 On CUDA with OpenAI Triton installed they run as one Triton kernel each (``triton_kernels``, graph-capturable:
 no host syncs, shapes fixed per call); elsewhere as the PyTorch compositions in ``reference``, which define the
@@ -43,3 +48,9 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where ``gate, up = gate_up.chunk(2, dim=-1)``."""
     return _implementation(gate_up).silu_mul(gate_up)
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (`src` broadcast to `dst`'s shape, same dtype and device): one Triton kernel with
+    vectorised accesses where both are strided views of long contiguous runs, else PyTorch's copy."""
+    _implementation(dst).copy_runs(dst, src)

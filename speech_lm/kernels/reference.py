@@ -16,3 +16,7 @@ def add_rms_norm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)

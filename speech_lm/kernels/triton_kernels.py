@@ -14,6 +14,10 @@ import triton.language as tl
 from speech_lm.graph_buckets import on_device
 
 _SILU_BLOCK = 1024
+_COPY_BLOCK = 2048
+#: `copy_runs` hands shorter runs, more outer dimensions (after merging) or other dtypes to PyTorch's copy.
+_COPY_MIN_RUN = 256
+_COPY_OUTER_DIMS = 4
 
 
 @triton.jit
@@ -65,3 +69,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, n_cols, BLOCK=_SILU_BLOCK
         )
     return out
+
+
+@triton.jit
+def _copy_runs_kernel(dst_ptr, src_ptr, run, n1, n2, n3, d0, d1, d2, d3, s0, s1, s2, s3, BLOCK: tl.constexpr):
+    # program (outer, block): BLOCK elements of the contiguous run at outer index (i0, i1, i2, i3)
+    outer = tl.program_id(0).to(tl.int64)
+    i3 = outer % n3
+    outer = outer // n3
+    i2 = outer % n2
+    outer = outer // n2
+    i1 = outer % n1
+    i0 = outer // n1
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < run
+    values = tl.load(src_ptr + (i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3) + cols, mask=mask)
+    tl.store(dst_ptr + (i0 * d0 + i1 * d1 + i2 * d2 + i3 * d3) + cols, values, mask=mask)
+
+
+def _runs(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """(run length, outer dims as (size, dst stride, src stride)) when both tensors are the same contiguous runs
+    laid out by at most `_COPY_OUTER_DIMS` outer dimensions; None otherwise."""
+    dims = [(n, ds, ss) for n, ds, ss in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
+    run = 1
+    while dims and dims[-1][1] == run and dims[-1][2] == run:  # trailing dims contiguous in both
+        run *= dims.pop()[0]
+    outer: list[tuple[int, int, int]] = []
+    for n, ds, ss in dims:  # merge an outer dim into the previous one where both tensors allow it
+        if outer and outer[-1][1] == ds * n and outer[-1][2] == ss * n:
+            outer[-1] = (outer[-1][0] * n, ds, ss)
+        else:
+            outer.append((n, ds, ss))
+    if not dims or run < _COPY_MIN_RUN or len(outer) > _COPY_OUTER_DIMS or triton.cdiv(run, _COPY_BLOCK) > 65535:
+        return None
+    return run, [(1, 0, 0)] * (_COPY_OUTER_DIMS - len(outer)) + outer
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
+    src = src.expand_as(dst)
+    layout = _runs(dst, src) if src.dtype == dst.dtype and src.device == dst.device else None
+    if layout is None:  # contiguous (PyTorch's copy is a memcpy), short runs, or a layout the kernel does not take
+        dst.copy_(src)
+        return
+    run, outer = layout
+    (_, d0, s0), (n1, d1, s1), (n2, d2, s2), (n3, d3, s3) = outer
+    programs = outer[0][0] * n1 * n2 * n3
+    with on_device(dst.device):
+        _copy_runs_kernel[(programs, triton.cdiv(run, _COPY_BLOCK))](
+            dst, src, run, n1, n2, n3, d0, d1, d2, d3, s0, s1, s2, s3, BLOCK=_COPY_BLOCK
+        )

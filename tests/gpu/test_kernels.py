@@ -111,12 +111,49 @@ def model_comparison(device: torch.device, dtype: torch.dtype) -> Comparison:
     return Comparison(f"LLM body (2 layers) {str(dtype).removeprefix('torch.')}", diff, diff <= allowed)
 
 
+def copy_comparisons(device: torch.device, dtype: torch.dtype, graph: bool = False) -> list[Comparison]:
+    """`copy_runs` against PyTorch's copy on the flow's key/value layouts (blocks, k/v, rows, heads, frames, d),
+    scaled down: a voice prefix broadcast to consecutive rows, one row's own history at an offset, a row's kept new
+    frames into a fresh tensor, and layouts the kernel hands to PyTorch (short runs, contiguous). The whole
+    destination must equal PyTorch's result (nothing written outside the view). `graph`: one CUDA-graph replay."""
+    from speech_lm.kernels import triton_kernels  # noqa: PLC0415 - after TRITON_INTERPRET is read
+
+    generator = torch.Generator(device).manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    blocks, rows, heads, frames, d = 3, 6, 4, 48, 16
+    buffer, piece, kv = rand(blocks, 2, rows, heads, frames, d), rand(blocks, 2, 2, heads, 20, d), rand(blocks, 2, rows, heads, 30, d)
+    cases = {
+        "prefix broadcast": (buffer, lambda t: t[:, :, 1:4, :, :20], piece[:, :, 0:1]),
+        "own history at an offset": (buffer, lambda t: t[:, :, 5, :, 20:40], piece[:, :, 1]),
+        "kept frames": (torch.zeros(blocks, 2, 2, heads, 25, d, device=device, dtype=dtype),
+                        lambda t: t[:, :, 1], kv[:, :, 3, :, :25]),
+        "short runs (PyTorch)": (buffer, lambda t: t[:, :, 2, :, :3], piece[:, :, 0, :, :3]),
+        "contiguous (PyTorch)": (rand(4, 300), lambda t: t, rand(4, 300)),
+    }
+    results = []
+    for name, (target, view, source) in cases.items():
+        by_kernel = triton_kernels._runs(view(target), source.expand_as(view(target))) is not None
+        assert by_kernel == ("PyTorch" not in name), name  # the cases test what they say they test
+        expected, ours = target.clone(), target.clone()
+        view(expected).copy_(source)
+        if graph:
+            graph_replay(lambda: (triton_kernels.copy_runs(view(ours), source), ours)[1:])
+        else:
+            triton_kernels.copy_runs(view(ours), source)
+        results.append(compare(f"copy_runs {name} {str(dtype).removeprefix('torch.')}{' graph' if graph else ''}",
+                               ours, expected, exact=True))
+    return results
+
+
 def interpreted_results() -> list[Comparison]:
     """Every comparison at the interpreter's shapes and dtypes on the CPU (run with TRITON_INTERPRET=1)."""
     device = torch.device("cpu")
     return [result for dtype in INTERPRETER_DTYPES
             for result in [*(c for shape in INTERPRETER_SHAPES for c in kernel_comparisons(device, dtype, shape)),
-                           model_comparison(device, dtype)]]
+                           model_comparison(device, dtype), *copy_comparisons(device, dtype)]]
 
 
 def assert_all_match(results: list[Comparison]) -> None:
@@ -138,3 +175,14 @@ def test_fused_kernels_match_the_reference_eager_and_replayed(gpus, dtype, shape
 def test_an_llm_body_through_the_fused_kernels_matches_the_reference(gpus, dtype) -> None:
     pytest.importorskip("triton")
     assert_all_match([model_comparison(torch.device("cuda"), dtype)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_copy_runs_matches_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype) -> None:
+    """On each GPU of the machine with GPU 0 current: the kernel must launch on its tensors' device."""
+    pytest.importorskip("triton")
+    for index in range(gpus):
+        device = torch.device("cuda", index)
+        assert_all_match(copy_comparisons(device, dtype))
+        with torch.cuda.device(device):
+            assert_all_match(copy_comparisons(device, dtype, graph=True))
