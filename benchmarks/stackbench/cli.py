@@ -79,7 +79,7 @@ Options:
   --offline-levels LIST         triton-offline concurrencies (default 32,64)
   --gateway-levels LIST         concurrencies of the gateway scenarios (default 1)
   --repeat N                    runs of every level (default 1; 3 for published numbers)
-  --server-warmup N             unmeasured requests before the first level (default 48)
+  --server-warmup N             unmeasured requests before the first level, at the largest level's concurrency (default 48)
   --warmup N                    unmeasured requests per worker before each level (default 2)
   --stub-env DIR                Python environment of the Triton python stubs (numpy < 2; default: this one)
   --spark                       benchmark the Spark-TTS pipeline instead of CosyVoice2
@@ -942,8 +942,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=_positive, default=1,
                         help="runs of every level, interleaved (run 1 of all levels, then run 2, ...)")
     parser.add_argument("--server-warmup", type=int, default=48,
-                        help=f"unmeasured streaming and offline requests ({WARMUP_CONCURRENCY} at a time) before "
-                             "the first level")
+                        help=f"unmeasured streaming and offline requests before the first level, as many at a "
+                             f"time as the largest level (at least {WARMUP_CONCURRENCY})")
     parser.add_argument("--warmup", type=int, default=2,
                         help="unmeasured requests per worker before each level (the token2wav CUDA graphs of a "
                              "shape are captured on its second call)")
@@ -1089,9 +1089,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.server_warmup:
             # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
             # a server that has been up a while has them all, so the levels below measure that state.
-            print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests", flush=True)
+            # At the largest level's concurrency: calls of more rows than the warm-up formed (eager shapes, kernel
+            # plans) otherwise land in the first measured run of a larger level (its p90 was the worst of three).
+            warm_concurrency = max(WARMUP_CONCURRENCY, *(c for s in scenarios for c in getattr(args, s.levels_option)))
+            print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests, {warm_concurrency} at a "
+                  "time", flush=True)
             for warm in WARMUP:
-                run_level(warm, WARMUP_CONCURRENCY, target, levels_dir / f"{warm.name}.json",
+                run_level(warm, warm_concurrency, target, levels_dir / f"{warm.name}.json",
                           args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
         document["gpu_sampler"] = sampler.source
