@@ -5,9 +5,11 @@ Offline: one flow call over prompt + all tokens (full attention), one vocoder ca
 Streaming follows the served runtime's schedule and arithmetic (`CosyVoice3Streaming`): chunks of 15 tokens,
 then 25, 50, 100, 200, ... (doubling without a cap), each non-final chunk carrying 3 more tokens as lookahead
 context; the rest forms the final chunk. Chunk k runs the flow over prompt + every token so far with the chunked
-attention mask (non-final) or full attention (final), keeps the mel of its own tokens, appends it to the stream's
-mel, vocodes the whole accumulated mel (causal HiFT, `finalize` only on the final chunk) and emits the samples
-beyond those already sent. A stream of N tokens emits exactly 960 N samples.
+attention mask (non-final) or full attention (final), keeps the mel of its own tokens and vocodes it after the
+stream's earlier mel (causal HiFT, `finalize` only on the final chunk), emitting the samples beyond those already
+sent. The reference vocodes the whole accumulated mel every chunk; by default (`windowed_vocoder`) a chunk vocodes
+only a window of it (its new frames and the context the causal layers read, `CausalHiFT.stream_chunks`), with the
+same samples up to float rounding. A stream of N tokens emits exactly 960 N samples.
 
 Two flow paths, the same numbers up to float rounding:
 - recompute (the reference): every chunk re-runs prompt + tokens from scratch;
@@ -20,8 +22,9 @@ Two flow paths, the same numbers up to float rounding:
   drops its cache and recomputes from then on (`CosyVoice3Stream`).
 
 `run_chunks` solves the flow of a call's cached chunks and offline jobs together (`batched_solve`: rows padded and
-masked so each sees only its own frames, one estimator pass per Euler step); the vocoder runs per chunk, and
-streams without a cache keep the reference path one by one (docs/cosyvoice3.md, "Batched calls").
+masked so each sees only its own frames, one estimator pass per Euler step) and vocodes the call's windows together
+where they allow it; streams without a flow cache keep the reference flow path one by one (docs/cosyvoice3.md,
+"Batched calls").
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from cosyvoice2.streaming import CacheBudget, Chunk, ChunkedStream
 
 from .errors import CosyVoice3InputError
 from .flow import CosyVoice3Flow, FlowInputs
-from .hift import CausalHiFT
+from .hift import CausalHiFT, VocoderState
 
 #: Doubling hops without a cap: `max_hop` only has to exceed any stream's length.
 _UNCAPPED = 1 << 30
@@ -253,19 +256,24 @@ class PendingChunk:
     mel: Optional[torch.Tensor]
     cache: Optional[FlowCache]
     audio: np.ndarray
+    vocoder: VocoderState
 
 
 class CosyVoice3Token2Wav:
     """Flow + causal HiFT; offline synthesis and streams."""
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
-                 voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None) -> None:
+                 voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None,
+                 windowed_vocoder: bool = True) -> None:
         """voice_capacity: voices whose prompt flow cache (`prompt_flow_cache`) is kept for cached streams, least
         recently used dropped first (each holds its committed prompt frames' keys/values: see docs).
         cache_budget_bytes: what the live cached streams' own flow caches may hold together (None: no limit; the
         voices' prompt caches, bounded by `voice_capacity`, are not counted); a stream whose next cache would pass
-        it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`)."""
+        it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`).
+        windowed_vocoder: a chunk vocodes a bounded window of its stream's mel (`CausalHiFT.stream_chunks`);
+        False: the whole accumulated mel, as the reference does (the same samples up to float rounding)."""
         self.flow = flow
+        self.windowed_vocoder = windowed_vocoder
         self.hift = hift
         self.voice_caches = VoiceCaches(voice_capacity)
         self.budget = CacheBudget(cache_budget_bytes)
@@ -357,14 +365,39 @@ class CosyVoice3Token2Wav:
             group = [i for i in batched if rows[i].streaming == streaming]
             if group:
                 solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group])))
-        pending = []
+        mels: list[tuple[Optional[torch.Tensor], Optional[FlowCache]]] = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:
                 mel, cache = solved[i]
-                pending.append(stream.pending(chunk, stream.own_frames(chunk, rows[i], mel), cache))
+                mels.append((stream.own_frames(chunk, rows[i], mel), cache))
             else:
-                pending.append(stream.prepare(chunk))
-        return [p.stream.commit(p) for p in pending]
+                mels.append(stream.chunk_mel(chunk) if stream.tokens else (None, None))
+        return [p.stream.commit(p) for p in self.vocode_chunks(work, mels)]
+
+    def vocode_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]],
+                      mels: Sequence[tuple[Optional[torch.Tensor], Optional[FlowCache]]]) -> list[PendingChunk]:
+        """Vocode each chunk's own mel (None: an empty stream) after its stream's earlier mel -> the chunks, not
+        applied. Windowed: all rows in one `CausalHiFT.stream_chunks` (batched where the windows allow);
+        otherwise the reference, one row at a time."""
+        rows = [(stream.vocoder, mel.to(self.hift_device, torch.float32), chunk.final)
+                for (stream, chunk), (mel, _) in zip(work, mels) if mel is not None]
+        if self.windowed_vocoder:
+            vocoded = self.hift.stream_chunks(rows) if rows else []
+        else:
+            vocoded = [self.hift.reference_chunk(*row) for row in rows]
+        # one copy to the host for the whole call
+        host = torch.cat([audio for audio, _ in vocoded]).cpu().numpy() if vocoded else np.zeros(0, np.float32)
+        results, offset = iter(vocoded), 0
+        pending = []
+        for (stream, chunk), (mel, cache) in zip(work, mels):
+            if mel is None:
+                pending.append(PendingChunk(stream, chunk, None, None, np.zeros(0, dtype=np.float32), stream.vocoder))
+                continue
+            audio, state = next(results)
+            piece, offset = host[offset:offset + audio.shape[0]], offset + audio.shape[0]
+            pending.append(PendingChunk(stream, chunk, mel.to(self.hift_device, torch.float32),
+                                        None if chunk.final else cache, piece, state))
+        return pending
 
     def offline_job(self, tokens: Sequence[int], prompt: VoicePrompt) -> tuple["CosyVoice3Stream", Chunk]:
         """A whole utterance as a one-chunk stream (a final chunk over all tokens: full attention, final vocoder
@@ -376,7 +409,8 @@ class CosyVoice3Token2Wav:
 
 
 class CosyVoice3Stream(ChunkedStream):
-    """All state of one stream: tokens, chunks run, the accumulated mel, samples sent, the optional flow cache.
+    """All state of one stream: tokens, chunks run, the vocoder's state (the mel it still reads, samples sent),
+    the optional flow cache.
     `extend` / `next_chunk` / `push` / `finish` as CosyVoice2's streams (`cosyvoice2.streaming.ChunkedStream`).
 
     A cached stream's own flow-cache bytes count against the engine's budget: each chunk's new cache is charged
@@ -397,8 +431,8 @@ class CosyVoice3Stream(ChunkedStream):
         # shared with the voice's prompt cache and are the voice's
         self._own: dict[int, int] = {}
         self._flow_cache_bytes = 0  # sum of `_own`, as accounted in the engine's budget
-        self._mels: list[torch.Tensor] = []
-        self._sent = 0
+        self.vocoder: VocoderState = engine.hift.stream_start()
+        self.last_mel: Optional[torch.Tensor] = None  # the last chunk's own mel frames (1, 80, n)
 
     def check_next(self, chunk: Chunk) -> None:
         if self.finished:
@@ -439,20 +473,13 @@ class CosyVoice3Stream(ChunkedStream):
     def prepare(self, chunk: Chunk) -> "PendingChunk":
         """Compute `chunk` (the schedule's next one) without changing the stream; `commit` applies it."""
         self.check_next(chunk)
-        if not self.tokens:  # an empty stream: nothing to vocode
-            return PendingChunk(self, chunk, None, None, np.zeros(0, dtype=np.float32))
-        return self.pending(chunk, *self.chunk_mel(chunk))
-
-    def pending(self, chunk: Chunk, mel: torch.Tensor, cache: Optional[FlowCache]) -> "PendingChunk":
-        """Vocode the accumulated mel with this chunk's frames (causal HiFT, one stream) -> the chunk, not applied."""
-        mel = mel.to(self.engine.hift_device, torch.float32)
-        audio = self.engine.vocode(torch.cat([*self._mels, mel], dim=2), finalize=chunk.final)
-        return PendingChunk(self, chunk, mel, None if chunk.final else cache, audio[self._sent:].numpy())
+        mel = self.chunk_mel(chunk) if self.tokens else (None, None)  # an empty stream: nothing to vocode
+        return self.engine.vocode_chunks([(self, chunk)], [mel])[0]
 
     def commit(self, pending: "PendingChunk") -> np.ndarray:
         if pending.mel is not None:
-            self._mels.append(pending.mel)
-        self._sent += pending.audio.shape[0]
+            self.last_mel = pending.mel
+        self.vocoder = pending.vocoder
         self._keep_flow_cache(None if pending.chunk.final else pending.cache)
         self.chunks.append(pending.chunk)
         self.finished = pending.chunk.final

@@ -64,17 +64,19 @@ def test_streaming_chunks(micro_token2wav: CosyVoice3Token2Wav, voice: VoiceProm
     stream = micro_token2wav.open_stream(voice, cached=cached)
     stream.extend(dump["in_speech_token"][0].tolist())
     rows = schedule_rows(dump)
+    mels = []
     for row in rows:
         chunk = stream.next_chunk(finished=True)
         assert chunk is not None and chunk.final == bool(row["finalize"])
         audio = stream.run(chunk)
         k = row["chunk"]
-        mel = stream._mels[-1]  # this chunk's own frames
+        mel = stream.last_mel  # this chunk's own frames
+        mels.append(mel)
         assert mel.shape[2] == row["mel_frames"]
         assert max_abs(mel, dump[f"stream{k}_mel"]) <= MEL_TOL, k
         assert audio.shape[0] == row["emitted"]
         assert max_abs(audio, dump[f"stream{k}_audio"][0]) <= AUDIO_TOL, k
-        accumulated = torch.cat(stream._mels, dim=2)
+        accumulated = torch.cat(mels, dim=2)
         assert accumulated.shape[2] == row["vocoder_in"]
         f0 = micro_token2wav.hift.predict_f0(accumulated, finalize=bool(row["finalize"]))
         assert max_abs(f0, dump[f"stream{k}_hift_f0"]) <= F0_TOL, k
@@ -139,7 +141,7 @@ def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_toke
     first, offline = micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), job])
     assert good.chunks and good.flow_cache.committed > 0 and first.shape[0] > 0
     # the batched flow solve equals the offline one up to float summation order; HiFT magnifies that in the audio
-    assert max_abs(job[0]._mels[0], micro_token2wav.mel(tokens, voice)) <= MEL_TOL
+    assert max_abs(job[0].last_mel, micro_token2wav.mel(tokens, voice)) <= MEL_TOL
     assert max_abs(offline, micro_token2wav.offline(tokens, voice)) <= AUDIO_TOL
 
 
