@@ -113,8 +113,7 @@ def test_cached_path_keeps_only_complete_chunks(micro_token2wav: CosyVoice3Token
         frames = voice.mel.shape[0] + ratio * (row["tokens_end"] - micro_token2wav.lookahead)
         assert stream.flow_cache is not None
         assert stream.flow_cache.committed == frames // chunk_frames * chunk_frames
-        keys, _ = stream.flow_cache.kv[-1][-1]
-        assert keys.shape[2] == stream.flow_cache.committed
+        assert stream.flow_cache.kv[-1].shape[4] == stream.flow_cache.committed
 
 
 def test_bad_inputs_are_refused(micro_token2wav: CosyVoice3Token2Wav, voice: VoicePrompt) -> None:
@@ -155,7 +154,7 @@ def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wa
     shared = micro_token2wav.prompt_flow_cache(long_voice)
     chunk_frames = micro_token2wav.flow.config.dit.static_chunk_size
     assert shared.committed >= chunk_frames
-    held = [k.clone() for k, _ in shared.kv[0]]
+    held = shared.kv[0].clone()
     tokens = dump["in_speech_token"][0, extra:].tolist()
     streams = [micro_token2wav.open_stream(long_voice, cached=c) for c in (False, True)]
     for stream in streams:
@@ -163,5 +162,5 @@ def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wa
     while not streams[0].finished:
         pieces = [stream.run(stream.next_chunk(finished=True)) for stream in streams]
         assert max_abs(pieces[1], pieces[0]) <= 1e-4
-    assert all(torch.equal(k, h) for (k, _), h in zip(shared.kv[0], held))  # the shared cache is unchanged
+    assert torch.equal(shared.kv[0], held)  # the shared cache is unchanged
     assert micro_token2wav.open_stream(long_voice, cached=True).flow_cache is shared
