@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cosyvoice2.host_copies import to_device
 from cosyvoice2.hift.generator import HiFTGenerator, _periodic_hann
 from cosyvoice2.hift.layers import ResBlock, fold_weight_norm, wn_conv1d
 from cosyvoice2.hift.source import HarmonicSource, SourceNoise
@@ -378,7 +379,7 @@ class CausalHiFT(HiFTGenerator):
                                  (0, 0, spf * pad, 0)) for f0_end, start, pad in zip(f0_ends, starts, pads)])
         zero = torch.zeros(1, c.num_harmonic_channels, dtype=torch.float64, device=device)
         phases = torch.cat([state.phase if windowed else zero for state, _ in rows])  # type: ignore[misc]
-        source, sums = self.m_source.window(f0, noise, phases, torch.tensor(pads, device=device))
+        source, sums = self.m_source.window(f0, noise, phases, to_device(pads, device))
         audio = self.decode_causal(padded[:, :, skip:skip + frames], source, finalize)
         out = []
         for i, ((state, mel), whole, start, end, pad) in enumerate(zip(rows, wholes, starts, ends, pads)):
