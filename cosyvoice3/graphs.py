@@ -96,45 +96,76 @@ class FlowGraphBuckets:
         return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
 
 
+def row_masks(start: torch.Tensor, count: torch.Tensor, streaming: torch.Tensor, context: int, frames: int,
+              history: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row its history length `start`, real new frames `count` and attention mode `streaming` (each (B,))
+    -> valid (B, R + N, 1) bool: the row's context frames (right-aligned in the R) and real new frames, where the
+    conv position embedding reads (zeros elsewhere, as an unpadded row's conv reads its zero padding); positions
+    (B, N): the new frames' absolute positions (rotary angles); visible (B, 1, N, P + N) bool: which past keys
+    (those below the row's history) and new keys (its real frames, and with the chunk mask those before the end of
+    the querying frame's `chunk`-frame chunk, counted from the first prompt frame) each new frame sees. A padded
+    query frame sees every real frame: an all-masked softmax row would give NaN, which reaches real frames through
+    the padded frames' keys and values."""
+    device = start.device
+    steps = torch.arange(frames, device=device)
+    positions = start[:, None] + steps[None, :]
+    index = torch.arange(context + frames, device=device)[None, :]
+    first = context - start.clamp(max=context)
+    valid = (index >= first[:, None]) & (index < (context + count)[:, None])
+    past_keys = torch.arange(history, device=device)[None, None, :] < start[:, None, None]  # (B, 1, P)
+    real = steps[None, None, :] < count[:, None, None]  # (B, 1, N) the row's real frames
+    chunk_end = (positions // chunk + 1) * chunk
+    new_keys = real & (~streaming[:, None, None] | (positions[:, None, :] < chunk_end[:, :, None])
+                       | ~real.transpose(1, 2))
+    visible = torch.cat([past_keys.expand(-1, frames, -1), new_keys], dim=2)[:, None]
+    return valid.unsqueeze(-1), positions, visible
+
+
 @dataclass(eq=False)
 class StepInputs:
     """The inputs of one estimator pass over a padded batch of B rows (N new frames, R context frames, P history
     frames): a graph's static buffers, or a call's own tensors when it runs eagerly. Conditional rows first, then
-    unconditional ones (the stacked CFG batch)."""
+    unconditional ones (the stacked CFG batch). Per row only its history length, real new frames and attention
+    mode are given: the pass derives validity, positions and masks from them (`row_masks`; no mask buffers)."""
 
-    window: torch.Tensor  # (B, 80, R + N) the ODE state: each row's context frames, then its new frames
+    window: torch.Tensor  # (B, 80, R + N) the ODE state: each row's context frames (right-aligned), then its new ones
     t: torch.Tensor  # (2B,)
     mu: torch.Tensor  # (2B, 80, R + N)
     cond: torch.Tensor  # (2B, 80, R + N)
     spks: torch.Tensor  # (2B, 80)
-    valid: torch.Tensor  # (2B, R + N, 1): 0 on a row's left padding
-    positions: torch.Tensor  # (2B, N) int64: the new frames' absolute positions
-    visible: torch.Tensor  # (2B, 1, N, P + N) bool: the past and new keys each new frame sees
+    start: torch.Tensor  # (2B,) int64: the row's history frames (its first new frame's position)
+    count: torch.Tensor  # (2B,) int64: the row's real new frames
+    streaming: torch.Tensor  # (2B,) bool: the chunk mask (else full attention)
     past: Optional[torch.Tensor]  # (depth, 2, 2B, H, P, dim_head): per block keys then values; None when P = 0
+    context: int  # R
+    history: int  # P
 
     @classmethod
     def zeros(cls, config: DiTConfig, shape: Shape, context: int, like: torch.Tensor,
               past: Optional[torch.Tensor] = None) -> "StepInputs":
-        """Zeroed inputs of a bucket, every frame real and visible (a capture's warm-up on them is finite); `past`:
-        a given buffer (view) to use for the keys/values."""
+        """Zeroed inputs of a bucket, every new frame real, no history, full attention (a capture's warm-up on them
+        is finite); `past`: a given buffer (view) to use for the keys/values."""
         rows, frames, history = shape
         width = context + frames
         if past is None and history:
             past = like.new_zeros(config.depth, 2, 2 * rows, config.heads, history, config.dim_head)
+        start = torch.zeros(2 * rows, dtype=torch.long, device=like.device)
         return cls(like.new_zeros(rows, config.mel_dim, width), like.new_zeros(2 * rows),
                    like.new_zeros(2 * rows, config.mu_dim, width), like.new_zeros(2 * rows, config.mel_dim, width),
-                   like.new_zeros(2 * rows, config.spk_dim), like.new_ones(2 * rows, width, 1),
-                   torch.zeros(2 * rows, frames, dtype=torch.long, device=like.device),
-                   torch.ones(2 * rows, 1, frames, history + frames, dtype=torch.bool, device=like.device), past)
+                   like.new_zeros(2 * rows, config.spk_dim), start, start + frames,
+                   torch.zeros(2 * rows, dtype=torch.bool, device=like.device), past, context, history)
 
     def run(self, estimator: DiT) -> tuple[torch.Tensor, torch.Tensor]:
         """One estimator pass (static shapes, no host syncs: what a graph captures) -> the velocity (2B, 80, N) and
         the new frames' keys/values (depth, 2, 2B, H, N, dim_head)."""
         depth = len(estimator.transformer_blocks)
+        frames = self.window.shape[2] - self.context
+        valid, positions, visible = row_masks(self.start, self.count, self.streaming, self.context, frames,
+                                              self.history, estimator.config.static_chunk_size)
         past = ([(self.past[b, 0], self.past[b, 1]) for b in range(depth)] if self.past is not None
                 else [None] * depth)
         velocity, own = estimator.forward_rows(torch.cat([self.window, self.window]), self.mu, self.t, self.spks,
-                                               self.cond, self.valid, self.positions, self.visible, past)
+                                               self.cond, valid.to(self.mu.dtype), positions, visible, past)
         return velocity, torch.stack([torch.stack(kv) for kv in own])
 
 

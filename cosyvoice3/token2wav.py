@@ -162,35 +162,20 @@ def _solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow], graphs: Optional[FlowS
     starts_p, counts_p = starts + [0] * (padded - batch), counts + [n] * (padded - batch)
     streaming_p = [row.streaming for row in rows] + [False] * (padded - batch)
 
-    # the call's constant inputs: mu, cond, speaker, frame validity, noise, positions and attention masks
+    # the call's constant inputs: mu, cond, speaker, noise, and per row its history, new frames and attention mode
+    # (the pass derives the frame validity, positions and masks from those: `StepInputs.run`)
     mu = torch.zeros(padded, bins, width + n, dtype=dtype, device=device)
-    cond, valid = torch.zeros_like(mu), torch.zeros(padded, width + n, 1, dtype=dtype, device=device)
-    valid[batch:, width:] = 1
+    cond = torch.zeros_like(mu)
     x = torch.zeros(padded, bins, n, dtype=dtype, device=device)
     for i, (row, start, count, context) in enumerate(zip(rows, starts, counts, contexts)):
         frames = slice(width - context, width + count)
         mu[i, :, frames] = row.inputs.mu[0, :, start - context:]
         cond[i, :, frames] = row.inputs.cond[0, :, start - context:]
-        valid[i, frames] = 1
         x[i, :, :count] = cfm.rand_noise[0, :, start:start + count].to(mu)
     spks = F.pad(torch.cat([row.inputs.spks for row in rows]), (0, 0, 0, padded - batch))
-    start_t = to_device(starts_p, device)
-    count_t = to_device(counts_p, device)
-    steps = torch.arange(n, device=device)
-    positions = start_t[:, None] + steps[None, :]  # (B, N) absolute positions of the new frames
-    past_keys = torch.arange(history, device=device)[None, None, :] < start_t[:, None, None]  # (B, 1, P)
-    key_pos = positions[:, None, :]  # new keys' positions (B, 1, N)
-    new_keys = (steps[None, None, :] < count_t[:, None, None]).expand(-1, n, -1)  # a row's real frames only
-    streaming = to_device(streaming_p, device, torch.bool)[:, None, None]
-    # the static chunk mask: frame i sees j < (i // chunk + 1) chunk; padded queries see every real frame (never
-    # an empty softmax row, whose NaN would reach real frames through the padded frames' keys and values)
-    chunk_end = (positions // chunk + 1) * chunk
-    new_keys = new_keys & (~streaming | (key_pos < chunk_end[:, :, None]) | ~new_keys[:, :1].transpose(1, 2))
-    visible = torch.cat([past_keys.expand(-1, n, -1), new_keys], dim=2)[:, None]  # (B, 1, N, P + N)
-
     constants = dict(mu=torch.cat([mu, torch.zeros_like(mu)]), cond=torch.cat([cond, torch.zeros_like(cond)]),
-                     spks=torch.cat([spks, torch.zeros_like(spks)]), valid=torch.cat([valid, valid]),
-                     positions=torch.cat([positions, positions]), visible=torch.cat([visible, visible]))
+                     spks=torch.cat([spks, torch.zeros_like(spks)]), start=to_device(2 * starts_p, device),
+                     count=to_device(2 * counts_p, device), streaming=to_device(2 * streaming_p, device, torch.bool))
     if graphs is not None and shape is not None:
         inputs = graphs.inputs(shape, like)
         for name, value in constants.items():
@@ -198,7 +183,8 @@ def _solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow], graphs: Optional[FlowS
     else:
         depth, config = len(estimator.transformer_blocks), estimator.config
         past = (like.new_zeros(depth, 2, 2 * batch, config.heads, history, config.dim_head) if history else None)
-        inputs = StepInputs(window=x, t=like.new_zeros(2 * batch), past=past, **constants)
+        inputs = StepInputs(window=x, t=like.new_zeros(2 * batch), past=past, context=width, history=history,
+                            **constants)
     caches = [_RowCache(row, i, padded, width, context, receptive, chunk)
               for i, (row, context) in enumerate(zip(rows, contexts))]
     for step, (t, dt) in enumerate(cfm.schedule):
