@@ -329,19 +329,17 @@ class CausalHiFT(HiFTGenerator):
         flag: left-padded to a common length, so every row ends at the same position and the end-of-call
         handling (the final padding and reflection, the non-final truncation) is each row's own; what the padding
         changes stays within the window's discarded head. The first chunks of a stream (its window would start
-        before frame 0, where the network's zero padding and reflections are part of the result) run alone from
-        frame 0."""
+        before frame 0, where the network's zero padding and reflections are part of the result) run from frame 0,
+        unpadded: together only with rows of as many frames (the first chunks of streams of one hop, say)."""
         out: list[Optional[tuple[torch.Tensor, VocoderState]]] = [None] * len(rows)
-        groups: dict[bool, list[int]] = {True: [], False: []}
+        groups: dict[tuple[bool, bool, int], list[int]] = {}
         for i, (state, mel, finalize) in enumerate(rows):
-            if self._window_start(state.sent) >= self.f0_context:
-                groups[finalize].append(i)
-            else:
-                out[i] = self._run_windows([(state, mel)], finalize, windowed=False)[0]
-        for finalize, group in groups.items():
-            if group:
-                for i, result in zip(group, self._run_windows([rows[i][:2] for i in group], finalize, True)):
-                    out[i] = result
+            windowed = self._window_start(state.sent) >= self.f0_context
+            key = (finalize, windowed, 0 if windowed else state.frames + mel.shape[2])
+            groups.setdefault(key, []).append(i)
+        for (finalize, windowed, _), group in groups.items():
+            for i, result in zip(group, self._run_windows([rows[i][:2] for i in group], finalize, windowed)):
+                out[i] = result
         return out  # type: ignore[return-value]
 
     def _window_start(self, sent: int) -> int:
@@ -367,8 +365,9 @@ class CausalHiFT(HiFTGenerator):
             mels.append(whole[:, :, start - skip - state.mel_start:])
             starts.append(start)
             ends.append(state.frames + mel.shape[2])
-        if not finalize and not windowed and ends[0] <= c.held_back_frames:  # nothing to vocode yet
-            return [(wholes[0].new_zeros(0), VocoderState(wholes[0], ends[0], rows[0][0].sent))]
+        if not finalize and not windowed and ends[0] <= c.held_back_frames:  # nothing to vocode yet (rows alike)
+            return [(whole.new_zeros(0), VocoderState(whole, end, state.sent))
+                    for (state, _), whole, end in zip(rows, wholes, ends)]
         width = max(mel.shape[2] for mel in mels)
         padded = torch.cat([F.pad(mel, (width - mel.shape[2], 0)) for mel in mels])
         f0 = self.predict_f0(padded, finalize)[:, skip:]

@@ -64,10 +64,11 @@ def test_windowed_chunks_equal_the_whole_mel_reference(name: str, voiced: bool) 
 
 
 def test_windows_batched_equal_each_alone() -> None:
-    """Streams at different points (a first chunk, windows of different lengths, final and not) in one call: each
-    row's samples and state are those of the row alone."""
+    """Streams at different points (two first chunks of one length, which run together unpadded, a second chunk
+    still vocoded from frame 0, windows of different lengths; final and not) in one call: each row's samples and
+    state are those of the row alone."""
     hift = tiny_hift(voiced=True)
-    histories = {"fresh": [], "one": [30], "two": [30, 50], "long": [30, 50, 100, 200]}
+    histories = {"fresh": [], "also fresh": [], "one": [30], "two": [30, 50], "long": [30, 50, 100, 200]}
     states = {}
     for name, sizes in histories.items():
         state = hift.stream_start()
@@ -75,7 +76,7 @@ def test_windows_batched_equal_each_alone() -> None:
             state = hift.stream_chunks([(state, mel, False)])[0][1]
         states[name] = state
     for final in (False, True):
-        rows = [(states[name], mel, final) for name, mel in zip(histories, mels([30, 100, 50, 400], seed=11))]
+        rows = [(states[name], mel, final) for name, mel in zip(histories, mels([30, 30, 100, 50, 400], seed=11))]
         together = hift.stream_chunks(rows)
         for (name, row), (audio, state) in zip(zip(histories, rows), together):
             alone, alone_state = hift.stream_chunks([row])[0]
