@@ -5,9 +5,11 @@ Offline: one flow call over prompt + all tokens (full attention), one vocoder ca
 Streaming follows the served runtime's schedule and arithmetic (`CosyVoice3Streaming`): chunks of 15 tokens,
 then 25, 50, 100, 200, ... (doubling without a cap), each non-final chunk carrying 3 more tokens as lookahead
 context; the rest forms the final chunk. Chunk k runs the flow over prompt + every token so far with the chunked
-attention mask (non-final) or full attention (final), keeps the mel of its own tokens, appends it to the stream's
-mel, vocodes the whole accumulated mel (causal HiFT, `finalize` only on the final chunk) and emits the samples
-beyond those already sent. A stream of N tokens emits exactly 960 N samples.
+attention mask (non-final) or full attention (final), keeps the mel of its own tokens and vocodes it after the
+stream's earlier mel (causal HiFT, `finalize` only on the final chunk), emitting the samples beyond those already
+sent. The reference vocodes the whole accumulated mel every chunk; by default (`windowed_vocoder`) a chunk vocodes
+only a window of it (its new frames and the context the causal layers read, `CausalHiFT.stream_chunks`), with the
+same samples up to float rounding. A stream of N tokens emits exactly 960 N samples.
 
 Two flow paths, the same numbers up to float rounding:
 - recompute (the reference): every chunk re-runs prompt + tokens from scratch;
@@ -20,8 +22,9 @@ Two flow paths, the same numbers up to float rounding:
   drops its cache and recomputes from then on (`CosyVoice3Stream`).
 
 `run_chunks` solves the flow of a call's cached chunks and offline jobs together (`batched_solve`: rows padded and
-masked so each sees only its own frames, one estimator pass per Euler step); the vocoder runs per chunk, and
-streams without a cache keep the reference path one by one (docs/cosyvoice3.md, "Batched calls").
+masked so each sees only its own frames, one estimator pass per Euler step) and vocodes the call's windows together
+where they allow it; streams without a flow cache keep the reference flow path one by one (docs/cosyvoice3.md,
+"Batched calls").
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from cosyvoice2.dit.token2wav import DiTChunkSchedule, DiTStreamingConfig, VoiceCaches, prompt_key
+from cosyvoice2.host_copies import to_device
 from cosyvoice2.streaming import CacheBudget, Chunk, ChunkedStream
 
 from .errors import CosyVoice3InputError
 from .flow import CosyVoice3Flow, FlowInputs
-from .hift import CausalHiFT
+from .graphs import FlowGraphBuckets, FlowStepGraphs, HopSchedule, Shape, StepInputs
+from .hift import CausalHiFT, VocoderState
 
 #: Doubling hops without a cap: `max_hop` only has to exceed any stream's length.
 _UNCAPPED = 1 << 30
@@ -68,19 +74,17 @@ class VoicePrompt:
 @dataclass
 class FlowCache:
     """One stream's exact flow caches (see the module docstring). `committed` frames (from the first prompt
-    frame) are final; kv[step][block] = (keys, values), each (2, H, committed, dim_head) for the conditional and
-    unconditional rows; context[step] = the ODE state entering that step for the `committed` frames' last
+    frame) are final; kv[step] (depth, 2, 2, H, committed, dim_head): per DiT block its keys then its values, each
+    for the conditional and the unconditional row (one tensor per step: one copy stages a step's history);
+    context[step] = the ODE state entering that step for the `committed` frames' last
     `context` frames (what the causal conv position embedding of later frames reads)."""
 
     committed: int = 0
-    kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    kv: list[torch.Tensor] = field(default_factory=list)
     context: list[torch.Tensor] = field(default_factory=list)
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        for step in self.kv:
-            for keys, values in step:
-                yield keys
-                yield values
+        yield from self.kv
         yield from self.context
 
     def nbytes(self) -> int:
@@ -106,19 +110,19 @@ class FlowRow:
         return self.inputs.frames - self.cache.committed
 
 
-def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow]) -> list[tuple[torch.Tensor, FlowCache]]:
+def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow],
+                  graphs: Optional[FlowStepGraphs] = None) -> list[tuple[torch.Tensor, FlowCache]]:
     """Euler solves of several calls in lock step, one estimator pass per step for all rows (conditional and
     unconditional rows stacked): per row, the mel of frames [start, T) (1, 80, T - start) float32 and its cache
     extended to every complete chunk of the call (for a chunk-mask row; a full-attention row's has nothing to keep).
 
     Rows are right-padded to the longest new-frame count N, their cached keys/values to the longest history P,
     their conv context left-padded to R frames; masks make each row see exactly its own history and new frames,
-    so a row's numbers equal its solve alone up to float summation order. Every tensor of the step loop has a
-    shape fixed by (rows, N, P, R), and the loop has no host syncs: a CUDA graph per bucket can capture it."""
-    estimator, cfm = flow.estimator, flow.decoder
-    receptive = estimator.input_embed.conv_pos_embed.receptive_field
-    chunk = estimator.config.static_chunk_size
-    rate = cfm.config.inference_cfg_rate
+    so a row's numbers equal its solve alone up to float summation order. Every tensor of a step has a shape fixed
+    by (rows, N, P, R) and the step has no host syncs. `graphs`: when the call fits one of their buckets it is
+    padded further, to the bucket (padded rows: full attention over their own zero frames), and every step's
+    estimator pass is replayed from the bucket's CUDA graph (or, emulated, run on its static buffers)."""
+    cfm = flow.decoder
     for row in rows:
         if row.new_frames <= 0 or (row.start and not row.streaming):
             raise ValueError(f"a flow row needs new frames, and full attention an empty cache (start {row.start}, "
@@ -126,70 +130,88 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow]) -> list[tuple[t
         if row.inputs.frames > cfm.rand_noise.size(-1):
             raise CosyVoice3InputError(f"a flow call of {row.inputs.frames} frames exceeds the "
                                        f"{cfm.rand_noise.size(-1)}-frame noise table")
+    starts = [row.start for row in rows]
+    like = rows[0].inputs.mu
+    shape = None if graphs is None else graphs.bucket(len(rows), max(row.new_frames for row in rows), max(starts),
+                                                      like)
+    if graphs is None or shape is None:
+        return _solve(flow, rows, None, None)
+    with graphs.lock:
+        return _solve(flow, rows, graphs, shape)
+
+
+def _solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow], graphs: Optional[FlowStepGraphs],
+           shape: Optional[Shape]) -> list[tuple[torch.Tensor, FlowCache]]:
+    """`batched_solve` at the call's own sizes (shape None: eager) or at a bucket's (its static inputs, replayed)."""
+    estimator, cfm = flow.estimator, flow.decoder
+    receptive = estimator.input_embed.conv_pos_embed.receptive_field
+    chunk = estimator.config.static_chunk_size
+    rate = cfm.config.inference_cfg_rate
     batch = len(rows)
     starts = [row.start for row in rows]
     counts = [row.new_frames for row in rows]
     contexts = [min(start, receptive) for start in starts]
-    n, history, width = max(counts), max(starts), max(contexts)
+    if shape is None:
+        padded, n, history, width = batch, max(counts), max(starts), max(contexts)
+    else:
+        (padded, n, history), width = shape, receptive
     like = rows[0].inputs.mu
     device, dtype = like.device, like.dtype
     bins = like.shape[1]
+    # padded rows: every frame real, no history, full attention (finite, and never read back)
+    starts_p, counts_p = starts + [0] * (padded - batch), counts + [n] * (padded - batch)
+    streaming_p = [row.streaming for row in rows] + [False] * (padded - batch)
 
-    # the call's constant inputs: mu, cond, speaker, frame validity, noise, positions and attention masks
-    mu = torch.zeros(batch, bins, width + n, dtype=dtype, device=device)
-    cond, valid = torch.zeros_like(mu), torch.zeros(batch, width + n, 1, dtype=dtype, device=device)
-    x = torch.zeros(batch, bins, n, dtype=dtype, device=device)
+    # the call's constant inputs: mu, cond, speaker, noise, and per row its history, new frames and attention mode
+    # (the pass derives the frame validity, positions and masks from those: `StepInputs.run`)
+    mu = torch.zeros(padded, bins, width + n, dtype=dtype, device=device)
+    cond = torch.zeros_like(mu)
+    x = torch.zeros(padded, bins, n, dtype=dtype, device=device)
     for i, (row, start, count, context) in enumerate(zip(rows, starts, counts, contexts)):
         frames = slice(width - context, width + count)
         mu[i, :, frames] = row.inputs.mu[0, :, start - context:]
         cond[i, :, frames] = row.inputs.cond[0, :, start - context:]
-        valid[i, frames] = 1
         x[i, :, :count] = cfm.rand_noise[0, :, start:start + count].to(mu)
-    spks = torch.cat([row.inputs.spks for row in rows])
-    start_t = torch.tensor(starts, device=device)
-    count_t = torch.tensor(counts, device=device)
-    steps = torch.arange(n, device=device)
-    positions = start_t[:, None] + steps[None, :]  # (B, N) absolute positions of the new frames
-    past_keys = torch.arange(history, device=device)[None, None, :] < start_t[:, None, None]  # (B, 1, P)
-    key_pos = positions[:, None, :]  # new keys' positions (B, 1, N)
-    new_keys = (steps[None, None, :] < count_t[:, None, None]).expand(-1, n, -1)  # a row's real frames only
-    streaming = torch.tensor([row.streaming for row in rows], device=device)[:, None, None]
-    # the static chunk mask: frame i sees j < (i // chunk + 1) chunk; padded queries see every real frame (never
-    # an empty softmax row, whose NaN would reach real frames through the padded frames' keys and values)
-    chunk_end = (positions // chunk + 1) * chunk
-    new_keys = new_keys & (~streaming | (key_pos < chunk_end[:, :, None]) | ~new_keys[:, :1].transpose(1, 2))
-    visible = torch.cat([past_keys.expand(-1, n, -1), new_keys], dim=2)[:, None]  # (B, 1, N, P + N)
-
-    mu_in, cond_in = torch.cat([mu, torch.zeros_like(mu)]), torch.cat([cond, torch.zeros_like(cond)])
-    spks_in, valid_in = torch.cat([spks, torch.zeros_like(spks)]), torch.cat([valid, valid])
-    positions_in, visible_in = torch.cat([positions, positions]), torch.cat([visible, visible])
-    depth = len(estimator.transformer_blocks)
-    caches = [_RowCache(row, i, batch, width, context, receptive, chunk)
+    spks = F.pad(torch.cat([row.inputs.spks for row in rows]), (0, 0, 0, padded - batch))
+    constants = dict(mu=torch.cat([mu, torch.zeros_like(mu)]), cond=torch.cat([cond, torch.zeros_like(cond)]),
+                     spks=torch.cat([spks, torch.zeros_like(spks)]), start=to_device(2 * starts_p, device),
+                     count=to_device(2 * counts_p, device), streaming=to_device(2 * streaming_p, device, torch.bool))
+    if graphs is not None and shape is not None:
+        inputs = graphs.inputs(shape, like)
+        for name, value in constants.items():
+            getattr(inputs, name).copy_(value)
+    else:
+        depth, config = len(estimator.transformer_blocks), estimator.config
+        past = (like.new_zeros(depth, 2, 2 * batch, config.heads, history, config.dim_head) if history else None)
+        inputs = StepInputs(window=x, t=like.new_zeros(2 * batch), past=past, context=width, history=history,
+                            **constants)
+    caches = [_RowCache(row, i, padded, width, context, receptive, chunk)
               for i, (row, context) in enumerate(zip(rows, contexts))]
     for step, (t, dt) in enumerate(cfm.schedule):
-        # staging (what would fill a step graph's static inputs): the rows' cached context state and keys/values
-        # of this step, padded; gathered per step, not for all steps at once, to hold one step's copy only
-        left = _stack_context(rows, contexts, step, width, x)
-        past = [_stack_past(rows, step, block, history) if history else None for block in range(depth)]
-        # the step (same kernels on the same shapes every step, no host syncs: what a step graph would capture)
-        window = torch.cat([left, x], dim=2)  # the ODE state of the context frames, then the new frames
-        t_in = torch.full((2 * batch,), t, dtype=dtype, device=device)
-        velocity, own = estimator.forward_rows(torch.cat([window, window]), mu_in, t_in, spks_in, cond_in,
-                                               valid_in, positions_in, visible_in, past)
-        x = x + dt * ((1.0 + rate) * velocity[:batch] - rate * velocity[batch:])
-        for cache in caches:  # reads the step's outputs (after a replay, from the graph's output buffers)
-            cache.add_step(step, window, own)
+        # staging (a graph's static inputs): the ODE state with the rows' cached context state of this step, t, and
+        # the rows' cached keys/values of this step; stale frames beyond a row's history stay masked
+        inputs.window = _window(rows, contexts, step, width, x, inputs.window if shape is not None else None)
+        inputs.t.fill_(t)
+        for i, row in enumerate(rows):
+            if row.start:
+                inputs.past[:, :, i::padded, :, :row.start].copy_(row.cache.kv[step])  # type: ignore[index]
+        velocity, own = graphs.run(shape) if graphs is not None and shape is not None else inputs.run(estimator)
+        x = x + dt * ((1.0 + rate) * velocity[:padded] - rate * velocity[padded:])
+        for cache in caches:  # copies its row's outputs at once (a replay's are overwritten by the next)
+            cache.add_step(step, inputs.window, own)
     return [(x[i:i + 1, :, :count].float(), cache.cache) for i, (count, cache) in enumerate(zip(counts, caches))]
 
 
-def _stack_context(rows: Sequence[FlowRow], contexts: Sequence[int], step: int, width: int,
-                   like: torch.Tensor) -> torch.Tensor:
-    """The ODE state entering `step` of each row's conv context frames (B, 80, R), left-padded with zeros."""
-    left = like.new_zeros(len(rows), like.shape[1], width)
+def _window(rows: Sequence[FlowRow], contexts: Sequence[int], step: int, width: int, x: torch.Tensor,
+            out: Optional[torch.Tensor]) -> torch.Tensor:
+    """The ODE state entering `step`: each row's conv context frames (left-padded with zeros to R) then its new
+    frames x, (B, 80, R + N); written into `out` (a static buffer) when given."""
+    left = x.new_zeros(x.shape[0], x.shape[1], width)
     for i, (row, context) in enumerate(zip(rows, contexts)):
         if context:
             left[i, :, width - context:] = row.cache.context[step][0]
-    return left
+    window = torch.cat([left, x], dim=2)
+    return window if out is None else out.copy_(window)
 
 
 class _RowCache:
@@ -198,6 +220,7 @@ class _RowCache:
 
     def __init__(self, row: FlowRow, i: int, batch: int, width: int, context: int, receptive: int,
                  chunk: int) -> None:
+        """batch: the solve's (padded) rows; width: its context frames R."""
         self.row, self.i, self.batch = row, i, batch
         start = row.start
         commit = max(start, row.inputs.frames // chunk * chunk) if row.streaming else 0
@@ -205,43 +228,16 @@ class _RowCache:
         self.offset = width - context + commit - self.kept - (start - context)  # the kept context in a window
         self.cache = FlowCache(commit)
 
-    def add_step(self, step: int, window: torch.Tensor, own: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def add_step(self, step: int, window: torch.Tensor, own: torch.Tensor) -> None:
+        """own: the step's keys/values of every row's new frames (depth, 2, 2B, H, N, dim_head)."""
         if not self.row.streaming:
             return
-        i, batch = self.i, self.batch
-        past = self.row.cache.kv[step] if self.row.cache.kv else [None] * len(own)
-        # own's rows are the conditional rows then the unconditional ones: row i's pair is [i, batch + i]
-        self.cache.kv.append([_extend(p, k[i::batch], v[i::batch], self.keep) for p, (k, v) in zip(past, own)])
-        self.cache.context.append(window[i:i + 1, :, self.offset:self.offset + self.kept].clone())
-
-
-def _stack_past(rows: Sequence[FlowRow], step: int, block: int, history: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' cached keys and values of one step and block, (2 B, H, P, dim_head): conditional rows, then
-    unconditional rows (the order of the stacked CFG batch), each right-padded to P frames."""
-    batch = len(rows)
-    for row in rows:
-        if row.cache.kv:
-            like = row.cache.kv[step][block][0]
-            break
-    shape = (2 * batch, like.shape[1], history, like.shape[3])
-    keys, values = like.new_zeros(shape), like.new_zeros(shape)
-    for i, row in enumerate(rows):
-        if row.start:
-            k, v = row.cache.kv[step][block]
-            keys[i::batch, :, :row.start] = k
-            values[i::batch, :, :row.start] = v
-    return keys, values
-
-
-def _extend(past: Optional[tuple[torch.Tensor, torch.Tensor]], keys: torch.Tensor, values: torch.Tensor,
-            keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """past ++ the first `keep` new frames, as new tensors (caches are shared read-only, never written); the new
-    frames are copied so the call's whole key/value tensors are not kept alive by a slice."""
-    if past is None:
-        return keys[:, :, :keep].clone(), values[:, :, :keep].clone()
-    if keep == 0:
-        return past
-    return torch.cat([past[0], keys[:, :, :keep]], dim=2), torch.cat([past[1], values[:, :, :keep]], dim=2)
+        past = self.row.cache.kv[step] if self.row.cache.kv else None
+        # the conditional rows then the unconditional ones: row i's pair is [i, batch + i]
+        new = own[:, :, self.i::self.batch, :, :self.keep]
+        self.cache.kv.append(new.clone() if past is None else past if self.keep == 0 else
+                             torch.cat([past, new], dim=4))  # new tensors: caches are shared read-only
+        self.cache.context.append(window[self.i:self.i + 1, :, self.offset:self.offset + self.kept].clone())
 
 
 @dataclass(frozen=True)
@@ -253,27 +249,46 @@ class PendingChunk:
     mel: Optional[torch.Tensor]
     cache: Optional[FlowCache]
     audio: np.ndarray
+    vocoder: VocoderState
 
 
 class CosyVoice3Token2Wav:
-    """Flow + causal HiFT; offline synthesis and streams."""
+    """Flow + causal HiFT; offline synthesis and streams.
+
+    The batched flow solves replay the estimator's step graphs (`graphs`, `cosyvoice3.graphs`) once they are
+    captured (`graphs.capture_all`), with buckets for this engine's own chunk schedule unless `use_graph_buckets`
+    sets others; until then, and for calls outside the buckets, they run eagerly."""
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
-                 voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None) -> None:
+                 voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None,
+                 windowed_vocoder: bool = True) -> None:
         """voice_capacity: voices whose prompt flow cache (`prompt_flow_cache`) is kept for cached streams, least
         recently used dropped first (each holds its committed prompt frames' keys/values: see docs).
         cache_budget_bytes: what the live cached streams' own flow caches may hold together (None: no limit; the
         voices' prompt caches, bounded by `voice_capacity`, are not counted); a stream whose next cache would pass
-        it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`)."""
+        it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`).
+        windowed_vocoder: a chunk vocodes a bounded window of its stream's mel (`CausalHiFT.stream_chunks`);
+        False: the whole accumulated mel, as the reference does (the same samples up to float rounding)."""
         self.flow = flow
+        self.windowed_vocoder = windowed_vocoder
         self.hift = hift
         self.voice_caches = VoiceCaches(voice_capacity)
         self.budget = CacheBudget(cache_budget_bytes)
         self.schedule = schedule or runtime_schedule(lookahead=flow.config.pre_lookahead_len)
         self.lookahead = flow.config.pre_lookahead_len
+        self.graphs = FlowStepGraphs(flow.estimator, self.graph_buckets([self.schedule]))
         weight = flow.input_embedding.weight
         self.flow_device, self.flow_dtype = weight.device, weight.dtype
         self.hift_device = hift.stft_window.device
+
+    def graph_buckets(self, schedules: Sequence[HopSchedule]) -> FlowGraphBuckets:
+        """Step-graph buckets covering the non-final chunks of `schedules` (`cosyvoice3.graphs`)."""
+        return FlowGraphBuckets.covering(schedules, self.flow.config.token_mel_ratio,
+                                         self.flow.estimator.config.static_chunk_size)
+
+    def use_graph_buckets(self, buckets: FlowGraphBuckets) -> None:
+        """Replace the step graphs by an empty set with these buckets (before capturing them)."""
+        self.graphs = FlowStepGraphs(self.flow.estimator, buckets)
 
     @property
     def sample_rate(self) -> int:
@@ -356,15 +371,40 @@ class CosyVoice3Token2Wav:
         for streaming in (True, False):
             group = [i for i in batched if rows[i].streaming == streaming]
             if group:
-                solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group])))
-        pending = []
+                solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group], self.graphs)))
+        mels: list[tuple[Optional[torch.Tensor], Optional[FlowCache]]] = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:
                 mel, cache = solved[i]
-                pending.append(stream.pending(chunk, stream.own_frames(chunk, rows[i], mel), cache))
+                mels.append((stream.own_frames(chunk, rows[i], mel), cache))
             else:
-                pending.append(stream.prepare(chunk))
-        return [p.stream.commit(p) for p in pending]
+                mels.append(stream.chunk_mel(chunk) if stream.tokens else (None, None))
+        return [p.stream.commit(p) for p in self.vocode_chunks(work, mels)]
+
+    def vocode_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]],
+                      mels: Sequence[tuple[Optional[torch.Tensor], Optional[FlowCache]]]) -> list[PendingChunk]:
+        """Vocode each chunk's own mel (None: an empty stream) after its stream's earlier mel -> the chunks, not
+        applied. Windowed: all rows in one `CausalHiFT.stream_chunks` (batched where the windows allow);
+        otherwise the reference, one row at a time."""
+        rows = [(stream.vocoder, mel.to(self.hift_device, torch.float32), chunk.final)
+                for (stream, chunk), (mel, _) in zip(work, mels) if mel is not None]
+        if self.windowed_vocoder:
+            vocoded = self.hift.stream_chunks(rows) if rows else []
+        else:
+            vocoded = [self.hift.reference_chunk(*row) for row in rows]
+        # one copy to the host for the whole call
+        host = torch.cat([audio for audio, _ in vocoded]).cpu().numpy() if vocoded else np.zeros(0, np.float32)
+        results, offset = iter(vocoded), 0
+        pending = []
+        for (stream, chunk), (mel, cache) in zip(work, mels):
+            if mel is None:
+                pending.append(PendingChunk(stream, chunk, None, None, np.zeros(0, dtype=np.float32), stream.vocoder))
+                continue
+            audio, state = next(results)
+            piece, offset = host[offset:offset + audio.shape[0]], offset + audio.shape[0]
+            pending.append(PendingChunk(stream, chunk, mel.to(self.hift_device, torch.float32),
+                                        None if chunk.final else cache, piece, state))
+        return pending
 
     def offline_job(self, tokens: Sequence[int], prompt: VoicePrompt) -> tuple["CosyVoice3Stream", Chunk]:
         """A whole utterance as a one-chunk stream (a final chunk over all tokens: full attention, final vocoder
@@ -376,7 +416,8 @@ class CosyVoice3Token2Wav:
 
 
 class CosyVoice3Stream(ChunkedStream):
-    """All state of one stream: tokens, chunks run, the accumulated mel, samples sent, the optional flow cache.
+    """All state of one stream: tokens, chunks run, the vocoder's state (the mel it still reads, samples sent),
+    the optional flow cache.
     `extend` / `next_chunk` / `push` / `finish` as CosyVoice2's streams (`cosyvoice2.streaming.ChunkedStream`).
 
     A cached stream's own flow-cache bytes count against the engine's budget: each chunk's new cache is charged
@@ -397,8 +438,8 @@ class CosyVoice3Stream(ChunkedStream):
         # shared with the voice's prompt cache and are the voice's
         self._own: dict[int, int] = {}
         self._flow_cache_bytes = 0  # sum of `_own`, as accounted in the engine's budget
-        self._mels: list[torch.Tensor] = []
-        self._sent = 0
+        self.vocoder: VocoderState = engine.hift.stream_start()
+        self.last_mel: Optional[torch.Tensor] = None  # the last chunk's own mel frames (1, 80, n)
 
     def check_next(self, chunk: Chunk) -> None:
         if self.finished:
@@ -429,7 +470,7 @@ class CosyVoice3Stream(ChunkedStream):
         flow cache after it (None without one, or after the final chunk). Changes nothing in the stream."""
         if self.cached:
             row = self.flow_row(chunk)
-            mel, cache = batched_solve(self.engine.flow, [row])[0]
+            mel, cache = batched_solve(self.engine.flow, [row], self.engine.graphs)[0]
             return self.own_frames(chunk, row, mel), None if chunk.final else cache
         ratio = self.engine.flow.config.token_mel_ratio
         mel = self.engine.mel(self.tokens[: chunk.feed], self.prompt, streaming=not chunk.final,
@@ -439,20 +480,13 @@ class CosyVoice3Stream(ChunkedStream):
     def prepare(self, chunk: Chunk) -> "PendingChunk":
         """Compute `chunk` (the schedule's next one) without changing the stream; `commit` applies it."""
         self.check_next(chunk)
-        if not self.tokens:  # an empty stream: nothing to vocode
-            return PendingChunk(self, chunk, None, None, np.zeros(0, dtype=np.float32))
-        return self.pending(chunk, *self.chunk_mel(chunk))
-
-    def pending(self, chunk: Chunk, mel: torch.Tensor, cache: Optional[FlowCache]) -> "PendingChunk":
-        """Vocode the accumulated mel with this chunk's frames (causal HiFT, one stream) -> the chunk, not applied."""
-        mel = mel.to(self.engine.hift_device, torch.float32)
-        audio = self.engine.vocode(torch.cat([*self._mels, mel], dim=2), finalize=chunk.final)
-        return PendingChunk(self, chunk, mel, None if chunk.final else cache, audio[self._sent:].numpy())
+        mel = self.chunk_mel(chunk) if self.tokens else (None, None)  # an empty stream: nothing to vocode
+        return self.engine.vocode_chunks([(self, chunk)], [mel])[0]
 
     def commit(self, pending: "PendingChunk") -> np.ndarray:
         if pending.mel is not None:
-            self._mels.append(pending.mel)
-        self._sent += pending.audio.shape[0]
+            self.last_mel = pending.mel
+        self.vocoder = pending.vocoder
         self._keep_flow_cache(None if pending.chunk.final else pending.cache)
         self.chunks.append(pending.chunk)
         self.finished = pending.chunk.final

@@ -270,12 +270,11 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
     streams as they are (any hop, 3 lookahead tokens); `cached` streams keep their flow caches per stream and start
     from their voice's prompt cache (computed once per voice, `voice_capacity` voices kept), the others recompute
     every chunk (the reference path). The engine solves the flow of a call's cached chunks and offline jobs in one
-    batch per attention mode (the vocoder per job; recompute streams one after another); a failed call changes no
-    stream, so each job is then retried alone (`_BatchedStreams`). The seed is unused: CosyVoice3's flow and source
-    noise come from fixed tables, so a request's audio depends only on its tokens and voice."""
-
-    #: Jobs per call at most (the service's cap): no CUDA-graph buckets bound it (the batched flow runs eagerly).
-    max_rows = DEFAULT_MAX_ROWS
+    batch per attention mode, replayed from the flow's step graphs where the call fits their buckets (the buckets
+    cover the engine's chunk schedule: the adapter gives it the orchestrators'), and vocodes the call's windows
+    together where they allow (recompute streams one after another); a failed call changes no stream, so each job
+    is then retried alone (`_BatchedStreams`). The seed is unused: CosyVoice3's flow and source noise come from
+    fixed tables, so a request's audio depends only on its tokens and voice."""
 
     def __init__(self, engine: CosyVoice3Token2Wav, cached: bool) -> None:
         self.engine = engine
@@ -286,9 +285,27 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
     def sample_rate(self) -> int:
         return self.engine.sample_rate
 
+    @property
+    def max_rows(self) -> int:
+        """Jobs per call at most (the service's cap): the largest step-graph bucket of rows (more would run eagerly)."""
+        return max(self.engine.graphs.buckets.rows, default=DEFAULT_MAX_ROWS)
+
     def capture_graphs(self) -> tuple[int, float]:
-        """No step graphs: CosyVoice3's flow runs eagerly (docs/cosyvoice3.md, "Not yet")."""
-        return 0, 0.0
+        """Capture the flow's step graphs of every bucket now, on the engine's own device (before the server
+        reports ready): (graphs, seconds). A capture that fails is logged and leaves the flow eager."""
+        engine = self.engine
+        if engine.flow_device.type != "cuda":
+            return 0, 0.0
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+            torch.cuda.synchronize(engine.flow_device)
+        except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
+            logger.exception("token2wav: capturing CosyVoice3's flow step graphs failed; the flow runs eagerly")
+            engine.graphs.clear()
+            return 0, time.perf_counter() - started
+        return count, time.perf_counter() - started
 
     def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:
         """A stream of `prompt`'s voice; a cached one starts from the voice's prompt flow cache (computed here on

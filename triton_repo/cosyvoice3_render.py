@@ -138,4 +138,4 @@ def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
     assert cv3 is not None
     return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
                         flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, flow_cache_gb=cv3.flow_cache_gb,
-                        benchmark=_benchmark(cv3))
+                        first_hop=cv3.first_hop, second_hop=cv3.second_hop, benchmark=_benchmark(cv3))

@@ -332,6 +332,10 @@ class CosyVoice3EngineParams(DecoderParams):
     flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
     flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
     flow_cache_gb: float  # the live cached streams' own flow caches together (voices not counted); 0: no limit
+    # the orchestrators' streaming schedule (tokens of the first chunk, then second_hop doubling per chunk): the
+    # flow's CUDA-graph buckets are made to cover its chunks
+    first_hop: int
+    second_hop: int
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
 
     @property

@@ -5,10 +5,15 @@ as served) of one voice whose prompt cache is computed beforehand. For each `--s
 `run_chunks` call of N first chunks and one of N second chunks (median wall time over `--repeats` calls, each on
 freshly advanced streams), then profiles one more call: its kernels (count and summed kernel time; wall minus kernel
 time is time the GPU waited for the host) and the operators whose own kernels took the most device time, with their
-input shapes (on the CPU: their own CPU time). The flow and vocoder run eagerly, so every kernel keeps the operator
-that launched it.
+input shapes (on the CPU: their own CPU time). `--chunks` picks the chunk indices timed (0: first chunks; later
+ones show that a chunk's cost no longer grows with the stream: the vocoder runs over a bounded window).
 
-    PYTHONUNBUFFERED=1 python -m enginebench.cosyvoice3_token2wav --streams 1 8 [--top 12]
+Without `--graphs` the flow runs eagerly, so every kernel keeps the operator that launched it; with `--graphs` the
+flow's step graphs of the engine's buckets are captured first (their count, time and static memory are printed)
+and the calls replay them (a replayed kernel is listed under the graph launch); on the CPU `--graphs` emulates the
+buckets (padded calls, run eagerly), which only checks the padded path.
+
+    PYTHONUNBUFFERED=1 python -m enginebench.cosyvoice3_token2wav --streams 1 16 --chunks 0 1 4 [--graphs] [--top 12]
     python -m enginebench.cosyvoice3_token2wav --tiny --device cpu --dtype fp32 --streams 1 --repeats 1  # smoke
 """
 
@@ -44,15 +49,15 @@ def random_engine(config: CosyVoice3Config, device: torch.device, dtype: torch.d
 def advanced_streams(engine: CosyVoice3Token2Wav, voice: VoicePrompt, tokens: list[int], n: int,
                      chunks: int) -> list[tuple[CosyVoice3Stream, object]]:
     """`n` fresh cached streams of `voice` over `tokens`, each run through `chunks` chunks, with their next chunk:
-    the work of one `run_chunks` call (the advancing is not part of it)."""
-    work = []
+    the work of one `run_chunks` call (the advancing is not part of it: the streams advance together)."""
+    streams = []
     for _ in range(n):
         stream = engine.open_stream(voice, cached=True)
         stream.extend(tokens)
-        for _ in range(chunks):
-            engine.run_chunks([(stream, stream.next_chunk(finished=False))])
-        work.append((stream, stream.next_chunk(finished=False)))
-    return work
+        streams.append(stream)
+    for _ in range(chunks):
+        engine.run_chunks([(stream, stream.next_chunk(finished=False)) for stream in streams])
+    return [(stream, stream.next_chunk(finished=False)) for stream in streams]
 
 
 def op_profile(fn: Callable[[], object], device: torch.device, top: int) -> tuple[int, float, list]:
@@ -84,11 +89,25 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="operators listed per case")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1],
+                        help="chunk indices timed (0: first chunks)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="capture the flow's step graphs first (CPU: emulate the buckets)")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model (a smoke run of this tool)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype)
     config = tiny_config() if args.tiny else CosyVoice3Config()
     engine = random_engine(config, device, dtype)
+    if args.graphs and device.type == "cuda":
+        started = time.perf_counter()
+        count = engine.graphs.capture_all(device, dtype)
+        sync(device)
+        print(f"captured {count} flow step graphs in {time.perf_counter() - started:.1f} s "
+              f"({engine.graphs.static_bytes() / 2**30:.2f} GiB static keys/values)", flush=True)
+    elif args.graphs:
+        engine.graphs.emulate = True
+    else:
+        engine.graphs = None  # type: ignore[assignment]  # eager: every kernel keeps its operator
     gen = torch.Generator().manual_seed(1)
     vocab = config.flow.vocab_size
     voice = VoicePrompt(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen),
@@ -98,11 +117,13 @@ def main() -> int:
     engine.prompt_flow_cache(voice)
     sync(device)
     print(f"voice prompt cache ({PROMPT_TOKENS} tokens) in {(time.perf_counter() - started) * 1e3:.0f} ms", flush=True)
-    tokens = torch.randint(0, vocab, (400,), generator=gen).tolist()
+    tokens = torch.randint(0, vocab, (2 * sum(engine.schedule.hop(i) for i in range(max(args.chunks) + 1)) + 10,),
+                           generator=gen).tolist()
 
-    print(f"\n{'call':<20} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9}")
+    print(f"\n{'call':<26} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9}")
     for n in args.streams:
-        for label, earlier in (("first chunks", 0), ("2nd chunks", 1)):
+        for earlier in args.chunks:
+            label = f"chunk {earlier} (hop {engine.schedule.hop(earlier)})"
             prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(args.repeats + 1)]
             engine.run_chunks(prepared.pop())  # warm-up
             samples = []
@@ -114,7 +135,7 @@ def main() -> int:
                 samples.append((time.perf_counter() - start) * 1e3)
             work = advanced_streams(engine, voice, tokens, n, earlier)
             kernels, kernel_ms, ops = op_profile(lambda: engine.run_chunks(work), device, args.top)
-            print(f"{label + ' x ' + str(n):<20} | {statistics.median(samples):8.1f} | {kernels:7d} | "
+            print(f"{label + ' x ' + str(n):<26} | {statistics.median(samples):8.1f} | {kernels:7d} | "
                   f"{kernel_ms:9.1f}", flush=True)
             for op, shapes, calls, ms in ops:
                 print(f"{'':<22}{ms:8.2f} ms {calls:6d}x  {op}  {shapes}")

@@ -72,7 +72,7 @@ def test_the_voice_prompt_cache_is_not_counted(parts) -> None:
     stream = open_plan(token2wav, Plan("long", 90, seed=4))
     stream.run(stream.next_chunk(finished=True))
     cache = stream.flow_cache
-    assert cache is not None and cache.kv[0][0][0] is voice_cache.kv[0][0][0]
+    assert cache is not None and cache.kv[0] is voice_cache.kv[0]
     assert token2wav.cache_bytes == sum(c.nbytes for c in cache.context) < cache.nbytes()
     stream.run(stream.next_chunk(finished=True))  # completes a chunk: new keys/values, the stream's own
     assert token2wav.cache_bytes == stream.flow_cache.nbytes() > 0

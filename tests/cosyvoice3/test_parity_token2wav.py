@@ -64,17 +64,19 @@ def test_streaming_chunks(micro_token2wav: CosyVoice3Token2Wav, voice: VoiceProm
     stream = micro_token2wav.open_stream(voice, cached=cached)
     stream.extend(dump["in_speech_token"][0].tolist())
     rows = schedule_rows(dump)
+    mels = []
     for row in rows:
         chunk = stream.next_chunk(finished=True)
         assert chunk is not None and chunk.final == bool(row["finalize"])
         audio = stream.run(chunk)
         k = row["chunk"]
-        mel = stream._mels[-1]  # this chunk's own frames
+        mel = stream.last_mel  # this chunk's own frames
+        mels.append(mel)
         assert mel.shape[2] == row["mel_frames"]
         assert max_abs(mel, dump[f"stream{k}_mel"]) <= MEL_TOL, k
         assert audio.shape[0] == row["emitted"]
         assert max_abs(audio, dump[f"stream{k}_audio"][0]) <= AUDIO_TOL, k
-        accumulated = torch.cat(stream._mels, dim=2)
+        accumulated = torch.cat(mels, dim=2)
         assert accumulated.shape[2] == row["vocoder_in"]
         f0 = micro_token2wav.hift.predict_f0(accumulated, finalize=bool(row["finalize"]))
         assert max_abs(f0, dump[f"stream{k}_hift_f0"]) <= F0_TOL, k
@@ -111,8 +113,7 @@ def test_cached_path_keeps_only_complete_chunks(micro_token2wav: CosyVoice3Token
         frames = voice.mel.shape[0] + ratio * (row["tokens_end"] - micro_token2wav.lookahead)
         assert stream.flow_cache is not None
         assert stream.flow_cache.committed == frames // chunk_frames * chunk_frames
-        keys, _ = stream.flow_cache.kv[-1][-1]
-        assert keys.shape[2] == stream.flow_cache.committed
+        assert stream.flow_cache.kv[-1].shape[4] == stream.flow_cache.committed
 
 
 def test_bad_inputs_are_refused(micro_token2wav: CosyVoice3Token2Wav, voice: VoicePrompt) -> None:
@@ -139,7 +140,7 @@ def test_offline_job_equals_offline_and_failed_batches_change_nothing(micro_toke
     first, offline = micro_token2wav.run_chunks([(good, good.next_chunk(finished=False)), job])
     assert good.chunks and good.flow_cache.committed > 0 and first.shape[0] > 0
     # the batched flow solve equals the offline one up to float summation order; HiFT magnifies that in the audio
-    assert max_abs(job[0]._mels[0], micro_token2wav.mel(tokens, voice)) <= MEL_TOL
+    assert max_abs(job[0].last_mel, micro_token2wav.mel(tokens, voice)) <= MEL_TOL
     assert max_abs(offline, micro_token2wav.offline(tokens, voice)) <= AUDIO_TOL
 
 
@@ -153,7 +154,7 @@ def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wa
     shared = micro_token2wav.prompt_flow_cache(long_voice)
     chunk_frames = micro_token2wav.flow.config.dit.static_chunk_size
     assert shared.committed >= chunk_frames
-    held = [k.clone() for k, _ in shared.kv[0]]
+    held = shared.kv[0].clone()
     tokens = dump["in_speech_token"][0, extra:].tolist()
     streams = [micro_token2wav.open_stream(long_voice, cached=c) for c in (False, True)]
     for stream in streams:
@@ -161,5 +162,5 @@ def test_voice_flow_cache_of_a_longer_prompt(micro_token2wav: CosyVoice3Token2Wa
     while not streams[0].finished:
         pieces = [stream.run(stream.next_chunk(finished=True)) for stream in streams]
         assert max_abs(pieces[1], pieces[0]) <= 1e-4
-    assert all(torch.equal(k, h) for (k, _), h in zip(shared.kv[0], held))  # the shared cache is unchanged
+    assert torch.equal(shared.kv[0], held)  # the shared cache is unchanged
     assert micro_token2wav.open_stream(long_voice, cached=True).flow_cache is shared

@@ -17,7 +17,7 @@ from cosyvoice3.frontend import PROMPT_MEL_FMAX
 from cosyvoice3.layout import FLOW_FILE, HIFT_FILE, LLM_FILE, SPEECH_TOKENIZER_FILE
 from cosyvoice3.llm import SilentTokenFilter, sampling_params
 from cosyvoice3.loading import load_config, load_flow, load_hift, load_llm
-from cosyvoice3.token2wav import CosyVoice3Token2Wav
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, runtime_schedule
 from speech_serving.cosyvoice3 import cosyvoice3_vocab
 from speech_serving.engines import CosyVoice3BatchedToken2Wav
 from triton_repo import internal_io as io
@@ -43,7 +43,9 @@ def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler:
     )  # fmt: skip
     flow = load_flow(params.model_dir / FLOW_FILE, config, device, dtype)
     hift = load_hift(params.model_dir / HIFT_FILE, config, device)
-    engine = CosyVoice3Token2Wav(flow, hift, voice_capacity=params.flow_voices,
+    # the orchestrators' schedule: the flow's step-graph buckets cover its chunks (captured by Token2WavHandler)
+    schedule = runtime_schedule(params.first_hop, params.second_hop, lookahead=config.flow.pre_lookahead_len)
+    engine = CosyVoice3Token2Wav(flow, hift, schedule, voice_capacity=params.flow_voices,
                                  cache_budget_bytes=params.flow_cache_budget_bytes)
     token2wav = Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device)
     return EngineHandler(llm, token2wav)

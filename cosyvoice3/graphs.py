@@ -1,0 +1,271 @@
+"""CUDA graphs of CosyVoice3's batched flow step (`cosyvoice3.token2wav.batched_solve`), in padded shape buckets.
+
+Eagerly, one estimator pass of the DiT (22 blocks) is several hundred small kernel launches and a chunk runs ten
+of them, so a call of a few streaming rows mostly waits for the host. A call is therefore padded to a bucket of
+(rows, new frames, history frames), with the conv position embedding's context always its full receptive field,
+and each of its ten Euler steps replays the one graph captured for that bucket: the step's inputs (the ODE state
+with its context frames, t, and the rows' cached keys/values of that step) are copied into the bucket's static
+buffers first, and the Euler update itself runs eagerly on the graph's velocity (with the step's float dt, as the
+eager path computes it).
+
+One graph per bucket replayed ten times, not one graph of the whole solve: a graph reads fixed addresses, so every
+row's cached keys/values are copied into static buffers either way; a whole-solve graph would hold all ten steps'
+at once (ten times the memory) to save nine replays.
+
+Padding is exact (what `batched_solve` already guarantees for rows of different sizes): padded history frames are
+masked as keys, padded new frames are never keys of a real frame, the conv reads zeros on a row's left padding
+(`valid`), and a padded row (every frame real, no history, full attention) never mixes with real ones. Stale values
+in the static buffers are masked or never read back, so they are not cleared between calls (they are always finite:
+they come from earlier calls' real computations or zeros).
+
+The static keys/values of all buckets are views of one buffer sized for the largest bucket: depth x 2 x 2 rows x
+heads x history x head dim, i.e. 22 x 2 x 2 x 1024 values per row and history frame at the released size (176 KiB in
+bf16): 16 rows x 2048 frames take 5.5 GiB. Calls outside every bucket (more rows, longer chunks or histories: the
+final chunks and offline jobs, whole calls, mostly) run eagerly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from cosyvoice2.dit.graphs import HopSchedule
+from speech_lm.graph_buckets import capture, concrete_device, fit, round_up
+
+from .config import DiTConfig
+from .dit import DiT
+
+Shape = tuple[int, int, int]  # (rows, new frames, history frames)
+
+#: the most rows (chunks) one replay serves; a call of more runs eagerly
+ROW_BUCKETS = (1, 2, 4, 8, 16)
+FRAME_STEP = 16  # new-frame buckets are multiples of this
+#: history buckets (frames of cached keys/values: the prompt and the stream's complete chunks). Geometric: padding
+#: the history costs only attention, so coarse buckets keep the number of graphs small.
+HISTORY_BUCKETS = (256, 512, 1024, 2048)
+MAX_FRAMES = 1024  # the longest chunk (new frames) a bucket is made for
+
+
+def chunk_frame_limits(schedule: HopSchedule, token_mel_ratio: int, chunk: int, max_frames: int = MAX_FRAMES,
+                       max_chunks: int = 64) -> list[int]:
+    """Per chunk index, the most new frames a non-final cached chunk there solves, while at most `max_frames`.
+
+    A chunk of hop h adds ratio x h frames to the stream and starts at its cache's last complete `chunk`-frame
+    boundary, at most chunk - 1 frames before its earlier frames' end; the first chunk also computes the frames of
+    the prompt's last `lookahead` tokens (the voice's cache stops before them: their features read the stream's
+    first tokens)."""
+    limits = []
+    for index in range(max_chunks):
+        hop = schedule.hop(index)
+        limit = token_mel_ratio * (hop + (schedule.lookahead if index == 0 else 0)) + chunk - 1
+        if limit > max_frames or (index >= 2 and hop == schedule.hop(index - 1)):
+            break
+        limits.append(limit)
+    return limits
+
+
+@dataclass(frozen=True)
+class FlowGraphBuckets:
+    rows: tuple[int, ...] = ROW_BUCKETS
+    frames: tuple[int, ...] = ()
+    history: tuple[int, ...] = HISTORY_BUCKETS
+
+    @classmethod
+    def covering(cls, schedules: Iterable[HopSchedule], token_mel_ratio: int, chunk: int,
+                 rows: Sequence[int] = ROW_BUCKETS, history: Sequence[int] = HISTORY_BUCKETS,
+                 max_frames: int = MAX_FRAMES) -> "FlowGraphBuckets":
+        """Buckets for every non-final chunk the schedules form, up to `max_frames` new frames: per chunk index the
+        largest chunk over the schedules, rounded up (fewer graphs, at the price of padding smaller chunks)."""
+        per_index: dict[int, int] = {}
+        for schedule in schedules:
+            for index, limit in enumerate(chunk_frame_limits(schedule, token_mel_ratio, chunk, max_frames)):
+                per_index[index] = max(per_index.get(index, 0), limit)
+        frames = sorted({round_up(limit, FRAME_STEP) for limit in per_index.values()})
+        return cls(tuple(sorted(rows)), tuple(frames), tuple(sorted(history)))
+
+    def fit(self, rows: int, frames: int, history: int) -> Optional[Shape]:
+        """The bucket a call is padded to, or None (it runs eagerly)."""
+        return fit((rows, frames, history), (self.rows, self.frames, self.history))  # type: ignore[return-value]
+
+    def shapes(self) -> list[Shape]:
+        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
+        shapes = [(r, f, h) for r in self.rows for f in self.frames for h in self.history]
+        return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
+
+
+def row_masks(start: torch.Tensor, count: torch.Tensor, streaming: torch.Tensor, context: int, frames: int,
+              history: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row its history length `start`, real new frames `count` and attention mode `streaming` (each (B,))
+    -> valid (B, R + N, 1) bool: the row's context frames (right-aligned in the R) and real new frames, where the
+    conv position embedding reads (zeros elsewhere, as an unpadded row's conv reads its zero padding); positions
+    (B, N): the new frames' absolute positions (rotary angles); visible (B, 1, N, P + N) bool: which past keys
+    (those below the row's history) and new keys (its real frames, and with the chunk mask those before the end of
+    the querying frame's `chunk`-frame chunk, counted from the first prompt frame) each new frame sees. A padded
+    query frame sees every real frame: an all-masked softmax row would give NaN, which reaches real frames through
+    the padded frames' keys and values."""
+    device = start.device
+    steps = torch.arange(frames, device=device)
+    positions = start[:, None] + steps[None, :]
+    index = torch.arange(context + frames, device=device)[None, :]
+    first = context - start.clamp(max=context)
+    valid = (index >= first[:, None]) & (index < (context + count)[:, None])
+    past_keys = torch.arange(history, device=device)[None, None, :] < start[:, None, None]  # (B, 1, P)
+    real = steps[None, None, :] < count[:, None, None]  # (B, 1, N) the row's real frames
+    chunk_end = (positions // chunk + 1) * chunk
+    new_keys = real & (~streaming[:, None, None] | (positions[:, None, :] < chunk_end[:, :, None])
+                       | ~real.transpose(1, 2))
+    visible = torch.cat([past_keys.expand(-1, frames, -1), new_keys], dim=2)[:, None]
+    return valid.unsqueeze(-1), positions, visible
+
+
+@dataclass(eq=False)
+class StepInputs:
+    """The inputs of one estimator pass over a padded batch of B rows (N new frames, R context frames, P history
+    frames): a graph's static buffers, or a call's own tensors when it runs eagerly. Conditional rows first, then
+    unconditional ones (the stacked CFG batch). Per row only its history length, real new frames and attention
+    mode are given: the pass derives validity, positions and masks from them (`row_masks`; no mask buffers)."""
+
+    window: torch.Tensor  # (B, 80, R + N) the ODE state: each row's context frames (right-aligned), then its new ones
+    t: torch.Tensor  # (2B,)
+    mu: torch.Tensor  # (2B, 80, R + N)
+    cond: torch.Tensor  # (2B, 80, R + N)
+    spks: torch.Tensor  # (2B, 80)
+    start: torch.Tensor  # (2B,) int64: the row's history frames (its first new frame's position)
+    count: torch.Tensor  # (2B,) int64: the row's real new frames
+    streaming: torch.Tensor  # (2B,) bool: the chunk mask (else full attention)
+    past: Optional[torch.Tensor]  # (depth, 2, 2B, H, P, dim_head): per block keys then values; None when P = 0
+    context: int  # R
+    history: int  # P
+
+    @classmethod
+    def zeros(cls, config: DiTConfig, shape: Shape, context: int, like: torch.Tensor,
+              past: Optional[torch.Tensor] = None) -> "StepInputs":
+        """Zeroed inputs of a bucket, every new frame real, no history, full attention (a capture's warm-up on them
+        is finite); `past`: a given buffer (view) to use for the keys/values."""
+        rows, frames, history = shape
+        width = context + frames
+        if past is None and history:
+            past = like.new_zeros(config.depth, 2, 2 * rows, config.heads, history, config.dim_head)
+        start = torch.zeros(2 * rows, dtype=torch.long, device=like.device)
+        return cls(like.new_zeros(rows, config.mel_dim, width), like.new_zeros(2 * rows),
+                   like.new_zeros(2 * rows, config.mu_dim, width), like.new_zeros(2 * rows, config.mel_dim, width),
+                   like.new_zeros(2 * rows, config.spk_dim), start, start + frames,
+                   torch.zeros(2 * rows, dtype=torch.bool, device=like.device), past, context, history)
+
+    def run(self, estimator: DiT) -> tuple[torch.Tensor, torch.Tensor]:
+        """One estimator pass (static shapes, no host syncs: what a graph captures) -> the velocity (2B, 80, N) and
+        the new frames' keys/values (depth, 2, 2B, H, N, dim_head)."""
+        depth = len(estimator.transformer_blocks)
+        frames = self.window.shape[2] - self.context
+        valid, positions, visible = row_masks(self.start, self.count, self.streaming, self.context, frames,
+                                              self.history, estimator.config.static_chunk_size)
+        past = ([(self.past[b, 0], self.past[b, 1]) for b in range(depth)] if self.past is not None
+                else [None] * depth)
+        velocity, own = estimator.forward_rows(torch.cat([self.window, self.window]), self.mu, self.t, self.spks,
+                                               self.cond, valid.to(self.mu.dtype), positions, visible, past)
+        return velocity, torch.stack([torch.stack(kv) for kv in own])
+
+
+@dataclass(eq=False)
+class _Entry:
+    inputs: StepInputs
+    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the pass runs eagerly on the static inputs)
+    outputs: Optional[tuple[torch.Tensor, torch.Tensor]]
+
+
+class FlowStepGraphs:
+    """The captured estimator passes of one CosyVoice3 flow, per bucket, and their static buffers.
+
+    `lock` is held by a whole `batched_solve` call (static buffers, and graph outputs that the next replay
+    overwrites). `emulate` (tests): pad calls to the buckets and fill the static buffers on any device, running each
+    pass eagerly instead of replaying."""
+
+    def __init__(self, estimator: DiT, buckets: FlowGraphBuckets) -> None:
+        self._estimator = [estimator]  # a list, so the module is not registered as a child
+        self.buckets = buckets
+        self.context = estimator.input_embed.conv_pos_embed.receptive_field
+        self.lock = threading.RLock()
+        self.emulate = False
+        self._entries: dict[Shape, _Entry] = {}
+        self._past: Optional[torch.Tensor] = None
+        self._pool: object | None = None
+
+    @property
+    def captured(self) -> int:
+        return sum(entry.graph is not None for entry in self._entries.values())
+
+    def static_bytes(self) -> int:
+        """Bytes of the shared static keys/values (0 before the first capture or emulated call)."""
+        return 0 if self._past is None else self._past.numel() * self._past.element_size()
+
+    def bucket(self, rows: int, frames: int, history: int, like: torch.Tensor) -> Optional[Shape]:
+        """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket captured
+        for that device and dtype (any bucket when emulating)."""
+        shape = self.buckets.fit(rows, frames, history)
+        if shape is None or self.emulate:
+            return shape
+        entry = self._entries.get(shape)
+        if entry is None or entry.graph is None or not like.is_cuda:
+            return None
+        return shape if (entry.inputs.window.device, entry.inputs.window.dtype) == (like.device, like.dtype) else None
+
+    def inputs(self, shape: Shape, like: torch.Tensor) -> StepInputs:
+        """The static inputs of `shape` on `like`'s device and dtype (created when emulating)."""
+        return self._entry(shape, like.device, like.dtype, capture_graph=False).inputs
+
+    def run(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass on the static inputs of `shape` (filled by the caller, who holds `lock`): replayed, or run eagerly
+        when emulating. A replay's outputs are valid until the next replay."""
+        entry = self._entries[shape]
+        if entry.graph is None:
+            return entry.inputs.run(self._estimator[0])
+        entry.graph.replay()
+        assert entry.outputs is not None
+        return entry.outputs
+
+    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Capture every bucket now (before a server reports ready), on `device` (any GPU, not only the current
+        one); returns how many graphs were captured."""
+        before = self.captured
+        device = concrete_device(device)
+        with self.lock, torch.inference_mode():
+            for shape in self.buckets.shapes():
+                self._entry(shape, device, dtype, capture_graph=True)
+        return self.captured - before
+
+    def clear(self) -> None:
+        """Drop every graph and buffer: all calls run eagerly (after a failed capture)."""
+        with self.lock:
+            self._entries.clear()
+            self._past = None
+            self._pool = None
+
+    def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
+        entry = self._entries.get(shape)
+        if entry is not None and (entry.inputs.window.device, entry.inputs.window.dtype) == (device, dtype):
+            if entry.graph is not None or not capture_graph:
+                return entry
+        device = concrete_device(device)
+        estimator = self._estimator[0]
+        config = estimator.config
+        if self._past is None or (self._past.device, self._past.dtype) != (device, dtype):
+            # the graphs of the old buffer go, and with them their pool: a pool whose graphs are all gone must not
+            # take a new capture (the caching allocator asserts), so the next capture starts a new one
+            self._entries.clear()
+            self._pool = None
+            self._past = torch.zeros(config.depth, 2, 2 * max(self.buckets.rows), config.heads,
+                                     max(self.buckets.history), config.dim_head, device=device, dtype=dtype)
+        rows, _, history = shape
+        like = self._past.new_empty(0)
+        inputs = StepInputs.zeros(config, shape, self.context, like,
+                                  past=self._past[:, :, :2 * rows, :, :history])
+        graph, outputs = None, None
+        if capture_graph and device.type == "cuda":
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph, outputs = capture(lambda: inputs.run(estimator), device, self._pool)
+        entry = self._entries[shape] = _Entry(inputs, graph, outputs)
+        return entry

@@ -1,0 +1,169 @@
+"""CosyVoice3's flow step graphs (`cosyvoice3.graphs`): a batched flow solve padded to a (rows, new frames,
+history frames) bucket gives every row what the unpadded eager solve gives it (mel, caches, audio), a call outside
+the buckets runs eagerly, and the buckets of an engine's schedule cover every non-final chunk its streams form. On
+the CPU the buckets run emulated (static buffers and padding, each pass run eagerly); tests/gpu/test_cosyvoice3_graphs.py
+replays captured graphs on CUDA. CPU, fp32, the tiny random model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice3.graphs import FlowGraphBuckets, FlowStepGraphs, chunk_frame_limits
+from cosyvoice3.loading import load_config, load_flow, load_hift
+from cosyvoice3.testing import write_tiny_model
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt, runtime_schedule
+
+# padding adds exact zeros to the softmax and splits reductions differently: float summation order only (measured
+# on this model: mel 4.8e-7 of a scale of 4); the audio relative to its scale (the causal HiFT magnifies mel rounding)
+MEL_ATOL = 1e-5
+AUDIO_OF_SCALE = 5e-3
+# small buckets for the tiny model: every dimension of the test calls gets padded, and some calls fit none
+BUCKETS = FlowGraphBuckets(rows=(1, 2, 4), frames=(96, 112, 160), history=(64, 128, 256))
+
+
+@pytest.fixture(scope="module")
+def token2wav(tmp_path_factory) -> CosyVoice3Token2Wav:
+    path = write_tiny_model(tmp_path_factory.mktemp("cv3graphs"), seed=5, text_frontend=False)
+    config = load_config(path)
+    return CosyVoice3Token2Wav(load_flow(path / "flow.pt", config), load_hift(path / "hift.pt", config))
+
+
+def make_voice(seed: int, tokens: int) -> VoicePrompt:
+    rng = np.random.default_rng(seed)
+    return VoicePrompt.from_arrays(rng.integers(0, 6561, tokens), rng.standard_normal((2 * tokens, 80)) - 5,
+                                   rng.standard_normal(192))
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompt: int  # prompt tokens
+    tokens: int
+    first_round: int = 0
+    seed: int = 0
+
+
+MIXES = {
+    # a voice cache of nothing (short prompt), of two chunks (long prompt); streams joining late; one stream whose
+    # history outgrows the largest history bucket and chunks that outgrow the largest frame bucket (eager calls)
+    "three streams pad to four rows": [Plan(20, 90, seed=1), Plan(56, 70, first_round=1, seed=2),
+                                       Plan(9, 40, seed=3)],
+    "one stream": [Plan(56, 120, seed=4)],
+    "five rows, more than the largest row bucket": [Plan(20 + 7 * i, 50 + 9 * i, first_round=i // 3, seed=10 + i)
+                                                    for i in range(5)],
+}
+
+
+def recording(graphs: FlowStepGraphs) -> list[tuple[tuple[int, int, int], object]]:
+    """Record every (rows, new frames, history) a solve asks `graphs` for, with the bucket it got."""
+    calls: list = []
+    bucket = graphs.bucket
+
+    def wrapped(rows: int, frames: int, history: int, like: torch.Tensor):
+        shape = bucket(rows, frames, history, like)
+        calls.append(((rows, frames, history), shape))
+        return shape
+
+    graphs.bucket = wrapped  # type: ignore[method-assign]
+    return calls
+
+
+def run_rounds(token2wav: CosyVoice3Token2Wav, plans: list[Plan], graphs: FlowStepGraphs | None):
+    """Every stream of `plans`, cached, one chunk of each live stream per `run_chunks` call -> per stream its
+    chunks' mels and audio pieces, and its flow cache after each non-final chunk."""
+    token2wav.graphs = graphs  # type: ignore[assignment]
+    streams = []
+    for plan in plans:
+        stream = token2wav.open_stream(make_voice(plan.seed, plan.prompt), cached=True)
+        stream.extend(np.random.default_rng(100 + plan.seed).integers(0, 6561, plan.tokens).tolist())
+        streams.append(stream)
+    mels: list[list[torch.Tensor]] = [[] for _ in plans]
+    audio: list[list[np.ndarray]] = [[] for _ in plans]
+    caches: list[list] = [[] for _ in plans]
+    round_ = 0
+    while not all(stream.finished for stream in streams):
+        live = [i for i, (plan, s) in enumerate(zip(plans, streams)) if plan.first_round <= round_ and not s.finished]
+        out = token2wav.run_chunks([(streams[i], streams[i].next_chunk(finished=True)) for i in live])
+        for i, piece in zip(live, out):
+            mels[i].append(streams[i].last_mel)
+            audio[i].append(piece)
+            if streams[i].flow_cache is not None:
+                caches[i].append(streams[i].flow_cache)
+        round_ += 1
+    return mels, audio, caches
+
+
+@pytest.mark.parametrize("name", sorted(MIXES))
+def test_emulated_buckets_give_the_eager_mel_caches_and_audio(token2wav: CosyVoice3Token2Wav, name: str) -> None:
+    plans = MIXES[name]
+    saved = token2wav.graphs
+    try:
+        eager = run_rounds(token2wav, plans, None)
+        graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
+        graphs.emulate = True
+        calls = recording(graphs)
+        padded = run_rounds(token2wav, plans, graphs)
+    finally:
+        token2wav.graphs = saved
+    assert any(shape is not None for _, shape in calls), "no call was padded to a bucket"
+    assert any(shape is None for _, shape in calls) or name == "one stream"
+    for (rows, frames, history), shape in calls:
+        assert shape is None or (shape[0] >= rows and shape[1] >= frames and shape[2] >= history)
+    for stream in range(len(plans)):
+        for a, b in zip(eager[0][stream], padded[0][stream], strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(b, a, rtol=0, atol=MEL_ATOL)
+        ours, theirs = np.concatenate(padded[1][stream]), np.concatenate(eager[1][stream])
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=AUDIO_OF_SCALE * float(np.abs(theirs).max()))
+        for a, b in zip(eager[2][stream], padded[2][stream], strict=True):
+            assert a.committed == b.committed
+            for x, y in zip([*a.kv, *a.context], [*b.kv, *b.context], strict=True):
+                torch.testing.assert_close(y, x, rtol=0, atol=MEL_ATOL)
+
+
+@pytest.mark.parametrize("hops", [(15, 25), (10, 20)])
+def test_the_buckets_cover_every_non_final_chunk_of_the_schedule(token2wav: CosyVoice3Token2Wav, hops) -> None:
+    """Streams of prompts across the chunk boundaries (no voice cache, one just before / after a boundary, long),
+    cut by the schedule: every non-final chunk's solve fits the buckets of `graph_buckets([schedule])` while its
+    history fits the largest history bucket and its hop the largest frame bucket."""
+    schedule = runtime_schedule(*hops, lookahead=token2wav.lookahead)
+    buckets = token2wav.graph_buckets([schedule])
+    limits = chunk_frame_limits(schedule, token2wav.flow.config.token_mel_ratio,
+                                token2wav.flow.estimator.config.static_chunk_size)
+    assert buckets.frames[-1] >= max(limits) and len(buckets.frames) == len(limits) >= 5
+    saved, saved_schedule = token2wav.graphs, token2wav.schedule
+    try:
+        token2wav.schedule = schedule
+        graphs = FlowStepGraphs(token2wav.flow.estimator, buckets)
+        graphs.emulate = True
+        calls = recording(graphs)
+        plans = [Plan(p, 2 * sum(hops) + 60, seed=p) for p in (2, 4, 27, 28, 29, 52, 80)]
+        for plan in plans:  # alone: one call per chunk, so each chunk's own shape is seen
+            run_rounds(token2wav, [plan], graphs)
+    finally:
+        token2wav.graphs, token2wav.schedule = saved, saved_schedule
+    # the solves within the frame limits: every non-final chunk's (and the final chunks' as short as those)
+    streaming = [(call, shape) for call, shape in calls if call[1] <= limits[-1]]
+    assert len(streaming) >= len(plans) * 3
+    for (rows, frames, history), shape in streaming:
+        if history <= buckets.history[-1]:
+            assert shape is not None, (rows, frames, history)
+
+
+def test_calls_beyond_the_buckets_and_uncaptured_buckets_run_eagerly(token2wav: CosyVoice3Token2Wav) -> None:
+    buckets = token2wav.graph_buckets([token2wav.schedule])
+    assert buckets.fit(max(buckets.rows) + 1, 10, 10) is None
+    assert buckets.fit(1, buckets.frames[-1] + 1, 10) is None
+    assert buckets.fit(1, 10, buckets.history[-1] + 1) is None
+    assert buckets.fit(3, 85, 1) == (4, buckets.frames[0], buckets.history[0])
+    graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
+    like = torch.zeros(1)
+    assert graphs.bucket(2, 90, 10, like) is None  # nothing captured, not emulating
+    assert graphs.capture_all(torch.device("cpu"), torch.float32) == 0  # the CPU captures nothing
+    assert graphs.bucket(2, 90, 10, like) is None
+    assert graphs.static_bytes() > 0 and not graphs.captured
+    graphs.clear()
+    assert graphs.static_bytes() == 0

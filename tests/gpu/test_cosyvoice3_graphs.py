@@ -1,0 +1,108 @@
+"""CosyVoice3's flow step graphs (`cosyvoice3.graphs`) replayed on CUDA give the eager batched solve's mel, caches
+and audio, for mixed streams (different prompts, chunk and history lengths; rows padded up to a bucket), on the
+machine's last GPU (so a machine with several checks a device other than the current one). TF32 is off: fp32
+compares fp32. The tiny model with small buckets checks the padding and the static buffers fast; the released size
+(marked slow) captures every bucket a server captures and compares calls of 1 and 16 streams at the real shapes.
+tests/cosyvoice3/test_flow_graphs.py checks the same buckets emulated on the CPU."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from cosyvoice3.config import CosyVoice3Config
+from cosyvoice3.flow import CosyVoice3Flow
+from cosyvoice3.graphs import FlowStepGraphs
+from cosyvoice3.hift import CausalHiFT
+from cosyvoice3.loading import load_config, load_flow, load_hift
+from cosyvoice3.testing import write_tiny_model
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt
+from tests.cosyvoice3.test_flow_graphs import BUCKETS, MIXES, recording, run_rounds
+
+REPLAY_ATOL = 1e-4  # fp32 mel
+AUDIO_OF_SCALE = 5e-3
+
+
+def last_gpu(gpus: int) -> torch.device:
+    return torch.device("cuda", gpus - 1)
+
+
+def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path) -> None:
+    device = last_gpu(gpus)
+    path = write_tiny_model(tmp_path / "cv3", seed=5, text_frontend=False)
+    config = load_config(path)
+    token2wav = CosyVoice3Token2Wav(load_flow(path / "flow.pt", config, device), load_hift(path / "hift.pt", config,
+                                                                                          device))
+    graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
+    assert graphs.capture_all(device, torch.float32) == len(BUCKETS.shapes())
+    for name, plans in MIXES.items():
+        eager = run_rounds(token2wav, plans, None)
+        calls = recording(graphs)
+        replayed = run_rounds(token2wav, plans, graphs)
+        assert any(shape is not None for _, shape in calls), name
+        for stream in range(len(plans)):
+            for a, b in zip(eager[0][stream], replayed[0][stream], strict=True):
+                assert a.shape == b.shape and float((a - b).abs().max()) <= REPLAY_ATOL, name
+            ours, theirs = np.concatenate(replayed[1][stream]), np.concatenate(eager[1][stream])
+            assert float(np.abs(ours - theirs).max()) <= AUDIO_OF_SCALE * float(np.abs(theirs).max()), name
+
+
+def released_engine(device: torch.device, dtype: torch.dtype) -> CosyVoice3Token2Wav:
+    torch.manual_seed(0)
+    config = CosyVoice3Config()
+    flow = CosyVoice3Flow(config.flow).to(device, dtype).eval()
+    hift = CausalHiFT(config.hift)
+    hift.fold_weight_norm()
+    return CosyVoice3Token2Wav(flow, hift.to(device).eval())
+
+
+@torch.inference_mode()
+def first_chunks(engine: CosyVoice3Token2Wav, voice: VoicePrompt, tokens: list[int], streams: int, chunks: int):
+    """`streams` fresh cached streams advanced by `chunks` chunks (eagerly), with their next chunk."""
+    graphs, engine.graphs = engine.graphs, None
+    try:
+        work = []
+        for _ in range(streams):
+            stream = engine.open_stream(voice, cached=True)
+            stream.extend(tokens)
+            for _ in range(chunks):
+                stream.run(stream.next_chunk(finished=False))
+            work.append((stream, stream.next_chunk(finished=False)))
+        return work
+    finally:
+        engine.graphs = graphs
+
+
+@pytest.mark.slow
+def test_released_size_replays_equal_eager(gpus, no_tf32) -> None:
+    device = last_gpu(gpus)
+    engine = released_engine(device, torch.float32)
+    started = time.perf_counter()
+    count = engine.graphs.capture_all(device, torch.float32)
+    print(f"captured {count} graphs in {time.perf_counter() - started:.1f} s, "
+          f"{engine.graphs.static_bytes() / 2**30:.2f} GiB of static keys/values")
+    assert count == len(engine.graphs.buckets.shapes())
+    gen = torch.Generator().manual_seed(1)
+    voice = VoicePrompt(torch.randint(0, 6561, (150,), generator=gen), torch.randn(300, 80, generator=gen),
+                        torch.randn(192, generator=gen))
+    tokens = torch.randint(0, 6561, (400,), generator=gen).tolist()
+    for streams, chunks in ((1, 0), (16, 0), (16, 2)):
+        mels = {}
+        for mode in ("eager", "graphs"):
+            work = first_chunks(engine, voice, tokens, streams, chunks)
+            saved = engine.graphs
+            if mode == "eager":
+                engine.graphs = None  # type: ignore[assignment]
+            calls = recording(saved)
+            try:
+                engine.run_chunks(work)
+            finally:
+                engine.graphs = saved
+            if mode == "graphs":
+                assert calls and all(shape is not None for _, shape in calls), calls
+            mels[mode] = [stream.last_mel for stream, _ in work]
+        worst = max(float((a - b).abs().max()) for a, b in zip(mels["eager"], mels["graphs"]))
+        assert worst <= REPLAY_ATOL, (streams, chunks, worst)
