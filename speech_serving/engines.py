@@ -212,13 +212,16 @@ class DiTBatchedToken2Wav(_BatchedStreams):
     in all, like the UNet token2wav. The prompt cache of a voice is computed once (`VoiceCaches`, keyed by the
     prompt's features) and shared by all its streams."""
 
-    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64, schedule: ChunkSchedule | None = None) -> None:
+    def __init__(self, engine: DiTToken2Wav, voice_capacity: int = 64,
+                 schedules: Sequence[ChunkSchedule] = ()) -> None:
+        """`schedules`: every schedule the orchestrator may cut a stream's chunks by; the graph buckets cover them
+        all, for every prompt length (none given: the engine's own schedule)."""
         self.engine = engine
         self.voices = VoiceCaches(voice_capacity)
         self.vocab_size = engine.flow.config.vocab_size
-        if schedule is not None:  # the orchestrator's chunks: the graph buckets cover them, for every prompt length
+        if schedules:
             engine.use_graph_buckets(engine.graph_buckets(
-                [for_prompt(schedule, prompt_tokens) for prompt_tokens in range(schedule.grid)]))
+                [for_prompt(schedule, prompt_tokens) for schedule in schedules for prompt_tokens in range(schedule.grid)]))
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture the DiT flow's step graphs of every bucket now (before the server reports ready):

@@ -95,6 +95,8 @@ def benchmark_token_count(num_text_tokens: int, ratio: float) -> int:
 class OrchestratorConfig:
     vocab: SpeechVocabLayout
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
+    #: the schedule of a stream that starts while no other request runs in this orchestrator (None: `schedule`)
+    lone_schedule: ChunkSchedule | None = None
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
@@ -213,7 +215,7 @@ class Orchestrator:
         return prompt_ids, self.target_ids(request), self.config.vocab.to_vocab_ids(speech)
 
     def build_llm_request(
-        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool
+        self, request: SpeechRequest, prompt: PromptTensors, streaming: bool, schedule: ChunkSchedule | None = None
     ) -> tuple[LLMRequest, int]:
         """The LLM sequence for `request` and the number of text tokens it reads: [SOS, prompt text ids, text ids,
         TASK_ID, prompt speech ids] (`llm_texts`)."""
@@ -243,13 +245,15 @@ class Orchestrator:
             top_p=sampling.top_p,
             temperature=sampling.temperature,
             streaming=streaming,
-            deliver_at=tuple(self.schedule(prompt).boundaries(max_tokens)) if streaming else (),
+            deliver_at=tuple((schedule or self.schedule(prompt)).boundaries(max_tokens)) if streaming else (),
         )
         return llm_request, len(prompt_ids) + len(text_ids)
 
-    def schedule(self, prompt: PromptTensors) -> ChunkSchedule:
-        """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens)."""
-        return for_prompt(self.config.schedule, int(prompt.speech_tokens.size))
+    def schedule(self, prompt: PromptTensors, alone: bool = False) -> ChunkSchedule:
+        """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens, unless
+        the request is `alone` and the deployment leaves a lone stream's first hop unpadded)."""
+        base = self.config.lone_schedule if alone and self.config.lone_schedule is not None else self.config.schedule
+        return for_prompt(base, int(prompt.speech_tokens.size))
 
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
         """Audio chunks for `request`; offline (streaming=False) yields exactly one chunk."""
@@ -264,8 +268,9 @@ class Orchestrator:
                 # warms the cache this way): one response, no audio, zero tokens.
                 yield SpeechChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
                 return
-            llm_request, input_tokens = self.build_llm_request(request, prompt, streaming)
-            schedule = self.schedule(prompt)
+            # alone: no other request of this orchestrator runs (this one is counted)
+            schedule = self.schedule(prompt, alone=self.stats.get("orchestrator_active_requests") <= 1)
+            llm_request, input_tokens = self.build_llm_request(request, prompt, streaming, schedule)
             tokens: list[int] = []
             sent = 0  # tokens already handed to token2wav
             start, index = 0, 0  # the streaming schedule's position

@@ -16,26 +16,50 @@ if TYPE_CHECKING:  # only its `schedule` method is called: reading the parameter
     from cosyvoice2.config import EngineConfig
 
 
+#: When a stream's first hop is padded to the flow's grid (`StreamScheduleParams.align_first_hop`).
+FIRST_HOP_ALIGNMENTS = ("always", "busy", "never")
+
+
 @dataclass(frozen=True)
 class StreamScheduleParams:
     """The deployment's choices on top of the engine's schedule: the first chunk's tokens, the hop growth, and
-    whether the first hop is padded so that its end lands on the flow's attention grid."""
+    when the first hop is padded so that its end lands on the flow's attention grid."""
 
     first_hop: int = 25
     chunk_growth: int = 2
     #: Upstream pads the first hop by (-prompt tokens) mod 25 (0-24 tokens, 12 on average), so every non-final
     #: chunk ends on the grid. Unpadded, the first chunk needs exactly `first_hop` + 3 tokens from the LLM - fewer
-    #: decode steps before the first audio - and a chunk that ends inside a grid chunk only caches the whole grid
-    #: chunks it completed: the next chunk recomputes the partial one (docs/engine.md, "Off-grid hops").
-    align_first_hop: bool = True
+    #: decode steps before the first audio, but less audio buffered when it plays - and a chunk that ends inside a
+    #: grid chunk only caches the whole grid chunks it completed: the next chunk recomputes the partial one
+    #: (docs/engine.md, "Off-grid hops"). "always": upstream's schedule; "never": no stream is padded; "busy": a
+    #: stream that starts while no other stream runs is not padded (measured: c=1 first chunk 161-164 ms against
+    #: 190-196 padded; with 16 and more streams unpadded first chunks stalled 6-39 % of the streams), the others are.
+    align_first_hop: str = "busy"
+
+    def __post_init__(self) -> None:
+        if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
+            raise ValueError(f"align_first_hop must be one of {FIRST_HOP_ALIGNMENTS}, got {self.align_first_hop!r}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
         base = engine.schedule(0)
-        return replace(
-            base, first_hop=self.first_hop, growth=self.chunk_growth, max_hop=max(self.first_hop, base.max_hop),
-            grid=base.grid if self.align_first_hop else 1,  # the schedule's grid only sets the first hop's pad
+        aligned = replace(
+            base, first_hop=self.first_hop, growth=self.chunk_growth, max_hop=max(self.first_hop, base.max_hop)
         )
+        return unaligned(aligned) if self.align_first_hop == "never" else aligned
+
+    def lone_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
+        """The schedule of a stream that starts while no other stream runs, where it differs from `schedule`."""
+        return unaligned(self.schedule(engine)) if self.align_first_hop == "busy" else None
+
+    def schedules(self, engine: EngineConfig) -> list[ChunkSchedule]:
+        """Every schedule a stream may follow (what token2wav's CUDA-graph buckets must cover)."""
+        return [s for s in (self.schedule(engine), self.lone_schedule(engine)) if s is not None]
+
+
+def unaligned(schedule: ChunkSchedule) -> ChunkSchedule:
+    """`schedule` without the first hop's pad (its grid only sets that pad)."""
+    return replace(schedule, grid=1)
 
 
 def for_prompt(schedule: ChunkSchedule, prompt_tokens: int) -> ChunkSchedule:

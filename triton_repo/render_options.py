@@ -22,7 +22,7 @@ from typing import Any, Sequence
 from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.repetition import LoopGuardConfig
-from speech_serving.schedule import StreamScheduleParams
+from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -245,9 +245,9 @@ class RenderOptions(_Options):
     instances: dict[str, int] = option(default_factory=dict, metavar="MODEL=COUNT", help=f"one of {', '.join(SCALABLE)}")
     first_hop: int = option(StreamScheduleParams.first_hop, minimum=4, help="tokens in the first streaming chunk")
     chunk_growth: int = option(StreamScheduleParams.chunk_growth, minimum=1, help="hop multiplier per chunk")
-    align_first_hop: bool = option(StreamScheduleParams.align_first_hop,
-                                   help="pad the first hop so it ends on the flow's 25-token grid (upstream's "
-                                        "schedule); off: the first chunk needs first_hop + 3 tokens only")
+    align_first_hop: str = option(StreamScheduleParams.align_first_hop, choices=FIRST_HOP_ALIGNMENTS,
+                                  help="pad the first hop so it ends on the flow's 25-token grid (upstream's "
+                                       "schedule): always; busy (not for a stream that starts alone); never")
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
     # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.

@@ -274,7 +274,8 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
 
 
 # ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
-@pytest.mark.parametrize("schedule_params", [{}, {"align_first_hop": False}, {"first_hop": 15, "align_first_hop": False}],
+@pytest.mark.parametrize("schedule_params", [{"align_first_hop": "always"}, {"align_first_hop": "never"},
+                                             {"first_hop": 15, "align_first_hop": "never"}],
                          ids=["upstream", "unaligned", "unaligned-15"])
 def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule

@@ -38,20 +38,29 @@ def test_configurable_first_hop_keeps_doubling_from_it() -> None:
 
 @pytest.mark.parametrize("prompt_tokens", [0, 1, 40, 75])
 def test_unaligned_served_schedule_needs_first_hop_plus_lookahead(prompt_tokens: int) -> None:
-    """`align_first_hop=False`: no prompt pad, whatever the prompt's length; the rest of the schedule is unchanged."""
+    """Unpadded ("never", and a lone stream's under "busy"): no prompt pad whatever the prompt's length; the rest
+    of the schedule is unchanged. "always" has no other schedule for a lone stream."""
     from cosyvoice2.config import EngineConfig
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
+    engine = EngineConfig()
     for first_hop in (15, 25):
-        aligned = for_prompt(StreamScheduleParams(first_hop=first_hop).schedule(EngineConfig()), prompt_tokens)
-        free = for_prompt(StreamScheduleParams(first_hop=first_hop, align_first_hop=False).schedule(EngineConfig()),
-                          prompt_tokens)
-        assert free.prompt_pad == 0 and free.hop(0) == first_hop
-        assert free.next_chunk(0, 0, available=first_hop + 2, finished=False) is None
-        assert free.next_chunk(0, 0, available=first_hop + 3, finished=False) == Chunk(0, first_hop, first_hop + 3,
-                                                                                       final=False)
-        assert [free.hop(i) for i in range(1, 5)] == [aligned.hop(i) for i in range(1, 5)]
+        aligned = for_prompt(StreamScheduleParams(first_hop, align_first_hop="always").schedule(engine), prompt_tokens)
+        busy = StreamScheduleParams(first_hop, align_first_hop="busy")
+        assert busy.schedule(engine) == StreamScheduleParams(first_hop, align_first_hop="always").schedule(engine)
+        assert StreamScheduleParams(first_hop, align_first_hop="always").lone_schedule(engine) is None
+        never = StreamScheduleParams(first_hop, align_first_hop="never")
+        assert never.lone_schedule(engine) is None and never.schedules(engine) == [never.schedule(engine)]
+        for free in (for_prompt(never.schedule(engine), prompt_tokens), for_prompt(busy.lone_schedule(engine),
+                                                                                   prompt_tokens)):
+            assert free.prompt_pad == 0 and free.hop(0) == first_hop
+            assert free.next_chunk(0, 0, available=first_hop + 2, finished=False) is None
+            assert free.next_chunk(0, 0, available=first_hop + 3, finished=False) == Chunk(
+                0, first_hop, first_hop + 3, final=False)
+            assert [free.hop(i) for i in range(1, 5)] == [aligned.hop(i) for i in range(1, 5)]
         assert aligned.hop(0) == first_hop + (-prompt_tokens % 25)
+    with pytest.raises(ValueError, match="align_first_hop"):
+        StreamScheduleParams(align_first_hop="sometimes")
 
 
 def test_chunks_of_a_finished_stream() -> None:

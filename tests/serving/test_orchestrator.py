@@ -109,6 +109,36 @@ async def test_streaming_follows_the_schedule_and_starts_before_the_llm_ends():
     assert len({call[0] for call in clients.calls}) == 1 and clients.closed == [] and clients.stopped == []
 
 
+async def test_a_lone_stream_follows_the_lone_schedule_and_a_busy_one_the_padded_one():
+    """PROMPT has 7 tokens: padded, the first hop is 5 + 3 (to the 5-token grid); unpadded (`lone_schedule`), 5.
+    A request that starts while another runs follows the padded schedule; the deliveries asked of the LLM match."""
+    padded = ChunkSchedule(first_hop=5, grid=5, max_hop=20, growth=2, lookahead=3)
+    lone = ChunkSchedule(first_hop=5, grid=1, max_hop=20, growth=2, lookahead=3)
+    tokens = list(range(45))
+    clients = FakeClients(tokens, batch=2)
+    orch = Orchestrator(OrchestratorConfig(vocab=VOCAB, schedule=padded, lone_schedule=lone), WordTokenizer(), clients)
+    await collect(orch, request(), streaming=True)
+    first = clients.calls[0][3]
+    assert (first.start, first.stop, first.feed) == (0, 5, 8)
+    assert clients.llm_requests[0].deliver_at[0] == 8
+
+    held = FakeClients(tokens, batch=2, hold_after=4)  # a first request that keeps running
+    orch = Orchestrator(OrchestratorConfig(vocab=VOCAB, schedule=padded, lone_schedule=lone), WordTokenizer(), held)
+    running = asyncio.ensure_future(collect(orch, request(), streaming=True))
+    while held.emitted < 4:  # the first request's LLM now holds (it never ends by itself)
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    held.hold_after = None  # the second request's LLM runs to its end
+    await collect(orch, request(), streaming=True)
+    assert len({call[0] for call in held.calls}) == 1  # the held request never reached its first chunk
+    second = held.calls[0][3]
+    assert (second.start, second.stop) == (0, 8)  # 5 + the pad of 3
+    assert held.llm_requests[1].deliver_at[0] == 11
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+
+
 async def test_llm_request_layout_limits_and_seed():
     clients = FakeClients(list(range(10)))
     orch = orchestrator(clients)

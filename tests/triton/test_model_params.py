@@ -78,7 +78,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
     [
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
-         "align_first_hop": False},
+         "align_first_hop": "never"},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "disaggregated", "device": "cuda", "dtype": "fp16"},
         {"layout": "disaggregated", "gpu_emulation": True, "token2wav_gpus": (1, 2), "token2wav_instances_per_gpu": 2},

@@ -107,6 +107,7 @@ class TritonPythonModel(PipelineEntryModel):
         config = OrchestratorConfig(
             vocab=vocab,
             schedule=params.schedule.schedule(engine),
+            lone_schedule=params.schedule.lone_schedule(engine),
             sampling=SamplingConfig(fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
             max_sequence_len=params.max_sequence_len,
             max_target_text_tokens=params.max_target_text_tokens,

@@ -52,8 +52,8 @@ class Token2WavHandler:
             if params.dit_dir is None:
                 raise ParameterError("token2wav: token2wav=dit needs dit_dir")
             # the orchestrator cuts the chunks by CosyVoice2's schedule: the DiT step graphs' buckets cover it
-            schedule = params.schedule.schedule(EngineConfig.for_model_dir(model_dir))
-            engine = DiTBatchedToken2Wav(load_dit_token2wav(params.dit_dir, device, dtype), schedule=schedule)
+            schedules = params.schedule.schedules(EngineConfig.for_model_dir(model_dir))
+            engine = DiTBatchedToken2Wav(load_dit_token2wav(params.dit_dir, device, dtype), schedules=schedules)
             logger.info("token2wav: DiT flow from %s", params.dit_dir)
         else:
             config = EngineConfig.for_model_dir(model_dir)
