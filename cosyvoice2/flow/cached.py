@@ -20,8 +20,9 @@ grid chunks and whose lookahead context is prompt too. A stream starts from that
 Layout of the caches (per stream, one tensor per kind, appended per chunk along the frame axis):
 - encoder: keys/values of each conformer layer over tokens, and of each up layer over frames; the last 2 token
   states before upsampling (the upsampling conv's left context);
-- estimator: per Euler step one tensor (blocks, k/v, guidance row, heads, frames, head_dim) and the last 2 input
-  frames of each causal conv (per step, per conv, guidance row).
+- estimator: per Euler step one tensor (blocks, k/v, guidance row, frames, heads, head_dim) - frames before heads,
+  the layout the projections produce, so that a row's keys/values of a run of frames are one contiguous block - and
+  the last 2 input frames of each causal conv (per step, per conv, guidance row).
 
 Rows of different histories and lengths run in one batched call: histories and new frames are right-padded and
 masked, as in `CausalFlow.inference_batch`.
@@ -60,7 +61,7 @@ class EncoderCache:
 @dataclass
 class EstimatorCache:
     frames: int = 0
-    kv: list[torch.Tensor] = field(default_factory=list)  # per step: (blocks, 2, 2 rows, heads, frames, head_dim)
+    kv: list[torch.Tensor] = field(default_factory=list)  # per step: (blocks, 2, 2 rows, frames, heads, head_dim)
     tails: list[torch.Tensor] = field(default_factory=list)  # per step: (2 rows, channels of all causal convs, 2)
 
 
@@ -127,7 +128,7 @@ class SolvingRow:
     new: int  # new frames
     kept: int  # frames whose estimator states are cached afterwards
     step: int = 0  # Euler steps done
-    kv: list[torch.Tensor] = field(default_factory=list)  # per step done: (blocks, 2, 2 rows, heads, kept, d)
+    kv: list[torch.Tensor] = field(default_factory=list)  # per step done: (blocks, 2, 2 rows, kept, heads, d)
     tails: list[torch.Tensor] = field(default_factory=list)  # per step done: (2 rows, channels, 2)
 
     def done(self, steps: int) -> bool:
@@ -155,11 +156,11 @@ def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _kept_kv(kv: torch.Tensor, b: int, rows_p: int, kept: int) -> torch.Tensor:
-    """Row b's first `kept` new frames of both guidance rows, (blocks, 2, 2, heads, kept, d), out of a step's new
-    keys/values (blocks, 2, 2 Bp, heads, N, d)."""
-    out = kv.new_empty(kv.size(0), kv.size(1), 2, kv.size(3), kept, kv.size(5))
-    copy_runs(out[:, :, 0], kv[:, :, b, :, :kept])
-    copy_runs(out[:, :, 1], kv[:, :, rows_p + b, :, :kept])
+    """Row b's first `kept` new frames of both guidance rows, (blocks, 2, 2, kept, heads, d), out of a step's new
+    keys/values (blocks, 2, 2 Bp, N, heads, d)."""
+    out = kv.new_empty(kv.size(0), kv.size(1), 2, kept, kv.size(4), kv.size(5))
+    copy_runs(out[:, :, 0], kv[:, :, b, :kept])
+    copy_runs(out[:, :, 1], kv[:, :, rows_p + b, :kept])
     return out
 
 
@@ -435,7 +436,7 @@ class CachedFlowRunner:
                                                       batch.spks, batch.cond, batch.bias, batch.tail_at)
         else:
             keys = self._key_buffer(like, rows_p, hist_p + longest)
-            self._gather_history(rows, steps, hist_p, rows_p, out=keys[..., :hist_p, :])
+            self._gather_history(rows, steps, hist_p, rows_p, out=keys[:, :, :, :hist_p])
             tails = self._gather_tails(rows, steps, rows_p)
             velocity, kv, new_tails = self.estimate(x_in, batch.mask, batch.mu, t_in, batch.spks, batch.cond,
                                                     batch.bias, keys, hist_p, tails, batch.tail_at)
@@ -483,7 +484,7 @@ class CachedFlowRunner:
 
     def _gather_history(self, rows: Sequence[CachedRow], steps: Sequence[int], hist_p: int, rows_p: int,
                         out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """(blocks, 2, 2 Bp, heads, hist_p, d) keys/values of every row's history at its own Euler step
+        """(blocks, 2, 2 Bp, hist_p, heads, d) keys/values of every row's history at its own Euler step
         (`steps[b]`), written into `out` when given (padding left as it is: masked). Rows sharing a voice prefix
         and a step get it in one copy."""
         if hist_p == 0:
@@ -491,30 +492,30 @@ class CachedFlowRunner:
         if out is None:
             like = next(seg.estimator.kv[step] for row, step in zip(rows, steps) for seg in (row.prefix, row.own)
                         if seg.estimator.frames)
-            blocks, _, _, heads, _, head_dim = like.shape
-            out = like.new_zeros(blocks, 2, 2 * rows_p, heads, hist_p, head_dim)
+            blocks, _, _, _, heads, head_dim = like.shape
+            out = like.new_zeros(blocks, 2, 2 * rows_p, hist_p, heads, head_dim)
         by_prefix: dict[tuple[int, int], list[int]] = {}
         for b, row in enumerate(rows):
             if row.prefix.estimator.frames:
                 by_prefix.setdefault((id(row.prefix), steps[b]), []).append(b)
-        # every copy is a strided view of contiguous (frames x head_dim) runs: `copy_runs`, not PyTorch's generic copy
+        # every copy moves contiguous (frames x heads x head_dim) runs: `copy_runs`, not PyTorch's generic copy
         for (_, step), members in by_prefix.items():
-            piece = rows[members[0]].prefix.estimator.kv[step]  # (blocks, 2, 2, heads, n, d)
-            n = piece.size(4)
+            piece = rows[members[0]].prefix.estimator.kv[step]  # (blocks, 2, 2, n, heads, d)
+            n = piece.size(3)
             for cfg in (0, 1):
                 target = [b + cfg * rows_p for b in members]
                 if _consecutive(target):  # one broadcast copy for all rows of this voice
-                    copy_runs(out[:, :, target[0] : target[-1] + 1, :, :n], piece[:, :, cfg : cfg + 1])
+                    copy_runs(out[:, :, target[0] : target[-1] + 1, :n], piece[:, :, cfg : cfg + 1])
                 else:
                     for b in target:
-                        copy_runs(out[:, :, b, :, :n], piece[:, :, cfg])
+                        copy_runs(out[:, :, b, :n], piece[:, :, cfg])
         for b, row in enumerate(rows):
             if row.own.estimator.frames:
                 at = row.prefix.estimator.frames
                 piece = row.own.estimator.kv[steps[b]]
-                n = piece.size(4)
-                copy_runs(out[:, :, b, :, at : at + n], piece[:, :, 0])
-                copy_runs(out[:, :, rows_p + b, :, at : at + n], piece[:, :, 1])
+                n = piece.size(3)
+                copy_runs(out[:, :, b, at : at + n], piece[:, :, 0])
+                copy_runs(out[:, :, rows_p + b, at : at + n], piece[:, :, 1])
         return out
 
     def _gather_tails(self, rows: Sequence[CachedRow], steps: Sequence[int], rows_p: int,
@@ -539,14 +540,14 @@ class CachedFlowRunner:
         return out
 
     def _key_buffer(self, like: torch.Tensor, rows_p: int, frames: int) -> torch.Tensor:
-        """A zeroed (blocks, 2, 2 Bp, heads, frames, d) key/value buffer (eager calls)."""
+        """A zeroed (blocks, 2, 2 Bp, frames, heads, d) key/value buffer (eager calls)."""
         cfg = self.flow.decoder.estimator.config
         blocks = len(self.flow.decoder.estimator.down_blocks[0][1]) * (2 + len(self.flow.decoder.estimator.mid_blocks))
-        return like.new_zeros(blocks, 2, 2 * rows_p, cfg.num_heads, frames, cfg.attention_head_dim)
+        return like.new_zeros(blocks, 2, 2 * rows_p, frames, cfg.num_heads, cfg.attention_head_dim)
 
     def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
-        """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, heads, N, d),
-        new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, heads, hist_p + N, d) holds
+        """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, N, heads, d),
+        new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, hist_p + N, heads, d) holds
         the history in its first hist_p frames; the new keys/values are written after them, so attention reads
         one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe.
 
@@ -602,7 +603,7 @@ class CachedFlowRunner:
         e.up_tail = enc.up_tail
         e.tokens += enc.tokens
         s = own.estimator
-        s.kv = [_cat(old, new, dim=4) for old, new in zip(s.kv, est.kv)] if s.kv else list(est.kv)
+        s.kv = [_cat(old, new, dim=3) for old, new in zip(s.kv, est.kv)] if s.kv else list(est.kv)
         s.tails = est.tails
         s.frames += est.frames
 
@@ -647,8 +648,10 @@ class _ConvTails:
 class _BlockKV:
     """Transformer blocks over new frames attending to history + new keys/values held in one buffer, in call order.
 
-    The buffer (blocks, 2, 2B, heads, hist_p + N, d) has the history in its first hist_p frames; each block writes
-    its new keys/values after them and attends to the whole buffer (the bias masks padding)."""
+    The buffer (blocks, 2, 2B, hist_p + N, heads, d) has the history in its first hist_p frames; each block writes
+    its new keys/values after them and attends to the whole buffer (the bias masks padding). Frames before heads: a
+    projection's output (2B, N, heads x d) lands there as one contiguous run per row, and attention reads the
+    (2B, heads, frames, d) transposed view, as it reads the queries."""
 
     def __init__(self, keys: torch.Tensor, hist_p: int) -> None:
         self.keys, self.hist_p = keys, hist_p
@@ -659,16 +662,16 @@ class _BlockKV:
         batch, length, _ = x.shape
         h = block.norm1(x)
         q = attn._split_heads(attn.to_q(h))
-        k, v = self.keys[self.index, 0], self.keys[self.index, 1]
-        k[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_k(h)))
-        v[:, :, self.hist_p :].copy_(attn._split_heads(attn.to_v(h)))
+        k, v = self.keys[self.index, 0], self.keys[self.index, 1]  # (2B, hist_p + N, heads, d)
+        copy_runs(k[:, self.hist_p :], attn.to_k(h).view(batch, length, attn.heads, attn.head_dim))
+        copy_runs(v[:, self.hist_p :], attn.to_v(h).view(batch, length, attn.heads, attn.head_dim))
         self.index += 1
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
         x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
 
     def collected(self) -> torch.Tensor:
-        return self.keys[..., self.hist_p :, :]  # (blocks, 2, 2B, heads, N, d): a view of the buffer
+        return self.keys[:, :, :, self.hist_p :]  # (blocks, 2, 2B, N, heads, d): a view of the buffer
 
 
 @dataclass
@@ -725,7 +728,7 @@ class StepGraphs:
         with self._lock:
             captured = self._get(shape, x.device, x.dtype)
             keys = self._key_view(shape)
-            self.runner._gather_history(rows, steps, hist_p, rows_p, out=keys[..., :hist_p, :])
+            self.runner._gather_history(rows, steps, hist_p, rows_p, out=keys[:, :, :, :hist_p])
             self.runner._gather_tails(rows, steps, rows_p, out=self._tails[: 2 * rows_p])
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
@@ -739,7 +742,7 @@ class StepGraphs:
     def _key_view(self, shape: tuple[int, int, int]) -> torch.Tensor:
         rows_p, new, hist_p = shape
         assert self._history is not None
-        return self._history[:, :, : 2 * rows_p, :, : hist_p + new]
+        return self._history[:, :, : 2 * rows_p, : hist_p + new]
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
         """The static history and tail buffers, zeroed: padding must hold finite values (it is masked)."""
@@ -747,7 +750,7 @@ class StepGraphs:
         cfg = est.config
         blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         rows, history = 2 * max(self.rows), max(self.history_frames) + max(self.new_frames)
-        self._history = torch.zeros(blocks, 2, rows, cfg.num_heads, history, cfg.attention_head_dim,
+        self._history = torch.zeros(blocks, 2, rows, history, cfg.num_heads, cfg.attention_head_dim,
                                     device=device, dtype=dtype)
         self._tails = torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype)
 

@@ -125,11 +125,17 @@ def copy_comparisons(device: torch.device, dtype: torch.dtype, graph: bool = Fal
 
     blocks, rows, heads, frames, d = 3, 6, 4, 48, 16
     buffer, piece, kv = rand(blocks, 2, rows, heads, frames, d), rand(blocks, 2, 2, heads, 20, d), rand(blocks, 2, rows, heads, 30, d)
+    frames_major = rand(blocks, 2, rows, frames, heads, d)
     cases = {
         "prefix broadcast": (buffer, lambda t: t[:, :, 1:4, :, :20], piece[:, :, 0:1]),
         "own history at an offset": (buffer, lambda t: t[:, :, 5, :, 20:40], piece[:, :, 1]),
         "kept frames": (torch.zeros(blocks, 2, 2, heads, 25, d, device=device, dtype=dtype),
                         lambda t: t[:, :, 1], kv[:, :, 3, :, :25]),
+        # the cached flow's layout: (blocks, k/v, rows, frames, heads, d), a voice prefix into rows 1-3, and one
+        # block's new keys (rows, N, heads, d) behind a history of 20 frames
+        "frames-major prefix broadcast": (frames_major, lambda t: t[:, :, 1:4, :20],
+                                          rand(blocks, 2, 2, 20, heads, d)[:, :, 0:1]),
+        "frames-major new keys": (frames_major, lambda t: t[2, 0, :, 20:48], rand(rows, 28, heads, d)),
         "short runs (PyTorch)": (buffer, lambda t: t[:, :, 2, :, :3], piece[:, :, 0, :, :3]),
         "contiguous (PyTorch)": (rand(4, 300), lambda t: t, rand(4, 300)),
     }
