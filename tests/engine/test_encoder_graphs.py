@@ -34,9 +34,10 @@ class Voice:
 
     def __init__(self, runner: CachedFlowRunner, prompt_tokens: int, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.tokens = tokens(prompt_tokens, seed, runner.flow.config.vocab_size)
-        self.mel = torch.randn(2 * prompt_tokens, 80, generator=gen)
-        self.spks = runner.project_speaker(torch.randn(1, 192, generator=gen))[0]
+        device = runner.flow.input_embedding.weight.device
+        self.tokens = tokens(prompt_tokens, seed, runner.flow.config.vocab_size).to(device)
+        self.mel = torch.randn(2 * prompt_tokens, 80, generator=gen).to(device)
+        self.spks = runner.project_speaker(torch.randn(1, 192, generator=gen).to(device))[0]
         self.prefix = runner.prefix(self.tokens, self.mel, self.spks)
 
     def row(self, speech: torch.Tensor, own: CachedSegment, stop: int, final: bool) -> CachedRow:
@@ -62,18 +63,13 @@ def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> N
         assert (a - b).abs().max().item() <= TOLERANCE, what
 
 
-@torch.inference_mode()
-def test_padded_bucketed_encoder_equals_each_row_alone(flow) -> None:
-    eager = CachedFlowRunner(flow, graphs=False)
-    padded = CachedFlowRunner(flow)
-    graphs = padded.encoder.graphs
-    graphs.emulate = True
-    graphs.rows, graphs.new_tokens, graphs.history_tokens = (1, 2, 4, 8), (32, 64, 128), (64, 128, 256)
-    vocab = flow.config.vocab_size
+def mixed_rows(eager: CachedFlowRunner) -> list[CachedRow]:
+    """Six rows of two voices, one of each kind a call can mix (their caches computed by `eager`)."""
+    vocab, device = eager.flow.config.vocab_size, eager.flow.input_embedding.weight.device
     long_voice = Voice(eager, prompt_tokens=70, seed=1)  # prefix: 50 tokens
     short_voice = Voice(eager, prompt_tokens=20, seed=2)  # no prefix: its streams start at token 0
     assert long_voice.prefix.encoder.tokens == 50 and short_voice.prefix.encoder.tokens == 0
-    speech = [tokens(300, seed=10 + s, vocab=vocab) for s in range(6)]
+    speech = [tokens(300, seed=10 + s, vocab=vocab).to(device) for s in range(6)]
     rows = [
         long_voice.row(speech[0], CachedSegment(), 30, final=False),  # aligned first chunk over the prefix
         short_voice.row(speech[1], CachedSegment(), 30, final=False),  # first chunk from token 0
@@ -84,19 +80,35 @@ def test_padded_bucketed_encoder_equals_each_row_alone(flow) -> None:
     ]
     hist = [row.start for row in rows]
     assert hist == [50, 0, 150, 100, 0, 50] and [row.kept_tokens(25) for row in rows] == [50, 50, 100, 0, 0, 25]
-    for repeat in range(2):  # the second call meets the first call's values in the buffers' padding
-        mu, caches = padded.encoder.run(rows if repeat == 0 else rows[::-1])
-        order = range(len(rows)) if repeat == 0 else reversed(range(len(rows)))
-        for b, i in enumerate(order):
-            row = rows[i]
-            ref_mu, (ref,) = eager.encoder.run([row])
-            frames = 2 * (row.stop - row.start)
-            assert ref_mu.size(2) == frames and mu.size(2) == 2 * 128  # the alone call is unpadded, ours is not
-            assert_close(mu[b, :, :frames], ref_mu[0], f"mu of row {i}")
-            got = caches[b]
-            assert got.tokens == ref.tokens == row.kept_tokens(25)
-            for name in ("kv", "up_kv", "up_tail"):
-                assert_close(getattr(got, name), getattr(ref, name), f"{name} of row {i}")
+    return rows
+
+
+def assert_rows_equal_alone(padded: CachedFlowRunner, eager: CachedFlowRunner, rows: list[CachedRow],
+                            new_tokens: int) -> None:
+    """One padded call of `rows` (bucket of `new_tokens` new tokens) against each row alone, unpadded."""
+    mu, caches = padded.encoder.run(rows)
+    for b, row in enumerate(rows):
+        ref_mu, (ref,) = eager.encoder.run([row])
+        frames = 2 * (row.stop - row.start)
+        assert ref_mu.size(2) == frames and mu.size(2) == 2 * new_tokens  # the alone call is unpadded, ours is not
+        assert_close(mu[b, :, :frames], ref_mu[0], f"mu of row {b}")
+        got = caches[b]
+        assert got.tokens == ref.tokens == row.kept_tokens(25)
+        for name in ("kv", "up_kv", "up_tail"):
+            assert_close(getattr(got, name), getattr(ref, name), f"{name} of row {b}")
+
+
+@torch.inference_mode()
+def test_padded_bucketed_encoder_equals_each_row_alone(flow) -> None:
+    eager = CachedFlowRunner(flow, graphs=False)
+    padded = CachedFlowRunner(flow)
+    graphs = padded.encoder.graphs
+    graphs.emulate = True
+    graphs.rows, graphs.new_tokens, graphs.history_tokens = (1, 2, 4, 8), (32, 64, 128), (64, 128, 256)
+    rows = mixed_rows(eager)
+    assert_rows_equal_alone(padded, eager, rows, 128)
+    # again in another order: now the buffers' padding holds the first call's keys/values
+    assert_rows_equal_alone(padded, eager, rows[::-1], 128)
     assert set(graphs._captured) == {(8, 128, 256)}  # 6 rows as 8, 70 new tokens as 128, history 150 as 256
 
 
