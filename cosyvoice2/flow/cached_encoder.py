@@ -193,7 +193,9 @@ class CachedEncoder:
         finals = finals.bool()
         x = self._conformer(encoder.encoders, x, kv, hist_p, hist, news, finals, self.grid)
         seq = torch.cat([tails, x.transpose(1, 2)], dim=2)  # (B, W, 2 + new_p): causal upsampling's context
-        x = encoder.up_layer.conv(seq.repeat_interleave(self.stride, dim=2)).transpose(1, 2)  # (B, 2 new_p, W)
+        # nearest-neighbour repeat as a broadcast (`repeat_interleave` may build an index with a host sync)
+        repeated = seq.unsqueeze(-1).expand(-1, -1, -1, self.stride).flatten(2)
+        x = encoder.up_layer.conv(repeated).transpose(1, 2)  # (B, 2 new_p, W)
         x = encoder.up_embed(x)
         up = self.stride
         x = self._conformer(encoder.up_encoders, x, up_kv, up * hist_p, up * hist, up * news, finals,
