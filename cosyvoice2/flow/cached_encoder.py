@@ -17,7 +17,6 @@ stale but finite values (earlier calls' keys), always hidden, so it never reache
 
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -33,8 +32,6 @@ from .encoder import relative_positions
 
 if TYPE_CHECKING:
     from .cached import CachedRow
-
-logger = logging.getLogger(__name__)
 
 PRE_LOOKAHEAD_LEFT = 2  # the lookahead layer's second conv (kernel 3, causal) reads 2 earlier positions
 UP_CONTEXT = 2  # the upsampling conv's left context, in tokens
