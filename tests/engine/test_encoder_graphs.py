@@ -56,11 +56,12 @@ def advanced(runner: CachedFlowRunner, voice: Voice, speech: torch.Tensor, stops
     return own
 
 
-def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, what: str) -> None:
+def assert_close(a: torch.Tensor | None, b: torch.Tensor | None, what: str, tolerance: float = TOLERANCE) -> None:
     assert (a is None) == (b is None), what
     if a is not None:
         assert a.shape == b.shape, (what, a.shape, b.shape)
-        assert (a - b).abs().max().item() <= TOLERANCE, what
+        deviation = (a - b).abs().max().item()
+        assert deviation <= tolerance, (what, deviation)
 
 
 def mixed_rows(eager: CachedFlowRunner) -> list[CachedRow]:

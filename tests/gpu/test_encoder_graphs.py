@@ -31,9 +31,10 @@ def test_encoder_replays_equal_the_eager_pass_on_the_last_gpu(gpus, no_tf32) -> 
         assert_rows_equal_alone(graphed, eager, rows[2:3], 128)
         assert_rows_equal_alone(graphed, eager, rows[:2], 64)
         assert replays == [(8, 128, 256), (8, 128, 256), (1, 128, 256), (2, 64, 64)]
-        # the whole call - encoder replay, then the estimator's step graphs - equals the eager flow
+        # the whole call - encoder replay, then the estimator's step graphs - equals the eager flow (over 10 Euler
+        # steps, as tests/gpu/test_flow_cache.py)
         mels = [runner.run_pending(rows)[0] for runner in (graphed, eager)]
         for got, ref in zip(*mels):
-            assert_close(got, ref, "mel")
+            assert_close(got, ref, "mel", tolerance=5e-5)
         assert graphed.graphs is not None and len(graphed.graphs._captured) > 0
     torch.cuda.synchronize(device)
