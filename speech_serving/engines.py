@@ -165,14 +165,25 @@ class BatchedToken2Wav(_BatchedStreams):
         return self.engine.config.sample_rate
 
     def capture_graphs(self) -> tuple[int, float]:
-        """Capture every flow-cache step graph now (before the server reports ready): (graphs, seconds)."""
-        graphs = self.engine.cached.graphs
-        if self.engine.flow_cache == "off" or graphs is None or self.engine.flow_device.type != "cuda":
+        """Capture every flow-cache step graph and encoder graph now (before the server reports ready):
+        (graphs, seconds). An encoder capture that fails is logged and leaves the encoder eager."""
+        engine = self.engine
+        graphs = engine.cached.graphs
+        if engine.flow_cache == "off" or graphs is None or engine.flow_device.type != "cuda":
             return 0, 0.0
         started = time.perf_counter()
         with torch.inference_mode():
-            count = graphs.capture_all(self.engine.flow_device, self.engine.flow_dtype)
-        torch.cuda.synchronize(self.engine.flow_device)
+            count = graphs.capture_all(engine.flow_device, engine.flow_dtype)
+        encoder = engine.cached.encoder
+        if encoder.graphs is not None:
+            try:
+                with torch.inference_mode():
+                    count += encoder.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+            except Exception:  # noqa: BLE001 - graphs only save time: without them the encoder runs eagerly
+                logger.exception("token2wav: capturing the flow encoder's graphs failed; the encoder runs eagerly")
+                encoder.graphs.clear()
+                encoder.graphs = None
+        torch.cuda.synchronize(engine.flow_device)
         return count, time.perf_counter() - started
 
     @property

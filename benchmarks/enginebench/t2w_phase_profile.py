@@ -1,18 +1,18 @@
 """Where a streaming token2wav call's time goes, phase by phase (engine alone, no LLM, no server).
 
-Released-size random flow and HiFT, flow caches on (`chunked`), step graphs captured, one voice whose prefix is
-cached; for each `--streams N` it times calls of N first chunks (and of N later chunks: 50 new tokens over a
-history) three ways:
+Released-size random flow and HiFT, flow caches on (`chunked`), step and encoder graphs captured (`--eager-encoder`:
+the encoder pass eagerly), one voice whose prefix is cached; for each `--streams N` it times calls of N first
+chunks (and of N later chunks: 50 new tokens over a history) three ways:
 - wall: the call as the server runs it (no added syncs);
 - phases: the same call with the device synchronised around each phase (encoder pass, step inputs, each Euler
   step, the mel out, HiFT, emit), so each phase's time is its own (the sum is a little above the wall time);
 - kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
   waited for the host.
-With `--by-op`, one more call of each case runs with the step graphs off, under the profiler with input shapes, and
+With `--by-op`, one more call of each case runs with the step and encoder graphs off, under the profiler with input shapes, and
 the operators that launched the most kernel time are listed with their shapes: a graph replay shows only kernel
 names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op]
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder]
 """
 
 from __future__ import annotations
@@ -102,6 +102,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
+    parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
@@ -112,6 +113,16 @@ def main() -> int:
     count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
     sync(device)
     print(f"captured {count} step graphs in {time.perf_counter() - start:.1f} s", flush=True)
+    encoder_graphs = engine.cached.encoder.graphs
+    if args.eager_encoder:
+        engine.cached.encoder.graphs = None
+    elif encoder_graphs is not None and device.type == "cuda":
+        before, start = torch.cuda.memory_allocated(device), time.perf_counter()
+        count = encoder_graphs.capture_all(device, dtype)
+        sync(device)
+        print(f"captured {count} encoder graphs in {time.perf_counter() - start:.1f} s, "
+              f"{(torch.cuda.memory_allocated(device) - before) / 2**20:.0f} MiB (key buffers and graph pool)",
+              flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = config.flow.vocab_size
     voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
@@ -147,12 +158,14 @@ def main() -> int:
             for kernel, ms in kernels["top"]:
                 print(f"{'':<30}{ms:8.2f} ms  {kernel}")
             if args.by_op:
-                graphs, runner.graphs = runner.graphs, None  # eager: each kernel keeps its launching operator
+                # eager: each kernel keeps its launching operator
+                graphs, runner.graphs = runner.graphs, None
+                encoder, runner.encoder.graphs = runner.encoder.graphs, None
                 try:
                     prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(2)]
                     ops = op_profile(lambda: engine.run_chunks(prepared.pop()), device, args.top)
                 finally:
-                    runner.graphs = graphs
+                    runner.graphs, runner.encoder.graphs = graphs, encoder
                 print(f"{'':<30}eager, by operator (own device ms, calls, input shapes):")
                 for op, shapes, calls, ms in ops:
                     print(f"{'':<30}{ms:8.2f} ms {calls:6d}x  {op}  {shapes}")

@@ -42,22 +42,13 @@ import torch.nn.functional as F
 from speech_lm.graph_buckets import capture, fit
 from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
-from .encoder import ConformerLayer, relative_position_table
+from .cached_encoder import CachedEncoder, EncoderCache
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
 
 CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
-PRE_LOOKAHEAD_LEFT = 2  # the lookahead layer's second conv (kernel 3, causal) reads 2 earlier positions
 
 
 # ---- state ---------------------------------------------------------------------------------------------
-@dataclass
-class EncoderCache:
-    tokens: int = 0  # tokens encoded (always on the 25-token grid)
-    kv: Optional[torch.Tensor] = None  # (layers, 2, heads, tokens, head_dim)
-    up_kv: Optional[torch.Tensor] = None  # (up layers, 2, heads, 2 tokens, head_dim)
-    up_tail: Optional[torch.Tensor] = None  # (width, 2): last 2 token states before upsampling
-
-
 @dataclass
 class EstimatorCache:
     frames: int = 0
@@ -180,6 +171,8 @@ class CachedFlowRunner:
         self.frames_computed = 0
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
+        # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
+        self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs else (1, 2, 4, 8, 16))
         self.config = flow.config
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
@@ -234,111 +227,9 @@ class CachedFlowRunner:
 
     # -- encoder -----------------------------------------------------------------------------------------
     def _encode(self, rows: Sequence[CachedRow]) -> tuple[torch.Tensor, list[EncoderCache]]:
-        flow, encoder = self.flow, self.flow.encoder
-        device = flow.input_embedding.weight.device
-        batch = len(rows)
-        news = [row.stop - row.start for row in rows]
-        longest = max(news)
-        left = PRE_LOOKAHEAD_LEFT
-        width = self.config.encoder.width
-
-        # lookahead layer over [2 earlier tokens | new tokens | lookahead context | padding], in embedded space
-        span = left + longest + self.lookahead
-        ids = torch.zeros(batch, span, dtype=torch.long, device=device)
-        keep = torch.zeros(batch, span, dtype=torch.bool, device=device)  # positions that hold a real token
-        for b, row in enumerate(rows):
-            first = max(0, row.start - left)
-            end = row.stop + (0 if row.final else self.lookahead)
-            piece = row.tokens[first:end].to(device)
-            offset = left - (row.start - first)
-            ids[b, offset : offset + piece.numel()] = piece
-            keep[b, offset : offset + piece.numel()] = True
-        x = encoder.embed(flow.input_embedding(ids.clamp(min=0))) * keep.unsqueeze(-1).to(flow.input_embedding.weight.dtype)
-        pre = encoder.pre_lookahead_layer
-        h = F.leaky_relu(pre.conv1(x.transpose(1, 2)), negative_slope=0.01)  # (B, W, span - lookahead)
-        # upstream pads the second conv's input with zeros on the left: a row starting at token 0 has no history
-        h = h * keep[:, : h.size(2)].unsqueeze(1).to(h.dtype)
-        h = pre.conv2(h)  # (B, W, longest): outputs for the new tokens
-        x = h.transpose(1, 2) + x[:, left : left + longest]
-
-        hist = [row.start for row in rows]
-        x, kv_new = self._conformer(encoder.encoders, x, [row.prefix.encoder.kv for row in rows],
-                                    [row.own.encoder.kv for row in rows], hist, news, self.grid, rows,
-                                    [row.kept_tokens(self.grid) for row in rows])
-        # causal upsampling with the previous 2 token states as left context
-        tails = []
-        for b, row in enumerate(rows):
-            tail = row.own.encoder.up_tail if row.own.encoder.up_tail is not None else row.prefix.encoder.up_tail
-            tails.append(torch.zeros(width, 2, dtype=x.dtype, device=device) if tail is None else tail)
-        up = encoder.up_layer
-        seq = torch.cat([torch.stack(tails), x.transpose(1, 2)], dim=2)  # (B, W, 2 + longest)
-        kept = [row.kept_tokens(self.grid) for row in rows]
-        new_tails = [seq[b, :, kept[b] : kept[b] + 2].clone() for b in range(batch)]
-        h = seq.repeat_interleave(self.stride, dim=2)
-        x = up.conv(h).transpose(1, 2)  # (B, 2 longest, W)
-        x = encoder.up_embed(x)
-        up_news = [n * self.stride for n in news]
-        x, up_kv_new = self._conformer(encoder.up_encoders, x, [row.prefix.encoder.up_kv for row in rows],
-                                       [row.own.encoder.up_kv for row in rows], [s * self.stride for s in hist],
-                                       up_news, self.grid * self.stride, rows, [k * self.stride for k in kept])
-        mu = flow.encoder_proj(encoder.after_norm(x)).transpose(1, 2)  # (B, 80, 2 longest)
-        caches = [EncoderCache(kept[b], kv_new[b], up_kv_new[b], new_tails[b]) for b in range(batch)]
-        return mu, caches
-
-    def _conformer(self, layers: torch.nn.ModuleList, x: torch.Tensor, prefix_kv: list, own_kv: list,
-                   hist: list[int], news: list[int], chunk: int, rows: Sequence[CachedRow], kept: list[int]):
-        """Conformer layers over new positions with cached keys/values; returns x and each row's kept (L,2,H,n,D)."""
-        batch, longest, _ = x.shape
-        device, dtype = x.device, x.dtype
-        longest_hist = max(hist)
-        total = longest_hist + longest
-        heads = layers[0].self_attn.heads
-        head_dim = layers[0].self_attn.head_dim
-        # keys: [history padded to longest_hist | new padded to longest]
-        hist_t = to_device(hist, device)
-        news_t = to_device(news, device)
-        slot = torch.arange(total, device=device)
-        query = torch.arange(longest, device=device)
-        is_new = slot >= longest_hist
-        key_pos = torch.where(is_new.unsqueeze(0), hist_t.unsqueeze(1) + (slot - longest_hist).unsqueeze(0),
-                              slot.unsqueeze(0))  # (B, total) absolute key position
-        query_pos = hist_t.unsqueeze(1) + query.unsqueeze(0)  # (B, longest)
-        real_key = torch.where(is_new.unsqueeze(0), (slot - longest_hist).unsqueeze(0) < news_t.unsqueeze(1),
-                               slot.unsqueeze(0) < hist_t.unsqueeze(1))
-        finals = to_device([row.final for row in rows], device)
-        same_or_earlier = (key_pos // chunk).unsqueeze(1) <= (query_pos // chunk).unsqueeze(2)  # (B, Nq, total)
-        visible = real_key.unsqueeze(1) & (same_or_earlier | finals.view(-1, 1, 1))
-        visible = visible.unsqueeze(1)  # (B, 1, Nq, total)
-        # relative distance i - j indexes a table built for `total` positions (distance total-1 .. -(total-1))
-        distance = query_pos.unsqueeze(2) - key_pos.unsqueeze(1)
-        column = ((total - 1) - distance).clamp(0, 2 * total - 2)  # (B, Nq, total)
-        pos_table = relative_position_table(total, x.size(-1), device, dtype)
-
-        history = torch.zeros(len(layers), 2, batch, heads, longest_hist, head_dim, dtype=dtype, device=device)
-        for b in range(batch):
-            at = 0
-            for part in (prefix_kv[b], own_kv[b]):
-                if part is not None:
-                    history[:, :, b, :, at : at + part.size(3)] = part
-                    at += part.size(3)
-            assert at == hist[b], (at, hist[b])
-        new_kv = []
-        for index, layer in enumerate(layers):
-            x, k, v = self._conformer_layer(layer, x, history[index, 0], history[index, 1], pos_table, column, visible)
-            new_kv.append(torch.stack([k, v]))  # (2, B, H, longest, D)
-        stacked = torch.stack(new_kv)  # (L, 2, B, H, longest, D)
-        return x, [stacked[:, :, b, :, : kept[b]] for b in range(batch)]
-
-    @staticmethod
-    def _conformer_layer(layer: ConformerLayer, x: torch.Tensor, k_hist: torch.Tensor, v_hist: torch.Tensor,
-                         pos_table: torch.Tensor, column: torch.Tensor, visible: torch.Tensor):
-        attn = layer.self_attn
-        q, k_new, v_new = attn.project(layer.norm_mha(x))  # (B, H, N, D)
-        k = torch.cat([k_hist, k_new], dim=2)
-        v = torch.cat([v_hist, v_new], dim=2)
-        x = x + attn.attend(q, k, v, pos_table, column, visible)
-        x = x + layer.feed_forward(layer.norm_ff(x))
-        return x, k_new, v_new
+        """The encoder pass over the rows' new tokens (`cached_encoder`: replayed from a CUDA graph where the call
+        fits a bucket): mu (rows, 80, frames) and the encoder caches each row keeps."""
+        return self.encoder.run(rows)
 
     # -- estimator: the Euler solve ---------------------------------------------------------------------------
     def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:

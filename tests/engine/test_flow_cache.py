@@ -280,7 +280,8 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
 def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
-    captured (rows, new frames, history frames) bucket of the engine, while the stream's history fits the table's
+    captured (rows, new frames, history frames) step bucket and (rows, new tokens, history tokens) encoder bucket
+    of the engine, while the stream's history fits the table's
     longest (a longer stream runs eagerly); one row more than the service's cap fits none."""
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.flow.cached import EncoderCache
@@ -294,8 +295,9 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
                               load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config, served,
                               flow_cache="chunked")
     runner = engine.engine.cached
-    graphs = runner.graphs
+    graphs, encoder_graphs = runner.graphs, runner.encoder.graphs
     longest_history = max(graphs.history_frames)
+    assert max(encoder_graphs.history_tokens) * runner.stride == longest_history  # one history limit for both
     none = torch.zeros(0)
     checked = 0
     for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
@@ -313,8 +315,12 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
                     break
                 for rows in (1, 3, engine.max_rows):
                     assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new, history)
+                    # the encoder pass of the same call, in tokens
+                    assert encoder_graphs.bucket(rows, row.stop - row.start, row.start) is not None, (
+                        prompt_tokens, tokens, chunk, row.start, row.stop)
                 own.encoder.tokens += row.kept_tokens(runner.grid)
                 checked += 1
     assert checked > 30_000
-    assert engine.max_rows == max(graphs.rows)  # the service's cap is the largest bucket of rows
+    assert engine.max_rows == max(graphs.rows) == max(encoder_graphs.rows)  # the service's cap: the largest bucket
     assert graphs.bucket(engine.max_rows + 1, min(graphs.new_frames), min(graphs.history_frames)) is None
+    assert encoder_graphs.bucket(engine.max_rows + 1, 1, 0) is None

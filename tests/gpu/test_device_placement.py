@@ -56,4 +56,6 @@ def test_the_token2wav_engine_captures_its_graphs_on_its_own_gpu(tiny, last_gpu)
     before = torch.cuda.memory_allocated(0)
     count, _ = engine.capture_graphs()
     assert count > 0
+    encoder_graphs = engine.engine.cached.encoder.graphs  # dropped (None) had their capture failed
+    assert encoder_graphs is not None and len(encoder_graphs) == len(encoder_graphs.buckets())
     assert torch.cuda.memory_allocated(0) == before
