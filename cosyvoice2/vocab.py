@@ -48,6 +48,16 @@ class SpeechVocabLayout:
         return tuple(range(first, first + len(END_TOKENS)))
 
     @property
+    def end_id(self) -> int:
+        """The end id of a TensorRT-LLM request: the one its minimum length masks."""
+        return self.end_ids[0]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The other ids that end a request (TensorRT-LLM stop words; not masked below the minimum length)."""
+        return self.end_ids[1:]
+
+    @property
     def sos_id(self) -> int:
         return self.speech_offset + self.num_speech_classes
 
@@ -96,4 +106,5 @@ class SpeechVocabLayout:
     @classmethod
     def load(cls, hf_dir: Path) -> SpeechVocabLayout:
         data = json.loads((Path(hf_dir) / LAYOUT_FILE).read_text())
-        return cls(text_vocab_size=int(data["text_vocab_size"]), speech_token_size=int(data["speech_token_size"]))
+        fields = {name: int(data[name]) for name in cls.__dataclass_fields__ if name in data}
+        return cls(**fields)

@@ -27,7 +27,7 @@ synthesis loop does for CosyVoice3.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from speech_lm.qwen2 import Qwen2Model, SpeechLM
 from .config import ENDOFPROMPT, CosyVoice3LLMConfig
 from .errors import CosyVoice3InputError
 from .prompts import Mode, cross_lingual_text, instruct_prompt, zero_shot_prompt  # noqa: F401 - the LLM's formats
+from .silence import SilentTokenFilter
 
 
 class CosyVoice3LM(SpeechLM):
@@ -124,29 +125,6 @@ class LLMPrompt(CosyVoice2Prefix):
     def request(self, config: CosyVoice3LLMConfig, seed: int | None = None, **limits: int | bool | None) -> DecodeRequest:
         """The decoder's request: this prompt as the prefix, the limits scaled by the target text ids."""
         return decode_request(self, len(self.text), sampling_params(config, seed, **limits))
-
-
-class SilentTokenFilter:
-    """Drops silent/breath tokens beyond `max_run` in a row (the run counter resets on any other token)."""
-
-    def __init__(self, silent_tokens: Iterable[int], max_run: int) -> None:
-        self.silent = frozenset(int(t) for t in silent_tokens)
-        self.max_run = max_run
-        self._run = 0
-
-    def accept(self, token: int) -> bool:
-        if token in self.silent:
-            self._run += 1
-            return self._run <= self.max_run
-        self._run = 0
-        return True
-
-    def filter(self, tokens: Iterable[int]) -> Iterator[int]:
-        return (t for t in tokens if self.accept(t))
-
-    @classmethod
-    def for_config(cls, config: CosyVoice3LLMConfig) -> "SilentTokenFilter":
-        return cls(config.silent_tokens, config.max_silent_run)
 
 
 def generate(model: CosyVoice3LM, request: DecodeRequest, filter_silence: bool = True) -> Iterator[int]:

@@ -7,8 +7,9 @@ What differs from CosyVoice2 (docs/cosyvoice3.md, "Serving"):
   prompt or the instruction; cross-lingual requests carry the system prompt in the text itself;
 * the mode follows from the request as CosyVoice2's does (`cosyvoice2.frontend.llm_prompt`): an instruction wins
   (the transcript is then unused), else a transcript gives zero-shot, else cross-lingual;
-* the LLM's wire vocabulary (`cosyvoice3_vocab`): text ids below the Qwen2 text embedding's rows, speech ids after
-  them; the LLM model maps them to `CosyVoice3LM`'s inputs;
+* the LLM's wire vocabulary (`cosyvoice3_vocab`): the merged vocabulary of the converted checkpoint (text ids below
+  the Qwen2 text embedding's rows, speech ids after them, then the 200 special ids); the PyTorch LLM model maps
+  them to `CosyVoice3LM`'s inputs, a TensorRT-LLM engine reads them as they are;
 * the streaming schedule (`cosyvoice3_schedule`): the served runtime's 15, 25, 50, 100, ... tokens (no cap, no
   alignment to the prompt), 3 lookahead tokens.
 """
@@ -20,9 +21,9 @@ import numpy as np
 from cosyvoice2.frontend.llm_prompt import VoiceMode, instruction_text, llm_prompt
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.text.tokenizer import ENDOFPROMPT
-from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice3.config import CosyVoice3Config
 from cosyvoice3.prompts import cross_lingual_text, instruct_prompt, zero_shot_prompt
+from cosyvoice3.vocab import CosyVoice3VocabLayout
 from speech_serving.io_struct import PromptTensors
 from speech_serving.orchestrator import Orchestrator
 from pipeline_contract import SpeechRequest
@@ -31,11 +32,14 @@ from pipeline_contract import SpeechRequest
 UNCAPPED_HOP = 1 << 30
 
 
-def cosyvoice3_vocab(config: CosyVoice3Config) -> SpeechVocabLayout:
-    """The flat ids the orchestrator and the LLM model exchange: text ids below the text embedding's rows, then
-    the speech tokens, then the markers (`SpeechVocabLayout`). Only a wire format: the LLM model takes the text and
-    speech parts apart again, and it never emits anything but speech tokens (every special id ends a sequence)."""
-    return SpeechVocabLayout(text_vocab_size=config.llm.qwen.vocab_size, speech_token_size=config.llm.speech_token_size)
+def cosyvoice3_vocab(config: CosyVoice3Config) -> CosyVoice3VocabLayout:
+    """The flat ids the orchestrator and the LLM model exchange: the merged vocabulary (`cosyvoice3.vocab`), text
+    ids below the text embedding's rows, then the speech tokens, then the 200 special ids (sos and task among
+    them). The PyTorch LLM model takes the text and speech parts apart again; a TensorRT-LLM engine built from
+    the converted checkpoint reads them as they are. Neither emits a special id as audio: each ends a sequence."""
+    return CosyVoice3VocabLayout(text_vocab_size=config.llm.qwen.vocab_size,
+                                 speech_token_size=config.llm.speech_token_size,
+                                 num_special_tokens=config.llm.num_special_tokens)
 
 
 def cosyvoice3_schedule(config: CosyVoice3Config, first_hop: int = 15, second_hop: int = 25) -> ChunkSchedule:

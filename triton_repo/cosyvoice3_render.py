@@ -7,6 +7,7 @@
 | `cosyvoice3_audio_tokenizer` | `speech_tokenizer_v3.onnx`, dynamically batched |
 | `cosyvoice3_speaker_embedding` | CAM++ (`campplus.onnx` of the CosyVoice3 directory), dynamically batched |
 | `cosyvoice3_engine` | the LLM (our batched decoder under the continuous-batching scheduler) and token2wav (DiT flow + causal HiFT under the token2wav service) in one process |
+| `cosyvoice3_llm` | with `--cosyvoice3-engine-dir` only: the LLM on the tensorrtllm backend (`cosyvoice3_engine` then runs token2wav only) |
 
 Every model is one of CosyVoice2's templates and adapters with CosyVoice3's parameters (the adapter factory
 `ModelSpec` and the tables below). Without `--cosyvoice3-dir` nothing here is rendered and the repository is
@@ -15,9 +16,14 @@ unchanged. The layout is colocated whatever `--layout` says (as Spark-TTS's `spa
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
+from cosyvoice2.vocab import LAYOUT_FILE, LOGITS_BIAS_FILE
 from cosyvoice3.config import CosyVoice3Config
 from cosyvoice3.errors import CosyVoice3Error
 from cosyvoice3.layout import ENGINE_FILES, FRONTEND_FILES, TOKENIZER_FILES
+from speech_serving.cosyvoice3 import cosyvoice3_vocab
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.model_params import (
@@ -30,6 +36,7 @@ from triton_repo.model_params import (
 )
 from triton_repo.render_options import CosyVoice3RenderOptions, RenderOptions
 from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, with_options
+from triton_repo.render_trtllm import TrtllmFlags, trtllm_input_errors, trtllm_parameters
 
 __all__ = ["CosyVoice3RenderOptions", "check", "model_specs", "models"]
 
@@ -37,9 +44,15 @@ ENGINE = io.COSYVOICE3_ENGINE_MODEL
 VOICE_PROMPT = io.COSYVOICE3_VOICE_PROMPT_MODEL
 AUDIO_TOKENIZER = io.COSYVOICE3_AUDIO_TOKENIZER_MODEL
 SPEAKER_EMBEDDING = io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL
+LLM = io.COSYVOICE3_LLM_MODEL  # the TensorRT-LLM engine of the CosyVoice3 LLM (`--cosyvoice3-engine-dir`)
 MODELS = frozenset({contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, VOICE_PROMPT,
                     AUDIO_TOKENIZER, SPEAKER_EMBEDDING, ENGINE})
-SINGLE_INSTANCE = (ENGINE,)
+SINGLE_INSTANCE = (ENGINE, LLM)
+TRTLLM_FLAGS = TrtllmFlags(backend="--cosyvoice3-engine-dir", engine_dir="--cosyvoice3-engine-dir",
+                           llm_dir="--cosyvoice3-llm-dir", which="the CosyVoice3 engine")
+#: The engine's share of the free GPU memory for its KV cache: token2wav, the audio models (and CosyVoice2) share
+#: its GPU.
+KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
 #: What a served CosyVoice3 directory must hold (the engine alone could do with fewer: id-level calls only).
 SERVED_FILES = (*ENGINE_FILES, *TOKENIZER_FILES, *FRONTEND_FILES)
 #: The orchestrators' targets: the colocated engine answers both the LLM's and token2wav's calls.
@@ -50,7 +63,9 @@ INTERNAL_MODELS = InternalModels(llm_model=ENGINE, token2wav_model=(ENGINE,), to
 def models(opts: RenderOptions) -> set[str]:
     """The CosyVoice3 models `model_specs` describes (none without `opts.cosyvoice3`), for the validation of the
     rendered repository."""
-    return set(MODELS) if opts.cosyvoice3 is not None else set()
+    if opts.cosyvoice3 is None:
+        return set()
+    return set(MODELS) | ({LLM} if opts.cosyvoice3.engine_dir is not None else set())
 
 
 def check(opts: RenderOptions) -> list[str]:
@@ -72,7 +87,29 @@ def check(opts: RenderOptions) -> list[str]:
             errors.append(f"--cosyvoice3-dir: {exc}")
     if cv3.benchmark_ratio is not None and not cv3.benchmark_ratio > 0:
         errors.append(f"--cosyvoice3-benchmark-ratio must be > 0, got {cv3.benchmark_ratio}")
+    if cv3.engine_dir is not None:
+        errors += trtllm_input_errors(opts, cv3.engine_dir, cv3.llm_dir, TRTLLM_FLAGS)
+        if not errors:
+            errors += _converted_layout_errors(cv3)
+    elif cv3.llm_dir is not None:
+        errors.append("--cosyvoice3-llm-dir is only used with --cosyvoice3-engine-dir")
     return errors
+
+
+def _converted_layout_errors(cv3: CosyVoice3RenderOptions) -> list[str]:
+    """The checkpoint the engine was built from must hold this model's merged vocabulary (the ids the orchestrators
+    send): a CosyVoice2 conversion has another."""
+    assert cv3.llm_dir is not None
+    expected = cosyvoice3_vocab(CosyVoice3Config.from_model_dir(cv3.model_dir)).to_json()
+    try:
+        recorded = json.loads((cv3.llm_dir / LAYOUT_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return [f"--cosyvoice3-llm-dir {cv3.llm_dir}: no readable {LAYOUT_FILE} ({exc})"]
+    if recorded != expected:
+        return [f"--cosyvoice3-llm-dir {cv3.llm_dir} was not converted from this CosyVoice3 model (its {LAYOUT_FILE} "
+                f"puts sos at {recorded.get('sos_id')}, the model's merged vocabulary at {expected['sos_id']}); "
+                "convert it with python -m cosyvoice_build.cosyvoice3_trtllm"]
+    return []
 
 
 def model_specs(opts: RenderOptions) -> list[ModelSpec]:
@@ -107,6 +144,12 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     ]  # fmt: skip
     specs.append(ModelSpec(ENGINE, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
                            ("cosyvoice3_engine", "CosyVoice3EngineModel")))
+    if cv3.engine_dir is not None:  # CosyVoice2's `llm` tensors and template; the engine stays in engine_dir
+        specs.append(ModelSpec(
+            LLM, "llm_tensorrt_llm.pbtxt", io.LLM_INPUTS, io.LLM_OUTPUTS,
+            trtllm_parameters(opts, cv3.engine_dir, opts.max_seq_len, KV_CACHE_FREE_GPU_MEM_FRACTION), None,
+            dict(max_batch=opts.max_batch, max_seq_len=opts.max_seq_len),
+        ))  # fmt: skip
     return specs
 
 
@@ -118,15 +161,20 @@ def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
     """Parameters of both CosyVoice3 pipeline models (`adapters.cosyvoice3.CosyVoice3OrchestratorModel`)."""
     cv3 = opts.cosyvoice3
     assert cv3 is not None
+    trtllm = cv3.engine_dir is not None and cv3.llm_dir is not None
     return CosyVoice3OrchestratorParams(
         model_dir=cv3.model_dir.resolve(),
         max_sequence_len=opts.max_seq_len,
         max_target_text_tokens=opts.max_target_text_tokens,
         first_hop=cv3.first_hop,
         second_hop=cv3.second_hop,
-        models=INTERNAL_MODELS,
+        # TensorRT-LLM: the LLM calls go to cosyvoice3_llm (one response per token, no delivery schedule)
+        models=replace(INTERNAL_MODELS, llm_model=LLM, llm_deliver_at=False) if trtllm else INTERNAL_MODELS,
         voice_cache=opts.voice_cache,
         benchmark=_benchmark(cv3),
+        llm_logits_bias=(cv3.llm_dir / LOGITS_BIAS_FILE).resolve() if trtllm else None,
+        llm_repetition_penalty=opts.repetition_penalty if trtllm else None,
+        loop_guard=opts.loop_guard if trtllm else None,
     )
 
 
@@ -138,4 +186,5 @@ def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
     assert cv3 is not None
     return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
                         flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, flow_cache_gb=cv3.flow_cache_gb,
-                        first_hop=cv3.first_hop, second_hop=cv3.second_hop, benchmark=_benchmark(cv3))
+                        first_hop=cv3.first_hop, second_hop=cv3.second_hop, benchmark=_benchmark(cv3),
+                        llm=cv3.engine_dir is None)

@@ -31,6 +31,9 @@ COSYVOICE3_VOICE_PROMPT_MODEL = "cosyvoice3_voice_prompt"
 COSYVOICE3_AUDIO_TOKENIZER_MODEL = "cosyvoice3_audio_tokenizer"  # speech_tokenizer_v3.onnx
 COSYVOICE3_SPEAKER_EMBEDDING_MODEL = "cosyvoice3_speaker_embedding"  # CosyVoice3's campplus.onnx
 COSYVOICE3_ENGINE_MODEL = "cosyvoice3_engine"  # LLM + token2wav in one process, as CosyVoice2's `engine`
+#: with `--cosyvoice3-engine-dir`: the LLM on the tensorrtllm backend, CosyVoice2's `llm` tensors (the engine
+#: then runs token2wav only)
+COSYVOICE3_LLM_MODEL = "cosyvoice3_llm"
 
 # -- audio_tokenizer / speaker_embedding (dynamic batching: dims exclude the batch dimension) ------
 AUDIO_INPUTS = (replace(REFERENCE_WAV, optional=False, allow_ragged_batch=True), replace(REFERENCE_WAV_LEN, optional=False))
@@ -138,15 +141,18 @@ def llm_request_tensors(
     """The LLM inputs (batch of one). TensorRT-LLM only: `logits_bias` masks text ids (docs/triton.md),
     `repetition_penalty` stands in for RAS (docs/deploy.md). PyTorch LLM only: `deliver_at` sends the request's
     delivery schedule."""
-    eos, eos2, fill = vocab.end_ids
+    stop_ids = vocab.stop_ids
     tensors = {
         INPUT_IDS.name: request.input_ids.astype(np.int32).reshape(1, -1),
         INPUT_LENGTHS.name: _col(request.input_ids.size, np.int32),
         REQUEST_OUTPUT_LEN.name: _col(request.max_tokens, np.int32),
-        END_ID.name: _col(eos, np.int32),
-        PAD_ID.name: _col(eos, np.int32),
-        # all three end ids stop decoding (upstream's Triton path stopped on <|eos1|> only)
-        STOP_WORDS_LIST.name: np.array([[[eos2, fill], [1, 2]]], dtype=np.int32),
+        # the end id is the one min_length masks; the stop words end a request at any length. CosyVoice2: EOS,
+        # then the other two end ids (upstream's Triton path stopped on <|eos1|> only); CosyVoice3: sos, then
+        # the other 199 special ids (`cosyvoice3.vocab`)
+        END_ID.name: _col(vocab.end_id, np.int32),
+        PAD_ID.name: _col(vocab.end_id, np.int32),
+        # one single-id word each: [[ids...], [offsets 1..n]]
+        STOP_WORDS_LIST.name: np.array([[stop_ids, range(1, len(stop_ids) + 1)]], dtype=np.int32),
         RUNTIME_TOP_K.name: _col(request.top_k, np.int32),
         RUNTIME_TOP_P.name: _col(request.top_p, np.float32),
         TEMPERATURE.name: _col(request.temperature, np.float32),

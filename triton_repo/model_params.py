@@ -323,6 +323,11 @@ class CosyVoice3OrchestratorParams(ModelParams):
     models: InternalModels
     voice_cache: int  # voices each orchestrator keeps in front of `cosyvoice3_voice_prompt` (a hit makes no call)
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    # TensorRT-LLM only (`cosyvoice3_llm`), as CosyVoice2's: the logits bias file (text-row mask), the repetition
+    # penalty and the loop guard standing in for RAS; the silent-token filter then runs here
+    llm_logits_bias: Path | None = None
+    llm_repetition_penalty: float | None = None
+    loop_guard: LoopGuardConfig | None = field(default=None, metadata=_prefixed("loop_"))
 
 
 @dataclass(frozen=True)
@@ -337,6 +342,7 @@ class CosyVoice3EngineParams(DecoderParams):
     first_hop: int
     second_hop: int
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    llm: bool = True  # False with a TensorRT-LLM engine (`cosyvoice3_llm` decodes): token2wav only, no PyTorch LLM
 
     @property
     def flow_cache_budget_bytes(self) -> int | None:

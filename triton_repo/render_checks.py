@@ -5,7 +5,6 @@ name. `check_options` raises one RenderError naming every problem."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from cosyvoice2.config import EngineConfig
@@ -13,17 +12,9 @@ from cosyvoice2.dit.config import DiTFlowConfig
 from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
 from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
-from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
 from triton_repo import cosyvoice3_render, spark_render
-from triton_repo import trtllm_backend_facts as facts
 from triton_repo.render_options import LLM_GPU, SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
-from triton_repo.render_trtllm import (
-    LOGITS_DTYPE,
-    engine_tp_size,
-    holds_engine,
-    limit_errors,
-    read_engine_config,
-)
+from triton_repo.render_trtllm import TrtllmFlags, engine_tp_size, holds_engine, read_engine_config, trtllm_input_errors
 
 
 def field_errors(opts: object, prefix: str = "") -> list[str]:
@@ -122,76 +113,15 @@ def _check_placement(opts: RenderOptions) -> list[str]:
 
 
 def _check_trtllm(opts: RenderOptions) -> list[str]:
-    errors = []
-    if opts.device != "cuda":
-        errors.append("--llm-backend tensorrt_llm needs --device cuda")
-    if opts.engine_dir is None:
-        errors.append("--llm-backend tensorrt_llm needs --engine-dir (the trtllm-build output)")
-    elif not holds_engine(opts.engine_dir):
-        errors.append(f"--engine-dir {opts.engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)")
-    else:
-        engine = read_engine_config(opts.engine_dir)
-        errors += limit_errors(engine, (("--max-batch", opts.max_batch, "max_batch_size"),
-                                        ("--max-seq-len", opts.max_seq_len, "max_seq_len")), "the engine")
-        errors += _check_engine_facts(opts, engine)
-    if opts.llm_dir is None:
-        errors.append(f"--llm-backend tensorrt_llm needs --llm-dir (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
-    elif not (opts.llm_dir / LOGITS_BIAS_FILE).is_file():
-        errors.append(f"--llm-dir {opts.llm_dir} lacks {LOGITS_BIAS_FILE} (written by the build's convert stage)")
-    elif opts.engine_dir is not None and (opts.engine_dir / "config.json").is_file():
-        errors += _check_logits_bias(opts.llm_dir / LOGITS_BIAS_FILE, read_engine_config(opts.engine_dir))
+    """CosyVoice2's engine (`--engine-dir`, `--llm-dir`); a tensor-parallel one spans GPUs the disaggregated layout
+    gives token2wav."""
+    errors = trtllm_input_errors(opts, opts.engine_dir, opts.llm_dir, TrtllmFlags())
+    if opts.engine_dir is not None and holds_engine(opts.engine_dir):
+        tp = engine_tp_size(read_engine_config(opts.engine_dir))
+        if tp > 1 and opts.layout == "disaggregated":
+            errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns GPU "
+                          f"{LLM_GPU} only)")
     return errors
-
-
-def _check_engine_facts(opts: RenderOptions, engine: dict) -> list[str]:
-    """What the engine was built with against what this repository sends it (docs/deploy.md)."""
-    errors = facts.engine_version_problems(engine, "--engine-dir", opts.engine_dir)
-    pretrained = engine.get("pretrained_config", {})
-    logits_dtype = pretrained.get("logits_dtype")
-    if logits_dtype != LOGITS_DTYPE:
-        errors.append(
-            f"the engine's logits are {logits_dtype or 'of unknown type'}, not {LOGITS_DTYPE}: every request would fail "
-            '("Embedding bias data type must be same as model logits type"); rebuild it with trtllm-build '
-            f"--logits_dtype {LOGITS_DTYPE} (cosyvoice-build --from engine --to engine --force)"
-        )
-    tp = engine_tp_size(engine)
-    if tp > 1 and opts.layout == "disaggregated":
-        errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns GPU {LLM_GPU} only)")
-    return errors
-
-
-def _check_logits_bias(path: Path, engine: dict) -> list[str]:
-    """The per-request embedding bias must have one value per row of the engine's logits."""
-    vocab = engine.get("pretrained_config", {}).get("vocab_size")
-    try:
-        length = safetensors_length(path, LOGITS_BIAS_KEY)
-    except (OSError, ValueError, KeyError) as exc:
-        return [f"{path} is not a safetensors file with a 1-D {LOGITS_BIAS_KEY!r} tensor ({exc})"]
-    if vocab is None:
-        return ["the engine's config.json has no pretrained_config.vocab_size to check the logits bias against"]
-    errors = []
-    if length != int(vocab):
-        errors.append(
-            f"{path} holds {length} values but the engine's vocab_size is {vocab}: the bias must match the engine's "
-            "logits row for row (convert and build from the same checkpoint)"
-        )
-    tp = engine_tp_size(engine)
-    if int(vocab) % tp:
-        errors.append(f"vocab_size {vocab} is not a multiple of the tensor-parallel size {tp}: the logits would be padded")
-    return errors
-
-
-def safetensors_length(path: Path, key: str) -> int:
-    """Length of the 1-D tensor `key` from the file's header alone (8-byte size + JSON; no tensor is read)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= 100_000_000:
-            raise ValueError("bad header size")
-        header = json.loads(f.read(size))
-    shape = header[key]["shape"]
-    if len(shape) != 1:
-        raise ValueError(f"shape {shape} is not 1-D")
-    return int(shape[0])
 
 
 def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:

@@ -218,6 +218,14 @@ class CosyVoice3RenderOptions(_Options):
     # (the text ids the LLM's length limits count) and no stop id is drawn. None = off.
     benchmark_ratio: float | None = option(None, metavar="R", help="CosyVoice3 benchmarks on random weights only: "
                                            "every request generates round(R x text tokens) speech tokens")
+    # A TensorRT-LLM engine of the CosyVoice3 LLM and the merged-vocabulary checkpoint it was built from (both from
+    # `python -m cosyvoice_build.cosyvoice3_trtllm`): rendered as cosyvoice3_llm on the tensorrtllm backend,
+    # whatever CosyVoice2's --llm-backend is; cosyvoice3_engine then runs token2wav only
+    engine_dir: Path | None = option(None, help="a TensorRT-LLM engine of the CosyVoice3 LLM (python -m "
+                                     "cosyvoice_build.cosyvoice3_trtllm): rendered as cosyvoice3_llm on the "
+                                     "tensorrtllm backend")
+    llm_dir: Path | None = option(None, help=f"with --cosyvoice3-engine-dir: the converted checkpoint dir with "
+                                  f"{LOGITS_BIAS_FILE}")
 
 
 @dataclass(frozen=True)

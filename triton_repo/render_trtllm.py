@@ -4,9 +4,11 @@ parameters rendered for it, and the checks of both (CosyVoice2's `llm` and Spark
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from cosyvoice2.vocab import LOGITS_BIAS_FILE, LOGITS_BIAS_KEY
 from pipeline_contract import TensorSpec
 from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
@@ -69,6 +71,82 @@ def trtllm_parameters(opts: RenderOptions, engine_dir: Path | None, max_seq_len:
         "xgrammar_tokenizer_info_path": "",
         "guided_decoding_backend": "",
     }
+
+
+@dataclass(frozen=True)
+class TrtllmFlags:
+    """The flags that name an LLM engine and its checkpoint in the error messages (CosyVoice2's by default)."""
+
+    backend: str = "--llm-backend tensorrt_llm"  # what asks for the engine
+    engine_dir: str = "--engine-dir"
+    llm_dir: str = "--llm-dir"
+    which: str = "the engine"
+
+
+def trtllm_input_errors(opts: RenderOptions, engine_dir: Path | None, llm_dir: Path | None,
+                        flags: TrtllmFlags) -> list[str]:
+    """An LLM engine and its converted checkpoint (CosyVoice2's or CosyVoice3's) against what the orchestrators
+    send it: the engine's limits, TensorRT-LLM version and logits type; the logits bias one value per row."""
+    errors = []
+    if opts.device != "cuda":
+        errors.append(f"{flags.backend} needs --device cuda")
+    if engine_dir is None:
+        errors.append(f"{flags.backend} needs {flags.engine_dir} (the trtllm-build output)")
+    elif not holds_engine(engine_dir):
+        errors.append(f"{flags.engine_dir} {engine_dir} holds no TensorRT-LLM engine (config.json + rank*.engine)")
+    else:
+        engine = read_engine_config(engine_dir)
+        errors += limit_errors(engine, (("--max-batch", opts.max_batch, "max_batch_size"),
+                                        ("--max-seq-len", opts.max_seq_len, "max_seq_len")), flags.which)
+        errors += facts.engine_version_problems(engine, flags.engine_dir, engine_dir)
+        logits_dtype = engine.get("pretrained_config", {}).get("logits_dtype")
+        if logits_dtype != LOGITS_DTYPE:
+            errors.append(
+                f"{flags.which}'s logits are {logits_dtype or 'of unknown type'}, not {LOGITS_DTYPE}: every request "
+                'would fail ("Embedding bias data type must be same as model logits type"); rebuild it with '
+                f"trtllm-build --logits_dtype {LOGITS_DTYPE} (cosyvoice-build --from engine --to engine --force)"
+            )
+    if llm_dir is None:
+        errors.append(f"{flags.backend} needs {flags.llm_dir} (the HF checkpoint dir with {LOGITS_BIAS_FILE})")
+    elif not (llm_dir / LOGITS_BIAS_FILE).is_file():
+        errors.append(f"{flags.llm_dir} {llm_dir} lacks {LOGITS_BIAS_FILE} (written by the build's convert stage)")
+    elif engine_dir is not None and (engine_dir / "config.json").is_file():
+        errors += _logits_bias_errors(llm_dir / LOGITS_BIAS_FILE, read_engine_config(engine_dir))
+    return errors
+
+
+def _logits_bias_errors(path: Path, engine: dict) -> list[str]:
+    """The per-request embedding bias must have one value per row of the engine's logits."""
+    vocab = engine.get("pretrained_config", {}).get("vocab_size")
+    try:
+        length = safetensors_length(path, LOGITS_BIAS_KEY)
+    except (OSError, ValueError, KeyError) as exc:
+        return [f"{path} is not a safetensors file with a 1-D {LOGITS_BIAS_KEY!r} tensor ({exc})"]
+    if vocab is None:
+        return ["the engine's config.json has no pretrained_config.vocab_size to check the logits bias against"]
+    errors = []
+    if length != int(vocab):
+        errors.append(
+            f"{path} holds {length} values but the engine's vocab_size is {vocab}: the bias must match the engine's "
+            "logits row for row (convert and build from the same checkpoint)"
+        )
+    tp = engine_tp_size(engine)
+    if int(vocab) % tp:
+        errors.append(f"vocab_size {vocab} is not a multiple of the tensor-parallel size {tp}: the logits would be padded")
+    return errors
+
+
+def safetensors_length(path: Path, key: str) -> int:
+    """Length of the 1-D tensor `key` from the file's header alone (8-byte size + JSON; no tensor is read)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 2 <= size <= 100_000_000:
+            raise ValueError("bad header size")
+        header = json.loads(f.read(size))
+    shape = header[key]["shape"]
+    if len(shape) != 1:
+        raise ValueError(f"shape {shape} is not 1-D")
+    return int(shape[0])
 
 
 def check_trtllm_config(config, backend: facts.BackendFacts = facts.PINNED,  # noqa: ANN001 - a ModelConfig

@@ -16,14 +16,12 @@ and engine land under WORK_DIR/trtllm/ (`spark_weights.spark_trtllm_commands`), 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from cosyvoice_build.pipeline import StageError
 from cosyvoice_build.spark_weights import spark_trtllm_commands, spark_trtllm_options, verify_spark_dir
-from cosyvoice_build.trtllm import check_tensor_parallel, require_tensorrt_llm, run_command
+from cosyvoice_build.trtllm import add_engine_arguments, run_engine_tool
 from spark_tts import layout
 
 
@@ -31,16 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = spark_trtllm_options()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spark-dir", type=Path, required=True, help="the Spark-TTS-0.5B directory (released layout)")
-    parser.add_argument("--work-dir", type=Path, default=Path("models"), help="trtllm/ goes here (default models)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=defaults.dtype)
-    parser.add_argument("--weight-only", choices=("none", "int8", "int4"), default=defaults.weight_only)
-    parser.add_argument("--tp-size", type=int, default=defaults.tp_size)
-    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
-                        help="sequences decoded together (the render's --max-batch may not exceed it)")
-    parser.add_argument("--max-input-len", type=int, default=defaults.max_input_len,
-                        help="prompt tokens; the sequence limit is this + 512 (the render's --spark-max-seq-len "
-                             "may not exceed it)")
-    parser.add_argument("--print", action="store_true", help="print the commands instead of running them")
+    add_engine_arguments(parser, defaults, "prompt tokens; the sequence limit is this + 512 (the render's "
+                                           "--spark-max-seq-len may not exceed it)")
     return parser
 
 
@@ -53,21 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark_trtllm: {exc}", file=sys.stderr)
         return 2
     steps = spark_trtllm_commands(args.spark_dir, args.work_dir, options)
-    engine = Path(steps[1][steps[1].index("--output_dir") + 1])
-    try:
+
+    def prepare() -> Path:
         verify_spark_dir(args.spark_dir)
-        check_tensor_parallel(options, args.spark_dir / layout.LLM_DIR)
-        if args.print:
-            print("\n".join(shlex.join(cmd) for cmd in steps))
-            return 0
-        require_tensorrt_llm()
-        for cmd in steps:
-            run_command(cmd, engine.parent / "spark_engine.log")
-    except StageError as exc:
-        print(f"spark_trtllm: {exc}", file=sys.stderr)
-        return 1
-    print(f"engine: {engine} (render --spark-dir {args.spark_dir} --spark-engine-dir {engine})")
-    return 0
+        return args.spark_dir / layout.LLM_DIR
+
+    return run_engine_tool("spark_trtllm", prepare, options, steps, args.print,
+                           f"--spark-dir {args.spark_dir} --spark-engine-dir {{engine}}")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,17 @@ says where to run it.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import shlex
 import shutil
 import subprocess
 import sys
 from dataclasses import asdict
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -144,3 +147,37 @@ def build_engine(settings: BuildSettings, source_fingerprint: str) -> Path:
     )
     write_build_meta(settings.engine_dir, meta)
     return settings.engine_dir
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, defaults: TrtllmOptions, seq_len_help: str) -> None:
+    """The engine flags of the stand-alone engine builders (Spark's, CosyVoice3's): precision, parallelism, shapes,
+    and --print (write the commands instead of running them)."""
+    parser.add_argument("--work-dir", type=Path, default=Path("models"), help="trtllm/ goes here (default models)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16"), default=defaults.dtype)
+    parser.add_argument("--weight-only", choices=("none", "int8", "int4"), default=defaults.weight_only)
+    parser.add_argument("--tp-size", type=int, default=defaults.tp_size)
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size,
+                        help="sequences decoded together (the render's --max-batch may not exceed it)")
+    parser.add_argument("--max-input-len", type=int, default=defaults.max_input_len, help=seq_len_help)
+    parser.add_argument("--print", action="store_true", help="print the commands instead of running them")
+
+
+def run_engine_tool(tool: str, prepare: Callable[[], Path], options: TrtllmOptions, steps: list[list[str]],
+                    print_only: bool, render_flags: str) -> int:
+    """The stand-alone engine builders' run (Spark's, CosyVoice3's): `prepare` checks the inputs and returns the
+    Hugging Face checkpoint the `steps` (convert, build) read; then the commands are printed (`print_only`) or run
+    where TensorRT-LLM is installed, logged beside the engine. Returns the exit status; errors go to stderr."""
+    engine = Path(steps[1][steps[1].index("--output_dir") + 1])
+    try:
+        check_tensor_parallel(options, prepare())
+        if print_only:
+            print("\n".join(shlex.join(cmd) for cmd in steps))
+            return 0
+        require_tensorrt_llm()
+        for cmd in steps:
+            run_command(cmd, engine.parent / f"{engine.name}.log")
+    except StageError as exc:
+        print(f"{tool}: {exc}", file=sys.stderr)
+        return 1
+    print(f"engine: {engine} (render {render_flags.format(engine=engine)})")
+    return 0

@@ -85,7 +85,8 @@ def test_every_field_with_help_has_its_flag() -> None:
     assert expected - {"--spark"} <= flags
     assert {"--spark-dir", "--spark-first-chunk", "--spark-max-new-tokens", "--token2wav-gpus"} <= flags
     assert {"--cosyvoice3-dir", "--cosyvoice3-flow-cache", "--cosyvoice3-flow-voices", "--cosyvoice3-flow-cache-gb",
-            "--cosyvoice3-first-hop", "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio"} <= flags
+            "--cosyvoice3-first-hop", "--cosyvoice3-second-hop", "--cosyvoice3-benchmark-ratio",
+            "--cosyvoice3-engine-dir", "--cosyvoice3-llm-dir"} <= flags
     assert "--max-target-text-tokens" not in flags  # a library option: no help, no flag
 
 

@@ -9,12 +9,13 @@ rendered `InternalModels`. Torch-free, like CosyVoice2's entry models: the inter
 from __future__ import annotations
 
 from cosyvoice3.config import CosyVoice3Config
+from cosyvoice3.silence import SilentTokenFilter
 from cosyvoice3.text import CosyVoice3Tokenizer
 from speech_serving.cosyvoice3 import CosyVoice3Orchestrator, cosyvoice3_schedule, cosyvoice3_vocab
 from speech_serving.orchestrator import ORCHESTRATOR_STATS, OrchestratorConfig, SamplingConfig
 from speech_serving.stats import Stats
 from triton_repo.adapters.common import MetricsExporter, PipelineEntryModel, is_decoupled, model_params
-from triton_repo.adapters.orchestrator import TritonClients
+from triton_repo.adapters.orchestrator import TritonClients, read_logits_bias
 from triton_repo.model_params import CosyVoice3OrchestratorParams
 
 
@@ -29,6 +30,7 @@ def orchestrator_config(params: CosyVoice3OrchestratorParams, config: CosyVoice3
                                 fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
         max_sequence_len=params.max_sequence_len,
         max_target_text_tokens=params.max_target_text_tokens,
+        loop_guard=None if benchmark else params.loop_guard,  # TensorRT-LLM only (the PyTorch LLM runs RAS)
         voice_cache=params.voice_cache,
     )  # fmt: skip
 
@@ -40,7 +42,13 @@ class CosyVoice3OrchestratorModel(PipelineEntryModel):
         orchestrator_settings = orchestrator_config(params, config)
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
-        clients = TritonClients(orchestrator_settings.vocab, None, params.models)
+        vocab = orchestrator_settings.vocab
+        logits_bias = read_logits_bias(params.llm_logits_bias, vocab, params.benchmark is not None)
+        # TensorRT-LLM: the silent-token filter the PyTorch LLM's handler applies runs here (not in benchmark mode,
+        # where every generated token counts)
+        trtllm_filter = logits_bias is not None and params.benchmark is None
+        clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty,
+                                (lambda: SilentTokenFilter.for_config(config.llm).accept) if trtllm_filter else None)
         tokenizer = CosyVoice3Tokenizer.from_model_dir(params.model_dir)
         self.orchestrator = CosyVoice3Orchestrator(orchestrator_settings, tokenizer, clients, self.stats)
         self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)

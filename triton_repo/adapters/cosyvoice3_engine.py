@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from cosyvoice2.config import resolve_dtype
+from cosyvoice3.config import CosyVoice3Config
 from cosyvoice3.frontend import PROMPT_MEL_FMAX
 from cosyvoice3.layout import FLOW_FILE, HIFT_FILE, LLM_FILE, SPEECH_TOKENIZER_FILE
 from cosyvoice3.llm import SilentTokenFilter, sampling_params
@@ -29,11 +30,14 @@ from triton_repo.adapters.llm import LLMHandler
 from triton_repo.adapters.token2wav import Token2WavHandler
 from triton_repo.model_params import CosyVoice3EngineParams
 
-def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler:
+def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler | Token2WavHandler:
     """CosyVoice3's LLM (loaded first: its CUDA graphs are captured before another thread uses the GPU) and
-    token2wav from the model directory."""
+    token2wav from the model directory; token2wav alone when a TensorRT-LLM engine (`cosyvoice3_llm`) decodes
+    (`params.llm` False: no request here is an LLM request)."""
     config = load_config(params.model_dir)
     device, dtype = torch.device(params.device), resolve_dtype(params.dtype)
+    if not params.llm:
+        return _token2wav(params, config, device, dtype)
     benchmark = params.benchmark is not None
     llm = LLMHandler(
         load_llm(params.model_dir / LLM_FILE, config, device, dtype), cosyvoice3_vocab(config), params,
@@ -41,14 +45,18 @@ def engine_handler(params: CosyVoice3EngineParams) -> EngineHandler:
         sampling=sampling_params(config.llm, ignore_eos=benchmark),
         token_filter=None if benchmark else lambda: SilentTokenFilter.for_config(config.llm).accept,
     )  # fmt: skip
+    return EngineHandler(llm, _token2wav(params, config, device, dtype))
+
+
+def _token2wav(params: CosyVoice3EngineParams, config: CosyVoice3Config, device: torch.device,
+               dtype: torch.dtype) -> Token2WavHandler:
     flow = load_flow(params.model_dir / FLOW_FILE, config, device, dtype)
     hift = load_hift(params.model_dir / HIFT_FILE, config, device)
     # the orchestrators' schedule: the flow's step-graph buckets cover its chunks (captured by Token2WavHandler)
     schedule = runtime_schedule(params.first_hop, params.second_hop, lookahead=config.flow.pre_lookahead_len)
     engine = CosyVoice3Token2Wav(flow, hift, schedule, voice_capacity=params.flow_voices,
                                  cache_budget_bytes=params.flow_cache_budget_bytes)
-    token2wav = Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device)
-    return EngineHandler(llm, token2wav)
+    return Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device)
 
 
 CosyVoice3EngineModel = handler_model(CosyVoice3EngineParams, engine_handler)

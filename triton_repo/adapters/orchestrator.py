@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from typing import AsyncIterator
+from pathlib import Path
+from typing import AsyncIterator, Callable
 
 import numpy as np
 from safetensors.numpy import load_file
@@ -44,11 +45,15 @@ class TritonClients:
         logits_bias: np.ndarray | None,
         models: InternalModels,
         repetition_penalty: float | None = None,
+        token_filter: Callable[[], Callable[[int], bool]] | None = None,
     ) -> None:
         self.vocab = vocab
         self.logits_bias = logits_bias  # TensorRT-LLM: the text-id mask + llm_decoder.bias, per request
         self.models = models
         self.repetition_penalty = repetition_penalty  # TensorRT-LLM: its stand-in for RAS
+        # per request, a fresh predicate on speech tokens: False drops the token (CosyVoice3 on TensorRT-LLM: the
+        # silent-token filter the PyTorch LLM's handler applies); other ids always pass
+        self.token_filter = token_filter
         # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them).
         # Every orchestrator process routes on its own: a random start keeps their first requests apart.
         replicas = models.token2wav_model
@@ -64,8 +69,12 @@ class TritonClients:
     async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
         inputs = io.llm_request_tensors(request, self.vocab, self.logits_bias, self.repetition_penalty,
                                         self.models.llm_deliver_at)
+        keep = self.token_filter() if self.token_filter is not None else None
+        offset = self.vocab.speech_offset
         async for out in bls_stream(self.models.llm_model, inputs, [s.name for s in io.LLM_OUTPUTS], request_id):
             ids = io.llm_response_ids(out)
+            if keep is not None:
+                ids = [i for i in ids if keep(i - offset)]  # non-speech ids are no silent token: they pass
             if ids:
                 yield ids
 
@@ -97,6 +106,17 @@ class TritonClients:
         return out[io.WAVEFORM.name]
 
 
+def read_logits_bias(path: Path | None, vocab: SpeechVocabLayout, benchmark: bool) -> np.ndarray | None:
+    """TensorRT-LLM: the per-request logits bias of the converted checkpoint (None: the PyTorch LLM, which needs
+    none); in benchmark mode the end ids are masked too, so that none is ever sampled."""
+    if path is None:
+        return None
+    logits_bias = load_file(path)[LOGITS_BIAS_KEY].astype(np.float32)
+    if benchmark:
+        logits_bias[list(vocab.end_ids)] = -1e9
+    return logits_bias
+
+
 class TritonPythonModel(PipelineEntryModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = OrchestratorParams.from_parameters(model_params(args), args["model_name"])
@@ -114,11 +134,7 @@ class TritonPythonModel(PipelineEntryModel):
             loop_guard=None if benchmark else params.loop_guard,  # TensorRT-LLM only (the PyTorch LLM runs RAS)
             voice_cache=params.voice_cache,
         )
-        logits_bias = None
-        if params.llm_logits_bias is not None:
-            logits_bias = load_file(params.llm_logits_bias)[LOGITS_BIAS_KEY].astype(np.float32)
-            if benchmark:  # TensorRT-LLM: keep the stop ids from being sampled at all
-                logits_bias[list(vocab.end_ids)] = -1e9
+        logits_bias = read_logits_bias(params.llm_logits_bias, vocab, benchmark is not None)
         self.streaming = is_decoupled(args)
         self.stats = Stats(ORCHESTRATOR_STATS)
         clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty)
