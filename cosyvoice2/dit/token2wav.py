@@ -144,10 +144,10 @@ class DiTToken2Wav(FlowAndVocoder):
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, streaming: DiTStreamingConfig = DiTStreamingConfig()) -> None:
         # the DiT reference fades in float64
-        super().__init__(flow, hift, streaming.mel_cache_len, hift.config.samples_per_frame, np.float64)
+        super().__init__(flow, hift, streaming.mel_cache_len, hift.config.samples_per_frame,
+                         flow.config.token_mel_ratio, np.float64)
         self.streaming = streaming
         self.lookahead = flow.config.pre_lookahead_len
-        self.token_mel_ratio = flow.config.token_mel_ratio
         self.graphs = DiTStepGraphs(flow.decoder, self.graph_buckets([self.schedule]))
 
     def graph_buckets(self, schedules: Sequence[HopSchedule]) -> DiTGraphBuckets:
