@@ -310,7 +310,7 @@ class HiFTBuckets:
 class _VocodeBuffers:
     """Static inputs and outputs of every HiFT graph: one flat buffer per tensor, sized for the largest bucket; a
     bucket's tensors are contiguous views of their starts. All graphs read and write the same memory (replays run
-    one at a time), so the sine noise - (rows, 480 frames, 9) fp32, 62 MiB at 16 rows x 224 frames - is held once,
+    one at a time), so the sine noise - (rows, 480 x frames, 9) fp32, 59 MiB at 16 rows x 224 frames - is held once,
     not once per graph."""
 
     NAMES = ("speech_feat", "frames", "initial_phase", "sine_noise", "cache_source", "cache_samples", "audio",
@@ -410,6 +410,8 @@ class HiFTGraphs:
         device = concrete_device(device)
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if not self.buckets.shapes():
+            return 0
         with self._lock, torch.inference_mode():
             before = len(self._graphs)
             buffers = self._buffers_on(device, dtype)
@@ -421,7 +423,9 @@ class HiFTGraphs:
             return len(self._graphs) - before
 
     def _buffers_on(self, device: torch.device, dtype: torch.dtype) -> _VocodeBuffers:
+        """The static buffers on `device`; new ones drop the graphs that read the old. Caller holds the lock."""
         if self._buffers is None or self._buffers.device != device:
+            self._clear()
             self._buffers = _VocodeBuffers(self._hift[0].config, self.buckets, device, dtype)
         return self._buffers
 
