@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
@@ -213,6 +213,12 @@ class FlowAndVocoder:
         """`hift_buckets` of this engine's flow and vocoder."""
         return hift_buckets(schedules, max_rows, self.token_mel_ratio, self.mel_cache_len, self.samples_per_frame)
 
+    def use_hift_buckets(self, schedules: Iterable[HopSchedule], max_rows: int) -> None:
+        """Give HiFT's graphs the buckets of every call of up to `max_rows` chunks of `schedules` (as given: one
+        schedule per first hop), dropping graphs captured for others; `capture_hift_graphs` captures them."""
+        if self.hift.cuda_graphs is not None:
+            self.hift.cuda_graphs.use_buckets(self.hift_buckets(schedules, max_rows))
+
     def capture_hift_graphs(self) -> int:
         """Capture HiFT's graphs of every bucket now, on HiFT's own device; returns how many (0 off CUDA)."""
         graphs = self.hift.cuda_graphs
@@ -330,6 +336,10 @@ class Token2Wav(FlowAndVocoder):
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,
                          config.flow.token_mel_ratio)
         self.config = config
+        # HiFT's graph buckets for this engine's own schedule and every prompt length (a server sets its own)
+        own = config.schedule(0)
+        self.use_hift_buckets([replace(own, prompt_tokens=p) for p in range(own.grid)],
+                              max(self.cached.graphs.rows) if self.cached.graphs is not None else 1)
 
     @property
     def cache_bytes(self) -> int:

@@ -34,7 +34,7 @@ from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import (
-    Chunk, ChunkSchedule, FlowAndVocoder, FlowPrompt, HopSchedule, Token2Wav, Token2WavStream, prompt_digest,
+    Chunk, ChunkSchedule, FlowAndVocoder, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest,
 )
 from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, VoicePrompt
 from speech_serving.errors import InvalidInput
@@ -96,13 +96,6 @@ def disable_stop_tokens(llm: CosyVoice2LM) -> None:
 
 
 # -- token2wav -------------------------------------------------------------------------------------
-def use_hift_buckets(engine: FlowAndVocoder, schedules: Sequence[HopSchedule], max_rows: int) -> None:
-    """Give HiFT's graphs buckets for every call of up to `max_rows` chunks of these schedules (as given: one per
-    prompt alignment), captured by `capture_hift_graphs`."""
-    if engine.hift.cuda_graphs is not None:
-        engine.hift.cuda_graphs.use_buckets(engine.hift_buckets(schedules, max_rows))
-
-
 def capture_hift_graphs(engine: FlowAndVocoder) -> int:
     """Capture HiFT's graphs of every bucket on HiFT's device: how many. A capture that fails is logged and leaves
     HiFT eager (graphs only save time)."""
@@ -183,7 +176,7 @@ class BatchedToken2Wav(_BatchedStreams):
         self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
-        use_hift_buckets(self.engine, for_every_prompt(schedules or [schedule]), self.max_rows)
+        self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)
 
     def frame_counts(self) -> tuple[int, int]:
         """(needed, computed) new frame-rows of the flow estimator so far; computed includes the padding of rows
@@ -257,10 +250,10 @@ class DiTBatchedToken2Wav(_BatchedStreams):
         self.engine = engine
         self.voices = VoiceCaches(voice_capacity)
         self.vocab_size = engine.flow.config.vocab_size
-        served = for_every_prompt(schedules) if schedules else [engine.schedule]
-        if schedules:
+        if schedules:  # else the engine's own schedule's buckets
+            served = for_every_prompt(schedules)
             engine.use_graph_buckets(engine.graph_buckets(served))
-        use_hift_buckets(engine, served, self.max_rows)
+            engine.use_hift_buckets(served, self.max_rows)
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture the DiT flow's step graphs and HiFT's graphs of every bucket now (before the server reports

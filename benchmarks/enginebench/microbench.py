@@ -244,7 +244,8 @@ def bench_hift(bench: Bench) -> None:
     hift = random_hift(HiFTConfig(), device)
     graphs = hift.cuda_graphs
     if device.type == "cuda":  # one graph per case, each call exactly its bucket (no cache source: 0 samples)
-        graphs.use_buckets(HiFTBuckets.covering([frames for _, frames in hift_frames()], rows=(1,), cache_samples=0))
+        graphs.use_buckets(HiFTBuckets.covering([frames for _, frames in hift_frames()], rows=(1,), cache_samples=0,
+                                                frame_step=1))
         start = time.perf_counter()
         count = graphs.capture_all(device)
         print(f"  {count} HiFT graphs captured in {time.perf_counter() - start:.2f} s", flush=True)
@@ -264,6 +265,7 @@ def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offlin
     print(f"Batched token2wav (flow {dtype}, HiFT fp32; prompts ~{PROMPT_TOKENS} tokens)", flush=True)
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
                        flow_cache="off")
+    engine.capture_hift_graphs()  # as a server does (offline utterances longer than the buckets stay eager)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = config.flow.vocab_size
 
@@ -333,6 +335,7 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
     tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     for mode in modes:
         engine = Token2Wav(flow, hift, config, flow_cache=mode)
+        engine.capture_hift_graphs()  # (again: a new engine sets HiFT's buckets anew)
         if mode != "off":
             start = time.perf_counter()
             graphs = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0

@@ -149,6 +149,7 @@ class DiTToken2Wav(FlowAndVocoder):
         self.streaming = streaming
         self.lookahead = flow.config.pre_lookahead_len
         self.graphs = DiTStepGraphs(flow.decoder, self.graph_buckets([self.schedule]))
+        self.use_hift_buckets([self.schedule], max(self.graphs.buckets.rows, default=1))
 
     def graph_buckets(self, schedules: Sequence[HopSchedule]) -> DiTGraphBuckets:
         """Step-graph buckets covering the chunks of `schedules`, for voice prompts up to the frontend's limit."""
