@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.flow.cached import CachedRow, CachedSegment
     from cosyvoice2.frontend.prompt import VoicePrompt
+    from cosyvoice2.hift.generator import HiFTBuckets
 
 #: How streaming chunks use the flow: "off" recomputes prompt + all tokens for every chunk (upstream's way);
 #: "exact" runs non-final chunks over per-stream caches (equal to recomputing) and recomputes the final chunk
@@ -127,6 +128,48 @@ class ChunkSchedule:
             start = chunk.stop
 
 
+class HopSchedule(Protocol):
+    """A chunk schedule as CUDA-graph buckets read it (`ChunkSchedule`, the DiT's `DiTChunkSchedule`)."""
+
+    lookahead: int
+
+    def hop(self, index: int) -> int: ...
+
+
+def vocoder_frames(schedule: HopSchedule, token_mel_ratio: int, mel_cache_len: int, max_chunks: int = 64) -> set[int]:
+    """Mel frames of every HiFT call a stream of `schedule` can make, until the hop stops changing.
+
+    Chunk i vocodes its tokens' `token_mel_ratio` frames each, after the `mel_cache_len` frames the previous chunk
+    withheld (none before the first chunk): hop tokens when it is not final; as the final chunk, what is left when
+    fewer than hop + lookahead tokens remain - 1 token up (a stream of one chunk), or `lookahead` up (a later chunk
+    follows a non-final one, which ran only with its lookahead there)."""
+    frames: set[int] = set()
+    previous = None
+    for index in range(max_chunks):
+        hop = schedule.hop(index)
+        if index >= 2 and hop == previous:
+            break
+        withheld, fewest = (0, 1) if index == 0 else (mel_cache_len, schedule.lookahead)
+        frames.update(withheld + token_mel_ratio * tokens for tokens in range(fewest, hop + schedule.lookahead))
+        previous = hop
+    return frames
+
+
+def hift_buckets(schedules: Iterable[HopSchedule], max_rows: int, token_mel_ratio: int, mel_cache_len: int,
+                 samples_per_frame: int) -> "HiFTBuckets":
+    """HiFT graph buckets for every call of up to `max_rows` streams' chunks of `schedules` (pass one schedule per
+    first hop a stream may have, e.g. per prompt alignment): rows 1, 2, 4, ... up to `max_rows`, each call's mel
+    frames rounded up (`vocoder_frames`), the cache source padded to the samples of the `mel_cache_len` frames a
+    chunk leaves."""
+    from cosyvoice2.hift.generator import HiFTBuckets
+    from speech_lm.graph_buckets import row_buckets
+
+    frames: set[int] = set()
+    for schedule in schedules:
+        frames |= vocoder_frames(schedule, token_mel_ratio, mel_cache_len)
+    return HiFTBuckets.covering(frames, row_buckets(max_rows), mel_cache_len * samples_per_frame)
+
+
 # ---- token2wav ---------------------------------------------------------------------------------------
 
 
@@ -145,23 +188,43 @@ class FlowPrompt:
 
 
 class FlowAndVocoder:
-    """What both token2wav engines hold: a flow (run in its parameters' device and dtype) and the HiFT vocoder,
-    and the cross-fade of `mel_cache_len` frames between two chunks' audio, made as the reference makes it
-    (numpy's symmetric Hamming window of 2 x overlap samples, computed in `fade_dtype`)."""
+    """What both token2wav engines hold: a flow (run in its parameters' device and dtype, `token_mel_ratio` mel
+    frames per token) and the HiFT vocoder, and the cross-fade of `mel_cache_len` frames between two chunks' audio,
+    made as the reference makes it (numpy's symmetric Hamming window of 2 x overlap samples, computed in
+    `fade_dtype`)."""
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", mel_cache_len: int, samples_per_frame: int,
-                 fade_dtype: type = np.float32) -> None:
+                 token_mel_ratio: int, fade_dtype: type = np.float32) -> None:
         import torch
 
         self.flow = flow
         self.hift = hift
+        self.token_mel_ratio = token_mel_ratio
         weight = flow.input_embedding.weight
         self.flow_device, self.flow_dtype = weight.device, weight.dtype
         self.hift_device = hift.stft_window.device
         self.mel_cache_len = mel_cache_len
+        self.samples_per_frame = samples_per_frame
         self.overlap = mel_cache_len * samples_per_frame
         window = torch.from_numpy(np.hamming(2 * self.overlap).astype(fade_dtype)).to(self.hift_device)
         self.fade_in, self.fade_out = window[: self.overlap], window[self.overlap :]  # new chunk's, old chunk's
+
+    def hift_buckets(self, schedules: Iterable[HopSchedule], max_rows: int) -> "HiFTBuckets":
+        """`hift_buckets` of this engine's flow and vocoder."""
+        return hift_buckets(schedules, max_rows, self.token_mel_ratio, self.mel_cache_len, self.samples_per_frame)
+
+    def use_hift_buckets(self, schedules: Iterable[HopSchedule], max_rows: int) -> None:
+        """Give HiFT's graphs the buckets of every call of up to `max_rows` chunks of `schedules` (as given: one
+        schedule per first hop), dropping graphs captured for others; `capture_hift_graphs` captures them."""
+        if self.hift.cuda_graphs is not None:
+            self.hift.cuda_graphs.use_buckets(self.hift_buckets(schedules, max_rows))
+
+    def capture_hift_graphs(self) -> int:
+        """Capture HiFT's graphs of every bucket now, on HiFT's own device; returns how many (0 off CUDA)."""
+        graphs = self.hift.cuda_graphs
+        if graphs is None or self.hift_device.type != "cuda":
+            return 0
+        return graphs.capture_all(self.hift_device)
 
     def new_generator(self, seed: int | None) -> "torch.Generator":
         """The vocoder's noise source for one stream (seeded, or random when `seed` is None)."""
@@ -270,8 +333,13 @@ class Token2Wav(FlowAndVocoder):
         self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
-        super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame)
+        super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,
+                         config.flow.token_mel_ratio)
         self.config = config
+        # HiFT's graph buckets for this engine's own schedule and every prompt length (a server sets its own)
+        own = config.schedule(0)
+        self.use_hift_buckets([replace(own, prompt_tokens=p) for p in range(own.grid)],
+                              max(self.cached.graphs.rows) if self.cached.graphs is not None else 1)
 
     @property
     def cache_bytes(self) -> int:

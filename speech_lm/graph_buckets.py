@@ -16,6 +16,12 @@ def batch_bucket(batch: int) -> int:
     return 1 << (batch - 1).bit_length() if batch <= 8 else -(-batch // 8) * 8
 
 
+def row_buckets(largest: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below `largest`, then `largest` itself: the row counts of a set of graphs that serves calls of
+    up to `largest` rows."""
+    return tuple(1 << i for i in range((largest - 1).bit_length()) if 1 << i < largest) + (largest,)
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

@@ -33,12 +33,14 @@ from cosyvoice2.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice2.frontend.prompt import align_tokens_and_mel
 from cosyvoice2.llm import CosyVoice2LM
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
-from cosyvoice2.streaming import Chunk, ChunkSchedule, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest
+from cosyvoice2.streaming import (
+    Chunk, ChunkSchedule, FlowAndVocoder, FlowPrompt, Token2Wav, Token2WavStream, prompt_digest,
+)
 from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, VoicePrompt
 from speech_serving.errors import InvalidInput
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_serving.io_struct import PromptTensors
-from speech_serving.schedule import for_prompt
+from speech_serving.schedule import for_every_prompt, for_prompt
 from speech_serving.token2wav import Work
 from speech_lm.decode import DecodeRequest
 from pipeline_contract import REFERENCE_SAMPLE_RATE
@@ -94,6 +96,25 @@ def disable_stop_tokens(llm: CosyVoice2LM) -> None:
 
 
 # -- token2wav -------------------------------------------------------------------------------------
+def capture_hift_graphs(engine: FlowAndVocoder) -> int:
+    """Capture HiFT's graphs of every bucket on HiFT's device: how many. A capture that fails is logged and leaves
+    HiFT eager (graphs only save time)."""
+    try:
+        count = engine.capture_hift_graphs()
+        if count:
+            torch.cuda.synchronize(engine.hift_device)
+        return count
+    except Exception:  # noqa: BLE001 - without graphs every HiFT call runs eagerly
+        logger.exception("token2wav: capturing the HiFT graphs failed; HiFT runs eagerly")
+        engine.hift.cuda_graphs.clear()
+        return 0
+
+
+def hift_calls(engine: FlowAndVocoder) -> tuple[int, int]:
+    graphs = engine.hift.cuda_graphs
+    return (graphs.replayed_calls, graphs.eager_calls) if graphs is not None else (0, 0)
+
+
 @dataclass
 class StreamState:
     prompt: FlowPrompt
@@ -147,11 +168,15 @@ class BatchedToken2Wav(_BatchedStreams):
     attention mode, one HiFT forward). If that call fails, each job runs alone, so only the bad one fails."""
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
-                 flow_cache: str = "exact", flow_cache_gb: float | None = None):
+                 flow_cache: str = "exact", flow_cache_gb: float | None = None,
+                 schedules: Sequence[ChunkSchedule] = ()):
+        """`schedule`: the streams' own (`open`); `schedules`: every schedule the orchestrator may cut a stream's
+        chunks by (none given: `schedule`), which HiFT's graph buckets cover for every prompt length."""
         budget = None if flow_cache_gb is None else int(flow_cache_gb * 2**30)
         self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
+        self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)
 
     def frame_counts(self) -> tuple[int, int]:
         """(needed, computed) new frame-rows of the flow estimator so far; computed includes the padding of rows
@@ -159,31 +184,37 @@ class BatchedToken2Wav(_BatchedStreams):
         cached = self.engine.cached
         return cached.frames_needed, cached.frames_computed
 
+    def hift_calls(self) -> tuple[int, int]:
+        """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""
+        return hift_calls(self.engine)
+
     @property
     def sample_rate(self) -> int:
         """Samples per second of the audio `run` returns."""
         return self.engine.config.sample_rate
 
     def capture_graphs(self) -> tuple[int, float]:
-        """Capture every flow-cache step graph and encoder graph now (before the server reports ready):
-        (graphs, seconds). An encoder capture that fails is logged and leaves the encoder eager."""
+        """Capture every flow-cache step graph, encoder graph and HiFT graph now (before the server reports ready):
+        (graphs, seconds). An encoder or HiFT capture that fails is logged and leaves that part eager: the server
+        still serves."""
         engine = self.engine
-        graphs = engine.cached.graphs
-        if engine.flow_cache == "off" or graphs is None or engine.flow_device.type != "cuda":
-            return 0, 0.0
         started = time.perf_counter()
-        with torch.inference_mode():
-            count = graphs.capture_all(engine.flow_device, engine.flow_dtype)
-        encoder = engine.cached.encoder
-        if encoder.graphs is not None:
-            try:
-                with torch.inference_mode():
-                    count += encoder.graphs.capture_all(engine.flow_device, engine.flow_dtype)
-            except Exception:  # noqa: BLE001 - graphs only save time: without them the encoder runs eagerly
-                logger.exception("token2wav: capturing the flow encoder's graphs failed; the encoder runs eagerly")
-                encoder.graphs.clear()
-                encoder.graphs = None
-        torch.cuda.synchronize(engine.flow_device)
+        count = 0
+        graphs = engine.cached.graphs
+        if engine.flow_cache != "off" and graphs is not None and engine.flow_device.type == "cuda":
+            with torch.inference_mode():
+                count = graphs.capture_all(engine.flow_device, engine.flow_dtype)
+            encoder = engine.cached.encoder
+            if encoder.graphs is not None:
+                try:
+                    with torch.inference_mode():
+                        count += encoder.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+                except Exception:  # noqa: BLE001 - graphs only save time: without them the encoder runs eagerly
+                    logger.exception("token2wav: capturing the flow encoder's graphs failed; the encoder runs eagerly")
+                    encoder.graphs.clear()
+                    encoder.graphs = None
+            torch.cuda.synchronize(engine.flow_device)
+        count += capture_hift_graphs(engine)
         return count, time.perf_counter() - started
 
     @property
@@ -230,26 +261,32 @@ class DiTBatchedToken2Wav(_BatchedStreams):
         self.engine = engine
         self.voices = VoiceCaches(voice_capacity)
         self.vocab_size = engine.flow.config.vocab_size
-        if schedules:
-            engine.use_graph_buckets(engine.graph_buckets(
-                [for_prompt(schedule, prompt_tokens) for schedule in schedules for prompt_tokens in range(schedule.grid)]))
+        if schedules:  # else the engine's own schedule's buckets
+            served = for_every_prompt(schedules)
+            engine.use_graph_buckets(engine.graph_buckets(served))
+            engine.use_hift_buckets(served, self.max_rows)
 
     def capture_graphs(self) -> tuple[int, float]:
-        """Capture the DiT flow's step graphs of every bucket now (before the server reports ready):
-        (graphs, seconds). A capture that fails is logged and leaves the flow eager: the server still serves."""
+        """Capture the DiT flow's step graphs and HiFT's graphs of every bucket now (before the server reports
+        ready): (graphs, seconds). A capture that fails is logged and leaves that part eager: the server still
+        serves."""
         engine = self.engine
-        if engine.flow_device.type != "cuda":
-            return 0, 0.0
         started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
-            torch.cuda.synchronize(engine.flow_device)
-        except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
-            logger.exception("token2wav: capturing the DiT step graphs failed; the DiT flow runs eagerly")
-            engine.graphs.clear()
-            return 0, time.perf_counter() - started
+        count = 0
+        if engine.flow_device.type == "cuda":
+            try:
+                with torch.inference_mode():
+                    count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
+                torch.cuda.synchronize(engine.flow_device)
+            except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
+                logger.exception("token2wav: capturing the DiT step graphs failed; the DiT flow runs eagerly")
+                engine.graphs.clear()
+        count += capture_hift_graphs(engine)
         return count, time.perf_counter() - started
+
+    def hift_calls(self) -> tuple[int, int]:
+        """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""
+        return hift_calls(self.engine)
 
     @property
     def sample_rate(self) -> int:

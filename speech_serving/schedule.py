@@ -8,7 +8,7 @@ flow caches by it. They run in different processes, so each builds it from the s
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from cosyvoice2.streaming import ChunkSchedule
 
@@ -65,3 +65,9 @@ def unaligned(schedule: ChunkSchedule) -> ChunkSchedule:
 def for_prompt(schedule: ChunkSchedule, prompt_tokens: int) -> ChunkSchedule:
     """The schedule of one stream whose voice prompt has `prompt_tokens` speech tokens (its first hop aligns to them)."""
     return replace(schedule, prompt_tokens=prompt_tokens)
+
+
+def for_every_prompt(schedules: Iterable[ChunkSchedule]) -> list[ChunkSchedule]:
+    """Each schedule once per alignment of a voice prompt to its grid (the first hops streams of any voice get):
+    what CUDA-graph buckets that serve every prompt length are computed from."""
+    return [for_prompt(schedule, prompt_tokens) for schedule in schedules for prompt_tokens in range(schedule.grid)]

@@ -58,6 +58,8 @@ TOKEN2WAV_STATS = (
     "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
     "token2wav_flow_frames_needed_total",  # new frame-rows the flow estimator needed (engines that count them)
     "token2wav_flow_frames_computed_total",  # ... and computed, padded up to the CUDA-graph buckets
+    "token2wav_hift_replayed_total",  # HiFT forwards replayed from a CUDA graph (engines that count them)
+    "token2wav_hift_eager_total",  # ... and run eagerly, fitting no captured bucket (long offline utterances)
 )
 
 #: Summed over the first chunks of streams that were answered with audio (a failed or cancelled one is not counted;
@@ -69,6 +71,14 @@ FIRST_CHUNK_STATS = (
     "token2wav_first_chunk_rows_total",  # that call's jobs
 )
 TOKEN2WAV_STATS += FIRST_CHUNK_STATS
+
+#: Running totals an engine may keep, as (its method, the counters of this call's share of each value): the flow
+#: estimator's frame-rows (needed, computed with the padding up to its graph buckets), HiFT's forwards (replayed
+#: from a CUDA graph, eager).
+ENGINE_TOTALS = (
+    ("frame_counts", ("token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total")),
+    ("hift_calls", ("token2wav_hift_replayed_total", "token2wav_hift_eager_total")),
+)
 
 #: Call duration assumed before any was timed (seconds), and the weight of the newest call in the running mean.
 INITIAL_CALL_S = 0.2
@@ -174,7 +184,7 @@ class Token2WavService(Generic[S]):
         self.sample_rate: int | None = getattr(engine, "sample_rate", None)
         self._playback: dict[str, _Playback] = {}
         self._call_s = INITIAL_CALL_S
-        self._frame_counts = (0, 0)  # the engine's flow frame-rows (needed, computed) at the last call
+        self._engine_totals: dict[str, tuple[int, ...]] = {}  # per `ENGINE_TOTALS` hook, its values at the last call
         self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
         self._thread.start()
 
@@ -326,14 +336,19 @@ class Token2WavService(Generic[S]):
         self.stats.add("token2wav_engine_calls_total")
         self.stats.add("token2wav_call_jobs_total", len(work))
         self.stats.set("token2wav_max_jobs_per_call", max(self.stats.get("token2wav_max_jobs_per_call"), len(work)))
-        counts = getattr(engine, "frame_counts", None)
-        if counts is not None:  # the engine's running totals -> this call's share of them
-            (needed, computed), (was_needed, was_computed) = counts(), self._frame_counts
-            self._frame_counts = (needed, computed)
-            self.stats.add_all({"token2wav_flow_frames_needed_total": needed - was_needed,
-                                "token2wav_flow_frames_computed_total": computed - was_computed})
+        self._publish_engine_totals()
         for job, result in zip(runnable, results, strict=True):
             self._finish_job(job, result, ended)
+
+    def _publish_engine_totals(self) -> None:
+        """The running totals of engines that keep them (`ENGINE_TOTALS`) -> this call's share of them."""
+        for hook, names in ENGINE_TOTALS:
+            counts = getattr(self.engine, hook, None)
+            if counts is None:
+                continue
+            now, was = counts(), self._engine_totals.get(hook, (0,) * len(names))
+            self._engine_totals[hook] = now
+            self.stats.add_all({name: value - before for name, value, before in zip(names, now, was, strict=True)})
 
     def _state_for(self, job: _Job[S]) -> S:
         engine = self.engine

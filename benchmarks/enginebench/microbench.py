@@ -23,6 +23,7 @@ import speech_lm.kernels
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.hift import HiFTConfig, HiFTGenerator
+from cosyvoice2.hift.generator import HiFTBuckets
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from speech_lm.decode import BatchedDecoder, DecodeRequest
@@ -242,12 +243,18 @@ def bench_hift(bench: Bench) -> None:
     print("HiFT (fp32, weight norm folded)", flush=True)
     hift = random_hift(HiFTConfig(), device)
     graphs = hift.cuda_graphs
+    if device.type == "cuda":  # one graph per case, each call exactly its bucket (no cache source: 0 samples)
+        graphs.use_buckets(HiFTBuckets.covering([frames for _, frames in hift_frames()], rows=(1,), cache_samples=0,
+                                                frame_step=1))
+        start = time.perf_counter()
+        count = graphs.capture_all(device)
+        print(f"  {count} HiFT graphs captured in {time.perf_counter() - start:.2f} s", flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
     for name, frames in hift_frames():
         mel = torch.randn(1, 80, frames, device=device, generator=gen)
         for variant, _ in variants(device):
             hift.cuda_graphs = graphs if variant == "graph" else None
-            bench.time("hift", name, variant, lambda: hift.inference(mel, generator=gen))  # warm-up captures
+            bench.time("hift", name, variant, lambda: hift.inference(mel, generator=gen))
 
 
 def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offline: list[int],
@@ -258,6 +265,7 @@ def bench_token2wav(bench: Bench, dtype: torch.dtype, streams: list[int], offlin
     print(f"Batched token2wav (flow {dtype}, HiFT fp32; prompts ~{PROMPT_TOKENS} tokens)", flush=True)
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
                        flow_cache="off")
+    engine.capture_hift_graphs()  # as a server does (offline utterances longer than the buckets stay eager)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = config.flow.vocab_size
 
@@ -327,6 +335,7 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
     tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
     for mode in modes:
         engine = Token2Wav(flow, hift, config, flow_cache=mode)
+        engine.capture_hift_graphs()  # (again: a new engine sets HiFT's buckets anew)
         if mode != "off":
             start = time.perf_counter()
             graphs = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0

@@ -111,8 +111,10 @@ def main() -> int:
                        flow_cache="chunked")
     start = time.perf_counter()
     count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
+    hift_count = engine.capture_hift_graphs()  # as a server does before it reports ready
     sync(device)
-    print(f"captured {count} step graphs in {time.perf_counter() - start:.1f} s", flush=True)
+    print(f"captured {count} step graphs and {hift_count} HiFT graphs in {time.perf_counter() - start:.1f} s",
+          flush=True)
     encoder_graphs = engine.cached.encoder.graphs
     if args.eager_encoder:
         engine.cached.encoder.graphs = None

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
 from speech_lm.graph_buckets import capture, concrete_device, fit, round_up
+from ..streaming import HopSchedule
 from .flow import ConditionalCFM, PaddedChunks, StepInputs
 
 if TYPE_CHECKING:
@@ -42,14 +43,6 @@ Shape = tuple[int, int, int]  # (rows, chunk frames, cached K/V frames)
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 CHUNK_FRAME_STEP = 16  # chunk-frame buckets are multiples of this
 CACHE_FRAME_STEP = 128  # cached-frame buckets: every this many frames
-
-
-class HopSchedule(Protocol):
-    """A chunk schedule as the buckets read it (`DiTChunkSchedule`, `cosyvoice2.streaming.ChunkSchedule`)."""
-
-    lookahead: int
-
-    def hop(self, index: int) -> int: ...
 
 
 def chunk_frame_limits(schedule: HopSchedule, token_mel_ratio: int, max_chunks: int = 64) -> list[int]:

@@ -144,11 +144,12 @@ class DiTToken2Wav(FlowAndVocoder):
 
     def __init__(self, flow: DiTFlow, hift: HiFTGenerator, streaming: DiTStreamingConfig = DiTStreamingConfig()) -> None:
         # the DiT reference fades in float64
-        super().__init__(flow, hift, streaming.mel_cache_len, hift.config.samples_per_frame, np.float64)
+        super().__init__(flow, hift, streaming.mel_cache_len, hift.config.samples_per_frame,
+                         flow.config.token_mel_ratio, np.float64)
         self.streaming = streaming
         self.lookahead = flow.config.pre_lookahead_len
-        self.token_mel_ratio = flow.config.token_mel_ratio
         self.graphs = DiTStepGraphs(flow.decoder, self.graph_buckets([self.schedule]))
+        self.use_hift_buckets([self.schedule], max(self.graphs.buckets.rows, default=1))
 
     def graph_buckets(self, schedules: Sequence[HopSchedule]) -> DiTGraphBuckets:
         """Step-graph buckets covering the chunks of `schedules`, for voice prompts up to the frontend's limit."""

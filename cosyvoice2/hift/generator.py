@@ -5,9 +5,11 @@ State-dict keys are exactly those of the released `hift.pt` (weight norm as torc
 
 from __future__ import annotations
 
+import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from torch import nn
 
 from cosyvoice2.host_copies import to_device
 
-from speech_lm.graph_buckets import batch_bucket, capture, round_up
+from speech_lm.graph_buckets import ReplayOrder, capture, concrete_device, fit, on_device, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -58,6 +60,7 @@ class HiFTGenerator(nn.Module):
             for k, d in zip(c.resblock_kernel_sizes, c.resblock_dilation_sizes))
         self.conv_post = wn_conv1d(stage_channels[-1], n_freq_channels, 7, padding=3)
         self.register_buffer("stft_window", _periodic_hann(c.istft_n_fft), persistent=False)
+        # no buckets until a server sets them (`HiFTGraphs.use_buckets`) and captures them: every call is eager
         self.cuda_graphs: HiFTGraphs | None = HiFTGraphs(self)
 
     # ---- loading -------------------------------------------------------------------------------------
@@ -182,8 +185,8 @@ class HiFTGenerator(nn.Module):
 
         cache_source (B, 1, S): source samples of the previous streaming chunk; they overwrite the start
         of this chunk's source so the excitation phase stays continuous. `noise` injects the random draws;
-        otherwise they are drawn from `generator` (torch's default generator when None). On CUDA, shapes seen
-        before are replayed from CUDA graphs (`cuda_graphs`; None runs eagerly).
+        otherwise they are drawn from `generator` (torch's default generator when None). A call that fits a
+        captured bucket of `cuda_graphs` is replayed from its CUDA graph (None: always eager).
         """
         if noise is None:
             noise = self.draw_noise(speech_feat.shape[0], speech_feat.shape[2], generator)
@@ -199,8 +202,28 @@ class HiFTGenerator(nn.Module):
         its noise (drawn for M_i frames, as a call alone would draw it) -> [(audio (480 M_i,), source (1, 1, 480 M_i))].
 
         Rows are right-padded to the longest and masked (see above), so each result equals `inference` of that
-        row alone.
+        row alone. Rows longer than every graph bucket (offline utterances) run in a forward of their own, so
+        that they do not make the other rows' call eager.
         """
+        out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(mels)  # type: ignore[list-item]
+        for rows in self._row_groups([mel.shape[2] for mel in mels], mels[0].device):
+            results = self._vocode_rows([mels[i] for i in rows], [cache_sources[i] for i in rows],
+                                        [noises[i] for i in rows])
+            for i, result in zip(rows, results):
+                out[i] = result
+        return out
+
+    def _row_groups(self, frames: Sequence[int], device: torch.device) -> list[list[int]]:
+        """The rows that fit the graphs' longest bucket, and the longer ones (each group non-empty)."""
+        longest = self.cuda_graphs.longest_frames(device) if self.cuda_graphs is not None else None
+        if longest is None:
+            return [list(range(len(frames)))]
+        fitting = [i for i, m in enumerate(frames) if m <= longest]
+        longer = [i for i, m in enumerate(frames) if m > longest]
+        return [rows for rows in (fitting, longer) if rows]
+
+    def _vocode_rows(self, mels: Sequence[torch.Tensor], cache_sources: Sequence[torch.Tensor | None],
+                     noises: Sequence[SourceNoise]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spf = self.config.samples_per_frame
         frames = [mel.shape[2] for mel in mels]
         longest = max(frames)
@@ -221,8 +244,9 @@ class HiFTGenerator(nn.Module):
         return [(audio[i, : m * spf], source[i : i + 1, :, : m * spf]) for i, m in enumerate(frames)]
 
     def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cuda_graphs is not None and inputs[0].is_cuda:
-            return self.cuda_graphs.run(*inputs)
+        graphs = self.cuda_graphs
+        if graphs is not None and (inputs[0].is_cuda or graphs.emulate):
+            return graphs.run(*inputs)
         return self.vocode(*inputs)
 
     def vocode(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
@@ -249,61 +273,229 @@ def _length_mask(lengths: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return (positions < lengths.unsqueeze(1)).unsqueeze(1).to(like.dtype)
 
 
-class _CapturedVocode:
-    """One captured `vocode` call: static input buffers, the graph, its output buffers."""
+#: Mel-frame buckets of the HiFT graphs are multiples of this (a call is padded by fewer frames than this).
+FRAME_STEP = 16
 
-    def __init__(self, hift: HiFTGenerator, inputs: tuple[torch.Tensor, ...], pool: object) -> None:
-        self.inputs = tuple(t.clone() for t in inputs)
-        self.graph, self.outputs = capture(lambda: hift.vocode(*self.inputs), inputs[0].device, pool)
+Shape = tuple[int, int]  # (rows, mel frames) of a padded HiFT call
+
+
+@dataclass(frozen=True)
+class HiFTBuckets:
+    """The padded shapes HiFT calls replay from CUDA graphs: rows x mel frames, and one cache-source length.
+
+    The cache source (the previous chunk's last source samples) is padded to `cache_samples` in every call -
+    its real length per row is masked by `cache_samples` of `vocode` - so it does not multiply the graphs."""
+
+    rows: tuple[int, ...] = ()
+    frames: tuple[int, ...] = ()
+    cache_samples: int = 0
+
+    @classmethod
+    def covering(cls, frames: Iterable[int], rows: Sequence[int], cache_samples: int,
+                 frame_step: int = FRAME_STEP) -> "HiFTBuckets":
+        """Buckets for calls of these mel-frame counts (each rounded up to `frame_step`) and row counts."""
+        return cls(tuple(sorted(set(rows))), tuple(sorted({round_up(f, frame_step) for f in frames})), cache_samples)
+
+    def fit(self, rows: int, frames: int, cache_samples: int) -> Optional[Shape]:
+        """The bucket a call is padded to, or None (it runs eagerly)."""
+        if cache_samples > self.cache_samples:
+            return None
+        return fit((rows, frames), (self.rows, self.frames))  # type: ignore[return-value]
+
+    def shapes(self) -> list[Shape]:
+        """Every bucket, the largest first: a smaller capture then reuses the pool blocks a larger one freed."""
+        return sorted(((r, f) for r in self.rows for f in self.frames), key=lambda s: (s[0] * s[1], s), reverse=True)
+
+
+class _VocodeBuffers:
+    """Static inputs and outputs of every HiFT graph: one flat buffer per tensor, sized for the largest bucket; a
+    bucket's tensors are contiguous views of their starts. All graphs read and write the same memory (replays run
+    one at a time), so the sine noise - (rows, 480 x frames, 9) fp32, 59 MiB at 16 rows x 224 frames - is held once,
+    not once per graph."""
+
+    NAMES = ("speech_feat", "frames", "initial_phase", "sine_noise", "cache_source", "cache_samples", "audio",
+             "source")
+
+    def __init__(self, config: HiFTConfig, buckets: HiFTBuckets, device: torch.device, dtype: torch.dtype) -> None:
+        self.config, self.cache_samples, self.device = config, buckets.cache_samples, device
+        largest = self.shapes((max(buckets.rows), max(buckets.frames)))
+        self._flat = {name: torch.zeros(math.prod(dims), device=device,
+                                        dtype=torch.long if name in ("frames", "cache_samples") else dtype)
+                      for name, dims in largest.items()}
+
+    def shapes(self, shape: Shape) -> dict[str, tuple[int, ...]]:
+        rows, frames = shape
+        c = self.config
+        samples = frames * c.samples_per_frame
+        harmonics = c.num_harmonic_channels
+        return {"speech_feat": (rows, c.in_channels, frames), "frames": (rows,), "initial_phase": (rows, harmonics),
+                "sine_noise": (rows, samples, harmonics), "cache_source": (rows, 1, self.cache_samples),
+                "cache_samples": (rows,), "audio": (rows, samples), "source": (rows, 1, samples)}
+
+    def views(self, shape: Shape) -> tuple[torch.Tensor, ...]:
+        """The `vocode` inputs, then its outputs (audio, source), of a bucket, in `NAMES` order."""
+        dims = self.shapes(shape)
+        return tuple(self._flat[name][: math.prod(dims[name])].view(dims[name]) for name in self.NAMES)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def _fill(static: torch.Tensor, value: torch.Tensor) -> None:
+    """`static` = `value` zero-padded at the end of every dimension (padded rows have 0 frames: all masked)."""
+    if static.shape != value.shape:
+        static.zero_()
+    static[tuple(slice(0, n) for n in value.shape)].copy_(value)
 
 
 class HiFTGraphs:
-    """CUDA graphs of `HiFTGenerator.vocode` per padded shape. HiFT is launch-bound (its time hardly depends on
-    the size), and padding is exact (masks), so a call is padded to a frame bucket (`frame_bucket` mel frames)
-    and a batch bucket (1, 2, 4, 8, then multiples of 8) with empty rows. A bucket is captured on its second
-    occurrence (one-off shapes stay eager), at most `max_graphs`. One set serves one CUDA stream (its static
-    buffers are reused by the next replay)."""
+    """CUDA graphs of `HiFTGenerator.vocode`, one per bucket (`HiFTBuckets`: rows x mel frames). Eagerly HiFT is
+    launch-bound at a few rows (its time hardly depends on the size there), and padding is exact (masks), so a
+    call is padded to its bucket - rows with 0 frames, zero mel frames, the cache source to the buckets' fixed
+    length - and replays that bucket's graph.
 
-    def __init__(self, hift: HiFTGenerator, max_graphs: int = 32, frame_bucket: int = 32) -> None:
+    Every graph is captured at once (`capture_all`, before a server reports ready), on the device it is given,
+    none while serving: a call that fits no bucket, or comes before the capture, runs eagerly and is counted
+    (`eager_calls`). The graphs share one memory pool and the static buffers (`_VocodeBuffers`); a lock orders
+    the replays of threads, `ReplayOrder` those of CUDA streams. `emulate` (tests) runs the padded path - the
+    static buffers, each bucket's forward - eagerly on the CPU."""
+
+    def __init__(self, hift: HiFTGenerator, buckets: HiFTBuckets = HiFTBuckets()) -> None:
         self._hift = [hift]  # a list, so the module is not registered as a child
-        self.max_graphs = max_graphs
-        self.frame_bucket = frame_bucket
-        self._seen: set[tuple] = set()
-        self._captured: dict[tuple, _CapturedVocode] = {}
+        self.buckets = buckets
+        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+        self._buffers: Optional[_VocodeBuffers] = None
         self._pool: object | None = None
+        self._order = ReplayOrder()
         self._lock = threading.Lock()
+        self.emulate = False
+        self.replayed_calls = 0  # calls replayed (emulated) from a bucket
+        self.eager_calls = 0  # calls that fit no captured bucket
 
-    def pad(self, speech_feat: torch.Tensor, frames: torch.Tensor, initial_phase: torch.Tensor,
-            sine_noise: torch.Tensor, cache_source: torch.Tensor,
-            cache_samples: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`vocode` inputs padded to the buckets: zero frames and empty rows (frames 0), all masked."""
-        batch, _, length = speech_feat.shape
-        extra_rows = batch_bucket(batch) - batch
-        extra_frames = round_up(length, self.frame_bucket) - length
-        extra_samples = extra_frames * self._hift[0].config.samples_per_frame
-        return (F.pad(speech_feat, (0, extra_frames, 0, 0, 0, extra_rows)), F.pad(frames, (0, extra_rows)),
-                F.pad(initial_phase, (0, 0, 0, extra_rows)), F.pad(sine_noise, (0, 0, 0, extra_samples, 0, extra_rows)),
-                F.pad(cache_source, (0, 0, 0, 0, 0, extra_rows)), F.pad(cache_samples, (0, extra_rows)))
-
-    def run(self, speech_feat: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hift = self._hift[0]
-        batch, samples = speech_feat.shape[0], speech_feat.shape[2] * hift.config.samples_per_frame
-        inputs = self.pad(speech_feat, *rest)
-        key = (speech_feat.device, *(tuple(t.shape) for t in inputs))
+    # ---- buckets and capture --------------------------------------------------------------------------
+    def use_buckets(self, buckets: HiFTBuckets) -> None:
+        """Replace the buckets (dropping any graph captured for the old ones)."""
+        spf = self._hift[0].config.samples_per_frame
+        if buckets.frames and min(buckets.frames) * spf < buckets.cache_samples:
+            raise ValueError(f"HiFT frame buckets {buckets.frames} are shorter than the cache source "
+                             f"({buckets.cache_samples} samples)")
         with self._lock:
-            captured = self._captured.get(key)
-            if captured is None:
-                if key not in self._seen or len(self._captured) >= self.max_graphs:
-                    self._seen.add(key)
-                    return hift.vocode(speech_feat, *rest)
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                captured = self._captured[key] = _CapturedVocode(hift, inputs, self._pool)
-            for static, value in zip(captured.inputs, inputs):
-                static.copy_(value)
-            captured.graph.replay()
-            audio, source = captured.outputs
-            return audio[:batch, :samples].clone(), source[:batch, :, :samples].clone()
+            self.buckets = buckets
+            self._clear()
+
+    def clear(self) -> None:
+        """Drop every graph and buffer (after a failed capture: every call then runs eagerly)."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
+        self._graphs.clear()
+        self._buffers = None
+        self._pool = None
+
+    @property
+    def count(self) -> int:
+        """Graphs captured."""
+        return len(self._graphs)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the static input and output buffers (0 before the capture)."""
+        return self._buffers.nbytes if self._buffers is not None else 0
+
+    def capture_all(self, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
+        """Capture every bucket now, on `device` (the HiFT's own), largest first into one pool; returns how many
+        were new."""
+        device = concrete_device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if not self.buckets.shapes():
+            return 0
+        with self._lock, torch.inference_mode():
+            before = len(self._graphs)
+            buffers = self._buffers_on(device, dtype)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            for shape in self.buckets.shapes():
+                if shape not in self._graphs:
+                    self._graphs[shape], _ = capture(self._forward(buffers.views(shape)), device, self._pool)
+            return len(self._graphs) - before
+
+    def _buffers_on(self, device: torch.device, dtype: torch.dtype) -> _VocodeBuffers:
+        """The static buffers on `device`; new ones drop the graphs that read the old. Caller holds the lock."""
+        if self._buffers is None or self._buffers.device != device:
+            self._clear()
+            self._buffers = _VocodeBuffers(self._hift[0].config, self.buckets, device, dtype)
+        return self._buffers
+
+    def _forward(self, views: tuple[torch.Tensor, ...]) -> Callable[[], None]:
+        """One bucket's `vocode` over the static inputs, its results copied into the static outputs (so the
+        graph's own outputs are pool memory that the next capture may reuse)."""
+        *inputs, audio_out, source_out = views
+        hift = self._hift[0]
+
+        def forward() -> None:
+            audio, source = hift.vocode(*inputs)
+            audio_out.copy_(audio)
+            source_out.copy_(source)
+
+        return forward
+
+    # ---- calls ------------------------------------------------------------------------------------------
+    def longest_frames(self, device: torch.device) -> Optional[int]:
+        """The most mel frames a call on `device` can replay with (None: no call there replays)."""
+        if not self.buckets.frames or not (self.emulate or (self._graphs and self._buffers is not None
+                                                             and self._buffers.device == device)):
+            return None
+        return max(self.buckets.frames)
+
+    def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`vocode` of these inputs: replayed from their bucket's graph, else eagerly (counted)."""
+        speech_feat, cache_source = inputs[0], inputs[4]
+        batch, _, length = speech_feat.shape
+        shape = self.buckets.fit(batch, length, cache_source.shape[2])
+        with self._lock:
+            buffers = self._buffers_for(shape, speech_feat.device, speech_feat.dtype)
+            if buffers is not None:
+                self.replayed_calls += 1
+                return self._replay(shape, buffers, inputs)  # type: ignore[arg-type]
+            self.eager_calls += 1
+        return self._hift[0].vocode(*inputs)
+
+    def _buffers_for(self, shape: Optional[Shape], device: torch.device,
+                     dtype: torch.dtype) -> Optional[_VocodeBuffers]:
+        """The static buffers a call of bucket `shape` on `device` replays with, or None: it runs eagerly.
+        Caller holds the lock."""
+        if shape is None:
+            return None
+        if self.emulate:
+            return self._buffers_on(device, dtype)
+        if shape in self._graphs and self._buffers is not None and self._buffers.device == device:
+            return self._buffers
+        return None
+
+    def _replay(self, shape: Shape, buffers: _VocodeBuffers,
+                inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill the bucket's static inputs, replay its graph (emulation: run its forward), copy the real rows and
+        samples out. Caller holds the lock."""
+        batch, samples = inputs[0].shape[0], inputs[0].shape[2] * self._hift[0].config.samples_per_frame
+        views = buffers.views(shape)
+        graph = self._graphs.get(shape)
+        device = buffers.device
+        with on_device(device):
+            if graph is not None:
+                self._order.wait(device)
+            for static, value in zip(views, inputs):
+                _fill(static, value)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._forward(views)()
+            audio, source = views[-2][:batch, :samples].clone(), views[-1][:batch, :, :samples].clone()
+            if graph is not None:
+                self._order.record(device)
+        return audio, source
 
 
 def _periodic_hann(n: int) -> torch.Tensor:

@@ -51,30 +51,6 @@ def test_hift_rows_of_different_lengths_equal_each_row_alone(hift: HiFTGenerator
     torch.testing.assert_close(batched[1][1][:, :, :3840], cache_sources[1])
 
 
-@torch.inference_mode()
-def test_hift_graph_bucket_padding_is_exact(hift: HiFTGenerator) -> None:
-    """What the CUDA-graph path replays: 3 rows padded to 4 rows and a 32-frame bucket (checked on CPU)."""
-    frames, caches = [40, 21, 33], [3840, 0, 3840]
-    mels, cache_sources, noises = hift_rows(hift, frames, caches)
-    longest = max(frames)
-    inputs = (
-        torch.cat([torch.nn.functional.pad(m, (0, longest - m.shape[2])) for m in mels]),
-        torch.tensor(frames),
-        torch.cat([n.initial_phase for n in noises]),
-        torch.cat([torch.nn.functional.pad(n.sine_noise, (0, 0, 0, 480 * (longest - n.sine_noise.shape[1] // 480)))
-                   for n in noises]),
-        torch.cat([c if c is not None else torch.zeros(1, 1, 3840) for c in cache_sources]),
-        torch.tensor(caches),
-    )
-    padded = hift.cuda_graphs.pad(*inputs)
-    assert padded[0].shape == (4, 80, 64)
-    audio, source = hift.vocode(*inputs)
-    padded_audio, padded_source = hift.vocode(*padded)
-    for row, m in enumerate(frames):
-        torch.testing.assert_close(padded_audio[row, : 480 * m], audio[row, : 480 * m], **TOL)
-        torch.testing.assert_close(padded_source[row, :, : 480 * m], source[row, :, : 480 * m], **TOL)
-
-
 def test_hift_istft_equals_torch_istft(hift: HiFTGenerator) -> None:
     gen = torch.Generator().manual_seed(1)
     magnitude, phase = torch.rand(2, 9, 241, generator=gen) * 3, torch.randn(2, 9, 241, generator=gen)

@@ -37,7 +37,7 @@ class Token2WavHandler:
     def __init__(self, engine: Token2WavEngine, device: torch.device) -> None:
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
-            logger.info("token2wav: captured %d flow-cache step graphs in %.1f s", graphs, seconds)
+            logger.info("token2wav: captured %d CUDA graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
                                         self.stats)
@@ -59,8 +59,10 @@ class Token2WavHandler:
             config = EngineConfig.for_model_dir(model_dir)
             flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
             hift = load_hift(model_dir / HIFT_FILE, config, device)
+            # the orchestrator may cut a stream's chunks by any of these schedules: HiFT's graph buckets cover them
             engine = BatchedToken2Wav(
-                flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb
+                flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb,
+                schedules=params.schedule.schedules(config),
             )
         return cls(engine, device)
 
