@@ -19,7 +19,7 @@ import logging
 import time
 
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -96,18 +96,26 @@ def disable_stop_tokens(llm: CosyVoice2LM) -> None:
 
 
 # -- token2wav -------------------------------------------------------------------------------------
-def capture_hift_graphs(engine: FlowAndVocoder) -> int:
-    """Capture HiFT's graphs of every bucket on HiFT's device: how many. A capture that fails is logged and leaves
-    HiFT eager (graphs only save time)."""
+def capture_or_stay_eager(what: str, capture: Callable[[], int], fall_back: Callable[[], None],
+                          device: torch.device) -> int:
+    """Run `capture` (it captures graphs on `device`): how many. A capture that fails is logged and `fall_back`
+    leaves that part eager (it drops the graphs): graphs only save time, the server still serves."""
     try:
-        count = engine.capture_hift_graphs()
+        with torch.inference_mode():
+            count = capture()
         if count:
-            torch.cuda.synchronize(engine.hift_device)
+            torch.cuda.synchronize(device)
         return count
-    except Exception:  # noqa: BLE001 - without graphs every HiFT call runs eagerly
-        logger.exception("token2wav: capturing the HiFT graphs failed; HiFT runs eagerly")
-        engine.hift.cuda_graphs.clear()
+    except Exception:  # noqa: BLE001 - without graphs every call of that part runs eagerly
+        logger.exception("token2wav: capturing %s failed; it runs eagerly", what)
+        fall_back()
         return 0
+
+
+def capture_hift_graphs(engine: FlowAndVocoder) -> int:
+    """Capture HiFT's graphs of every bucket on HiFT's device: how many (a failed capture leaves HiFT eager)."""
+    return capture_or_stay_eager("the HiFT graphs", engine.capture_hift_graphs,
+                                 lambda: engine.hift.cuda_graphs.clear(), engine.hift_device)
 
 
 def hift_calls(engine: FlowAndVocoder) -> tuple[int, int]:
@@ -204,16 +212,18 @@ class BatchedToken2Wav(_BatchedStreams):
         if engine.flow_cache != "off" and graphs is not None and engine.flow_device.type == "cuda":
             with torch.inference_mode():
                 count = graphs.capture_all(engine.flow_device, engine.flow_dtype)
-            encoder = engine.cached.encoder
-            if encoder.graphs is not None:
-                try:
-                    with torch.inference_mode():
-                        count += encoder.graphs.capture_all(engine.flow_device, engine.flow_dtype)
-                except Exception:  # noqa: BLE001 - graphs only save time: without them the encoder runs eagerly
-                    logger.exception("token2wav: capturing the flow encoder's graphs failed; the encoder runs eagerly")
-                    encoder.graphs.clear()
-                    encoder.graphs = None
             torch.cuda.synchronize(engine.flow_device)
+            encoder = engine.cached.encoder
+            encoder_graphs = encoder.graphs
+            if encoder_graphs is not None:
+
+                def drop_encoder_graphs() -> None:  # no capture later while serving either
+                    encoder_graphs.clear()
+                    encoder.graphs = None
+
+                count += capture_or_stay_eager(
+                    "the flow encoder's graphs", lambda: encoder_graphs.capture_all(engine.flow_device, engine.flow_dtype),
+                    drop_encoder_graphs, engine.flow_device)
         count += capture_hift_graphs(engine)
         return count, time.perf_counter() - started
 
@@ -274,13 +284,9 @@ class DiTBatchedToken2Wav(_BatchedStreams):
         started = time.perf_counter()
         count = 0
         if engine.flow_device.type == "cuda":
-            try:
-                with torch.inference_mode():
-                    count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
-                torch.cuda.synchronize(engine.flow_device)
-            except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
-                logger.exception("token2wav: capturing the DiT step graphs failed; the DiT flow runs eagerly")
-                engine.graphs.clear()
+            count = capture_or_stay_eager(
+                "the DiT step graphs", lambda: engine.graphs.capture_all(engine.flow_device, engine.flow_dtype),
+                engine.graphs.clear, engine.flow_device)
         count += capture_hift_graphs(engine)
         return count, time.perf_counter() - started
 
@@ -348,14 +354,9 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
         if engine.flow_device.type != "cuda":
             return 0, 0.0
         started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                count = engine.graphs.capture_all(engine.flow_device, engine.flow_dtype)
-            torch.cuda.synchronize(engine.flow_device)
-        except Exception:  # noqa: BLE001 - graphs only save time: without them every call runs eagerly
-            logger.exception("token2wav: capturing CosyVoice3's flow step graphs failed; the flow runs eagerly")
-            engine.graphs.clear()
-            return 0, time.perf_counter() - started
+        count = capture_or_stay_eager(
+            "CosyVoice3's flow step graphs", lambda: engine.graphs.capture_all(engine.flow_device, engine.flow_dtype),
+            engine.graphs.clear, engine.flow_device)
         return count, time.perf_counter() - started
 
     def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:
