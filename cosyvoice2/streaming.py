@@ -255,6 +255,10 @@ class StreamFlowCache:
     prefix: "CachedSegment"
     own: "CachedSegment"
     pending: "CachedSegment | None" = None  # what the running chunk adds, committed when its audio is emitted
+    # The budget refused a growth: the caches stay as they are (and stay accounted), and every later chunk
+    # recomputes the frames since their end instead of adding to them. Exact like any cached call; it costs only
+    # the frames since the freeze, where dropping the caches would recompute prompt and history on every chunk.
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -281,10 +285,11 @@ class HiFTCache:
 @dataclass(eq=False)
 class CacheBudget:
     """The bytes that live streams' own flow caches hold against an optional budget (None: no limit), shared by
-    the threads that run chunks. A stream whose caches would pass the budget stops caching (and recomputes)."""
+    the threads that run chunks. A stream whose caches would pass the budget stops growing them (`frozen`)."""
 
     budget_bytes: int | None = None
     nbytes: int = 0
+    refused: int = 0  # growths refused so far (each freezes one stream's caches)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def reserve(self, nbytes: int) -> bool:
@@ -292,6 +297,7 @@ class CacheBudget:
         A shrink is always accepted: it frees memory."""
         with self.lock:
             if nbytes > 0 and self.budget_bytes is not None and self.nbytes + nbytes > self.budget_bytes:
+                self.refused += 1
                 return False
             self.nbytes += nbytes
             return True
@@ -424,7 +430,8 @@ class Token2Wav(FlowAndVocoder):
                                                                device=self.flow_device).view(-1)])
         offset = prompt.num_tokens
         return CachedRow(tokens, prompt.mel[0], self._speaker(prompt), call.cache.prefix, call.cache.own,
-                         stop=offset + call.stop, final=call.final, keep=not call.final, emit_from=offset + call.start)
+                         stop=offset + call.stop, final=call.final, keep=not (call.final or call.cache.frozen),
+                         emit_from=offset + call.start)
 
     def _cached_mels(self, calls: Sequence[FlowCall]) -> "list[torch.Tensor]":
         """Cached calls in one batched forward; each call's new caches wait in `cache.pending` until emitted."""
@@ -575,7 +582,7 @@ class Token2WavStream(ChunkedStream):
         self.finished = False
         self.flow_cache: StreamFlowCache | None = None  # set on the first cached chunk
         self._flow_cache_bytes = 0
-        self._cache_off = engine.flow_cache == "off"  # also set once the engine's cache budget refused this stream
+        self._cache_off = engine.flow_cache == "off"
 
     # ---- the steps of one chunk, driven by `Token2Wav.run_chunks` ----------------------------------------
     def check_next(self, chunk: Chunk) -> None:
@@ -603,7 +610,7 @@ class Token2WavStream(ChunkedStream):
             self.flow_cache.pending = None
 
     def _commit_flow_cache(self, chunk: Chunk) -> None:
-        """Keep what this chunk added to the flow caches (within the engine's budget), or stop caching."""
+        """Keep what this chunk added to the flow caches (within the engine's budget), or freeze them."""
         cache = self.flow_cache
         if cache is None:
             return
@@ -617,9 +624,8 @@ class Token2WavStream(ChunkedStream):
         if self.engine.reserve_cache(nbytes):
             self.engine.cached.commit(cache.own, update)
             self._flow_cache_bytes += nbytes
-        else:  # over budget: recompute from here on (exact as well, only slower)
-            self.release_flow_cache()
-            self._cache_off = True
+        else:  # over budget: keep what is cached, recompute the frames after it from now on
+            cache.frozen = True
 
     def release_flow_cache(self) -> None:
         """Free this stream's own flow caches (final chunk, budget, or the stream is dropped)."""

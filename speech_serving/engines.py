@@ -196,6 +196,10 @@ class BatchedToken2Wav(_BatchedStreams):
         """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""
         return hift_calls(self.engine)
 
+    def flow_cache_refusals(self) -> tuple[int]:
+        """Growths of streams' flow caches the budget refused so far (each froze one stream's caches)."""
+        return (self.engine.book.refused,)
+
     @property
     def sample_rate(self) -> int:
         """Samples per second of the audio `run` returns."""

@@ -60,6 +60,9 @@ TOKEN2WAV_STATS = (
     "token2wav_flow_frames_computed_total",  # ... and computed, padded up to the CUDA-graph buckets
     "token2wav_hift_replayed_total",  # HiFT forwards replayed from a CUDA graph (engines that count them)
     "token2wav_hift_eager_total",  # ... and run eagerly, fitting no captured bucket (long offline utterances)
+    # streams whose flow caches met the budget (`flow_cache_gb`) and stopped growing: their later chunks recompute
+    # the frames since then, so a run where this climbs needs a larger budget or fewer streams per GPU
+    "token2wav_flow_cache_refused_total",
 )
 
 #: Summed over the first chunks of streams that were answered with audio (a failed or cancelled one is not counted;
@@ -78,6 +81,7 @@ TOKEN2WAV_STATS += FIRST_CHUNK_STATS
 ENGINE_TOTALS = (
     ("frame_counts", ("token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total")),
     ("hift_calls", ("token2wav_hift_replayed_total", "token2wav_hift_eager_total")),
+    ("flow_cache_refusals", ("token2wav_flow_cache_refused_total",)),
 )
 
 #: Call duration assumed before any was timed (seconds), and the weight of the newest call in the running mean.

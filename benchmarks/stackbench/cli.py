@@ -312,6 +312,8 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "token2wav_call_ms": ratio("token2wav_engine_seconds_total", "token2wav_engine_calls_total"),
         "token2wav_chunks_per_call": ratio("token2wav_call_jobs_total", "token2wav_engine_calls_total", 1.0),
         "token2wav_calls": d.get("token2wav_engine_calls_total"),
+        # streams whose flow caches met the budget in this level (they recompute the frames since then)
+        "token2wav_flow_cache_refused": d.get("token2wav_flow_cache_refused_total"),
         # the share of the flow estimator's frame-rows that were padding (graph buckets); None: not counted
         "token2wav_padded_share_pct": (100.0 - ratio("token2wav_flow_frames_needed_total",
                                                      "token2wav_flow_frames_computed_total", 100.0)
@@ -662,6 +664,7 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),
+    ("caches over budget", "token2wav_flow_cache_refused", "{:.0f}"),
 )
 #: (column title, first_chunk_breakdown key, format) of the first-chunk table: the first-chunk time, then its stages
 #: in the order they happen (the rows of calls and decode steps next to their stage), then what they leave.

@@ -225,7 +225,8 @@ def test_failed_call_leaves_flow_caches_untouched(tiny_engine, tiny_prompt_unali
     np.testing.assert_allclose(np.concatenate(pieces), reference, atol=1e-6)
 
 
-def test_over_budget_stream_recomputes_and_returns_its_memory(tiny_engine, tiny_prompt_unaligned, long_tokens) -> None:
+def test_over_budget_stream_freezes_its_caches_and_returns_its_memory(tiny_engine, tiny_prompt_unaligned,
+                                                                    long_tokens) -> None:
     exact = stream_audio(make_engine(tiny_engine, "exact"), tiny_prompt_unaligned, long_tokens, seed=4)
     probe = make_engine(tiny_engine, "exact")
     stream = probe.open_stream(probe.flow_prompt(tiny_prompt_unaligned), probe.new_generator(4))
@@ -236,8 +237,18 @@ def test_over_budget_stream_recomputes_and_returns_its_memory(tiny_engine, tiny_
     assert probe.cache_bytes == 0
 
     engine = make_engine(tiny_engine, "exact", budget=one_chunk + 1)  # room for the first chunk only
-    limited = stream_audio(engine, tiny_prompt_unaligned, long_tokens, seed=4)
-    assert np.abs(limited - exact).max() < 1e-3
+    stream = engine.open_stream(engine.flow_prompt(tiny_prompt_unaligned), engine.new_generator(4))
+    pieces = stream.push(long_tokens[:40])
+    kept = stream.flow_cache.own.encoder.tokens
+    assert kept > 0 and not stream.flow_cache.frozen and engine.book.refused == 0
+    for i in range(40, len(long_tokens), 7):
+        pieces.extend(stream.push(long_tokens[i : i + 7]))
+    # the second chunk's growth was refused: the stream keeps its first chunk's caches (still accounted) and
+    # runs every later chunk over them, recomputing only the frames after them
+    assert stream.flow_cache.frozen and engine.book.refused == 1
+    assert stream.flow_cache.own.encoder.tokens == kept and engine.cache_bytes == one_chunk
+    pieces.append(stream.finish())
+    assert np.abs(np.concatenate(pieces) - exact).max() < 1e-3
     assert engine.cache_bytes == 0
 
 

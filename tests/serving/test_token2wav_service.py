@@ -273,15 +273,19 @@ class CountingEngine(FakeEngine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.needed = self.computed = 0
+        self.needed = self.computed = self.refused = 0
 
     def run(self, work):
         self.needed += 4 * len(work)
         self.computed += 8 * len(work)
+        self.refused += 1
         return super().run(work)
 
     def frame_counts(self):
         return self.needed, self.computed
+
+    def flow_cache_refusals(self):
+        return (self.refused,)
 
 
 async def test_the_flow_padding_of_each_call_is_published():
@@ -292,5 +296,7 @@ async def test_the_flow_padding_of_each_call_is_published():
         await service.process("t", np.arange(8), PROMPT, None)
         assert service.stats.get("token2wav_flow_frames_needed_total") == 4 * 4
         assert service.stats.get("token2wav_flow_frames_computed_total") == 8 * 4
+        calls = service.stats.get("token2wav_engine_calls_total")
+        assert calls >= 2 and service.stats.get("token2wav_flow_cache_refused_total") == calls
     finally:
         service.shutdown()
