@@ -131,6 +131,7 @@ from stackbench.launch import (
 )
 from triton_repo.render import TOKEN2WAVS, RenderOptions
 from triton_repo.render_options import LLM_GPU
+from stackbench.timeline import MetricsTimeline
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
 from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
 from ttsbench.ratesearch import ListenerBound, SearchSettings, SearchSettingsError
@@ -665,6 +666,9 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),
     ("caches over budget", "token2wav_flow_cache_refused", "{:.0f}"),
+    # the slowest second of the level (`stackbench.timeline`): a level that slowed down as a whole for a while
+    ("LLM step, slowest s (ms)", "llm_step_ms_slowest", "{:.1f}"),
+    ("token2wav call, slowest s (ms)", "token2wav_call_ms_slowest", "{:.0f}"),
 )
 #: (column title, first_chunk_breakdown key, format) of the first-chunk table: the first-chunk time, then its stages
 #: in the order they happen (the rows of calls and decode steps next to their stage), then what they leave.
@@ -1053,6 +1057,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
+    timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(servers)), GpuMemory().used)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
@@ -1101,6 +1106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run_level(warm, warm_concurrency, target, levels_dir / f"{warm.name}.json",
                           args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
+        timeline.start()
         document["gpu_sampler"] = sampler.source
         if sampler.source is None:
             print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
@@ -1115,6 +1121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     after = settled_metrics(servers)
                     stages[name] = stage_breakdown(sum_metrics(before), sum_metrics(after))
                     window = level.get("window")
+                    stages[name].update(timeline.slowest(window))
                     row = level_row(scenario, concurrency, run, level, sampler.busy_share(window), stages[name],
                                     sampler.busy_per_gpu(window))  # fmt: skip
                     row["replica_requests"] = replica_requests(before, after)
@@ -1143,6 +1150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     finally:
         sampler.stop()
+        timeline.stop()
+        (out_dir / "timeline.json").write_text(json.dumps(timeline.to_json()))
         stack.stop()
         for replica, log in enumerate(stack.server_logs):
             copy_tail(log, out_dir / ("tritonserver_tail.log" if replica == 0 else f"tritonserver-{replica}_tail.log"))
