@@ -35,22 +35,36 @@ class StreamScheduleParams:
     #: stream that starts while no other stream runs is not padded (measured: c=1 first chunk 161-164 ms against
     #: 190-196 padded; with 16 and more streams unpadded first chunks stalled 6-39 % of the streams), the others are.
     align_first_hop: str = "busy"
+    #: The first hop of a stream that starts while no other stream runs (None: `first_hop`). A lone stream has the
+    #: GPU to itself: fewer tokens before its first chunk are fewer decode steps and a smaller first flow call, and
+    #: its later chunks come back long before its first one has played. Streams that start beside others keep
+    #: `first_hop`: with many streams a short first chunk plays out before the next one arrives.
+    lone_first_hop: int | None = None
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
             raise ValueError(f"align_first_hop must be one of {FIRST_HOP_ALIGNMENTS}, got {self.align_first_hop!r}")
+        if self.lone_first_hop is not None and self.lone_first_hop < 1:
+            raise ValueError(f"lone_first_hop must be at least 1 token, got {self.lone_first_hop}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
-        base = engine.schedule(0)
-        aligned = replace(
-            base, first_hop=self.first_hop, growth=self.chunk_growth, max_hop=max(self.first_hop, base.max_hop)
-        )
+        aligned = self._with_first_hop(engine, self.first_hop)
         return unaligned(aligned) if self.align_first_hop == "never" else aligned
 
     def lone_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
         """The schedule of a stream that starts while no other stream runs, where it differs from `schedule`."""
-        return unaligned(self.schedule(engine)) if self.align_first_hop == "busy" else None
+        lone = self.schedule(engine)
+        if self.lone_first_hop is not None and self.lone_first_hop != self.first_hop:
+            # only the first hop changes: the second and later hops stay everyone's
+            lone = replace(self._with_first_hop(engine, self.lone_first_hop), second_hop=lone.hop(1))
+        if self.align_first_hop != "always":
+            lone = unaligned(lone)
+        return None if lone == self.schedule(engine) else lone
+
+    def _with_first_hop(self, engine: EngineConfig, first_hop: int) -> ChunkSchedule:
+        base = engine.schedule(0)
+        return replace(base, first_hop=first_hop, growth=self.chunk_growth, max_hop=max(first_hop, base.max_hop))
 
     def schedules(self, engine: EngineConfig) -> list[ChunkSchedule]:
         """Every schedule a stream may follow (what token2wav's CUDA-graph buckets must cover)."""

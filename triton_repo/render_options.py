@@ -256,6 +256,8 @@ class RenderOptions(_Options):
     align_first_hop: str = option(StreamScheduleParams.align_first_hop, choices=FIRST_HOP_ALIGNMENTS,
                                   help="pad the first hop so it ends on the flow's 25-token grid (upstream's "
                                        "schedule): always; busy (not for a stream that starts alone); never")
+    lone_first_hop: int | None = option(None, minimum=4, help="tokens in the first chunk of a stream that starts "
+                                        "while no other stream runs (default: --first-hop)")
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
     # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.

@@ -188,9 +188,12 @@ def steady_shapes(schedule, prompt_tokens: int, tokens: int, ratio: int, window:
     return out
 
 
-@pytest.mark.parametrize("align_first_hop", ["busy", "always", "never"])
-def test_buckets_cover_the_served_schedule(engine: DiTToken2Wav, align_first_hop: str) -> None:
-    params = StreamScheduleParams(align_first_hop=align_first_hop)
+@pytest.mark.parametrize("schedule_params", [{"align_first_hop": "busy"}, {"align_first_hop": "always"},
+                                             {"align_first_hop": "never"},
+                                             {"align_first_hop": "busy", "lone_first_hop": 12}],
+                         ids=["busy", "always", "never", "busy-lone-12"])
+def test_buckets_cover_the_served_schedule(engine: DiTToken2Wav, schedule_params: dict) -> None:
+    params = StreamScheduleParams(**schedule_params)
     batched = DiTBatchedToken2Wav(engine, schedules=params.schedules(EngineConfig()))
     buckets = batched.engine.graphs.buckets
     assert batched.max_rows == max(buckets.rows)  # the token2wav service's cap on jobs per call

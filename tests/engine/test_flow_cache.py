@@ -286,8 +286,9 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
 
 # ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
 @pytest.mark.parametrize("schedule_params", [{"align_first_hop": "always"}, {"align_first_hop": "never"},
-                                             {"first_hop": 15, "align_first_hop": "never"}],
-                         ids=["upstream", "unaligned", "unaligned-15"])
+                                             {"first_hop": 15, "align_first_hop": "never"},
+                                             {"align_first_hop": "busy", "lone_first_hop": 12}],
+                         ids=["upstream", "unaligned", "unaligned-15", "busy-lone-12"])
 def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
@@ -301,36 +302,38 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
-    served = StreamScheduleParams(**schedule_params).schedule(config)
+    params = StreamScheduleParams(**schedule_params)
     engine = BatchedToken2Wav(load_flow(tiny_model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32),
-                              load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config, served,
-                              flow_cache="chunked")
+                              load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config,
+                              params.schedule(config), flow_cache="chunked", schedules=params.schedules(config))
     runner = engine.engine.cached
     graphs, encoder_graphs = runner.graphs, runner.encoder.graphs
     longest_history = max(graphs.history_frames)
     assert max(encoder_graphs.history_tokens) * runner.stride == longest_history  # one history limit for both
     none = torch.zeros(0)
     checked = 0
-    for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
-                                 *range(runner.lookahead, longest_history // runner.stride, 53)}):
-        schedule = for_prompt(served, prompt_tokens)
-        for tokens in range(1, 300):  # every final-chunk size once hops reach 100
-            # the rows of the stream's calls, with the caches each one leaves (the same arithmetic as `CachedRow`)
-            prefix = CachedSegment(EncoderCache(tokens=runner.prefix_tokens(prompt_tokens)))
-            own = CachedSegment()
-            for chunk in schedule.chunks(tokens):
-                row = CachedRow(none, none, none, prefix, own, stop=prompt_tokens + chunk.stop, final=chunk.final,
-                                keep=not chunk.final)
-                history, new = row.start * runner.stride, (row.stop - row.start) * runner.stride
-                if history > longest_history:
-                    break
-                for rows in (1, 3, engine.max_rows):
-                    assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new, history)
-                    # the encoder pass of the same call, in tokens
-                    assert encoder_graphs.bucket(rows, row.stop - row.start, row.start) is not None, (
-                        prompt_tokens, tokens, chunk, row.start, row.stop)
-                own.encoder.tokens += row.kept_tokens(runner.grid)
-                checked += 1
+    for schedule in params.schedules(config):
+        for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
+                                     *range(runner.lookahead, longest_history // runner.stride, 53)}):
+            stream_schedule = for_prompt(schedule, prompt_tokens)
+            for tokens in range(1, 300):  # every final-chunk size once hops reach 100
+                # the rows of the stream's calls, with the caches each one leaves (the same arithmetic as `CachedRow`)
+                prefix = CachedSegment(EncoderCache(tokens=runner.prefix_tokens(prompt_tokens)))
+                own = CachedSegment()
+                for chunk in stream_schedule.chunks(tokens):
+                    row = CachedRow(none, none, none, prefix, own, stop=prompt_tokens + chunk.stop, final=chunk.final,
+                                    keep=not chunk.final)
+                    history, new = row.start * runner.stride, (row.stop - row.start) * runner.stride
+                    if history > longest_history:
+                        break
+                    for rows in (1, 3, engine.max_rows):
+                        assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new,
+                                                                               history)
+                        # the encoder pass of the same call, in tokens
+                        assert encoder_graphs.bucket(rows, row.stop - row.start, row.start) is not None, (
+                            prompt_tokens, tokens, chunk, row.start, row.stop)
+                    own.encoder.tokens += row.kept_tokens(runner.grid)
+                    checked += 1
     assert checked > 30_000
     assert engine.max_rows == max(graphs.rows) == max(encoder_graphs.rows)  # the service's cap: the largest bucket
     assert graphs.bucket(engine.max_rows + 1, min(graphs.new_frames), min(graphs.history_frames)) is None

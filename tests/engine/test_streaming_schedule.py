@@ -63,6 +63,32 @@ def test_unaligned_served_schedule_needs_first_hop_plus_lookahead(prompt_tokens:
         StreamScheduleParams(align_first_hop="sometimes")
 
 
+@pytest.mark.parametrize("align", ["always", "busy", "never"])
+def test_a_lone_stream_may_start_with_a_shorter_first_hop(align: str) -> None:
+    """`lone_first_hop`: only a stream that starts alone gets it (unpadded unless "always" pads every first hop);
+    the busy streams' schedule and every later hop are unchanged, and both schedules are served (graph buckets)."""
+    from cosyvoice2.config import EngineConfig
+    from speech_serving.schedule import StreamScheduleParams, for_prompt
+
+    engine = EngineConfig()
+    plain = StreamScheduleParams(25, align_first_hop=align)
+    params = StreamScheduleParams(25, align_first_hop=align, lone_first_hop=12)
+    assert params.schedule(engine) == plain.schedule(engine)
+    lone = params.lone_schedule(engine)
+    assert lone is not None and params.schedules(engine) == [params.schedule(engine), lone]
+    for prompt_tokens in (0, 7, 40):
+        first = for_prompt(lone, prompt_tokens)
+        assert first.hop(0) == 12 + (first.prompt_pad if align == "always" else 0)
+        assert first.prompt_pad == (-prompt_tokens % 25 if align == "always" else 0)
+        assert [first.hop(i) for i in range(1, 5)] == [for_prompt(plain.schedule(engine), prompt_tokens).hop(i)
+                                                       for i in range(1, 5)]
+    # the same hop as everyone's changes nothing
+    assert StreamScheduleParams(25, align_first_hop=align, lone_first_hop=25).lone_schedule(engine) == \
+        plain.lone_schedule(engine)
+    with pytest.raises(ValueError, match="lone_first_hop"):
+        StreamScheduleParams(lone_first_hop=0)
+
+
 def test_chunks_of_a_finished_stream() -> None:
     # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
     # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.
