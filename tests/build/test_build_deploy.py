@@ -17,7 +17,9 @@ from tests.build.conftest import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
-PROFILES = ("trtllm", "torch", "dit", "disaggregated")
+PROFILES = ("trtllm", "torch", "dit", "disaggregated", "replicas2", "replicas4")
+#: GPUs of the profiles that run one Triton per GPU
+REPLICA_PROFILES = {"replicas2": 2, "replicas4": 4}
 GATEWAY_COMMAND = ["python", "-m", "gateway"]
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:25.06-trtllm-python-py3"
 #: Every container starts tritonserver through the launcher (it adds the serving arguments).
@@ -70,6 +72,16 @@ def command_line(service: dict) -> str:
     return command if isinstance(command, str) else " ".join(command)
 
 
+def reached_by(url: str, services: dict[str, dict]) -> list[str]:
+    """The services a gateway's `TTS_TRITON_URL` reaches: a service by name, or with `dns:///NAME:PORT` every
+    service answering to NAME (its name or a network alias: Docker's DNS returns each of them)."""
+    name = url.removeprefix("dns:///").split(":")[0]
+    def aliases(service: dict) -> list[str]:
+        return [alias for net in (service.get("networks") or {}).values() for alias in (net or {}).get("aliases", [])]
+
+    return [n for n, service in services.items() if n == name or name in aliases(service)]
+
+
 def by_role(services: dict[str, dict]) -> dict[str, list[str]]:
     roles: dict[str, list[str]] = {"gateway": [], "triton": [], "build": []}
     for name, service in services.items():
@@ -94,8 +106,10 @@ def test_profile_is_a_complete_stack(configs: dict[str, dict], profile: str) -> 
         for dependency in service.get("depends_on", {}):
             assert dependency in services, f"{name} depends on {dependency}, which profile {profile} does not start"
     [gateway] = roles["gateway"]
-    target = services[gateway]["environment"]["TTS_TRITON_URL"].split(":")[0]
-    assert services[gateway]["depends_on"][target]["condition"] == "service_healthy"
+    targets = reached_by(services[gateway]["environment"]["TTS_TRITON_URL"], services)
+    assert sorted(targets) == sorted(roles["triton"]), "the gateway must reach every Triton of the profile"
+    for target in targets:
+        assert services[gateway]["depends_on"][target]["condition"] == "service_healthy"
     assert "/ready" in " ".join(services[gateway]["healthcheck"]["test"])
     # uploaded voices live on a named volume at the directory the gateway image stores them in
     dockerfile = (REPO_ROOT / "docker" / "gateway.Dockerfile").read_text()
@@ -126,25 +140,42 @@ def test_triton_serves_the_repository_the_build_renders(configs: dict[str, dict]
         llm_backend=build_env["COSYVOICE_LLM_BACKEND"],
         triton_layout=build_env["COSYVOICE_TRITON_LAYOUT"],
     )
-    [triton] = roles["triton"]
-    command = command_line(services[triton])
-    assert re.findall(r"--model-repository=(\S+)", command) == [str(settings.triton_repo_dir)]
-    if settings.llm_backend == "trtllm":
-        # The engine check runs first and must see the build's options to find the same engine directory.
-        assert command.index("cosyvoice_build.check_engine") < command.index(TRITON_LAUNCHER)
-        triton_env = services[triton]["environment"]
-        for key, value in build_env.items():
-            if key.startswith("COSYVOICE_"):
-                assert triton_env.get(key) == value, key
-    if settings.triton_layout == "disaggregated":
-        # every GPU of the host, numbered as there: the render's GPU ids (LLM 0, TOKEN2WAV_GPUS) are the host's
-        [device] = services[triton]["deploy"]["resources"]["reservations"]["devices"]
-        assert device.get("count") in ("all", -1) and "device_ids" not in device
+    for triton in roles["triton"]:
+        command = command_line(services[triton])
+        assert re.findall(r"--model-repository=(\S+)", command) == [str(settings.triton_repo_dir)]
+        if settings.llm_backend == "trtllm":
+            # The engine check runs first and must see the build's options to find the same engine directory.
+            assert command.index("cosyvoice_build.check_engine") < command.index(TRITON_LAUNCHER)
+            triton_env = services[triton]["environment"]
+            for key, value in build_env.items():
+                if key.startswith("COSYVOICE_"):
+                    assert triton_env.get(key) == value, key
+        if settings.triton_layout == "disaggregated":
+            # every GPU of the host, numbered as there: the render's GPU ids (LLM 0, TOKEN2WAV_GPUS) are the host's
+            [device] = services[triton]["deploy"]["resources"]["reservations"]["devices"]
+            assert device.get("count") in ("all", -1) and "device_ids" not in device
+
+
+@pytest.mark.parametrize("profile", sorted(REPLICA_PROFILES))
+def test_replica_profiles_run_one_triton_on_each_gpu(configs: dict[str, dict], profile: str) -> None:
+    """One Triton per GPU, each pinned to its own, all serving the one-GPU production repository."""
+    services = enabled(configs[profile], profile)
+    tritons = by_role(services)["triton"]
+    devices = [services[t]["deploy"]["resources"]["reservations"]["devices"] for t in tritons]
+    assert all(len(d) == 1 and "count" not in d[0] for d in devices)
+    assert sorted(d[0]["device_ids"][0] for d in devices) == [str(i) for i in range(REPLICA_PROFILES[profile])]
+    # the same stack as the one-GPU default profile, GPU aside
+    default = enabled(configs["trtllm"], "trtllm")
+    [one] = by_role(default)["triton"]
+    for t in tritons:
+        assert services[t]["command"] == default[one]["command"]
+        assert services[t]["environment"] == default[one]["environment"]
 
 
 @pytest.mark.parametrize(
     "profile, token2wav, gpus",
-    [("trtllm", "unet", None), ("torch", "unet", None), ("dit", "dit", None), ("disaggregated", "unet", (1,))],
+    [("trtllm", "unet", None), ("torch", "unet", None), ("dit", "dit", None), ("disaggregated", "unet", (1,)),
+     ("replicas4", "unet", None)],
 )
 def test_each_profiles_build_renders_its_token2wav_and_placement(configs, profile, token2wav, gpus, monkeypatch):
     """The build environment of each profile, read by the build's own option parser, reaches the render step."""
