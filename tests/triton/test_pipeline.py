@@ -61,6 +61,19 @@ async def test_eight_concurrent_streams_all_complete(pipeline):
     assert metrics[("llm_active_sequences", pipeline.llm_model)] == 0
 
 
+async def test_decoupled_models_leave_the_stub_no_unfinished_bookkeeping(pipeline):
+    """The python stub keeps each decoupled model's running `execute` in a set; an `execute` that finished before
+    the stub added it made the removal fail for every request ("Cannot remove future from background", an error
+    line per request, the future kept for good). Streams and offline requests through every decoupled model."""
+    texts = [f"Stream {i} of the stub check." for i in range(6)]
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=i)) for i, t in enumerate(texts)),
+                             client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=3)))
+    await wait_metrics(pipeline, lambda m: m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0)
+    log = pipeline.server.log_path.read_text(errors="replace")
+    assert "Cannot remove future from background" not in log
+
+
 async def test_cancel_mid_stream_frees_the_request_everywhere(pipeline):
     before = await settled_metrics(pipeline)
     long_text = " ".join(["This sentence keeps the language model busy for a long while."] * 4)

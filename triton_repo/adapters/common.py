@@ -82,8 +82,9 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
-    """Start one task per request; the model's async `execute` returns at once (no head-of-line blocking).
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *,
+          cancellable: bool) -> list[asyncio.Task]:
+    """Start one task per request and return them; the requests run concurrently (no head-of-line blocking).
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
@@ -93,10 +94,28 @@ def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]
     sequence and token2wav job every 50 ms.
     """
     loop = asyncio.get_running_loop()
+    tasks = []
     for request in requests:
         task = loop.create_task(_serve_one(request, handle, cancellable))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
+        tasks.append(task)
+    return tasks
+
+
+async def answered(tasks: Sequence[asyncio.Task], decoupled: bool) -> None:
+    """The end of a model's async `execute`: a decoupled model's waits for its requests' tasks (`serve`); any other
+    returns at once.
+
+    The python stub runs a decoupled model's `execute` in the background and keeps its future in a set from which a
+    done-callback removes it, but it registers that callback before it adds the future: an `execute` that returns at
+    once finishes in between, so the removal fails ("Cannot remove future from background; KeyError", logged as an
+    error for every request) and the finished future stays in the set for good. Returning only once the requests
+    are answered leaves the stub all that time. A non-decoupled model's `execute` is awaited by the stub before it
+    takes the next batch, so it must return at once to keep its requests concurrent.
+    """
+    if decoupled and tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
@@ -265,7 +284,7 @@ class PipelineEntryModel:
     streaming: bool
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle, cancellable=True)
+        await answered(serve(requests, self._handle, cancellable=True), self.streaming)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
@@ -295,11 +314,12 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any], 
                 params = dataclasses.replace(params, device=instance_device(args, params.device))
                 make_current(params.device)
             self.handler = self.build(params)
+            self.decoupled = is_decoupled(args)
             stats = self.handler.stats
             self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 
         async def execute(self, requests: list[Any]) -> None:
-            serve(requests, self.handler.handle, cancellable=False)
+            await answered(serve(requests, self.handler.handle, cancellable=False), self.decoupled)
 
         def finalize(self) -> None:
             self.handler.close()

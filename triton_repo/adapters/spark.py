@@ -28,6 +28,7 @@ from triton_repo.adapters.common import (
     FINAL,
     MetricsExporter,
     PipelineEntryModel,
+    answered,
     bls,
     bls_one,
     bls_stream,
@@ -143,9 +144,10 @@ class SparkVoicePromptModel:
         self.stats = Stats(CACHE_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[SparkVoicePrompt] = VoicePromptCache(params.cache_capacity, self.stats)
+        self.decoupled = is_decoupled(args)
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle, cancellable=False)
+        await answered(serve(requests, self._handle, cancellable=False), self.decoupled)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = internal_io.parse_voice_prompt(read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS))
