@@ -3,12 +3,21 @@ batch (padded rows and frames are masked, hence exact on the real ones)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
+import itertools
+import math
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Generic, Optional, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+EntryT = TypeVar("EntryT")  # what a set of graphs keeps per bucket
+BuffersT = TypeVar("BuffersT")  # the static buffers of a set of graphs
+InputsT = TypeVar("InputsT")  # a bucket's static inputs
+OutputsT = TypeVar("OutputsT")  # a captured pass's outputs
+Grid = tuple[int, int, int]  # (rows, new frames, history frames) of a padded call
 
 
 def batch_bucket(batch: int) -> int:
@@ -36,6 +45,20 @@ def fit(values: Sequence[int], sizes: Sequence[Sequence[int]]) -> Optional[tuple
             return None
         picked.append(size)
     return tuple(picked)
+
+
+def attention_cost(shape: Sequence[int]) -> int:
+    """rows x new x (new + history) of a (rows, new frames, history frames) bucket: the size of its attention,
+    which grows fastest with the bucket."""
+    rows, new, history = shape
+    return rows * new * (new + history)
+
+
+def costliest_first(sizes: Sequence[Sequence[int]],
+                    cost: Callable[[tuple[int, ...]], int] = math.prod) -> list[tuple[int, ...]]:
+    """Every bucket of a grid (one size of each dimension), the costliest first, then the larger: captured in this
+    order, a smaller graph reuses the pool blocks a larger one freed (the pool does not grow)."""
+    return sorted(itertools.product(*sizes), key=lambda shape: (cost(shape), shape), reverse=True)
 
 
 def concrete_device(device: "torch.device") -> "torch.device":
@@ -120,3 +143,106 @@ class ReplayOrder:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         self._done = done
+
+
+@dataclass(eq=False)
+class CapturedBucket(Generic[InputsT, OutputsT]):
+    """One bucket of a set of graphs: its static inputs (views of the set's buffers, or its own small tensors), its
+    graph and the outputs every replay overwrites; graph and outputs are None where nothing was captured (a CPU
+    device, or emulation: the pass then runs eagerly on the static inputs)."""
+
+    inputs: InputsT
+    graph: Optional["torch.cuda.CUDAGraph"]
+    outputs: Optional[OutputsT]
+
+
+class BucketGraphs(Generic[EntryT, BuffersT]):
+    """What every set of CUDA graphs of one pass, one graph per shape bucket, keeps: per bucket an `EntryT` (in
+    `_captured`), the static buffers (`BuffersT`) that the buckets' inputs view, allocated once for the largest
+    bucket, the memory pool all its graphs share, and the lock that orders filling the static inputs and replaying.
+    A subclass owns its buffers, its inputs and its pass. `emulate` (tests): pad to the buckets and use the static
+    buffers on any device, running the pass eagerly instead of replaying."""
+
+    def __init__(self, lock: "threading.Lock | threading.RLock") -> None:
+        self._captured: dict[tuple[int, ...], EntryT] = {}
+        self._buffers: Optional[BuffersT] = None
+        self._pool: object | None = None
+        self._lock = lock
+        self.emulate = False
+
+    def clear(self) -> None:
+        """Drop every graph and buffer (after a failed capture: every call then runs eagerly)."""
+        with self._lock:
+            self._clear()
+
+    def _clear(self) -> None:
+        """Caller holds the lock. The pool goes with the graphs: a pool whose graphs are all gone must not take a new
+        capture (the caching allocator asserts), so the next capture starts a new one."""
+        self._captured.clear()
+        self._buffers = None
+        self._pool = None
+
+    def _capture(self, run: Callable[[], T], device: "torch.device") -> tuple["torch.cuda.CUDAGraph", T]:
+        """`capture` into this set's pool (started by the first capture)."""
+        import torch
+
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return capture(run, device, self._pool)
+
+
+class GridGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]):
+    """Graphs per (rows, new frames, history frames) bucket of a grid (`sizes`, each dimension ascending). A bucket
+    is captured on its first call on a CUDA device, or with every other one by `capture_all`; on another device it
+    gets its static inputs only. A subclass gives the grid, its static buffers (`_allocate`), a bucket's own inputs
+    (`_inputs`) and the pass over them (`_pass`)."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+
+    def sizes(self) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+        raise NotImplementedError
+
+    def bucket(self, rows: int, new: int, history: int) -> Optional[Grid]:
+        """The padded (rows, new, history) of a call, or None (run eagerly) when it fits none."""
+        return fit((rows, new, history), self.sizes())  # type: ignore[return-value]
+
+    def buckets(self) -> list[Grid]:
+        """Every bucket, the costliest first (`costliest_first`)."""
+        return costliest_first(self.sizes(), attention_cost)  # type: ignore[return-value]
+
+    def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
+        """Capture every bucket now (a server does this before it reports ready); returns how many were new."""
+        before = len(self._captured)
+        for shape in self.buckets():
+            with self._lock:
+                self._get(shape, device, dtype)
+        return len(self._captured) - before
+
+    def _get(self, shape: Grid, device: "torch.device", dtype: "torch.dtype") -> CapturedBucket[InputsT, OutputsT]:
+        """The bucket's static inputs and graph, captured now if it is new and `device` a GPU. Caller holds the
+        lock."""
+        import torch
+
+        captured = self._captured.get(shape)
+        if captured is not None:
+            return captured
+        if self._buffers is None:  # zeroed: padding must hold finite values (it is masked)
+            self._buffers = self._allocate(device, dtype)
+        inputs = self._inputs(shape, device, dtype)
+        graph, outputs = None, None
+        if device.type == "cuda":
+            run = self._pass(shape, inputs)
+            with torch.inference_mode():
+                graph, outputs = self._capture(run, device)
+        captured = self._captured[shape] = CapturedBucket(inputs, graph, outputs)
+        return captured
+
+    def _allocate(self, device: "torch.device", dtype: "torch.dtype") -> BuffersT:
+        raise NotImplementedError
+
+    def _inputs(self, shape: Grid, device: "torch.device", dtype: "torch.dtype") -> InputsT:
+        raise NotImplementedError
+
+    def _pass(self, shape: Grid, inputs: InputsT) -> Callable[[], OutputsT]:
+        raise NotImplementedError

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Iterable, Optional, Sequence
 
 import torch
 
-from speech_lm.graph_buckets import capture, concrete_device, fit, round_up
+from speech_lm.graph_buckets import (BucketGraphs, CapturedBucket, attention_cost, concrete_device, costliest_first,
+                                     fit, round_up)
 from ..streaming import HopSchedule
 from .flow import ConditionalCFM, PaddedChunks, StepInputs
 
@@ -100,19 +101,16 @@ class DiTGraphBuckets:
         return fit((rows, frames, cached), (self.rows, self.chunk_frames, self.cache_frames))  # type: ignore[return-value]
 
     def shapes(self) -> list[Shape]:
-        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
-        shapes = [(r, c, k) for r in self.rows for c in self.chunk_frames for k in self.cache_frames]
-        return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
+        """Every bucket, the costliest first (`costliest_first`)."""
+        shapes = costliest_first((self.rows, self.chunk_frames, self.cache_frames), attention_cost)
+        return shapes  # type: ignore[return-value]
 
 
-@dataclass(eq=False)
-class _Entry:
-    inputs: StepInputs  # static: views of the shared cache buffers plus this bucket's own small tensors
-    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the step runs eagerly on the static inputs)
-    outputs: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+_StepOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+_Entry = CapturedBucket[StepInputs, _StepOutputs]  # inputs: views of the shared buffers plus the bucket's own tensors
 
 
-class DiTStepGraphs:
+class DiTStepGraphs(BucketGraphs[_Entry, tuple[torch.Tensor, torch.Tensor]]):
     """The captured step graphs of one `ConditionalCFM`, per bucket, and their static buffers.
 
     The K/V slots (depth, 2 x max rows, heads, max chunk + max cache frames, 2 x head dim) and the conv contexts
@@ -122,22 +120,21 @@ class DiTStepGraphs:
     each step eagerly instead of replaying."""
 
     def __init__(self, cfm: ConditionalCFM, buckets: DiTGraphBuckets) -> None:
+        super().__init__(threading.RLock())
         self._cfm = [cfm]  # a list, so the module is not registered as a child
         self.buckets = buckets
-        self.lock = threading.RLock()
-        self.emulate = False
-        self._entries: dict[Shape, _Entry] = {}
-        self._kv: Optional[torch.Tensor] = None
-        self._conv: Optional[torch.Tensor] = None
-        self._pool: object | None = None
+
+    @property
+    def lock(self) -> "threading.RLock":
+        return self._lock  # type: ignore[return-value]
 
     @property
     def captured(self) -> int:
-        return sum(entry.graph is not None for entry in self._entries.values())
+        return sum(entry.graph is not None for entry in self._captured.values())
 
     def static_bytes(self) -> int:
         """Bytes of the shared static buffers (0 before the first capture or emulated call)."""
-        return sum(t.numel() * t.element_size() for t in (self._kv, self._conv) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._buffers or ())
 
     def bucket(self, rows: int, frames: int, cached: int, like: torch.Tensor) -> Optional[Shape]:
         """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket that was
@@ -145,7 +142,7 @@ class DiTStepGraphs:
         shape = self.buckets.fit(rows, frames, cached)
         if shape is None or self.emulate:
             return shape
-        entry = self._entries.get(shape)
+        entry = self._captured.get(shape)
         if entry is None or entry.graph is None or not like.is_cuda:
             return None
         return shape if (entry.inputs.x.device, entry.inputs.x.dtype) == (like.device, like.dtype) else None
@@ -158,13 +155,6 @@ class DiTStepGraphs:
             for shape in self.buckets.shapes():
                 self._entry(shape, device, dtype, capture_graph=True)
         return self.captured - before
-
-    def clear(self) -> None:
-        """Drop every graph and buffer: all calls run eagerly (after a failed capture)."""
-        with self.lock:
-            self._entries.clear()
-            self._kv = self._conv = None
-            self._pool = None
 
     def run(self, shape: Shape, padded: PaddedChunks, steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
             dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,37 +171,32 @@ class DiTStepGraphs:
 
     # -- buffers and capture ------------------------------------------------------------------------------
     def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
-        entry = self._entries.get(shape)
+        entry = self._captured.get(shape)
         if entry is not None and (entry.inputs.x.device, entry.inputs.x.dtype) == (device, dtype):
             if entry.graph is not None or not capture_graph:
                 return entry
         device = concrete_device(device)
-        if self._kv is None or (self._kv.device, self._kv.dtype) != (device, dtype):
-            # the graphs of the old buffers go, and with them their pool: a pool whose graphs are all gone must
-            # not take a new capture (the caching allocator asserts), so the next capture starts a new one
-            self._entries.clear()
-            self._pool = None
-            self._allocate(device, dtype)
-        assert self._kv is not None and self._conv is not None
+        if self._buffers is None or (self._buffers[0].device, self._buffers[0].dtype) != (device, dtype):
+            self._clear()  # the graphs of the old buffers go, and with them their pool
+            self._buffers = self._allocate(device, dtype)
+        kv, conv = self._buffers
         rows, frames, cached = shape
         config = self._cfm[0].estimator.config
-        like = self._kv.new_empty(0)
-        inputs = StepInputs.zeros(config, shape, like, conv=self._conv[:, : 2 * rows],
-                                  kv=self._kv[:, : 2 * rows, :, : frames + cached])
+        inputs = StepInputs.zeros(config, shape, kv.new_empty(0), conv=conv[:, : 2 * rows],
+                                  kv=kv[:, : 2 * rows, :, : frames + cached])
         graph, outputs = None, None
         if capture_graph and device.type == "cuda":
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             cfm = self._cfm[0]
-            graph, outputs = capture(lambda: cfm.padded_step(*inputs.args()), device, self._pool)
-        entry = self._entries[shape] = _Entry(inputs, graph, outputs)
+            graph, outputs = self._capture(lambda: cfm.padded_step(*inputs.args()), device)
+        entry = self._captured[shape] = _Entry(inputs, graph, outputs)
         return entry
 
-    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V slots and the conv contexts."""
         config = self._cfm[0].estimator.config
         rows = 2 * max(self.buckets.rows)
         frames = max(self.buckets.chunk_frames) + max(self.buckets.cache_frames)
-        self._kv = torch.zeros(config.depth, rows, config.num_heads, frames, 2 * config.head_dim,
-                               device=device, dtype=dtype)
-        self._conv = torch.zeros(config.depth, rows, 2 * config.hidden_size, config.conv_kernel - 1,
-                                 device=device, dtype=dtype)
+        return (torch.zeros(config.depth, rows, config.num_heads, frames, 2 * config.head_dim,
+                            device=device, dtype=dtype),
+                torch.zeros(config.depth, rows, 2 * config.hidden_size, config.conv_kernel - 1,
+                            device=device, dtype=dtype))

@@ -32,14 +32,13 @@ A call's rows run their Euler steps in lock step (`advance`, one estimator evalu
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from speech_lm.graph_buckets import capture, fit
+from speech_lm.graph_buckets import GridGraphs
 from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .cached_encoder import CachedEncoder, EncoderCache
@@ -565,85 +564,64 @@ class _BlockKV:
         return self.keys[:, :, :, self.hist_p :]  # (blocks, 2, 2B, N, heads, d): a view of the buffer
 
 
-@dataclass
-class _CapturedStep:
-    inputs: tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, bias, tail_at
-    graph: "torch.cuda.CUDAGraph"
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # velocity, k/v, conv tails
+_StepStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, bias, tail_at
+_StepOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # velocity, k/v, conv tails
 
 
-class StepGraphs:
+class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torch.Tensor]]):
     """CUDA graphs of one cached estimator evaluation, per (rows, new frames, history frames) bucket.
 
     Uncached, the Euler loop is launch-bound (about a thousand small kernels per estimator call); cached, it
     also attends to a history that differs per row. A call is padded to a bucket: rows to a power of two, new
     frames and history frames up to a bucket size; padding is masked (zero mask, -1e10 attention bias), so the
     real rows and frames are exact. The history of the call's rows is copied before each step into one static
-    buffer that every graph views (sized for the largest bucket, allocated on first use); a graph's outputs live
-    in the shared pool and are valid until the next replay: callers copy what they keep at once. One thread at a
-    time (a lock guards fill + replay).
+    buffer that every graph views (sized for the largest bucket, allocated on first use; with it the conv tails);
+    a graph's outputs live in the shared pool and are valid until the next replay: callers copy what they keep at
+    once. One thread at a time (a lock guards fill + replay).
     """
 
     def __init__(self, runner: CachedFlowRunner, rows: Sequence[int] = (1, 2, 4, 8, 16),
                  new_frames: Sequence[int] = (128, 256),
                  history_frames: Sequence[int] = (256, 512, 768, 1024, 1280, 1536, 2048)):
+        super().__init__()
         self.runner = runner
         self.rows, self.new_frames, self.history_frames = tuple(rows), tuple(new_frames), tuple(history_frames)
-        self._captured: dict[tuple[int, int, int], _CapturedStep] = {}
-        self._pool: object | None = None
-        self._history: Optional[torch.Tensor] = None
-        self._tails: Optional[torch.Tensor] = None
-        self._lock = threading.Lock()
-        self.emulate = False  # tests: pad to buckets and use the static buffers on CPU, running eagerly
 
-    def bucket(self, rows: int, new: int, history: int) -> Optional[tuple[int, int, int]]:
-        """The padded (rows, new frames, history frames) of a call, or None (run eagerly) when it fits none."""
-        return fit((rows, new, history), (self.rows, self.new_frames, self.history_frames))  # type: ignore[return-value]
-
-    def buckets(self) -> list[tuple[int, int, int]]:
-        """Largest first: a smaller capture then reuses the pool blocks a larger one freed (no pool growth)."""
-        shapes = [(r, n, h) for r in self.rows for n in self.new_frames for h in self.history_frames]
-        return sorted(shapes, key=lambda shape: (shape[0] * shape[1] * (shape[1] + shape[2]), shape), reverse=True)
-
-    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
-        """Capture every bucket now (a server does this before it reports ready); returns how many were new."""
-        before = len(self._captured)
-        for shape in self.buckets():
-            with self._lock:
-                self._get(shape, device, dtype)
-        return len(self._captured) - before
+    def sizes(self) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+        return self.rows, self.new_frames, self.history_frames
 
     def run(self, shape: tuple[int, int, int], rows: Sequence[CachedRow], steps: Sequence[int], x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
             cond: torch.Tensor, bias: torch.Tensor, tail_at: torch.Tensor):
         rows_p, _, hist_p = shape
         with self._lock:
             captured = self._get(shape, x.device, x.dtype)
-            keys = self._key_view(shape)
+            keys, tails = self._views(shape)
             self.runner._gather_history(rows, steps, hist_p, rows_p, out=keys[:, :, :, :hist_p])
-            self.runner._gather_tails(rows, steps, rows_p, out=self._tails[: 2 * rows_p])
+            self.runner._gather_tails(rows, steps, rows_p, out=tails)
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
             if captured.graph is None:  # emulation on CPU
-                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, self._tails[: 2 * rows_p],
-                                            captured.inputs[7])
+                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, tails, captured.inputs[7])
             captured.graph.replay()
             return captured.outputs
 
     # -- capture ---------------------------------------------------------------------------------------
-    def _key_view(self, shape: tuple[int, int, int]) -> torch.Tensor:
+    def _views(self, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's views of the history buffer (keys and values) and of the conv tails."""
         rows_p, new, hist_p = shape
-        assert self._history is not None
-        return self._history[:, :, : 2 * rows_p, : hist_p + new]
+        assert self._buffers is not None
+        history, tails = self._buffers
+        return history[:, :, : 2 * rows_p, : hist_p + new], tails[: 2 * rows_p]
 
-    def _allocate(self, device: torch.device, dtype: torch.dtype) -> None:
-        """The static history and tail buffers, zeroed: padding must hold finite values (it is masked)."""
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static history and tail buffers."""
         est = self.runner.flow.decoder.estimator
         cfg = est.config
         blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         rows, history = 2 * max(self.rows), max(self.history_frames) + max(self.new_frames)
-        self._history = torch.zeros(blocks, 2, rows, history, cfg.num_heads, cfg.attention_head_dim,
-                                    device=device, dtype=dtype)
-        self._tails = torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype)
+        return (torch.zeros(blocks, 2, rows, history, cfg.num_heads, cfg.attention_head_dim,
+                            device=device, dtype=dtype),
+                torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype))
 
     def _tail_channels(self) -> int:
         """Input channels of every causal conv of the estimator (their tails travel as one tensor)."""
@@ -654,18 +632,10 @@ class StepGraphs:
             total += stage[2].in_channels if len(stage) > 2 else 0
         return total
 
-    def _get(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> _CapturedStep:
-        captured = self._captured.get(shape)
-        if captured is not None:
-            return captured
-        if self._history is None:
-            self._allocate(device, dtype)
-        if self._pool is None and device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
+    def _inputs(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> _StepStatics:
         rows_p, new, hist_p = shape
-        est = self.runner.flow.decoder.estimator
-        mel = est.config.out_channels
-        inputs = (
+        mel = self.runner.flow.decoder.estimator.config.out_channels
+        return (
             torch.zeros(2 * rows_p, mel, new, device=device, dtype=dtype),  # x
             torch.zeros(2 * rows_p, 1, new, device=device, dtype=dtype),  # mask
             torch.zeros(2 * rows_p, mel, new, device=device, dtype=dtype),  # mu
@@ -675,13 +645,7 @@ class StepGraphs:
             torch.zeros(2 * rows_p, 1, new, hist_p + new, device=device, dtype=dtype),  # bias
             torch.zeros(2 * rows_p, 1, CONV_CONTEXT, device=device, dtype=torch.long),  # tail_at
         )
-        keys = self._key_view(shape)
-        tails = self._tails[: 2 * rows_p]
-        if device.type != "cuda":
-            captured = self._captured[shape] = _CapturedStep(inputs, None, None)  # type: ignore[arg-type]
-            return captured
-        with torch.inference_mode():
-            graph, outputs = capture(lambda: self.runner.estimate(*inputs[:7], keys, hist_p, tails, inputs[7]),
-                                     device, self._pool)
-        captured = self._captured[shape] = _CapturedStep(inputs, graph, outputs)
-        return captured
+
+    def _pass(self, shape: tuple[int, int, int], inputs: _StepStatics) -> Callable[[], _StepOutputs]:
+        keys, tails = self._views(shape)
+        return lambda: self.runner.estimate(*inputs[:7], keys, shape[2], tails, inputs[7])

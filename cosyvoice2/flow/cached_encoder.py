@@ -17,15 +17,14 @@ stale but finite values (earlier calls' keys), always hidden, so it never reache
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from speech_lm.graph_buckets import capture, fit, on_device
+from speech_lm.graph_buckets import GridGraphs, on_device
 from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .encoder import relative_positions
@@ -233,56 +232,29 @@ class CachedEncoder:
         return x
 
 
-@dataclass
-class _CapturedEncoder:
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, bounds, tails
-    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation on CPU
-    outputs: Optional[tuple[torch.Tensor, torch.Tensor]]  # mu, seq
+_EncoderStatics = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, bounds, tails
+_KeyBuffers = tuple[torch.Tensor, torch.Tensor]  # keys/values of the conformer stacks before and after upsampling
 
 
-class EncoderGraphs:
+class EncoderGraphs(GridGraphs[_EncoderStatics, tuple[torch.Tensor, torch.Tensor], _KeyBuffers]):
     """CUDA graphs of the cached encoder pass, per (rows, new tokens, history tokens) bucket.
 
     The buckets cover every call of the served schedules (`tests/engine/test_encoder_graphs.py`): rows as the
     estimator's step graphs, new tokens 32/64/128 (a first chunk is at most 77 tokens, a later or final one at most
     126), history every 128 tokens up to 1024 (the estimator's 2048 frames). The rows' history is copied before
-    each replay into one static key buffer per layer stack that every graph views; outputs live in the graphs'
-    own pool and are copied out under the lock, before the next replay. Calls that fit no bucket run eagerly.
+    each replay into one static key buffer per layer stack that every graph views; outputs (mu, seq) live in the
+    graphs' own pool and are copied out under the lock, before the next replay. Calls that fit no bucket run eagerly.
     """
 
     def __init__(self, encoder: CachedEncoder, rows: Sequence[int] = (1, 2, 4, 8, 16),
                  new_tokens: Sequence[int] = (32, 64, 128),
                  history_tokens: Sequence[int] = (128, 256, 384, 512, 640, 768, 1024)) -> None:
+        super().__init__()
         self.encoder = encoder
         self.rows, self.new_tokens, self.history_tokens = tuple(rows), tuple(new_tokens), tuple(history_tokens)
-        self._captured: dict[tuple[int, int, int], _CapturedEncoder] = {}
-        self._pool: object | None = None
-        self._keys: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._lock = threading.Lock()
-        self.emulate = False  # tests: pad to buckets and use the static buffers on CPU, running eagerly
 
-    def bucket(self, rows: int, new: int, history: int) -> Optional[tuple[int, int, int]]:
-        return fit((rows, new, history), (self.rows, self.new_tokens, self.history_tokens))  # type: ignore[return-value]
-
-    def buckets(self) -> list[tuple[int, int, int]]:
-        """Largest first: a smaller capture then reuses the pool blocks a larger one freed."""
-        shapes = [(r, n, h) for r in self.rows for n in self.new_tokens for h in self.history_tokens]
-        return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
-
-    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
-        """Capture every bucket now (before the server reports ready); returns how many were new."""
-        before = len(self._captured)
-        for shape in self.buckets():
-            with self._lock:
-                self._get(shape, device, dtype)
-        return len(self._captured) - before
-
-    def clear(self) -> None:
-        """Drop every graph and buffer (after a failed capture: the encoder then runs eagerly)."""
-        with self._lock:
-            self._captured.clear()
-            self._keys = None
-            self._pool = None
+    def sizes(self) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+        return self.rows, self.new_tokens, self.history_tokens
 
     def __len__(self) -> int:
         return len(self._captured)
@@ -303,34 +275,27 @@ class EncoderGraphs:
                 mu, seq = captured.outputs  # type: ignore[misc]
             return mu[: len(rows)].clone(), self.encoder.kept(rows, seq, kv, up_kv, shape[2])
 
-    def _views(self, shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, shape: tuple[int, int, int]) -> _KeyBuffers:
         rows_p, new_p, hist_p = shape
-        assert self._keys is not None
-        kv, up_kv = self._keys
+        assert self._buffers is not None
+        kv, up_kv = self._buffers
         up = self.encoder.stride
         return kv[:, :, :rows_p, :, : hist_p + new_p], up_kv[:, :, :rows_p, :, : up * (hist_p + new_p)]
 
-    def _get(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> _CapturedEncoder:
-        captured = self._captured.get(shape)
-        if captured is not None:
-            return captured
-        if self._keys is None:  # zeroed: the padding must hold finite values (it is hidden)
-            largest = (max(self.rows), max(self.new_tokens), max(self.history_tokens))
-            self._keys = self.encoder.key_buffers(largest, device, dtype)
-        if self._pool is None and device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
-        rows_p, new_p, hist_p = shape
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> _KeyBuffers:
+        largest = (max(self.rows), max(self.new_tokens), max(self.history_tokens))
+        return self.encoder.key_buffers(largest, device, dtype)
+
+    def _inputs(self, shape: tuple[int, int, int], device: torch.device, dtype: torch.dtype) -> _EncoderStatics:
+        rows_p, new_p, _ = shape
         encoder = self.encoder
-        inputs = (
+        return (
             torch.zeros(rows_p, PRE_LOOKAHEAD_LEFT + new_p + encoder.lookahead, dtype=torch.long, device=device),
             torch.zeros(rows_p, 5, dtype=torch.long, device=device),
             torch.zeros(rows_p, encoder.width, UP_CONTEXT, dtype=dtype, device=device),
         )
-        if device.type != "cuda":
-            captured = self._captured[shape] = _CapturedEncoder(inputs, None, None)
-            return captured
+
+    def _pass(self, shape: tuple[int, int, int],
+              inputs: _EncoderStatics) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         kv, up_kv = self._views(shape)
-        with torch.inference_mode():
-            graph, outputs = capture(lambda: encoder.forward(*inputs, kv, up_kv, hist_p), device, self._pool)
-        captured = self._captured[shape] = _CapturedEncoder(inputs, graph, outputs)
-        return captured
+        return lambda: self.encoder.forward(*inputs, kv, up_kv, shape[2])

@@ -17,7 +17,8 @@ from torch import nn
 
 from cosyvoice2.host_copies import to_device
 
-from speech_lm.graph_buckets import ReplayOrder, capture, concrete_device, fit, on_device, round_up
+from speech_lm.graph_buckets import (BucketGraphs, ReplayOrder, concrete_device, costliest_first, fit, on_device,
+                                     round_up)
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -304,7 +305,7 @@ class HiFTBuckets:
 
     def shapes(self) -> list[Shape]:
         """Every bucket, the largest first: a smaller capture then reuses the pool blocks a larger one freed."""
-        return sorted(((r, f) for r in self.rows for f in self.frames), key=lambda s: (s[0] * s[1], s), reverse=True)
+        return costliest_first((self.rows, self.frames))  # type: ignore[return-value]
 
 
 class _VocodeBuffers:
@@ -349,7 +350,7 @@ def _fill(static: torch.Tensor, value: torch.Tensor) -> None:
     static[tuple(slice(0, n) for n in value.shape)].copy_(value)
 
 
-class HiFTGraphs:
+class HiFTGraphs(BucketGraphs["torch.cuda.CUDAGraph", "_VocodeBuffers"]):
     """CUDA graphs of `HiFTGenerator.vocode`, one per bucket (`HiFTBuckets`: rows x mel frames). Eagerly HiFT is
     launch-bound at a few rows (its time hardly depends on the size there), and padding is exact (masks), so a
     call is padded to its bucket - rows with 0 frames, zero mel frames, the cache source to the buckets' fixed
@@ -362,14 +363,10 @@ class HiFTGraphs:
     static buffers, each bucket's forward - eagerly on the CPU."""
 
     def __init__(self, hift: HiFTGenerator, buckets: HiFTBuckets = HiFTBuckets()) -> None:
+        super().__init__(threading.Lock())
         self._hift = [hift]  # a list, so the module is not registered as a child
         self.buckets = buckets
-        self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
-        self._buffers: Optional[_VocodeBuffers] = None
-        self._pool: object | None = None
         self._order = ReplayOrder()
-        self._lock = threading.Lock()
-        self.emulate = False
         self.replayed_calls = 0  # calls replayed (emulated) from a bucket
         self.eager_calls = 0  # calls that fit no captured bucket
 
@@ -384,20 +381,10 @@ class HiFTGraphs:
             self.buckets = buckets
             self._clear()
 
-    def clear(self) -> None:
-        """Drop every graph and buffer (after a failed capture: every call then runs eagerly)."""
-        with self._lock:
-            self._clear()
-
-    def _clear(self) -> None:
-        self._graphs.clear()
-        self._buffers = None
-        self._pool = None
-
     @property
     def count(self) -> int:
         """Graphs captured."""
-        return len(self._graphs)
+        return len(self._captured)
 
     @property
     def buffer_bytes(self) -> int:
@@ -413,14 +400,12 @@ class HiFTGraphs:
         if not self.buckets.shapes():
             return 0
         with self._lock, torch.inference_mode():
-            before = len(self._graphs)
+            before = len(self._captured)
             buffers = self._buffers_on(device, dtype)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
             for shape in self.buckets.shapes():
-                if shape not in self._graphs:
-                    self._graphs[shape], _ = capture(self._forward(buffers.views(shape)), device, self._pool)
-            return len(self._graphs) - before
+                if shape not in self._captured:
+                    self._captured[shape], _ = self._capture(self._forward(buffers.views(shape)), device)
+            return len(self._captured) - before
 
     def _buffers_on(self, device: torch.device, dtype: torch.dtype) -> _VocodeBuffers:
         """The static buffers on `device`; new ones drop the graphs that read the old. Caller holds the lock."""
@@ -445,8 +430,8 @@ class HiFTGraphs:
     # ---- calls ------------------------------------------------------------------------------------------
     def longest_frames(self, device: torch.device) -> Optional[int]:
         """The most mel frames a call on `device` can replay with (None: no call there replays)."""
-        if not self.buckets.frames or not (self.emulate or (self._graphs and self._buffers is not None
-                                                             and self._buffers.device == device)):
+        if not self.buckets.frames or not (self.emulate or (self._captured and self._buffers is not None
+                                                               and self._buffers.device == device)):
             return None
         return max(self.buckets.frames)
 
@@ -471,7 +456,7 @@ class HiFTGraphs:
             return None
         if self.emulate:
             return self._buffers_on(device, dtype)
-        if shape in self._graphs and self._buffers is not None and self._buffers.device == device:
+        if shape in self._captured and self._buffers is not None and self._buffers.device == device:
             return self._buffers
         return None
 
@@ -481,7 +466,7 @@ class HiFTGraphs:
         samples out. Caller holds the lock."""
         batch, samples = inputs[0].shape[0], inputs[0].shape[2] * self._hift[0].config.samples_per_frame
         views = buffers.views(shape)
-        graph = self._graphs.get(shape)
+        graph = self._captured.get(shape)
         device = buffers.device
         with on_device(device):
             if graph is not None:

@@ -86,7 +86,7 @@ def test_a_capture_that_fails_leaves_hift_eager(last_gpu, no_tf32, monkeypatch) 
     def broken(*_args, **_kwargs):
         raise RuntimeError("capture failed")
 
-    monkeypatch.setattr("cosyvoice2.hift.generator.capture", broken)
+    monkeypatch.setattr("speech_lm.graph_buckets.capture", broken)  # every graph set captures through it
 
     class Engine:  # what `capture_hift_graphs` reads of a token2wav engine
         hift, hift_device = graphed, last_gpu
