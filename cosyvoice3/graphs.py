@@ -18,10 +18,15 @@ masked as keys, padded new frames are never keys of a real frame, the conv reads
 in the static buffers are masked or never read back, so they are not cleared between calls (they are always finite:
 they come from earlier calls' real computations or zeros).
 
-The static keys/values of all buckets are views of one buffer sized for the largest bucket: depth x 2 x 2 rows x
-heads x history x head dim, i.e. 22 x 2 x 2 x 1024 values per row and history frame at the released size (176 KiB in
-bf16): 16 rows x 2048 frames take 5.5 GiB. Calls outside every bucket (more rows, longer chunks or histories: the
-final chunks and offline jobs, whole calls, mostly) run eagerly.
+Every bucket's static tensors are views of buffers all buckets share (one solve holds the lock at a time): the
+keys/values the rows' histories are staged into, one buffer sized for the most rows and the longest history, depth
+x 2 x 2 rows x heads x history x head dim, i.e. 22 x 2 x 2 x 1024 values per row and history frame at the released
+size (176 KiB in bf16: 16 rows x 2048 frames take 5.5 GiB); and the float inputs (window, mu, cond) and outputs
+(velocity, the new frames' keys/values) as prefix views of one flat buffer each, sized for the largest bucket (the
+new keys/values of 16 rows x 864 frames: 2.3 GiB in bf16). Outputs owned by each graph would instead stay alive
+for every bucket: 40.6 GiB in bf16 over the 120 served buckets. `StaticPlan` computes these sizes from the
+configuration alone (the engine logs it at start-up). Calls outside every bucket (more rows, longer chunks or
+histories: the final chunks and offline jobs, whole calls, mostly) run eagerly.
 """
 
 from __future__ import annotations
