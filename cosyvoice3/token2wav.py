@@ -299,9 +299,9 @@ class CosyVoice3Token2Wav:
         per_frame = len(self.flow.decoder.schedule) * dit.depth * 2 * 2 * dit.inner_dim * self.flow_dtype.itemsize
         budget = self.budget.budget_bytes
         streams = "no limit" if budget is None else f"{budget / 2**30:.2f} GiB at most"
-        return (f"flow step graphs ({len(self.graphs.buckets.shapes())} buckets): "
-                f"{self.graphs.plan(self.flow_dtype).describe()}; live streams' flow caches: {streams}; prompt caches "
-                f"of up to {self.voice_caches.capacity} voices, {per_frame / 2**20:.2f} MiB per cached prompt frame")
+        graphs = f"{len(self.graphs.buckets.shapes())} buckets): {self.graphs.plan(self.flow_dtype).describe()}"
+        return (f"flow step graphs ({graphs}; live streams' flow caches: {streams}; prompt caches of up to "
+                f"{self.voice_caches.capacity} voices, {per_frame / 2**20:.2f} MiB per cached prompt frame")
 
     @property
     def sample_rate(self) -> int:
