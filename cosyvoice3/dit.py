@@ -232,8 +232,8 @@ class DiT(nn.Module):
 
     def forward_rows(self, x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor, spks: torch.Tensor,
                      cond: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
-                     past: list[Optional[tuple[torch.Tensor, torch.Tensor]]]
-                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+                     past: list[Optional[tuple[torch.Tensor, torch.Tensor]]],
+                     keys_values: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """New frames of several rows (each its own call) over their earlier frames' keys/values; static shapes
         and no host syncs (what a CUDA graph per shape bucket can capture).
 
@@ -242,13 +242,18 @@ class DiT(nn.Module):
         right-padded to N. positions (B, N): the new frames' absolute positions (rotary angles). visible
         (B, 1, N, P + N): which of the past keys (P, per row right-padded) and new keys each new frame sees.
         past: per block, keys and values (B, H, P, dim_head), or None when P = 0.
-        Returns the velocity of the N new frames (B, 80, N) and, per block, their keys and values."""
+        Returns the velocity of the N new frames (B, 80, N) and their keys/values (depth, 2, B, H, N, dim_head): per
+        block its keys then its values, written into `keys_values` when given (a graph's shared output buffer).
+        Each block's keys and values are copied out as soon as it has run, so they are not all alive at once."""
         context = x.shape[2] - positions.shape[1]
         t_emb = self.time_embed(t)
         h = self.input_embed(x.transpose(1, 2), cond.transpose(1, 2), mu.transpose(1, 2), spks, valid)[:, context:]
         angles = self.rotary_embed.angles(positions)
-        new = []
-        for block, kv in zip(self.transformer_blocks, past):
-            h, own = block(h, t_emb, angles, visible, kv)
-            new.append(own)
-        return self._output(h, t_emb, None), new
+        if keys_values is None:
+            keys_values = h.new_empty(len(self.transformer_blocks), 2, h.shape[0], self.config.heads, h.shape[1],
+                                      self.config.dim_head)
+        for index, (block, kv) in enumerate(zip(self.transformer_blocks, past)):
+            h, (keys, values) = block(h, t_emb, angles, visible, kv)
+            keys_values[index, 0].copy_(keys)
+            keys_values[index, 1].copy_(values)
+        return self._output(h, t_emb, None), keys_values

@@ -18,14 +18,20 @@ masked as keys, padded new frames are never keys of a real frame, the conv reads
 in the static buffers are masked or never read back, so they are not cleared between calls (they are always finite:
 they come from earlier calls' real computations or zeros).
 
-The static keys/values of all buckets are views of one buffer sized for the largest bucket: depth x 2 x 2 rows x
-heads x history x head dim, i.e. 22 x 2 x 2 x 1024 values per row and history frame at the released size (176 KiB in
-bf16): 16 rows x 2048 frames take 5.5 GiB. Calls outside every bucket (more rows, longer chunks or histories: the
-final chunks and offline jobs, whole calls, mostly) run eagerly.
+Every bucket's static tensors are views of buffers all buckets share (one solve holds the lock at a time): the
+keys/values the rows' histories are staged into, one buffer sized for the most rows and the longest history, depth
+x 2 x 2 rows x heads x history x head dim, i.e. 22 x 2 x 2 x 1024 values per row and history frame at the released
+size (176 KiB in bf16: 16 rows x 2048 frames take 5.5 GiB); and the float inputs (window, mu, cond) and outputs
+(velocity, the new frames' keys/values) as prefix views of one flat buffer each, sized for the largest bucket (the
+new keys/values of 16 rows x 864 frames: 2.3 GiB in bf16). Outputs owned by each graph would instead stay alive
+for every bucket: 40.6 GiB in bf16 over the 120 served buckets. `StaticPlan` computes these sizes from the
+configuration alone (the engine logs it at start-up). Calls outside every bucket (more rows, longer chunks or
+histories: the final chunks and offline jobs, whole calls, mostly) run eagerly.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -121,6 +127,82 @@ def row_masks(start: torch.Tensor, count: torch.Tensor, streaming: torch.Tensor,
     return valid.unsqueeze(-1), positions, visible
 
 
+def shared_shapes(config: DiTConfig, shape: Shape, context: int) -> dict[str, tuple[int, ...]]:
+    """A bucket's float static tensors that all buckets share (each a prefix view of one flat buffer per name,
+    `_SharedBuffers`): the inputs window, mu and cond, and the outputs velocity and keys/values."""
+    rows, frames, _ = shape
+    width = context + frames
+    return {"window": (rows, config.mel_dim, width), "mu": (2 * rows, config.mu_dim, width),
+            "cond": (2 * rows, config.mel_dim, width), "velocity": (2 * rows, config.mel_dim, frames),
+            "keys_values": (config.depth, 2, 2 * rows, config.heads, frames, config.dim_head)}
+
+
+_OUTPUTS = ("velocity", "keys_values")
+
+
+def shared_sizes(config: DiTConfig, buckets: FlowGraphBuckets, context: int) -> dict[str, int]:
+    """Elements of each shared flat buffer: its tensor of the largest bucket."""
+    sizes: dict[str, int] = {}
+    for shape in buckets.shapes():
+        for name, dims in shared_shapes(config, shape, context).items():
+            sizes[name] = max(sizes.get(name, 0), math.prod(dims))
+    return sizes
+
+
+def past_shape(config: DiTConfig, buckets: FlowGraphBuckets) -> tuple[int, ...]:
+    """The shared buffer the rows' cached keys/values are staged into: depth x 2 x 2 rows x heads x history x dim_head
+    for the most rows and the longest history (a bucket's is a slice of it)."""
+    return (config.depth, 2, 2 * max(buckets.rows), config.heads, max(buckets.history), config.dim_head)
+
+
+@dataclass(frozen=True)
+class StaticPlan:
+    """Bytes a set of step graphs holds outside its CUDA graph pool once every bucket is captured; computed from
+    the configuration alone (the buffers are allocated from the same shapes). The pool adds one pass's
+    intermediates: buckets are captured costliest first, so about the largest bucket's."""
+
+    past: int  # the staged history keys/values
+    inputs: int  # the shared window, mu and cond
+    outputs: int  # the shared velocity and new keys/values
+
+    @classmethod
+    def of(cls, config: DiTConfig, buckets: FlowGraphBuckets, context: int, dtype: torch.dtype) -> "StaticPlan":
+        sizes = shared_sizes(config, buckets, context)
+        size = dtype.itemsize
+        return cls(past=math.prod(past_shape(config, buckets)) * size,
+                   inputs=sum(n for name, n in sizes.items() if name not in _OUTPUTS) * size,
+                   outputs=sum(sizes[name] for name in _OUTPUTS) * size)
+
+    @property
+    def total(self) -> int:
+        return self.past + self.inputs + self.outputs
+
+    def describe(self) -> str:
+        gib = 2**30
+        return (f"{self.total / gib:.2f} GiB (history keys/values {self.past / gib:.2f}, outputs "
+                f"{self.outputs / gib:.2f}, inputs {self.inputs / gib:.2f})")
+
+
+class _SharedBuffers:
+    """The static tensors every bucket of one device and dtype shares: the history keys/values (`past`, sliced per
+    bucket) and one flat buffer per float input and output, each bucket's tensor a prefix view of it. Sharing is
+    safe because one solve holds the lock at a time, fills every input it reads, and copies a replay's outputs out
+    before the next replay; the tiny per-row tensors (t, speaker, history lengths, counts, modes) stay per bucket."""
+
+    def __init__(self, config: DiTConfig, buckets: FlowGraphBuckets, context: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.past = torch.zeros(past_shape(config, buckets), device=device, dtype=dtype)
+        self.flat = {name: torch.zeros(size, device=device, dtype=dtype)
+                     for name, size in shared_sizes(config, buckets, context).items()}
+
+    def view(self, name: str, shape: Sequence[int]) -> torch.Tensor:
+        return self.flat[name][:math.prod(shape)].view(*shape)
+
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in (self.past, *self.flat.values()))
+
+
 @dataclass(eq=False)
 class StepInputs:
     """The inputs of one estimator pass over a padded batch of B rows (N new frames, R context frames, P history
@@ -141,43 +223,49 @@ class StepInputs:
     history: int  # P
 
     @classmethod
-    def zeros(cls, config: DiTConfig, shape: Shape, context: int, like: torch.Tensor,
-              past: Optional[torch.Tensor] = None) -> "StepInputs":
-        """Zeroed inputs of a bucket, every new frame real, no history, full attention (a capture's warm-up on them
-        is finite); `past`: a given buffer (view) to use for the keys/values."""
+    def static(cls, config: DiTConfig, shape: Shape, context: int, buffers: _SharedBuffers) -> "StepInputs":
+        """A bucket's static inputs on the shared buffers, zeroed: every new frame real, no history, full attention
+        (a capture's warm-up on them is finite)."""
         rows, frames, history = shape
-        width = context + frames
-        if past is None and history:
-            past = like.new_zeros(config.depth, 2, 2 * rows, config.heads, history, config.dim_head)
-        start = torch.zeros(2 * rows, dtype=torch.long, device=like.device)
-        return cls(like.new_zeros(rows, config.mel_dim, width), like.new_zeros(2 * rows),
-                   like.new_zeros(2 * rows, config.mu_dim, width), like.new_zeros(2 * rows, config.mel_dim, width),
-                   like.new_zeros(2 * rows, config.spk_dim), start, start + frames,
-                   torch.zeros(2 * rows, dtype=torch.bool, device=like.device), past, context, history)
+        views = shared_shapes(config, shape, context)
+        window, mu, cond = (buffers.view(name, views[name]).zero_() for name in ("window", "mu", "cond"))
+        past = buffers.past[:, :, :2 * rows, :, :history] if history else None
+        device, dtype = buffers.device, buffers.dtype
+        start = torch.zeros(2 * rows, dtype=torch.long, device=device)
+        return cls(window, torch.zeros(2 * rows, device=device, dtype=dtype), mu, cond,
+                   torch.zeros(2 * rows, config.spk_dim, device=device, dtype=dtype), start, start + frames,
+                   torch.zeros(2 * rows, dtype=torch.bool, device=device), past, context, history)
 
-    def run(self, estimator: DiT) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, estimator: DiT, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """One estimator pass (static shapes, no host syncs: what a graph captures) -> the velocity (2B, 80, N) and
-        the new frames' keys/values (depth, 2, 2B, H, N, dim_head)."""
+        the new frames' keys/values (depth, 2, 2B, H, N, dim_head), written into `out` when given (a bucket's
+        output views of the shared buffers)."""
         depth = len(estimator.transformer_blocks)
         frames = self.window.shape[2] - self.context
         valid, positions, visible = row_masks(self.start, self.count, self.streaming, self.context, frames,
                                               self.history, estimator.config.static_chunk_size)
         past = ([(self.past[b, 0], self.past[b, 1]) for b in range(depth)] if self.past is not None
                 else [None] * depth)
-        velocity, own = estimator.forward_rows(torch.cat([self.window, self.window]), self.mu, self.t, self.spks,
-                                               self.cond, valid.to(self.mu.dtype), positions, visible, past)
-        return velocity, torch.stack([torch.stack(kv) for kv in own])
+        velocity, keys_values = estimator.forward_rows(torch.cat([self.window, self.window]), self.mu, self.t,
+                                                       self.spks, self.cond, valid.to(self.mu.dtype), positions,
+                                                       visible, past, None if out is None else out[1])
+        if out is None:
+            return velocity, keys_values
+        out[0].copy_(velocity)
+        return out
 
 
 @dataclass(eq=False)
 class _Entry:
     inputs: StepInputs
-    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the pass runs eagerly on the static inputs)
-    outputs: Optional[tuple[torch.Tensor, torch.Tensor]]
+    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the pass runs eagerly on the static buffers)
+    outputs: tuple[torch.Tensor, torch.Tensor]  # views of the shared output buffers
 
 
 class FlowStepGraphs:
-    """The captured estimator passes of one CosyVoice3 flow, per bucket, and their static buffers.
+    """The captured estimator passes of one CosyVoice3 flow, per bucket, and their static buffers (shared by all
+    buckets: `_SharedBuffers`; what they hold is `plan`).
 
     `lock` is held by a whole `batched_solve` call (static buffers, and graph outputs that the next replay
     overwrites). `emulate` (tests): pad calls to the buckets and fill the static buffers on any device, running each
@@ -190,16 +278,21 @@ class FlowStepGraphs:
         self.lock = threading.RLock()
         self.emulate = False
         self._entries: dict[Shape, _Entry] = {}
-        self._past: Optional[torch.Tensor] = None
+        self._buffers: Optional[_SharedBuffers] = None
         self._pool: object | None = None
 
     @property
     def captured(self) -> int:
         return sum(entry.graph is not None for entry in self._entries.values())
 
+    def plan(self, dtype: torch.dtype) -> StaticPlan:
+        """What the shared static buffers of these buckets hold in `dtype` (allocated at the first capture or
+        emulated call)."""
+        return StaticPlan.of(self._estimator[0].config, self.buckets, self.context, dtype)
+
     def static_bytes(self) -> int:
-        """Bytes of the shared static keys/values (0 before the first capture or emulated call)."""
-        return 0 if self._past is None else self._past.numel() * self._past.element_size()
+        """Bytes of the shared static buffers (0 before the first capture or emulated call)."""
+        return 0 if self._buffers is None else self._buffers.nbytes()
 
     def bucket(self, rows: int, frames: int, history: int, like: torch.Tensor) -> Optional[Shape]:
         """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket captured
@@ -218,12 +311,12 @@ class FlowStepGraphs:
 
     def run(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass on the static inputs of `shape` (filled by the caller, who holds `lock`): replayed, or run eagerly
-        when emulating. A replay's outputs are valid until the next replay."""
+        when emulating. The outputs are views of buffers every bucket shares: valid until the next pass of any
+        bucket."""
         entry = self._entries[shape]
         if entry.graph is None:
-            return entry.inputs.run(self._estimator[0])
+            return entry.inputs.run(self._estimator[0], entry.outputs)
         entry.graph.replay()
-        assert entry.outputs is not None
         return entry.outputs
 
     def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
@@ -240,7 +333,7 @@ class FlowStepGraphs:
         """Drop every graph and buffer: all calls run eagerly (after a failed capture)."""
         with self.lock:
             self._entries.clear()
-            self._past = None
+            self._buffers = None
             self._pool = None
 
     def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
@@ -251,21 +344,21 @@ class FlowStepGraphs:
         device = concrete_device(device)
         estimator = self._estimator[0]
         config = estimator.config
-        if self._past is None or (self._past.device, self._past.dtype) != (device, dtype):
-            # the graphs of the old buffer go, and with them their pool: a pool whose graphs are all gone must not
+        if self._buffers is None or (self._buffers.device, self._buffers.dtype) != (device, dtype):
+            # the graphs of the old buffers go, and with them their pool: a pool whose graphs are all gone must not
             # take a new capture (the caching allocator asserts), so the next capture starts a new one
             self._entries.clear()
             self._pool = None
-            self._past = torch.zeros(config.depth, 2, 2 * max(self.buckets.rows), config.heads,
-                                     max(self.buckets.history), config.dim_head, device=device, dtype=dtype)
-        rows, _, history = shape
-        like = self._past.new_empty(0)
-        inputs = StepInputs.zeros(config, shape, self.context, like,
-                                  past=self._past[:, :, :2 * rows, :, :history])
-        graph, outputs = None, None
+            self._buffers = None  # freed before the new ones are allocated
+            self._buffers = _SharedBuffers(config, self.buckets, self.context, device, dtype)
+        buffers = self._buffers
+        inputs = StepInputs.static(config, shape, self.context, buffers)
+        views = shared_shapes(config, shape, self.context)
+        outputs = (buffers.view("velocity", views["velocity"]), buffers.view("keys_values", views["keys_values"]))
+        graph = None
         if capture_graph and device.type == "cuda":
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            graph, outputs = capture(lambda: inputs.run(estimator), device, self._pool)
+            graph, _ = capture(lambda: inputs.run(estimator, outputs), device, self._pool)
         entry = self._entries[shape] = _Entry(inputs, graph, outputs)
         return entry

@@ -290,6 +290,19 @@ class CosyVoice3Token2Wav:
         """Replace the step graphs by an empty set with these buckets (before capturing them)."""
         self.graphs = FlowStepGraphs(self.flow.estimator, buckets)
 
+    def memory_plan(self) -> str:
+        """What this engine holds or may hold beyond its weights, for the start-up log: the step graphs' shared
+        static buffers (`StaticPlan`, allocated when they are captured; their pool adds about one pass of the
+        largest bucket), the live cached streams' flow-cache budget, and the voices whose prompt caches are kept
+        (bounded in number, not bytes: each holds its committed prompt frames' keys/values of every Euler step)."""
+        dit = self.flow.estimator.config
+        per_frame = len(self.flow.decoder.schedule) * dit.depth * 2 * 2 * dit.inner_dim * self.flow_dtype.itemsize
+        budget = self.budget.budget_bytes
+        streams = "no limit" if budget is None else f"{budget / 2**30:.2f} GiB at most"
+        graphs = f"{len(self.graphs.buckets.shapes())} buckets): {self.graphs.plan(self.flow_dtype).describe()}"
+        return (f"flow step graphs ({graphs}; live streams' flow caches: {streams}; prompt caches of up to "
+                f"{self.voice_caches.capacity} voices, {per_frame / 2**20:.2f} MiB per cached prompt frame")
+
     @property
     def sample_rate(self) -> int:
         return self.hift.config.sampling_rate

@@ -357,10 +357,16 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
         engine = self.engine
         if engine.flow_device.type != "cuda":
             return 0, 0.0
+        # the plan first: a capture that runs out of memory still leaves it in the log
+        logger.info("cosyvoice3 token2wav on %s: %s", engine.flow_device, engine.memory_plan())
         started = time.perf_counter()
         count = capture_or_stay_eager(
             "CosyVoice3's flow step graphs", lambda: engine.graphs.capture_all(engine.flow_device, engine.flow_dtype),
             engine.graphs.clear, engine.flow_device)
+        logger.info("cosyvoice3 token2wav: %d step graphs, %.2f GiB of static buffers; this process now has %.2f GiB "
+                    "allocated and %.2f GiB reserved on %s", count, engine.graphs.static_bytes() / 2**30,
+                    torch.cuda.memory_allocated(engine.flow_device) / 2**30,
+                    torch.cuda.memory_reserved(engine.flow_device) / 2**30, engine.flow_device)
         return count, time.perf_counter() - started
 
     def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:

@@ -167,3 +167,62 @@ def test_calls_beyond_the_buckets_and_uncaptured_buckets_run_eagerly(token2wav: 
     assert graphs.static_bytes() > 0 and not graphs.captured
     graphs.clear()
     assert graphs.static_bytes() == 0
+
+
+def storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def test_every_bucket_shares_the_static_buffers_the_plan_counts(token2wav: CosyVoice3Token2Wav) -> None:
+    """Every bucket's window, mu, cond, history keys/values and outputs are views of the same few buffers, and those
+    hold exactly what `plan` computes from the configuration (per-bucket outputs grew with the number of buckets)."""
+    graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
+    assert graphs.capture_all(torch.device("cpu"), torch.float32) == 0
+    assert graphs.static_bytes() == graphs.plan(torch.float32).total > 0
+    like = torch.zeros(1)
+    seen: dict[str, set[int]] = {}
+    with torch.inference_mode():
+        for shape in BUCKETS.shapes():
+            inputs = graphs.inputs(shape, like)
+            velocity, keys_values = graphs.run(shape)
+            rows, frames, history = shape
+            assert velocity.shape == (2 * rows, 80, frames) and keys_values.shape[2::2] == (2 * rows, frames)
+            for name, tensor in dict(window=inputs.window, mu=inputs.mu, cond=inputs.cond, past=inputs.past,
+                                     velocity=velocity, keys_values=keys_values).items():
+                seen.setdefault(name, set()).add(storage(tensor))
+    assert all(len(pointers) == 1 for pointers in seen.values()), seen
+    assert len(set.union(*seen.values())) == len(seen)  # one buffer per name
+    graphs.clear()
+    assert graphs.static_bytes() == 0
+
+
+#: What the served CosyVoice3 engine's step graphs may hold outside their pool at the released size in bf16. Beside
+#: them on one 80 GB GPU: the engine's weights and LLM KV cache (about 4 GiB), the graph pool (one pass of the
+#: largest bucket, about 1.5 GiB), the live streams' flow-cache budget (16 GiB by default), the kept voices' prompt
+#: caches, and CosyVoice2's engine process (about 17 GiB).
+RELEASED_STATIC_BOUND = 8 * 2**30
+
+
+def test_the_released_size_step_graphs_plan_stays_bounded() -> None:
+    """The released configuration's served buckets (the runtime schedule), allocated on the meta device (no
+    memory): the buffers are what the plan says, and under the bound; 120 buckets with outputs of their own would
+    have held over 40 GiB."""
+    from cosyvoice3.config import CosyVoice3Config
+    from cosyvoice3.flow import CosyVoice3Flow
+    from cosyvoice3.hift import CausalHiFT
+
+    config = CosyVoice3Config()
+    with torch.device("meta"):
+        flow, hift = CosyVoice3Flow(config.flow).to(dtype=torch.bfloat16), CausalHiFT(config.hift)
+    engine = CosyVoice3Token2Wav(flow, hift, cache_budget_bytes=16 * 2**30)
+    graphs = engine.graphs
+    assert len(graphs.buckets.shapes()) == 120
+    plan = graphs.plan(torch.bfloat16)
+    assert graphs.capture_all(torch.device("meta"), torch.bfloat16) == 0
+    assert graphs.static_bytes() == plan.total <= RELEASED_STATIC_BOUND, plan.describe()
+    dit = config.flow.dit
+    own_outputs = sum(dit.depth * 2 * 2 * rows * dit.inner_dim * frames * 2
+                      for rows, frames, _ in graphs.buckets.shapes())
+    assert own_outputs > 40 * 2**30 > 5 * plan.outputs
+    described = engine.memory_plan()
+    assert f"{plan.total / 2**30:.2f} GiB" in described and "16.00 GiB at most" in described, described

@@ -48,3 +48,25 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.fixture
+def frees_cuda_memory():
+    """For a test that fills most of a GPU: at its teardown, passed or failed, the CUDA memory it left goes back to
+    the driver, so later tests of the same process are not starved. pytest keeps a failed test's traceback
+    (`sys.last_traceback`, for post-mortem debugging) and with it every frame's locals, tensors among them: those
+    frames are cleared first."""
+    yield
+    import gc
+    import sys
+    import traceback
+
+    import torch
+
+    failed = getattr(sys, "last_traceback", None)
+    if failed is not None:
+        traceback.clear_frames(failed)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -2,7 +2,8 @@
 and audio, for mixed streams (different prompts, chunk and history lengths; rows padded up to a bucket), on the
 machine's last GPU (so a machine with several checks a device other than the current one). TF32 is off: fp32
 compares fp32. The tiny model with small buckets checks the padding and the static buffers fast; the released size
-(marked slow) captures every bucket a server captures and compares calls of 1 and 16 streams at the real shapes.
+(marked slow) captures every bucket a server captures and compares calls of 1 and 16 streams at the real shapes,
+then hands its GPU memory back (`frees_cuda_memory`).
 tests/cosyvoice3/test_flow_graphs.py checks the same buckets emulated on the CPU."""
 
 from __future__ import annotations
@@ -50,13 +51,20 @@ def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path) 
             assert float(np.abs(ours - theirs).max()) <= AUDIO_OF_SCALE * float(np.abs(theirs).max()), name
 
 
-def released_engine(device: torch.device, dtype: torch.dtype) -> CosyVoice3Token2Wav:
+@pytest.fixture
+def released_fp32(gpus, frees_cuda_memory):
+    """The released-size token2wav (random weights) in fp32 on the last GPU. Its step graphs' shared static buffers
+    take 15.7 GiB in fp32 (`StaticPlan`); at teardown they are dropped first, then `frees_cuda_memory` hands the
+    rest back."""
     torch.manual_seed(0)
     config = CosyVoice3Config()
-    flow = CosyVoice3Flow(config.flow).to(device, dtype).eval()
+    device = last_gpu(gpus)
+    flow = CosyVoice3Flow(config.flow).to(device, torch.float32).eval()
     hift = CausalHiFT(config.hift)
     hift.fold_weight_norm()
-    return CosyVoice3Token2Wav(flow, hift.to(device).eval())
+    engine = CosyVoice3Token2Wav(flow, hift.to(device).eval())
+    yield engine
+    engine.graphs.clear()
 
 
 @torch.inference_mode()
@@ -76,33 +84,46 @@ def first_chunks(engine: CosyVoice3Token2Wav, voice: VoicePrompt, tokens: list[i
         engine.graphs = graphs
 
 
+def next_mels(engine: CosyVoice3Token2Wav, voice: VoicePrompt, tokens: list[int], streams: int, chunks: int,
+              graphs: bool) -> list[torch.Tensor]:
+    """The mel of the next chunk of `streams` streams advanced by `chunks` chunks, all in one `run_chunks` call,
+    replayed (`graphs`, every solve in a bucket) or eager. Only the mels outlive the call: 16 streams' fp32 flow
+    caches take about 20 GB, so the two modes' streams never coexist."""
+    work = first_chunks(engine, voice, tokens, streams, chunks)
+    saved = engine.graphs
+    calls = recording(saved)
+    if not graphs:
+        engine.graphs = None  # type: ignore[assignment]
+    try:
+        engine.run_chunks(work)
+    finally:
+        engine.graphs = saved
+    if graphs:
+        assert calls and all(shape is not None for _, shape in calls), calls
+    return [stream.last_mel for stream, _ in work]
+
+
 @pytest.mark.slow
-def test_released_size_replays_equal_eager(gpus, no_tf32) -> None:
-    device = last_gpu(gpus)
-    engine = released_engine(device, torch.float32)
+def test_released_size_replays_equal_eager(released_fp32: CosyVoice3Token2Wav, no_tf32) -> None:
+    """fp32 at the released size with every served bucket (120 graphs); calls of 1 and 16 streams, first chunks
+    (history bucket 256) and third chunks (512, longer chunks)."""
+    engine = released_fp32
+    device = engine.flow_device
     started = time.perf_counter()
     count = engine.graphs.capture_all(device, torch.float32)
-    print(f"captured {count} graphs in {time.perf_counter() - started:.1f} s, "
-          f"{engine.graphs.static_bytes() / 2**30:.2f} GiB of static keys/values")
+    plan = engine.graphs.plan(torch.float32)
+    print(f"captured {count} graphs in {time.perf_counter() - started:.1f} s; static buffers {plan.describe()}; "
+          f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB allocated, "
+          f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB reserved")
     assert count == len(engine.graphs.buckets.shapes())
+    assert engine.graphs.static_bytes() == plan.total
     gen = torch.Generator().manual_seed(1)
     voice = VoicePrompt(torch.randint(0, 6561, (150,), generator=gen), torch.randn(300, 80, generator=gen),
                         torch.randn(192, generator=gen))
     tokens = torch.randint(0, 6561, (400,), generator=gen).tolist()
     for streams, chunks in ((1, 0), (16, 0), (16, 2)):
-        mels = {}
-        for mode in ("eager", "graphs"):
-            work = first_chunks(engine, voice, tokens, streams, chunks)
-            saved = engine.graphs
-            if mode == "eager":
-                engine.graphs = None  # type: ignore[assignment]
-            calls = recording(saved)
-            try:
-                engine.run_chunks(work)
-            finally:
-                engine.graphs = saved
-            if mode == "graphs":
-                assert calls and all(shape is not None for _, shape in calls), calls
-            mels[mode] = [stream.last_mel for stream, _ in work]
-        worst = max(float((a - b).abs().max()) for a, b in zip(mels["eager"], mels["graphs"]))
+        eager = next_mels(engine, voice, tokens, streams, chunks, graphs=False)
+        replayed = next_mels(engine, voice, tokens, streams, chunks, graphs=True)
+        worst = max(float((a - b).abs().max()) for a, b in zip(eager, replayed, strict=True))
         assert worst <= REPLAY_ATOL, (streams, chunks, worst)
+    print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated")
