@@ -166,9 +166,12 @@ async def settled_metrics(pipeline):
 @pytest.fixture
 def adapters(monkeypatch):
     """The adapter modules imported outside tritonserver, over a stand-in for `triton_python_backend_utils`
-    (only what they read at import); removed again afterwards."""
+    (only what they read at import and `initialize`); removed again afterwards."""
     stub = types.ModuleType("triton_python_backend_utils")
     stub.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1  # type: ignore[attr-defined]
+    # what the real one reads: the model configuration's transaction policy
+    stub.using_decoupled_model_transaction_policy = (  # type: ignore[attr-defined]
+        lambda config: bool(config.get("model_transaction_policy", {}).get("decoupled", False)))
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", stub)
     for name in [n for n in sys.modules if n.startswith("triton_repo.adapters")]:
         monkeypatch.delitem(sys.modules, name)
