@@ -283,10 +283,10 @@ class SolverStepGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]
         shape = self.buckets.fit(rows, frames, history)
         if shape is None or self.emulate:
             return shape
-        entry = self._captured.get(shape)
-        if entry is None or entry.graph is None or not like.is_cuda:
+        entry, buffers = self._captured.get(shape), self._buffers  # a bucket's tensors live on the current buffers
+        if entry is None or entry.graph is None or buffers is None or not like.is_cuda:
             return None
-        return shape if self._placement_of(entry) == (like.device, like.dtype) else None
+        return shape if self._placement(buffers) == (like.device, like.dtype) else None
 
     def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
         """Capture every bucket now (before a server reports ready), on `device` (any GPU, not only the current
@@ -309,18 +309,13 @@ class SolverStepGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]
         assert entry.outputs is not None
         return entry.outputs
 
-    def _placement_of(self, entry: CapturedBucket[InputsT, OutputsT]) -> tuple["torch.device", "torch.dtype"]:
-        """Where a bucket's static tensors live: on the current buffers (every entry is made on them, and goes
-        when they are reallocated)."""
-        assert self._buffers is not None
-        return self._placement(self._buffers)
-
     def _entry(self, shape: Grid, device: "torch.device", dtype: "torch.dtype",
                capture_graph: bool) -> CapturedBucket[InputsT, OutputsT]:
         """The bucket's static inputs on `device` and `dtype`, made now if new there (and its graph captured when
         `capture_graph` and `device` is a GPU). Caller holds the lock."""
-        entry = self._captured.get(shape)
-        if entry is not None and self._placement_of(entry) == (device, dtype):
+        entry = self._captured.get(shape)  # every entry is made on the current buffers and goes when they do
+        on_buffers = self._buffers is not None and self._placement(self._buffers) == (device, dtype)
+        if entry is not None and on_buffers:
             if entry.graph is not None or not capture_graph:
                 return entry
         device = concrete_device(device)
