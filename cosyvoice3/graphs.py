@@ -32,14 +32,13 @@ histories: the final chunks and offline jobs, whole calls, mostly) run eagerly.
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
 from cosyvoice2.dit.graphs import HopSchedule
-from speech_lm.graph_buckets import capture, concrete_device, fit, round_up
+from speech_lm.graph_buckets import SolverStepGraphs, attention_cost, costliest_first, fit, round_up
 
 from .config import DiTConfig
 from .dit import DiT
@@ -97,9 +96,8 @@ class FlowGraphBuckets:
         return fit((rows, frames, history), (self.rows, self.frames, self.history))  # type: ignore[return-value]
 
     def shapes(self) -> list[Shape]:
-        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
-        shapes = [(r, f, h) for r in self.rows for f in self.frames for h in self.history]
-        return sorted(shapes, key=lambda s: (s[0] * s[1] * (s[1] + s[2]), s), reverse=True)
+        """Every bucket, the costliest first (`costliest_first`)."""
+        return costliest_first((self.rows, self.frames, self.history), attention_cost)  # type: ignore[return-value]
 
 
 def row_masks(start: torch.Tensor, count: torch.Tensor, streaming: torch.Tensor, context: int, frames: int,
@@ -256,14 +254,10 @@ class StepInputs:
         return out
 
 
-@dataclass(eq=False)
-class _Entry:
-    inputs: StepInputs
-    graph: Optional["torch.cuda.CUDAGraph"]  # None: emulation (the pass runs eagerly on the static buffers)
-    outputs: tuple[torch.Tensor, torch.Tensor]  # views of the shared output buffers
+_StepOutputs = tuple[torch.Tensor, torch.Tensor]  # views of the shared output buffers
 
 
-class FlowStepGraphs:
+class FlowStepGraphs(SolverStepGraphs[StepInputs, _StepOutputs, _SharedBuffers]):
     """The captured estimator passes of one CosyVoice3 flow, per bucket, and their static buffers (shared by all
     buckets: `_SharedBuffers`; what they hold is `plan`).
 
@@ -271,19 +265,12 @@ class FlowStepGraphs:
     overwrites). `emulate` (tests): pad calls to the buckets and fill the static buffers on any device, running each
     pass eagerly instead of replaying."""
 
-    def __init__(self, estimator: DiT, buckets: FlowGraphBuckets) -> None:
-        self._estimator = [estimator]  # a list, so the module is not registered as a child
-        self.buckets = buckets
-        self.context = estimator.input_embed.conv_pos_embed.receptive_field
-        self.lock = threading.RLock()
-        self.emulate = False
-        self._entries: dict[Shape, _Entry] = {}
-        self._buffers: Optional[_SharedBuffers] = None
-        self._pool: object | None = None
+    buckets: FlowGraphBuckets
 
-    @property
-    def captured(self) -> int:
-        return sum(entry.graph is not None for entry in self._entries.values())
+    def __init__(self, estimator: DiT, buckets: FlowGraphBuckets) -> None:
+        super().__init__(buckets)
+        self._estimator = [estimator]  # a list, so the module is not registered as a child
+        self.context = estimator.input_embed.conv_pos_embed.receptive_field
 
     def plan(self, dtype: torch.dtype) -> StaticPlan:
         """What the shared static buffers of these buckets hold in `dtype` (allocated at the first capture or
@@ -294,71 +281,29 @@ class FlowStepGraphs:
         """Bytes of the shared static buffers (0 before the first capture or emulated call)."""
         return 0 if self._buffers is None else self._buffers.nbytes()
 
-    def bucket(self, rows: int, frames: int, history: int, like: torch.Tensor) -> Optional[Shape]:
-        """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket captured
-        for that device and dtype (any bucket when emulating)."""
-        shape = self.buckets.fit(rows, frames, history)
-        if shape is None or self.emulate:
-            return shape
-        entry = self._entries.get(shape)
-        if entry is None or entry.graph is None or not like.is_cuda:
-            return None
-        return shape if (entry.inputs.window.device, entry.inputs.window.dtype) == (like.device, like.dtype) else None
-
     def inputs(self, shape: Shape, like: torch.Tensor) -> StepInputs:
         """The static inputs of `shape` on `like`'s device and dtype (created when emulating)."""
         return self._entry(shape, like.device, like.dtype, capture_graph=False).inputs
 
-    def run(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, shape: Shape) -> _StepOutputs:
         """One pass on the static inputs of `shape` (filled by the caller, who holds `lock`): replayed, or run eagerly
         when emulating. The outputs are views of buffers every bucket shares: valid until the next pass of any
         bucket."""
-        entry = self._entries[shape]
-        if entry.graph is None:
-            return entry.inputs.run(self._estimator[0], entry.outputs)
-        entry.graph.replay()
-        return entry.outputs
+        return self._replay(self._captured[shape])
 
-    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
-        """Capture every bucket now (before a server reports ready), on `device` (any GPU, not only the current
-        one); returns how many graphs were captured."""
-        before = self.captured
-        device = concrete_device(device)
-        with self.lock, torch.inference_mode():
-            for shape in self.buckets.shapes():
-                self._entry(shape, device, dtype, capture_graph=True)
-        return self.captured - before
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> _SharedBuffers:
+        return _SharedBuffers(self._estimator[0].config, self.buckets, self.context, device, dtype)
 
-    def clear(self) -> None:
-        """Drop every graph and buffer: all calls run eagerly (after a failed capture)."""
-        with self.lock:
-            self._entries.clear()
-            self._buffers = None
-            self._pool = None
+    def _placement(self, buffers: _SharedBuffers) -> tuple[torch.device, torch.dtype]:
+        return buffers.device, buffers.dtype
 
-    def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
-        entry = self._entries.get(shape)
-        if entry is not None and (entry.inputs.window.device, entry.inputs.window.dtype) == (device, dtype):
-            if entry.graph is not None or not capture_graph:
-                return entry
-        device = concrete_device(device)
-        estimator = self._estimator[0]
-        config = estimator.config
-        if self._buffers is None or (self._buffers.device, self._buffers.dtype) != (device, dtype):
-            # the graphs of the old buffers go, and with them their pool: a pool whose graphs are all gone must not
-            # take a new capture (the caching allocator asserts), so the next capture starts a new one
-            self._entries.clear()
-            self._pool = None
-            self._buffers = None  # freed before the new ones are allocated
-            self._buffers = _SharedBuffers(config, self.buckets, self.context, device, dtype)
-        buffers = self._buffers
+    def _static(self, shape: Shape, buffers: _SharedBuffers) -> tuple[StepInputs, _StepOutputs]:
+        """The bucket's inputs and outputs, views of the shared buffers (and its own tiny per-row tensors)."""
+        config = self._estimator[0].config
         inputs = StepInputs.static(config, shape, self.context, buffers)
         views = shared_shapes(config, shape, self.context)
-        outputs = (buffers.view("velocity", views["velocity"]), buffers.view("keys_values", views["keys_values"]))
-        graph = None
-        if capture_graph and device.type == "cuda":
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph, _ = capture(lambda: inputs.run(estimator, outputs), device, self._pool)
-        entry = self._entries[shape] = _Entry(inputs, graph, outputs)
-        return entry
+        return inputs, (buffers.view("velocity", views["velocity"]), buffers.view("keys_values", views["keys_values"]))
+
+    def _pass(self, inputs: StepInputs, outputs: Optional[_StepOutputs]) -> Callable[[], _StepOutputs]:
+        estimator = self._estimator[0]
+        return lambda: inputs.run(estimator, outputs)

@@ -7,7 +7,7 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generic, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, Optional, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -18,6 +18,14 @@ BuffersT = TypeVar("BuffersT")  # the static buffers of a set of graphs
 InputsT = TypeVar("InputsT")  # a bucket's static inputs
 OutputsT = TypeVar("OutputsT")  # a captured pass's outputs
 Grid = tuple[int, int, int]  # (rows, new frames, history frames) of a padded call
+
+
+class GridBuckets(Protocol):
+    """The buckets of a set of solver-step graphs (`SolverStepGraphs`): a call's bucket, and all of them."""
+
+    def fit(self, rows: int, frames: int, history: int) -> Optional[Grid]: ...
+
+    def shapes(self) -> list[Grid]: ...
 
 
 def batch_bucket(batch: int) -> int:
@@ -245,4 +253,94 @@ class GridGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]):
         raise NotImplementedError
 
     def _pass(self, shape: Grid, inputs: InputsT) -> Callable[[], OutputsT]:
+        raise NotImplementedError
+
+
+class SolverStepGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]):
+    """Graphs of one solver step per (rows, new frames, history frames) bucket of `buckets`, replayed once per step
+    of a solve. The static buffers follow the calls: allocated on the device and dtype of the first capture or
+    emulated call, and reallocated (every graph of the old ones dropped, with their pool) when a call comes on
+    another. A bucket's inputs are made on its first call and its graph captured by `capture_all` (a call only
+    replays what was captured). `lock` is reentrant: a whole solve holds it (static buffers, and graph outputs that
+    the next replay overwrites) around the step calls that take it again. A subclass gives the buffers
+    (`_allocate`, `_placement`), a bucket's static inputs and outputs (`_static`) and the step over them (`_pass`)."""
+
+    def __init__(self, buckets: GridBuckets) -> None:
+        super().__init__(threading.RLock())
+        self.buckets = buckets
+
+    @property
+    def lock(self) -> "threading.RLock":
+        return self._lock  # type: ignore[return-value]
+
+    @property
+    def captured(self) -> int:
+        return sum(entry.graph is not None for entry in self._captured.values())
+
+    def bucket(self, rows: int, frames: int, history: int, like: "torch.Tensor") -> Optional[Grid]:
+        """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket that was
+        captured for that device and dtype (any bucket when emulating)."""
+        shape = self.buckets.fit(rows, frames, history)
+        if shape is None or self.emulate:
+            return shape
+        entry, buffers = self._captured.get(shape), self._buffers  # a bucket's tensors live on the current buffers
+        if entry is None or entry.graph is None or buffers is None or not like.is_cuda:
+            return None
+        return shape if self._placement(buffers) == (like.device, like.dtype) else None
+
+    def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
+        """Capture every bucket now (before a server reports ready), on `device` (any GPU, not only the current
+        one), the costliest first; returns how many graphs were captured."""
+        import torch
+
+        before = self.captured
+        device = concrete_device(device)
+        with self.lock, torch.inference_mode():
+            for shape in self.buckets.shapes():
+                self._entry(shape, device, dtype, capture_graph=True)
+        return self.captured - before
+
+    def _replay(self, entry: CapturedBucket[InputsT, OutputsT]) -> OutputsT:
+        """One step on the bucket's static inputs (filled by the caller, who holds the lock): replayed, or run
+        eagerly when nothing was captured (emulation)."""
+        if entry.graph is None:
+            return self._pass(entry.inputs, entry.outputs)()
+        entry.graph.replay()
+        assert entry.outputs is not None
+        return entry.outputs
+
+    def _entry(self, shape: Grid, device: "torch.device", dtype: "torch.dtype",
+               capture_graph: bool) -> CapturedBucket[InputsT, OutputsT]:
+        """The bucket's static inputs on `device` and `dtype`, made now if new there (and its graph captured when
+        `capture_graph` and `device` is a GPU). Caller holds the lock."""
+        entry = self._captured.get(shape)  # every entry is made on the current buffers and goes when they do
+        on_buffers = self._buffers is not None and self._placement(self._buffers) == (device, dtype)
+        if entry is not None and on_buffers:
+            if entry.graph is not None or not capture_graph:
+                return entry
+        device = concrete_device(device)
+        if self._buffers is None or self._placement(self._buffers) != (device, dtype):
+            self._clear()  # the graphs of the old buffers go, and with them their pool; freed before allocating
+            self._buffers = self._allocate(device, dtype)
+        inputs, outputs = self._static(shape, self._buffers)
+        graph = None
+        if capture_graph and device.type == "cuda":
+            graph, outputs = self._capture(self._pass(inputs, outputs), device)
+        entry = self._captured[shape] = CapturedBucket(inputs, graph, outputs)
+        return entry
+
+    def _allocate(self, device: "torch.device", dtype: "torch.dtype") -> BuffersT:
+        raise NotImplementedError
+
+    def _placement(self, buffers: BuffersT) -> tuple["torch.device", "torch.dtype"]:
+        """The device and dtype `buffers` were allocated for."""
+        raise NotImplementedError
+
+    def _static(self, shape: Grid, buffers: BuffersT) -> tuple[InputsT, Optional[OutputsT]]:
+        """A bucket's static inputs (on `buffers`), and its outputs when they are static tensors too (None: the
+        captured step's own outputs)."""
+        raise NotImplementedError
+
+    def _pass(self, inputs: InputsT, outputs: Optional[OutputsT]) -> Callable[[], OutputsT]:
+        """The step over a bucket's static inputs (static shapes, no host syncs: what a graph captures)."""
         raise NotImplementedError

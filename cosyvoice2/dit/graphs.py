@@ -24,14 +24,12 @@ the K/V window (`DiTSolverConfig.window_extra_frames`). A call outside every buc
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from speech_lm.graph_buckets import (BucketGraphs, CapturedBucket, attention_cost, concrete_device, costliest_first,
-                                     fit, round_up)
+from speech_lm.graph_buckets import SolverStepGraphs, attention_cost, costliest_first, fit, round_up
 from ..streaming import HopSchedule
 from .flow import ConditionalCFM, PaddedChunks, StepInputs
 
@@ -107,10 +105,9 @@ class DiTGraphBuckets:
 
 
 _StepOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_Entry = CapturedBucket[StepInputs, _StepOutputs]  # inputs: views of the shared buffers plus the bucket's own tensors
 
 
-class DiTStepGraphs(BucketGraphs[_Entry, tuple[torch.Tensor, torch.Tensor]]):
+class DiTStepGraphs(SolverStepGraphs[StepInputs, _StepOutputs, tuple[torch.Tensor, torch.Tensor]]):
     """The captured step graphs of one `ConditionalCFM`, per bucket, and their static buffers.
 
     The K/V slots (depth, 2 x max rows, heads, max chunk + max cache frames, 2 x head dim) and the conv contexts
@@ -119,42 +116,15 @@ class DiTStepGraphs(BucketGraphs[_Entry, tuple[torch.Tensor, torch.Tensor]]):
     replay overwrites). `emulate` (tests): pad to the buckets and fill the static buffers on any device, running
     each step eagerly instead of replaying."""
 
+    buckets: DiTGraphBuckets
+
     def __init__(self, cfm: ConditionalCFM, buckets: DiTGraphBuckets) -> None:
-        super().__init__(threading.RLock())
+        super().__init__(buckets)
         self._cfm = [cfm]  # a list, so the module is not registered as a child
-        self.buckets = buckets
-
-    @property
-    def lock(self) -> "threading.RLock":
-        return self._lock  # type: ignore[return-value]
-
-    @property
-    def captured(self) -> int:
-        return sum(entry.graph is not None for entry in self._captured.values())
 
     def static_bytes(self) -> int:
         """Bytes of the shared static buffers (0 before the first capture or emulated call)."""
         return sum(t.numel() * t.element_size() for t in self._buffers or ())
-
-    def bucket(self, rows: int, frames: int, cached: int, like: torch.Tensor) -> Optional[Shape]:
-        """The bucket a call of `like`'s device and dtype replays, or None (eager): it must fit a bucket that was
-        captured for that device and dtype (any bucket when emulating)."""
-        shape = self.buckets.fit(rows, frames, cached)
-        if shape is None or self.emulate:
-            return shape
-        entry = self._captured.get(shape)
-        if entry is None or entry.graph is None or not like.is_cuda:
-            return None
-        return shape if (entry.inputs.x.device, entry.inputs.x.dtype) == (like.device, like.dtype) else None
-
-    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
-        """Capture every bucket now (before a server reports ready); returns how many graphs were captured."""
-        before = self.captured
-        device = concrete_device(device)
-        with self.lock, torch.inference_mode():
-            for shape in self.buckets.shapes():
-                self._entry(shape, device, dtype, capture_graph=True)
-        return self.captured - before
 
     def run(self, shape: Shape, padded: PaddedChunks, steps: Sequence[int], x: torch.Tensor, t: torch.Tensor,
             dt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,34 +133,9 @@ class DiTStepGraphs(BucketGraphs[_Entry, tuple[torch.Tensor, torch.Tensor]]):
         with self.lock:
             entry = self._entry(shape, x.device, x.dtype, capture_graph=False)
             padded.fill(entry.inputs, steps, x, t, dt)
-            if entry.graph is None:
-                return self._cfm[0].padded_step(*entry.inputs.args())
-            entry.graph.replay()
-            assert entry.outputs is not None
-            return entry.outputs
+            return self._replay(entry)
 
     # -- buffers and capture ------------------------------------------------------------------------------
-    def _entry(self, shape: Shape, device: torch.device, dtype: torch.dtype, capture_graph: bool) -> _Entry:
-        entry = self._captured.get(shape)
-        if entry is not None and (entry.inputs.x.device, entry.inputs.x.dtype) == (device, dtype):
-            if entry.graph is not None or not capture_graph:
-                return entry
-        device = concrete_device(device)
-        if self._buffers is None or (self._buffers[0].device, self._buffers[0].dtype) != (device, dtype):
-            self._clear()  # the graphs of the old buffers go, and with them their pool
-            self._buffers = self._allocate(device, dtype)
-        kv, conv = self._buffers
-        rows, frames, cached = shape
-        config = self._cfm[0].estimator.config
-        inputs = StepInputs.zeros(config, shape, kv.new_empty(0), conv=conv[:, : 2 * rows],
-                                  kv=kv[:, : 2 * rows, :, : frames + cached])
-        graph, outputs = None, None
-        if capture_graph and device.type == "cuda":
-            cfm = self._cfm[0]
-            graph, outputs = self._capture(lambda: cfm.padded_step(*inputs.args()), device)
-        entry = self._captured[shape] = _Entry(inputs, graph, outputs)
-        return entry
-
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V slots and the conv contexts."""
         config = self._cfm[0].estimator.config
@@ -200,3 +145,19 @@ class DiTStepGraphs(BucketGraphs[_Entry, tuple[torch.Tensor, torch.Tensor]]):
                             device=device, dtype=dtype),
                 torch.zeros(config.depth, rows, 2 * config.hidden_size, config.conv_kernel - 1,
                             device=device, dtype=dtype))
+
+    def _placement(self, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.device, torch.dtype]:
+        return buffers[0].device, buffers[0].dtype
+
+    def _static(self, shape: Shape, buffers: tuple[torch.Tensor, torch.Tensor]) -> tuple[StepInputs, None]:
+        """Views of the K/V slots and conv contexts, and the bucket's own small tensors; the outputs are the
+        captured step's."""
+        kv, conv = buffers
+        rows, frames, cached = shape
+        config = self._cfm[0].estimator.config
+        return StepInputs.zeros(config, shape, kv.new_empty(0), conv=conv[:, : 2 * rows],
+                                kv=kv[:, : 2 * rows, :, : frames + cached]), None
+
+    def _pass(self, inputs: StepInputs, outputs: Optional[_StepOutputs]) -> Callable[[], _StepOutputs]:
+        cfm = self._cfm[0]
+        return lambda: cfm.padded_step(*inputs.args())

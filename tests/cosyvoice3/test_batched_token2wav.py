@@ -13,31 +13,9 @@ import pytest
 import torch
 
 from cosyvoice3.errors import CosyVoice3InputError
-from cosyvoice3.loading import load_config, load_flow, load_hift
-from cosyvoice3.testing import write_tiny_model
-from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, FlowCache, FlowRow, VoicePrompt, batched_solve
-
-# Batched rows differ from rows alone only in float summation order (padded keys add exact zeros to the softmax;
-# the rows' matrix products are split differently). Measured on this model: mel at most 4.8e-7 of a scale of 4
-# (about 1e-7 relative). The audio is compared relative to its scale and looser: the causal HiFT magnifies mel
-# rounding (its f0 drives an accumulated source phase): a random 1e-7 change of a mel moves its audio by up to
-# 1.4e-3 of a scale of 0.64 on this model; the batched calls measured at most 5.6e-4 of the scale.
-MEL_ATOL = 1e-5
-AUDIO_OF_SCALE = 5e-3
-
-
-@pytest.fixture(scope="module")
-def token2wav(tmp_path_factory) -> CosyVoice3Token2Wav:
-    path = write_tiny_model(tmp_path_factory.mktemp("cv3batch"), seed=5, text_frontend=False)
-    config = load_config(path)
-    return CosyVoice3Token2Wav(load_flow(path / "flow.pt", config), load_hift(path / "hift.pt", config))
-
-
-def make_voice(seed: int, tokens: int) -> VoicePrompt:
-    rng = np.random.default_rng(seed)
-    return VoicePrompt.from_arrays(rng.integers(0, 6561, tokens), rng.standard_normal((2 * tokens, 80)) - 5,
-                                   rng.standard_normal(192))
-
+from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav, FlowCache, FlowRow, batched_solve
+from tests.cosyvoice3.conftest import (AUDIO_OF_SCALE, MEL_ATOL, make_voice, open_stream, run_rounds,
+                                      stream_tokens)
 
 #: a short prompt (its voice cache holds no complete chunk) and a long one (two complete 50-frame chunks)
 VOICES = {"short": make_voice(1, 20), "long": make_voice(2, 56)}
@@ -55,13 +33,11 @@ class Plan:
 
 
 def tokens_of(plan: Plan) -> list[int]:
-    return np.random.default_rng(100 + plan.seed).integers(0, 6561, plan.tokens).tolist()
+    return stream_tokens(plan.seed, plan.tokens)
 
 
 def open_plan(token2wav: CosyVoice3Token2Wav, plan: Plan) -> CosyVoice3Stream:
-    stream = token2wav.open_stream(VOICES[plan.voice], cached=plan.cached)
-    stream.extend(tokens_of(plan))
-    return stream
+    return open_stream(token2wav, VOICES[plan.voice], tokens_of(plan), plan.cached)
 
 
 def alone(token2wav: CosyVoice3Token2Wav, plan: Plan) -> tuple[list[np.ndarray], torch.Tensor]:
@@ -100,24 +76,20 @@ def test_batched_rounds_equal_each_stream_alone(token2wav: CosyVoice3Token2Wav, 
     """Rounds of calls, one chunk of each live stream per call, an offline job in every second call."""
     plans = COMPOSITIONS[name]
     streams = [open_plan(token2wav, plan) for plan in plans]
-    pieces: list[list[np.ndarray]] = [[] for _ in plans]
-    mels: list[list[torch.Tensor]] = [[] for _ in plans]
+    jobs: list[Plan] = []
     offline: list[tuple[Plan, np.ndarray]] = []
-    round_ = 0
-    while not all(stream.finished for stream in streams):
-        live = [i for i, (plan, stream) in enumerate(zip(plans, streams))
-                if plan.first_round <= round_ and not stream.finished]
-        work = [(streams[i], streams[i].next_chunk(finished=True)) for i in live]
-        job_plan = Plan("long" if round_ % 4 else "short", 20 + 7 * round_, seed=50 + round_)
-        if round_ % 2 == 0:
-            work.append(token2wav.offline_job(tokens_of(job_plan), VOICES[job_plan.voice]))
-        out = token2wav.run_chunks(work)
-        for i, audio in zip(live, out):
-            pieces[i].append(audio)
-            mels[i].append(streams[i].last_mel)
-        if round_ % 2 == 0:
-            offline.append((job_plan, out[-1]))
-        round_ += 1
+
+    def offline_job(round_: int) -> list:
+        if round_ % 2:
+            return []
+        jobs.append(Plan("long" if round_ % 4 else "short", 20 + 7 * round_, seed=50 + round_))
+        return [token2wav.offline_job(tokens_of(jobs[-1]), VOICES[jobs[-1].voice])]
+
+    def keep_offline(round_: int, out: list) -> None:
+        offline.extend(zip(jobs[len(offline):], out, strict=True))  # each call's job, its one extra output
+
+    rounds = run_rounds(token2wav, streams, [plan.first_round for plan in plans], offline_job, keep_offline)
+    pieces, mels = rounds.pieces, rounds.mels
     assert any(len(p) > 2 for p in pieces)
     for plan, ours, our_mels in zip(plans, pieces, mels):
         theirs, mel = alone(token2wav, plan)
@@ -148,11 +120,8 @@ def test_a_batched_call_is_all_or_nothing(token2wav: CosyVoice3Token2Wav) -> Non
     token2wav.run_chunks(work)
     for stream, stream_mels in zip(streams, mels):
         stream_mels.append(stream.last_mel)
-    while not all(s.finished for s in streams):
-        live = [i for i, s in enumerate(streams) if not s.finished]
-        token2wav.run_chunks([(streams[i], streams[i].next_chunk(finished=True)) for i in live])
-        for i in live:
-            mels[i].append(streams[i].last_mel)
+    for stream_mels, rest in zip(mels, run_rounds(token2wav, streams).mels):
+        stream_mels.extend(rest)
     for plan, our_mels in zip(plans, mels):
         assert_close(torch.cat(our_mels, dim=2), alone(token2wav, plan)[1], MEL_ATOL, f"{plan} mel")
 

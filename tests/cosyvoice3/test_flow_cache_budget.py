@@ -12,17 +12,9 @@ import numpy as np
 import pytest
 
 from cosyvoice3.errors import CosyVoice3InputError
-from cosyvoice3.loading import load_config, load_flow, load_hift
-from cosyvoice3.testing import write_tiny_model
 from cosyvoice3.token2wav import CosyVoice3Stream, CosyVoice3Token2Wav
+from tests.cosyvoice3.conftest import run_rounds
 from tests.cosyvoice3.test_batched_token2wav import VOICES, Plan, assert_audio_close, open_plan, tokens_of
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp("cv3budget"), seed=5, text_frontend=False)
-    config = load_config(path)
-    return load_flow(path / "flow.pt", config), load_hift(path / "hift.pt", config)
 
 
 def engine(parts, budget: int | None) -> CosyVoice3Token2Wav:
@@ -32,15 +24,8 @@ def engine(parts, budget: int | None) -> CosyVoice3Token2Wav:
 def run_together(token2wav: CosyVoice3Token2Wav, streams: list[CosyVoice3Stream],
                  on_round=None) -> list[np.ndarray]:
     """Rounds of `run_chunks`, one chunk of every live stream per call; each stream's whole audio."""
-    pieces: list[list[np.ndarray]] = [[] for _ in streams]
-    while not all(stream.finished for stream in streams):
-        live = [i for i, stream in enumerate(streams) if not stream.finished]
-        out = token2wav.run_chunks([(streams[i], streams[i].next_chunk(finished=True)) for i in live])
-        for i, audio in zip(live, out):
-            pieces[i].append(audio)
-        if on_round is not None:
-            on_round()
-    return [np.concatenate(p) for p in pieces]
+    rounds = run_rounds(token2wav, streams, on_round=None if on_round is None else lambda *_: on_round())
+    return [np.concatenate(p) for p in rounds.pieces]
 
 
 def own_bytes(streams: list[CosyVoice3Stream]) -> int:
@@ -50,8 +35,8 @@ def own_bytes(streams: list[CosyVoice3Stream]) -> int:
 PLANS = [Plan("short", 130, seed=1), Plan("short", 130, seed=2), Plan("long", 90, seed=3)]
 
 
-def test_no_budget_keeps_every_cache_and_accounts_own_bytes(parts) -> None:
-    token2wav = engine(parts, None)
+def test_no_budget_keeps_every_cache_and_accounts_own_bytes(tiny_parts) -> None:
+    token2wav = engine(tiny_parts, None)
     streams = [open_plan(token2wav, plan) for plan in PLANS]
     peak = []
 
@@ -64,10 +49,10 @@ def test_no_budget_keeps_every_cache_and_accounts_own_bytes(parts) -> None:
     assert max(peak) > 0 and token2wav.cache_bytes == 0
 
 
-def test_the_voice_prompt_cache_is_not_counted(parts) -> None:
+def test_the_voice_prompt_cache_is_not_counted(tiny_parts) -> None:
     """The long voice's first chunk completes no 50-frame chunk beyond its prompt cache: the new cache keeps the
     voice's keys/values (shared, not counted) and only its fresh conv context counts."""
-    token2wav = engine(parts, None)
+    token2wav = engine(tiny_parts, None)
     voice_cache = token2wav.prompt_flow_cache(VOICES["long"])
     stream = open_plan(token2wav, Plan("long", 90, seed=4))
     stream.run(stream.next_chunk(finished=True))
@@ -80,19 +65,19 @@ def test_the_voice_prompt_cache_is_not_counted(parts) -> None:
     assert token2wav.cache_bytes == 0
 
 
-def test_a_tiny_budget_falls_back_to_recompute_with_the_same_audio(parts) -> None:
+def test_a_tiny_budget_falls_back_to_recompute_with_the_same_audio(tiny_parts) -> None:
     """A budget of one short stream's first cache: the first stream keeps it, the second concurrent one falls back
     at once, the first later (its cache grows); every stream's audio is the unlimited run's."""
-    probe = engine(parts, None)
+    probe = engine(tiny_parts, None)
     first = open_plan(probe, PLANS[0])
     first.run(first.next_chunk(finished=True))
     budget = probe.cache_bytes
     assert budget > 0
     del first
 
-    unlimited = engine(parts, None)
+    unlimited = engine(tiny_parts, None)
     theirs = run_together(unlimited, [open_plan(unlimited, plan) for plan in PLANS])
-    limited = engine(parts, budget)
+    limited = engine(tiny_parts, budget)
     streams = [open_plan(limited, plan) for plan in PLANS]
     fell_back_at: dict[int, int] = {}
     rounds = []
@@ -114,8 +99,8 @@ def test_a_tiny_budget_falls_back_to_recompute_with_the_same_audio(parts) -> Non
         assert_audio_close(mine, reference, f"{plan} audio")
 
 
-def test_close_and_dropped_streams_return_their_bytes(parts) -> None:
-    token2wav = engine(parts, 1 << 40)
+def test_close_and_dropped_streams_return_their_bytes(tiny_parts) -> None:
+    token2wav = engine(tiny_parts, 1 << 40)
     streams = [open_plan(token2wav, plan) for plan in PLANS]
     token2wav.run_chunks([(s, s.next_chunk(finished=True)) for s in streams])
     token2wav.run_chunks([(s, s.next_chunk(finished=True)) for s in streams])
@@ -129,8 +114,8 @@ def test_close_and_dropped_streams_return_their_bytes(parts) -> None:
     assert token2wav.cache_bytes == 0
 
 
-def test_a_failed_call_accounts_nothing(parts) -> None:
-    token2wav = engine(parts, 1 << 40)
+def test_a_failed_call_accounts_nothing(tiny_parts) -> None:
+    token2wav = engine(tiny_parts, 1 << 40)
     streams = [open_plan(token2wav, plan) for plan in PLANS[:2]]
     token2wav.run_chunks([(s, s.next_chunk(finished=True)) for s in streams])
     before = token2wav.cache_bytes

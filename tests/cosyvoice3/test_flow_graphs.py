@@ -13,29 +13,12 @@ import pytest
 import torch
 
 from cosyvoice3.graphs import FlowGraphBuckets, FlowStepGraphs, chunk_frame_limits
-from cosyvoice3.loading import load_config, load_flow, load_hift
-from cosyvoice3.testing import write_tiny_model
-from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt, runtime_schedule
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, runtime_schedule
+from tests.cosyvoice3.conftest import (AUDIO_OF_SCALE, MEL_ATOL, Rounds, make_voice, open_stream, run_rounds,
+                                      stream_tokens)
 
-# padding adds exact zeros to the softmax and splits reductions differently: float summation order only (measured
-# on this model: mel 4.8e-7 of a scale of 4); the audio relative to its scale (the causal HiFT magnifies mel rounding)
-MEL_ATOL = 1e-5
-AUDIO_OF_SCALE = 5e-3
 # small buckets for the tiny model: every dimension of the test calls gets padded, and some calls fit none
 BUCKETS = FlowGraphBuckets(rows=(1, 2, 4), frames=(96, 112, 160), history=(64, 128, 256))
-
-
-@pytest.fixture(scope="module")
-def token2wav(tmp_path_factory) -> CosyVoice3Token2Wav:
-    path = write_tiny_model(tmp_path_factory.mktemp("cv3graphs"), seed=5, text_frontend=False)
-    config = load_config(path)
-    return CosyVoice3Token2Wav(load_flow(path / "flow.pt", config), load_hift(path / "hift.pt", config))
-
-
-def make_voice(seed: int, tokens: int) -> VoicePrompt:
-    rng = np.random.default_rng(seed)
-    return VoicePrompt.from_arrays(rng.integers(0, 6561, tokens), rng.standard_normal((2 * tokens, 80)) - 5,
-                                   rng.standard_normal(192))
 
 
 @dataclass(frozen=True)
@@ -71,29 +54,12 @@ def recording(graphs: FlowStepGraphs) -> list[tuple[tuple[int, int, int], object
     return calls
 
 
-def run_rounds(token2wav: CosyVoice3Token2Wav, plans: list[Plan], graphs: FlowStepGraphs | None):
-    """Every stream of `plans`, cached, one chunk of each live stream per `run_chunks` call -> per stream its
-    chunks' mels and audio pieces, and its flow cache after each non-final chunk."""
+def run_plans(token2wav: CosyVoice3Token2Wav, plans: list[Plan], graphs: FlowStepGraphs | None) -> Rounds:
+    """Every stream of `plans`, cached, one chunk of each live stream per `run_chunks` call, on `graphs`."""
     token2wav.graphs = graphs  # type: ignore[assignment]
-    streams = []
-    for plan in plans:
-        stream = token2wav.open_stream(make_voice(plan.seed, plan.prompt), cached=True)
-        stream.extend(np.random.default_rng(100 + plan.seed).integers(0, 6561, plan.tokens).tolist())
-        streams.append(stream)
-    mels: list[list[torch.Tensor]] = [[] for _ in plans]
-    audio: list[list[np.ndarray]] = [[] for _ in plans]
-    caches: list[list] = [[] for _ in plans]
-    round_ = 0
-    while not all(stream.finished for stream in streams):
-        live = [i for i, (plan, s) in enumerate(zip(plans, streams)) if plan.first_round <= round_ and not s.finished]
-        out = token2wav.run_chunks([(streams[i], streams[i].next_chunk(finished=True)) for i in live])
-        for i, piece in zip(live, out):
-            mels[i].append(streams[i].last_mel)
-            audio[i].append(piece)
-            if streams[i].flow_cache is not None:
-                caches[i].append(streams[i].flow_cache)
-        round_ += 1
-    return mels, audio, caches
+    streams = [open_stream(token2wav, make_voice(plan.seed, plan.prompt), stream_tokens(plan.seed, plan.tokens))
+               for plan in plans]
+    return run_rounds(token2wav, streams, [plan.first_round for plan in plans])
 
 
 @pytest.mark.parametrize("name", sorted(MIXES))
@@ -101,11 +67,11 @@ def test_emulated_buckets_give_the_eager_mel_caches_and_audio(token2wav: CosyVoi
     plans = MIXES[name]
     saved = token2wav.graphs
     try:
-        eager = run_rounds(token2wav, plans, None)
+        eager = run_plans(token2wav, plans, None)
         graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
         graphs.emulate = True
         calls = recording(graphs)
-        padded = run_rounds(token2wav, plans, graphs)
+        padded = run_plans(token2wav, plans, graphs)
     finally:
         token2wav.graphs = saved
     assert any(shape is not None for _, shape in calls), "no call was padded to a bucket"
@@ -113,12 +79,12 @@ def test_emulated_buckets_give_the_eager_mel_caches_and_audio(token2wav: CosyVoi
     for (rows, frames, history), shape in calls:
         assert shape is None or (shape[0] >= rows and shape[1] >= frames and shape[2] >= history)
     for stream in range(len(plans)):
-        for a, b in zip(eager[0][stream], padded[0][stream], strict=True):
+        for a, b in zip(eager.mels[stream], padded.mels[stream], strict=True):
             assert a.shape == b.shape
             torch.testing.assert_close(b, a, rtol=0, atol=MEL_ATOL)
-        ours, theirs = np.concatenate(padded[1][stream]), np.concatenate(eager[1][stream])
+        ours, theirs = np.concatenate(padded.pieces[stream]), np.concatenate(eager.pieces[stream])
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=AUDIO_OF_SCALE * float(np.abs(theirs).max()))
-        for a, b in zip(eager[2][stream], padded[2][stream], strict=True):
+        for a, b in zip(eager.caches[stream], padded.caches[stream], strict=True):
             assert a.committed == b.committed
             for x, y in zip([*a.kv, *a.context], [*b.kv, *b.context], strict=True):
                 torch.testing.assert_close(y, x, rtol=0, atol=MEL_ATOL)
@@ -142,7 +108,7 @@ def test_the_buckets_cover_every_non_final_chunk_of_the_schedule(token2wav: Cosy
         calls = recording(graphs)
         plans = [Plan(p, 2 * sum(hops) + 60, seed=p) for p in (2, 4, 27, 28, 29, 52, 80)]
         for plan in plans:  # alone: one call per chunk, so each chunk's own shape is seen
-            run_rounds(token2wav, [plan], graphs)
+            run_plans(token2wav, [plan], graphs)
     finally:
         token2wav.graphs, token2wav.schedule = saved, saved_schedule
     # the solves within the frame limits: every non-final chunk's (and the final chunks' as short as those)
