@@ -92,10 +92,9 @@ def stop_process(proc: subprocess.Popen, grace: float, sig: int = signal.SIGTERM
         proc.wait()
 
 
-def process_tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) used so far by `pid` and all its descendants (Linux /proc; 0 elsewhere)."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+def _process_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds used so far) of every process (Linux /proc; empty elsewhere)."""
+    table: dict[int, tuple[int, float]] = {}
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not entry.isdigit():
@@ -104,15 +103,26 @@ def process_tree_cpu_seconds(pid: int) -> float:
             fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        parents[int(entry)] = int(fields[1])
-        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)  # ppid; utime + stime
+    return table
+
+
+def process_tree(pid: int, table: dict[int, tuple[int, float]] | None = None) -> set[int]:
+    """`pid` and all its descendants (tritonserver: its python stub processes)."""
+    parents = {child: ppid for child, (ppid, _) in (table if table is not None else _process_table()).items()}
     tree, frontier = {pid}, [pid]
     while frontier:
         parent = frontier.pop()
         children = [child for child, ppid in parents.items() if ppid == parent and child not in tree]
         tree.update(children)
         frontier.extend(children)
-    return sum(cpu.get(member, 0.0) for member in tree)
+    return tree
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by `pid` and all its descendants (Linux /proc; 0 elsewhere)."""
+    table = _process_table()
+    return sum(table[member][1] for member in process_tree(pid, table) if member in table)
 
 
 class _CpuProgress:

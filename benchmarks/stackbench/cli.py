@@ -96,6 +96,8 @@ Options:
   --open-loop-steps N           most rates one search measures (default 8)
   --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
   --server-arg ARG              an extra tritonserver argument, repeatable (named in the results directory)
+  --stacks-when-slow MS         py-spy dumps of every tritonserver process into RESULTS/stacks/ when a second's
+                                mean LLM step passes MS ms (stackbench.stacks; at most every 20 s; py-spy on PATH)
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ from stackbench.launch import (
 )
 from triton_repo.render import TOKEN2WAVS, RenderOptions
 from triton_repo.render_options import LLM_GPU
+from stackbench.stacks import SlowStacks
 from stackbench.timeline import MetricsTimeline
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
 from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
@@ -991,6 +994,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive, default=1,
                         help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
                              "one round-robin gRPC target (default 1)")
+    parser.add_argument("--stacks-when-slow", type=float, metavar="MS",
+                        help="py-spy dumps of every tritonserver process (RESULTS/stacks/) when a second's mean LLM "
+                             "step passes MS ms, at most every 20 s (needs py-spy on PATH)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an extra tritonserver argument (repeatable), e.g. "
                              "--server-arg=--backend-config=python,thread-pool-size=128")
@@ -1057,7 +1063,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     servers = stack.servers
     gpus = logical_gpus(options, args.replicas)
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
-    timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(servers)), GpuMemory().used)
+    slow_stacks = (SlowStacks(lambda: [server.pid for server in servers], out_dir / "stacks", args.stacks_when_slow)
+                   if args.stacks_when_slow else None)
+    timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(servers)), GpuMemory().used,
+                               on_tick=slow_stacks.observe if slow_stacks is not None else None)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     document: dict[str, Any] = {
         "settings": settings,
@@ -1152,6 +1161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampler.stop()
         timeline.stop()
         (out_dir / "timeline.json").write_text(json.dumps(timeline.to_json()))
+        if slow_stacks is not None:
+            slow_stacks.join()
         stack.stop()
         for replica, log in enumerate(stack.server_logs):
             copy_tail(log, out_dir / ("tritonserver_tail.log" if replica == 0 else f"tritonserver-{replica}_tail.log"))

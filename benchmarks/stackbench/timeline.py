@@ -50,10 +50,13 @@ class MetricsTimeline:
 
     def __init__(self, read: Callable[[], dict[str, float]],
                  memory: Callable[[], list[int] | None] | None = None,
-                 period_s: float = TIMELINE_PERIOD_S) -> None:  # fmt: skip
+                 period_s: float = TIMELINE_PERIOD_S,
+                 on_tick: Callable[[Tick, Tick], None] | None = None) -> None:  # fmt: skip
+        """`on_tick(previous, latest)` after each tick but the first (e.g. `stackbench.stacks.SlowStacks`)."""
         self.read = read
         self.memory = memory
         self.period_s = period_s
+        self.on_tick = on_tick
         self.ticks: list[Tick] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,6 +85,11 @@ class MetricsTimeline:
             return
         self.ticks.append(Tick(time.time(), {k: counters[k] for k in TIMELINE_STATS if k in counters},
                                self.memory() if self.memory is not None else None))
+        if self.on_tick is not None and len(self.ticks) > 1:
+            try:
+                self.on_tick(self.ticks[-2], self.ticks[-1])
+            except Exception:  # noqa: BLE001 - an observer's failure must not stop the timeline
+                pass
 
     def slowest(self, window: Sequence[float] | None) -> dict[str, float | None]:
         """Per `PACES` entry, the largest mean (ms) of one period inside ``window`` (start, end) among the periods

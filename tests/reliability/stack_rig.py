@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_repo.server import PORT_CONFLICT_MARK, REPO_ROOT, free_port
+from triton_repo.server import PORT_CONFLICT_MARK, REPO_ROOT, free_port, process_tree
 
 #: Starts on fresh ports after a port conflict before giving up.
 PORT_CONFLICT_ATTEMPTS = 3
@@ -33,18 +33,6 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def rss_bytes(pid: int) -> int:
     """Resident memory of one process (0 when it is gone)."""
     try:
@@ -57,17 +45,7 @@ def rss_bytes(pid: int) -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for other in _pids():
-        parent = _ppid(other)
-        if parent is not None:
-            children.setdefault(parent, []).append(other)
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    return sorted(process_tree(pid) - {pid})
 
 
 def http_status(url: str, timeout: float = 3.0) -> int:

@@ -1,0 +1,79 @@
+"""Python stacks of the servers' model processes, taken while the stack is slow (`--stacks-when-slow MS`).
+
+A stack that slows down as a whole for a while (LLM steps several times their usual time) is gone by the time a
+person looks. `SlowStacks` watches the timeline's ticks (`stackbench.timeline`): when one period's mean LLM step is
+above the threshold it runs `py-spy dump` on every process of every tritonserver (the python stubs hold the models),
+in a thread of its own so the timeline keeps ticking, at most once per `every_s`. Each dump is a text file under
+the results directory, named by the time and the process, with the period's pace in its first line.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from stackbench.timeline import Tick
+from triton_repo.server import process_tree
+
+#: Seconds between two rounds of dumps (one slow phase gives a few, not one per second).
+DUMP_EVERY_S = 20.0
+#: A dump that has not finished by then is given up (py-spy waits on a process that does not answer).
+DUMP_TIMEOUT_S = 30.0
+
+
+def step_ms(before: Tick, after: Tick) -> float | None:
+    """The mean LLM step (ms) between two ticks; None when no step ran."""
+    steps = after.counters.get("llm_steps_total", 0.0) - before.counters.get("llm_steps_total", 0.0)
+    if steps <= 0:
+        return None
+    seconds = after.counters.get("llm_step_seconds_total", 0.0) - before.counters.get("llm_step_seconds_total", 0.0)
+    return 1000.0 * seconds / steps
+
+
+class SlowStacks:
+    """`observe(before, after)` after each tick; dumps land in `out_dir` (created on the first one)."""
+
+    def __init__(self, server_pids: Callable[[], Iterable[int | None]], out_dir: Path, threshold_ms: float,
+                 every_s: float = DUMP_EVERY_S, py_spy: str | None = None) -> None:  # fmt: skip
+        self.server_pids = server_pids
+        self.out_dir = out_dir
+        self.threshold_ms = threshold_ms
+        self.every_s = every_s
+        self.py_spy = py_spy or shutil.which("py-spy")
+        self.rounds = 0
+        self._last: float | None = None
+        self._threads: list[threading.Thread] = []
+
+    def observe(self, before: Tick, after: Tick) -> None:
+        pace = step_ms(before, after)
+        if self.py_spy is None or pace is None or pace <= self.threshold_ms:
+            return
+        if self._last is not None and after.at - self._last < self.every_s:
+            return
+        self._last = after.at
+        self.rounds += 1
+        pids = sorted({p for server in self.server_pids() if server is not None for p in process_tree(server)})
+        thread = threading.Thread(target=self._dump, args=(pids, after.at, pace), name="slow-stacks", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _dump(self, pids: list[int], at: float, pace: float) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%H%M%S", time.gmtime(at))
+        for pid in pids:
+            try:
+                run = subprocess.run([self.py_spy, "dump", "--pid", str(pid)],  # noqa: S603 - our own tool
+                                     capture_output=True, text=True, timeout=DUMP_TIMEOUT_S, check=False)
+                text = run.stdout + run.stderr
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                text = f"py-spy failed: {exc}\n"
+            (self.out_dir / f"{stamp}-{pid}.txt").write_text(f"LLM step {pace:.1f} ms in that second\n{text}")
+
+    def join(self, timeout_s: float = DUMP_TIMEOUT_S) -> None:
+        """Wait for the dumps still running (the end of a run)."""
+        for thread in self._threads:
+            thread.join(timeout_s)
