@@ -82,9 +82,9 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *,
-          cancellable: bool) -> list[asyncio.Task]:
-    """Start one task per request and return them; the requests run concurrently (no head-of-line blocking).
+async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool,
+                decoupled: bool) -> None:
+    """A model's async `execute`: one task per request, so the requests run concurrently (no head-of-line blocking).
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
@@ -92,6 +92,13 @@ def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]
     started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
     blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
     sequence and token2wav job every 50 ms.
+
+    `decoupled`: the model is (`is_decoupled`), and then this returns once its requests are answered; otherwise at
+    once. The python stub runs a decoupled model's `execute` in the background and keeps its future in a set from
+    which a done-callback removes it, but it registers that callback before it adds the future: an `execute` that
+    returned at once finished in between, so the removal failed ("Cannot remove future from background; KeyError",
+    an error line per request) and the finished future stayed in the set for good. A non-decoupled model's `execute`
+    is awaited by the stub before it takes the next batch, so it must return at once to keep its requests concurrent.
     """
     loop = asyncio.get_running_loop()
     tasks = []
@@ -100,20 +107,6 @@ def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
         tasks.append(task)
-    return tasks
-
-
-async def answered(tasks: Sequence[asyncio.Task], decoupled: bool) -> None:
-    """The end of a model's async `execute`: a decoupled model's waits for its requests' tasks (`serve`); any other
-    returns at once.
-
-    The python stub runs a decoupled model's `execute` in the background and keeps its future in a set from which a
-    done-callback removes it, but it registers that callback before it adds the future: an `execute` that returns at
-    once finishes in between, so the removal fails ("Cannot remove future from background; KeyError", logged as an
-    error for every request) and the finished future stays in the set for good. Returning only once the requests
-    are answered leaves the stub all that time. A non-decoupled model's `execute` is awaited by the stub before it
-    takes the next batch, so it must return at once to keep its requests concurrent.
-    """
     if decoupled and tasks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -284,7 +277,7 @@ class PipelineEntryModel:
     streaming: bool
 
     async def execute(self, requests: list[Any]) -> None:
-        await answered(serve(requests, self._handle, cancellable=True), self.streaming)
+        await serve(requests, self._handle, cancellable=True, decoupled=self.streaming)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
@@ -319,7 +312,7 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any], 
             self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 
         async def execute(self, requests: list[Any]) -> None:
-            await answered(serve(requests, self.handler.handle, cancellable=False), self.decoupled)
+            await serve(requests, self.handler.handle, cancellable=False, decoupled=self.decoupled)
 
         def finalize(self) -> None:
             self.handler.close()

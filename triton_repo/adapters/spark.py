@@ -28,7 +28,6 @@ from triton_repo.adapters.common import (
     FINAL,
     MetricsExporter,
     PipelineEntryModel,
-    answered,
     bls,
     bls_one,
     bls_stream,
@@ -147,7 +146,7 @@ class SparkVoicePromptModel:
         self.decoupled = is_decoupled(args)
 
     async def execute(self, requests: list[Any]) -> None:
-        await answered(serve(requests, self._handle, cancellable=False), self.decoupled)
+        await serve(requests, self._handle, cancellable=False, decoupled=self.decoupled)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = internal_io.parse_voice_prompt(read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS))

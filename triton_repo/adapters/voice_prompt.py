@@ -19,7 +19,7 @@ from speech_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_vo
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
-    FINAL, MetricsExporter, answered, bls, is_decoupled, model_params, read_inputs, response, serve,
+    FINAL, MetricsExporter, bls, is_decoupled, model_params, read_inputs, response, serve,
 )
 from triton_repo.model_params import VoicePromptParams
 
@@ -39,7 +39,7 @@ class TritonPythonModel:
         self.decoupled = is_decoupled(args)
 
     async def execute(self, requests: list[Any]) -> None:
-        await answered(serve(requests, self._handle, cancellable=False), self.decoupled)
+        await serve(requests, self._handle, cancellable=False, decoupled=self.decoupled)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = io.parse_voice_prompt(read_inputs(request, io.VOICE_PROMPT_INPUTS))
