@@ -36,7 +36,7 @@ class Caller:
         self.ticker = model_params(args)["ticker"]
 
     async def execute(self, requests: list[Any]) -> None:
-        serve(requests, self._handle, cancellable=False)
+        await serve(requests, self._handle, cancellable=False, decoupled=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         inputs = read_inputs(request, (STREAMS, TICKS, TAKE))
