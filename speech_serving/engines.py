@@ -163,6 +163,15 @@ class _BatchedStreams:
         """A whole utterance as a one-chunk stream of the engine, its noise from the state's generator."""
         return self.engine.offline_job(tokens, state.prompt, state.stream.generator)
 
+    def allocator_retries(self) -> tuple[int]:
+        """Times the CUDA caching allocator of the flow's GPU (this process) found no free block, returned its
+        cached blocks to the driver and tried again: each retry synchronizes the GPU, so a run whose count climbs
+        is short of GPU memory (caches, pools and batches together) and slows as a whole."""
+        device = self.engine.flow_device
+        if device.type != "cuda":
+            return (0,)
+        return (int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),)
+
     def _run_alone(self, job: tuple[Any, Chunk]) -> np.ndarray | Exception:
         try:
             return self.engine.run_chunks([job])[0]

@@ -63,6 +63,9 @@ TOKEN2WAV_STATS = (
     # streams whose flow caches met the budget (`flow_cache_gb`) and stopped growing: their later chunks recompute
     # the frames since then, so a run where this climbs needs a larger budget or fewer streams per GPU
     "token2wav_flow_cache_refused_total",
+    # the CUDA allocator of the token2wav process ran out of free blocks and retried after freeing its cache (each
+    # retry synchronizes the GPU): GPU memory is short
+    "token2wav_cuda_alloc_retries_total",
 )
 
 #: Summed over the first chunks of streams that were answered with audio (a failed or cancelled one is not counted;
@@ -82,6 +85,7 @@ ENGINE_TOTALS = (
     ("frame_counts", ("token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total")),
     ("hift_calls", ("token2wav_hift_replayed_total", "token2wav_hift_eager_total")),
     ("flow_cache_refusals", ("token2wav_flow_cache_refused_total",)),
+    ("allocator_retries", ("token2wav_cuda_alloc_retries_total",)),
 )
 
 #: Call duration assumed before any was timed (seconds), and the weight of the newest call in the running mean.

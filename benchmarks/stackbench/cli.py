@@ -318,6 +318,7 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "token2wav_calls": d.get("token2wav_engine_calls_total"),
         # streams whose flow caches met the budget in this level (they recompute the frames since then)
         "token2wav_flow_cache_refused": d.get("token2wav_flow_cache_refused_total"),
+        "token2wav_cuda_alloc_retries": d.get("token2wav_cuda_alloc_retries_total"),
         # the share of the flow estimator's frame-rows that were padding (graph buckets); None: not counted
         "token2wav_padded_share_pct": (100.0 - ratio("token2wav_flow_frames_needed_total",
                                                      "token2wav_flow_frames_computed_total", 100.0)
@@ -669,6 +670,7 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),
     ("caches over budget", "token2wav_flow_cache_refused", "{:.0f}"),
+    ("alloc retries", "token2wav_cuda_alloc_retries", "{:.0f}"),
     # the slowest second of the level (`stackbench.timeline`): a level that slowed down as a whole for a while
     ("LLM step, slowest s (ms)", "llm_step_ms_slowest", "{:.1f}"),
     ("token2wav call, slowest s (ms)", "token2wav_call_ms_slowest", "{:.0f}"),
