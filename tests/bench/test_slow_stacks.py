@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from stackbench.stacks import SlowStacks, step_ms
+from stackbench.stacks import SlowStacks, frozen, step_ms
 from stackbench.timeline import MetricsTimeline, Tick
 
 
@@ -30,6 +30,29 @@ def test_the_pace_of_a_period():
     assert step_ms(tick(0, 100, 0.3), tick(1, 100, 0.3)) is None  # no step: no pace
 
 
+def busy_tick(at: float, steps: float, calls: float, active: float) -> Tick:
+    return Tick(at, {"llm_steps_total": steps, "llm_step_seconds_total": steps * 0.003,
+                     "token2wav_engine_calls_total": calls, "orchestrator_active_requests": active}, None)
+
+
+def test_a_frozen_period_is_work_in_flight_with_nothing_finished():
+    assert frozen(busy_tick(0, 100, 10, 29), busy_tick(1, 100, 10, 29))
+    assert not frozen(busy_tick(0, 100, 10, 29), busy_tick(1, 101, 10, 29))  # a step finished
+    assert not frozen(busy_tick(0, 100, 10, 29), busy_tick(1, 100, 11, 29))  # a token2wav call finished
+    assert not frozen(busy_tick(0, 100, 10, 0), busy_tick(1, 100, 10, 0))  # idle between levels
+    assert not frozen(busy_tick(0, 100, 10, 0), busy_tick(1, 100, 10, 5))  # a level starting
+
+
+def test_a_frozen_second_dumps_while_it_lasts(tmp_path):
+    stacks = SlowStacks(lambda: [os.getpid()], tmp_path / "stacks", threshold_ms=15.0,
+                        py_spy=str(fake_py_spy(tmp_path)))
+    stacks.observe(busy_tick(0, 100, 10, 29), busy_tick(1, 100, 10, 29))  # no step finishes: no pace to compare
+    stacks.join()
+    assert stacks.rounds == 1
+    dump = (tmp_path / "stacks" / f"{time.strftime('%H%M%S', time.gmtime(1))}-{os.getpid()}.txt").read_text()
+    assert dump.startswith("frozen:") and "Thread main" in dump
+
+
 def test_a_slow_second_dumps_every_process_of_every_server_once_per_round(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -42,10 +65,11 @@ def test_a_slow_second_dumps_every_process_of_every_server_once_per_round(tmp_pa
         stacks.join()
         assert stacks.rounds == 1
         dumps = sorted((tmp_path / "stacks").iterdir())
-        pids = {int(d.stem.split("-")[1]) for d in dumps}
+        pids = {int(d.stem.split("-")[1]) for d in dumps if not d.stem.endswith("machine")}
         assert {os.getpid(), child.pid} <= pids  # the server and its descendants
-        text = dumps[0].read_text()
+        text = next(d for d in dumps if not d.stem.endswith("machine")).read_text()
         assert text.startswith("LLM step 40.0 ms") and "Thread main" in text
+        assert (tmp_path / "stacks" / f"{dumps[0].stem.split('-')[0]}-machine.txt").read_text().count("== ") == 3
         stacks.observe(tick(22, 120, 1.1), tick(23, 130, 1.5))  # a later round
         stacks.join()
         assert stacks.rounds == 2
