@@ -21,7 +21,7 @@ from cosyvoice3.hift import CausalHiFT
 from cosyvoice3.loading import load_config, load_flow, load_hift
 from cosyvoice3.testing import write_tiny_model
 from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt
-from tests.cosyvoice3.test_flow_graphs import BUCKETS, MIXES, recording, run_rounds
+from tests.cosyvoice3.test_flow_graphs import BUCKETS, MIXES, recording, run_plans
 
 REPLAY_ATOL = 1e-4  # fp32 mel
 AUDIO_OF_SCALE = 5e-3
@@ -40,14 +40,14 @@ def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path) 
     graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
     assert graphs.capture_all(device, torch.float32) == len(BUCKETS.shapes())
     for name, plans in MIXES.items():
-        eager = run_rounds(token2wav, plans, None)
+        eager = run_plans(token2wav, plans, None)
         calls = recording(graphs)
-        replayed = run_rounds(token2wav, plans, graphs)
+        replayed = run_plans(token2wav, plans, graphs)
         assert any(shape is not None for _, shape in calls), name
         for stream in range(len(plans)):
-            for a, b in zip(eager[0][stream], replayed[0][stream], strict=True):
+            for a, b in zip(eager.mels[stream], replayed.mels[stream], strict=True):
                 assert a.shape == b.shape and float((a - b).abs().max()) <= REPLAY_ATOL, name
-            ours, theirs = np.concatenate(replayed[1][stream]), np.concatenate(eager[1][stream])
+            ours, theirs = np.concatenate(replayed.pieces[stream]), np.concatenate(eager.pieces[stream])
             assert float(np.abs(ours - theirs).max()) <= AUDIO_OF_SCALE * float(np.abs(theirs).max()), name
 
 
@@ -105,8 +105,9 @@ def next_mels(engine: CosyVoice3Token2Wav, voice: VoicePrompt, tokens: list[int]
 
 @pytest.mark.slow
 def test_released_size_replays_equal_eager(released_fp32: CosyVoice3Token2Wav, no_tf32) -> None:
-    """fp32 at the released size with every served bucket (120 graphs); calls of 1 and 16 streams, first chunks
-    (history bucket 256) and third chunks (512, longer chunks)."""
+    """fp32 at the released size with every served bucket (120 graphs); calls of 1 and 16 streams at their first
+    chunks (history bucket 256) and of 8 streams at their third (512, longer chunks). 16 streams' third chunks run
+    eagerly in fp32 do not fit an 80 GB GPU beside the graphs' pools (out of memory on an H100)."""
     engine = released_fp32
     device = engine.flow_device
     started = time.perf_counter()
@@ -121,7 +122,7 @@ def test_released_size_replays_equal_eager(released_fp32: CosyVoice3Token2Wav, n
     voice = VoicePrompt(torch.randint(0, 6561, (150,), generator=gen), torch.randn(300, 80, generator=gen),
                         torch.randn(192, generator=gen))
     tokens = torch.randint(0, 6561, (400,), generator=gen).tolist()
-    for streams, chunks in ((1, 0), (16, 0), (16, 2)):
+    for streams, chunks in ((1, 0), (16, 0), (8, 2)):
         eager = next_mels(engine, voice, tokens, streams, chunks, graphs=False)
         replayed = next_mels(engine, voice, tokens, streams, chunks, graphs=True)
         worst = max(float((a - b).abs().max()) for a, b in zip(eager, replayed, strict=True))
