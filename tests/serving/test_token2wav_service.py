@@ -269,17 +269,22 @@ def test_the_row_cap_is_the_engines_unless_given():
 
 
 class CountingEngine(FakeEngine):
-    """Counts flow frame-rows as an engine with graph buckets does: 4 needed and 8 computed per job."""
+    """Counts flow frame-rows as an engine with graph buckets does: 4 needed and 8 computed per job; one refused
+    cache growth and two allocator retries per call."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.needed = self.computed = self.refused = 0
+        self.needed = self.computed = self.refused = self.retries = 0
 
     def run(self, work):
         self.needed += 4 * len(work)
         self.computed += 8 * len(work)
         self.refused += 1
+        self.retries += 2
         return super().run(work)
+
+    def allocator_retries(self):
+        return (self.retries,)
 
     def frame_counts(self):
         return self.needed, self.computed
@@ -298,5 +303,6 @@ async def test_the_flow_padding_of_each_call_is_published():
         assert service.stats.get("token2wav_flow_frames_computed_total") == 8 * 4
         calls = service.stats.get("token2wav_engine_calls_total")
         assert calls >= 2 and service.stats.get("token2wav_flow_cache_refused_total") == calls
+        assert service.stats.get("token2wav_cuda_alloc_retries_total") == 2 * calls
     finally:
         service.shutdown()
