@@ -52,7 +52,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from speech_lm.config import OutputVocabulary
-from speech_lm.graph_buckets import capture_stream, on_device
+from speech_lm.graph_buckets import LLM_GRAPHS, capture_stream, on_device
 from speech_lm.qwen2 import SpeechLM
 from speech_lm.sampling import SamplingParams, draw_uniforms, make_generator, ras_draw, row_settings
 
@@ -172,7 +172,7 @@ class _StepGraphs:
             torch.cuda.current_stream(device).wait_stream(side)
             for shape in shapes:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device),
+                with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device, LLM_GRAPHS),
                                       capture_error_mode="thread_local"):
                     step(*shape)
                 self._graphs[shape] = graph

@@ -80,9 +80,17 @@ def concrete_device(device: "torch.device") -> "torch.device":
     return device
 
 
-def capture(run: Callable[[], T], device: "torch.device", pool: object) -> tuple["torch.cuda.CUDAGraph", T]:
-    """`run` (static shapes, no host syncs) captured into a new CUDA graph in `pool`; returns the graph and the
-    outputs of the captured call, which each replay overwrites.
+#: The worker threads whose graphs a process replays, each on its own CUDA stream (`speech_serving.cuda_streams`):
+#: the LLM decoder's step graphs, and everything token2wav replays (flow solver and step graphs, encoder and vocoder
+#: graphs, one after another on one stream). Their graphs are captured on one capture stream per worker (below).
+LLM_GRAPHS = "llm"
+TOKEN2WAV_GRAPHS = "token2wav"
+
+
+def capture(run: Callable[[], T], device: "torch.device", pool: object,
+            worker: str = TOKEN2WAV_GRAPHS) -> tuple["torch.cuda.CUDAGraph", T]:
+    """`run` (static shapes, no host syncs) captured into a new CUDA graph in `pool`, on `worker`'s capture stream;
+    returns the graph and the outputs of the captured call, which each replay overwrites.
 
     `run` is called once before, on a side stream: lazy initialisations (cuBLAS workspaces, cuDNN/cuFFT plans)
     must not happen during capture."""
@@ -95,21 +103,34 @@ def capture(run: Callable[[], T], device: "torch.device", pool: object) -> tuple
             run()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device), capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device, worker),
+                              capture_error_mode="thread_local"):
             outputs = run()
     return graph, outputs
 
 
-def capture_stream(device: "torch.device") -> "torch.cuda.Stream":
-    """A side stream of `device` to capture on. `torch.cuda.graph` otherwise captures on one stream it creates
-    once per process on whatever device is current then: with the tensors on another GPU (an instance on GPU 1
-    of a process whose current device is 0), the capture runs on the wrong device and is invalidated."""
+def capture_stream(device: "torch.device", worker: str) -> "torch.cuda.Stream":
+    """The side stream of `device` that `worker`'s graphs are captured on, one per (GPU, worker).
+
+    One per GPU: `torch.cuda.graph` otherwise captures on one stream it creates once per process on whatever device
+    is current then, and with the tensors on another GPU (an instance on GPU 1 of a process whose current device is
+    0) the capture runs on the wrong device and is invalidated. One per worker: cuBLAS and cuBLASLt bind their
+    workspace to the (thread's handle, stream) a GEMM is issued on, and a graph keeps the workspace it was captured
+    with. Graphs of two workers captured on one stream would share one workspace while their workers replay them at
+    the same time on two streams: split-K GEMMs of both then write the same partial sums and wait on the same flags
+    (wrong results, or kernels that spin). Graphs of one worker replay one after another and may share it."""
     import torch
 
     device = concrete_device(device)
-    stream = _CAPTURE_STREAMS.get(device.index)
+    key = (device.index, worker)
+    stream = _CAPTURE_STREAMS.get(key)
     if stream is None:
-        stream = _CAPTURE_STREAMS[device.index] = torch.cuda.Stream(device)
+        # `torch.cuda.Stream` hands out a pool of streams round robin: two objects may wrap one CUDA stream
+        taken = {other.cuda_stream for (index, _), other in _CAPTURE_STREAMS.items() if index == device.index}
+        stream = torch.cuda.Stream(device)
+        while stream.cuda_stream in taken:
+            stream = torch.cuda.Stream(device)
+        _CAPTURE_STREAMS[key] = stream
     return stream
 
 

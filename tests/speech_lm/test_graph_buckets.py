@@ -98,3 +98,38 @@ def test_buckets_fit_the_smallest_size_of_each_dimension() -> None:
     graphs = _Recorded()
     assert graphs.bucket(2, 17, 0) == (2, 32, 64) and graphs.bucket(3, 1, 1) is None
     assert costliest_first(((1, 2), (3, 5))) == [(2, 5), (2, 3), (1, 5), (1, 3)]
+
+
+class _PooledStream:
+    """`torch.cuda.Stream` as PyTorch hands it out: objects wrapping a pool of a few CUDA streams, round robin."""
+
+    POOL = 3
+    handed_out = 0
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.cuda_stream = 1000 + _PooledStream.handed_out % self.POOL
+        _PooledStream.handed_out += 1
+
+
+@pytest.fixture
+def pooled_streams(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", _PooledStream)
+    monkeypatch.setattr(graph_buckets, "_CAPTURE_STREAMS", {})
+    _PooledStream.handed_out = 0
+    return _PooledStream
+
+
+def test_each_worker_captures_on_a_cuda_stream_of_its_own(pooled_streams) -> None:
+    """The LLM's and token2wav's graphs replay at the same time: captured on one stream they would share cuBLAS's
+    workspace. A worker keeps its stream; no two workers of a GPU get the same CUDA stream, even where the pool's
+    round robin comes back to one already taken."""
+    gpu = torch.device("cuda", 1)
+    llm = graph_buckets.capture_stream(gpu, graph_buckets.LLM_GRAPHS)
+    pooled_streams.handed_out = 0  # the pool comes round to the LLM's stream next
+    token2wav = graph_buckets.capture_stream(gpu, graph_buckets.TOKEN2WAV_GRAPHS)
+    assert llm.cuda_stream != token2wav.cuda_stream
+    assert graph_buckets.capture_stream(gpu, graph_buckets.LLM_GRAPHS) is llm
+    assert graph_buckets.capture_stream(gpu, graph_buckets.TOKEN2WAV_GRAPHS) is token2wav
+    other_gpu = graph_buckets.capture_stream(torch.device("cuda", 0), graph_buckets.LLM_GRAPHS)
+    assert other_gpu is not llm and other_gpu.device == torch.device("cuda", 0)
