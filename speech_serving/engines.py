@@ -123,6 +123,10 @@ def hift_calls(engine: FlowAndVocoder) -> tuple[int, int]:
     return (graphs.replayed_calls, graphs.eager_calls) if graphs is not None else (0, 0)
 
 
+#: Seconds between two readings of the CUDA allocator's statistics (`_BatchedStreams.allocator_retries`).
+ALLOCATOR_READ_S = 1.0
+
+
 @dataclass
 class StreamState:
     prompt: FlowPrompt
@@ -163,14 +167,23 @@ class _BatchedStreams:
         """A whole utterance as a one-chunk stream of the engine, its noise from the state's generator."""
         return self.engine.offline_job(tokens, state.prompt, state.stream.generator)
 
+    _retries: tuple[float, int] = (float("-inf"), 0)  # (when read, value) of `allocator_retries`
+
     def allocator_retries(self) -> tuple[int]:
         """Times the CUDA caching allocator of the flow's GPU (this process) found no free block, returned its
         cached blocks to the driver and tried again: each retry synchronizes the GPU, so a run whose count climbs
-        is short of GPU memory (caches, pools and batches together) and slows as a whole."""
+        is short of GPU memory (caches, pools and batches together) and slows as a whole. Read at most once per
+        `ALLOCATOR_READ_S` (`torch.cuda.memory_stats` builds a dict of every allocator statistic; the service asks
+        after every call)."""
         device = self.engine.flow_device
         if device.type != "cuda":
             return (0,)
-        return (int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)),)
+        read_at, value = self._retries
+        now = time.monotonic()
+        if now - read_at >= ALLOCATOR_READ_S:
+            value = int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+            self._retries = (now, value)
+        return (value,)
 
     def _run_alone(self, job: tuple[Any, Chunk]) -> np.ndarray | Exception:
         try:

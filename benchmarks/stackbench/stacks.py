@@ -82,7 +82,8 @@ class SlowStacks:
         pace = step_ms(before, after)
         stuck = frozen(before, after)
         if stuck:
-            reason = f"frozen: requests in flight, no LLM step and no token2wav call finished in {after.at - before.at:.1f} s"
+            reason = (f"frozen: requests in flight, no LLM step and no token2wav call finished in "
+                      f"{after.at - before.at:.1f} s")
         elif pace is not None and pace > self.threshold_ms:
             reason = f"LLM step {pace:.1f} ms in that second"
         else:

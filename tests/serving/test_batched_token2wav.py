@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import torch
 
 from cosyvoice2.streaming import Chunk
 from speech_serving.errors import InvalidInput
@@ -73,3 +74,28 @@ def test_one_call_of_mixed_jobs_equals_each_job_alone(tiny_token2wav):  # noqa: 
         np.testing.assert_allclose(got, want, rtol=0, atol=AUDIO_ATOL)
     assert [a.size for a in together_offline] == [41 * 960, 17 * 960]
     assert sum(a.size for a in together) == sum(t.size for _, t, _ in streams) * 960
+
+
+def test_the_allocator_statistics_are_read_at_most_once_a_period(monkeypatch):
+    """The service asks for the allocator's retries after every call; reading them builds a dict of every allocator
+    statistic, so a period's calls share one reading (and a CPU flow reads none)."""
+    from types import SimpleNamespace
+
+    from speech_serving import engines
+
+    reads = []
+
+    def memory_stats(device):
+        reads.append(device)
+        return {"num_alloc_retries": len(reads)}
+
+    clock = iter([100.0, 100.2, 100.9, 101.1, 101.3])
+    monkeypatch.setattr(engines.torch.cuda, "memory_stats", memory_stats)
+    monkeypatch.setattr(engines.time, "monotonic", lambda: next(clock))
+    gpu = engines._BatchedStreams()
+    gpu.engine = SimpleNamespace(flow_device=torch.device("cuda", 1))
+    assert [gpu.allocator_retries() for _ in range(5)] == [(1,), (1,), (1,), (2,), (2,)]
+    assert reads == [torch.device("cuda", 1)] * 2
+    cpu = engines._BatchedStreams()
+    cpu.engine = SimpleNamespace(flow_device=torch.device("cpu"))
+    assert cpu.allocator_retries() == (0,) and len(reads) == 2
