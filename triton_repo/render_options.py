@@ -64,11 +64,12 @@ SCALABLE = (
 LLM_GPU = 0
 #: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
 DEFAULT_TOKEN2WAV_GPUS = (1,)
-#: LLM sequences decoded together unless `--max-batch` says: 16, and 32 where only PyTorch LLMs run on a GPU. A GPU's
-#: decode step costs little more for 32 rows than for 16 (the published figures are of 32 slots, docs/PERFORMANCE.md),
-#: while a CPU's grows with every row; a TensorRT-LLM engine is built for its own maximum (Spark's build: 16).
+#: LLM sequences decoded together unless `--max-batch` says: 16, and 64 where only PyTorch LLMs run on a GPU. A GPU's
+#: decode step costs little more for 64 rows than for 32, and with 32 slots 64 streams queued 250-320 ms for a slot
+#: before their prefill (one H100: first chunk p50 635-705 ms against 745-923, docs/PERFORMANCE.md), while a CPU's
+#: step grows with every row; a TensorRT-LLM engine is built for its own maximum (Spark's build: 16).
 DEFAULT_MAX_BATCH = 16
-GPU_PYTORCH_MAX_BATCH = 32
+GPU_PYTORCH_MAX_BATCH = 64
 _SPARK_SCHEDULE = ChunkSchedule()
 
 

@@ -68,7 +68,7 @@ Options:
   --dit-dir DIR                 DiT token2wav directory, --token2wav dit only (default: released-size random under WORK)
   --device {cpu,cuda}           where the engine runs (default cuda)
   --dtype NAME                  LLM and flow dtype (default bf16)
-  --max-batch N                 LLM batch slots (default 32)
+  --max-batch N                 LLM batch slots (default: the render's, 64 for the PyTorch LLM on a GPU)
   --max-seq-len N               LLM sequence limit (default 2048)
   --benchmark-speech-ratio R    speech tokens per text token (0 = off, for real weights)
   --timeout S                   deadline of one request (default 120)
@@ -151,7 +151,9 @@ METRICS_SETTLE_S = 0.5
 METRICS_SETTLE_MAX_S = 10.0
 LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
-OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark", "cosyvoice3": "--cosyvoice3"}
+OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark", "cosyvoice3": "--cosyvoice3",
+               "max_batch": "--max-batch", "max_seq_len": "--max-seq-len", "device": "--device", "dtype": "--dtype",
+               "model_dir": "--model-dir", "out": "--work", "benchmark_speech_ratio": "--benchmark-speech-ratio"}
 #: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
 SPARK_PIPELINE = "spark-tts"
 #: The pipeline `--cosyvoice3` loads (the same two names).
@@ -881,7 +883,8 @@ def settings_slug(args: argparse.Namespace) -> str:
     # first word
     pipeline = selected_pipeline(args)
     parts = [pipeline] if pipeline is not None else []
-    parts += [args.device, args.dtype, f"b{args.max_batch}"] + ([] if pipeline is not None else [args.token2wav])
+    slots = [] if args.max_batch is None else [f"b{args.max_batch}"]  # the render's default slot count goes unnamed
+    parts += [args.device, args.dtype, *slots] + ([] if pipeline is not None else [args.token2wav])
     parts += [item.replace("=", "") for item in args.render_arg]
     parts += [item.rpartition(",")[2].replace("=", "") for item in args.server_arg]  # e.g. thread-pool-size128
     if args.only:
@@ -933,7 +936,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "WORK/dit)")
     parser.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-batch", type=int,
+                        help="LLM sequences decoded together (default: the render's, 64 for the PyTorch LLM on a GPU)")
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--benchmark-speech-ratio", type=float,
                         help="speech tokens per target text token (0 = off: real weights); default: what makes "
@@ -1070,6 +1074,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(servers)), GpuMemory().used,
                                on_tick=slow_stacks.observe if slow_stacks is not None else None)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings["max_batch"] = options.max_batch  # what the render chose where --max-batch was left out
     document: dict[str, Any] = {
         "settings": settings,
         "pipeline": pipeline or "cosyvoice2",

@@ -153,7 +153,7 @@ def benchmark_ratio(given: float | None, realistic: Callable[[], float], announc
 
 
 def render_stack(
-    *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int, max_seq_len: int,
+    *, work: Path, model_dir: Path, device: str, dtype: str, max_batch: int | None, max_seq_len: int,
     benchmark_speech_ratio: float | None, render_args: Sequence[str] = (), token2wav: str = "unet",
     dit_dir: Path | None = None, spark_dir: Path | None = None, spark_benchmark_ratio: float | None = None,
     cosyvoice3_dir: Path | None = None, cosyvoice3_benchmark_ratio: float | None = None,

@@ -132,6 +132,8 @@ def test_settings_slug_is_short_and_file_name_safe():
     # a CosyVoice3 run likewise (its own DiT flow and HiFT)
     cv3 = sb.settings_slug(argparse.Namespace(**{**vars(args), "cosyvoice3": True}))
     assert cv3 == "cosyvoice3-cuda-bf16-b32-first_hop15-layoutab-triton-stream+triton-offline-r3"
+    # the render's default slot count goes unnamed
+    assert sb.settings_slug(argparse.Namespace(**{**vars(args), "max_batch": None})).startswith("cuda-bf16-unet-")
 
 
 async def test_spark_scenarios_aim_tts_bench_at_the_spark_models():  # async: the targets open gRPC clients
@@ -245,6 +247,7 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--dit-dir", "/nonexistent/token2wav"], "--dit-dir is only used with --token2wav dit"),
     (["--token2wav", "dit", "--dit-dir", "/nonexistent/token2wav"], "--dit-dir: DiT token2wav directory"),
     (["--render-arg", "token2wav=dit"], "give token2wav with --token2wav, not --render-arg"),
+    (["--render-arg", "max_batch=64"], "give max_batch with --max-batch, not --render-arg"),
     (["--token2wav", "dit", "--render-arg", "dit_dir=/x"], "give dit_dir with --dit-dir, not --render-arg"),
     (["--spark-dir", "/x"], "--spark-dir and --spark-benchmark-ratio need --spark"),
     (["--spark-benchmark-ratio", "2"], "--spark-dir and --spark-benchmark-ratio need --spark"),

@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     full.add_argument("--model-dir", type=Path, help="weights instead of the random released-size ones")
     full.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     full.add_argument("--dtype", default="bf16", choices=("fp32", "fp16", "bf16"))
-    full.add_argument("--max-batch", type=int, default=32)
+    full.add_argument("--max-batch", type=int, help="LLM slots (default: the render's, 64 for the PyTorch LLM on a GPU)")
     full.add_argument("--max-seq-len", type=int, default=2048)
     full.add_argument("--benchmark-speech-ratio", type=float,
                       help="speech tokens per text token (0 = off: real weights; default: stackbench.launch's "

@@ -35,8 +35,8 @@ def test_key_value_strings_parse_by_the_field_type() -> None:
 
 @pytest.mark.parametrize("values, slots", [
     ({}, 16),  # the CPU
-    ({"device": "cuda"}, 32),  # PyTorch LLMs on a GPU
-    ({"layout": "disaggregated"}, 32),  # cuda by default
+    ({"device": "cuda"}, 64),  # PyTorch LLMs on a GPU
+    ({"layout": "disaggregated"}, 64),  # cuda by default
     ({"device": "cuda", "max_batch": "8"}, 8),  # what the operator says
     ({"llm_backend": "tensorrt_llm", "engine_dir": "/e"}, 16),  # an engine is built for its own maximum
     ({"device": "cuda", "spark": SparkRenderOptions(Path("/s"), engine_dir=Path("/se"))}, 16),
