@@ -46,6 +46,17 @@ from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MA
 
 CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
 
+# The estimator's CUDA-graph buckets. A call's rows run padded to the bucket (rows, longest row's new frames, longest
+# history), so every padded frame-row is computed at every Euler step. Rows: every count up to 4, then steps of a
+# half (6, 12) between the powers of two, so a call of 5, 9 or 10 rows no longer pays for 8 or 16 (with rows
+# 1/2/4/8/16, 53-61 % of the estimator's frame-rows were padding from 16 streams on, on an H100). New frames: the
+# chunks of the served schedules are whole 25-token grid chunks, 50 frames each (a second chunk 100 frames, every
+# later one 200), so the buckets sit at 50-frame steps from 104 (a first chunk: 25 tokens + the prompt's tail) to
+# 256 (the encoder's longest call, 128 tokens); 128/256 padded the common 100- and 200-frame chunks by 22-28 %.
+STEP_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+STEP_NEW_FRAMES = (104, 152, 200, 256)
+STEP_HISTORY_FRAMES = (256, 512, 768, 1024, 1280, 1536, 2048)
+
 
 # ---- state ---------------------------------------------------------------------------------------------
 @dataclass
@@ -171,7 +182,7 @@ class CachedFlowRunner:
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
-        self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs else (1, 2, 4, 8, 16))
+        self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs else STEP_ROWS)
         self.config = flow.config
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
@@ -572,17 +583,16 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
     """CUDA graphs of one cached estimator evaluation, per (rows, new frames, history frames) bucket.
 
     Uncached, the Euler loop is launch-bound (about a thousand small kernels per estimator call); cached, it
-    also attends to a history that differs per row. A call is padded to a bucket: rows to a power of two, new
-    frames and history frames up to a bucket size; padding is masked (zero mask, -1e10 attention bias), so the
+    also attends to a history that differs per row. A call is padded to a bucket (`STEP_ROWS`, `STEP_NEW_FRAMES`,
+    `STEP_HISTORY_FRAMES`: each dimension up to the next size); padding is masked (zero mask, -1e10 attention bias), so the
     real rows and frames are exact. The history of the call's rows is copied before each step into one static
     buffer that every graph views (sized for the largest bucket, allocated on first use; with it the conv tails);
     a graph's outputs live in the shared pool and are valid until the next replay: callers copy what they keep at
     once. One thread at a time (a lock guards fill + replay).
     """
 
-    def __init__(self, runner: CachedFlowRunner, rows: Sequence[int] = (1, 2, 4, 8, 16),
-                 new_frames: Sequence[int] = (128, 256),
-                 history_frames: Sequence[int] = (256, 512, 768, 1024, 1280, 1536, 2048)):
+    def __init__(self, runner: CachedFlowRunner, rows: Sequence[int] = STEP_ROWS,
+                 new_frames: Sequence[int] = STEP_NEW_FRAMES, history_frames: Sequence[int] = STEP_HISTORY_FRAMES):
         super().__init__()
         self.runner = runner
         self.rows, self.new_frames, self.history_frames = tuple(rows), tuple(new_frames), tuple(history_frames)
