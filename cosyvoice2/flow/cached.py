@@ -222,10 +222,34 @@ class CachedFlowRunner:
         """Mel (80, frames) float32 of tokens[first_emitted:stop] per row, and the caches each row's call adds
         (None when it keeps nothing), to `commit` once the chunk is delivered: a failed chunk changes no stream."""
         self._check(rows)
-        mu, enc_out = self._encode(rows)
-        mel, est_out = self._solve(rows, mu)
-        updates = [CachedSegment(enc, est) if enc.tokens else None for enc, est in zip(enc_out, est_out)]
-        return mel, updates
+        mels: list[Optional[torch.Tensor]] = [None] * len(rows)
+        updates: list[Optional[CachedSegment]] = [None] * len(rows)
+        for group in self.graph_groups(rows):
+            part = [rows[i] for i in group]
+            mu, enc_out = self._encode(part)
+            mel, est_out = self._solve(part, mu)
+            for i, m, enc, est in zip(group, mel, enc_out, est_out):
+                mels[i], updates[i] = m, CachedSegment(enc, est) if enc.tokens else None
+        return mels, updates  # type: ignore[return-value]
+
+    def graph_groups(self, rows: Sequence[CachedRow]) -> list[list[int]]:
+        """The rows that fit the CUDA-graph buckets, then (a second pass) those that do not: an offline utterance
+        or a history past the longest bucket runs eagerly on its own instead of taking every other row of its call
+        with it (a call is padded to its longest row, so one such row left the whole call without graphs)."""
+        if self.graphs is None:
+            return [list(range(len(rows)))]
+        fits = [self.fits_graphs(row) for row in rows]
+        groups = [[i for i, f in enumerate(fits) if f], [i for i, f in enumerate(fits) if not f]]
+        return [group for group in groups if group]
+
+    def fits_graphs(self, row: CachedRow) -> bool:
+        """Whether a call of this row alone fits a bucket of the estimator's step graphs and (where it has any)
+        of the encoder's."""
+        new, history = row.stop - row.start, row.start
+        if self.graphs is None or self.graphs.bucket(1, new * self.stride, history * self.stride) is None:
+            return False
+        encoder = self.encoder.graphs
+        return encoder is None or encoder.bucket(1, new, history) is not None
 
     def _check(self, rows: Sequence[CachedRow]) -> None:
         for row in rows:

@@ -284,6 +284,39 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
     assert 0 < runner.frames_needed < runner.frames_computed
 
 
+@parity
+def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> None:
+    """An offline utterance longer than the largest new-frame bucket, in one call with two streams' chunks: the
+    chunks still run from the step graphs (emulated on CPU), the utterance eagerly on its own, and every row's mel
+    equals the row run alone."""
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow)
+    graphs = runner.graphs
+    graphs.emulate = True
+    graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
+    replayed, run = [], graphs.run
+    graphs.run = lambda shape, *args: replayed.append(shape) or run(shape, *args)
+    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    first = ChunkSchedule(prompt_tokens=40).chunks(300)[0]
+    rows = [CachedRow(torch.cat([prompt_tokens, random_tokens(300, seed=s)[: first.feed]]), prompt_mel, spks, prefix,
+                      CachedSegment(), stop=40 + first.stop, final=False, keep=True, emit_from=40 + first.start)
+            for s in (1, 2)]
+    utterance = random_tokens(200, seed=3)  # 400 new frames: beyond the 256-frame bucket
+    rows.insert(1, CachedRow(torch.cat([prompt_tokens, utterance]), prompt_mel, spks, prefix, CachedSegment(),
+                             stop=240, final=True, keep=False, emit_from=40))
+    assert [runner.fits_graphs(row) for row in rows] == [True, False, True]
+    replayed.clear()  # the voice prefix ran from a graph too
+    mels, _ = runner.run_pending(rows)
+    steps = len(flow.decoder.schedule)
+    assert replayed and all(shape[0] == 2 for shape in replayed) and len(replayed) == steps  # the two chunks
+    assert mels[1].shape[1] == 200 * runner.stride
+    for row, mel in zip(rows, mels):
+        alone, _ = runner.run_pending([row])
+        assert (mel - alone[0]).abs().max().item() <= MEL_TOL
+
+
 # ---- the CUDA-graph buckets against what the token2wav service forms ------------------------------------
 @pytest.mark.parametrize("schedule_params", [{"align_first_hop": "always"}, {"align_first_hop": "never"},
                                              {"first_hop": 15, "align_first_hop": "never"},
