@@ -18,3 +18,9 @@ def test_cosyvoice3_token2wav_profile_lists_calls_and_operators():
     for row in rows:
         assert float(row.split("|")[1]) > 0  # a wall time was measured
     assert out.count(" ms ") >= 2 * 3  # three operators under each call
+
+
+def test_sm_share_says_it_needs_a_gpu():
+    done = subprocess.run([sys.executable, "-m", "enginebench.sm_share", "--device", "cpu"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode != 0 and "needs a CUDA device" in done.stderr
