@@ -127,9 +127,12 @@ def main() -> int:
 
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
                        flow_cache="chunked")
-    engine.cached.graphs.capture_all(device, dtype)
-    if engine.cached.encoder.graphs is not None:
-        engine.cached.encoder.graphs.capture_all(device, dtype)
+    started, before = time.perf_counter(), torch.cuda.memory_allocated(device)
+    steps = engine.cached.graphs.capture_all(device, dtype)
+    encoder = engine.cached.encoder.graphs.capture_all(device, dtype) if engine.cached.encoder.graphs else 0
+    sync(device)
+    print(f"token2wav: {steps} step graphs and {encoder} encoder graphs captured in {time.perf_counter() - started:.1f} "
+          f"s, {(torch.cuda.memory_allocated(device) - before) / 2**30:.1f} GiB", flush=True)
     gen = torch.Generator(device=device).manual_seed(0)
     vocab = config.flow.vocab_size
     voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
