@@ -129,7 +129,8 @@ def main() -> int:
                        flow_cache="chunked")
     started, before = time.perf_counter(), torch.cuda.memory_allocated(device)
     steps = engine.cached.graphs.capture_all(device, dtype)
-    encoder = engine.cached.encoder.graphs.capture_all(device, dtype) if engine.cached.encoder.graphs else 0
+    encoder_graphs = engine.cached.encoder.graphs  # (an empty set of graphs is falsy: compare with None)
+    encoder = encoder_graphs.capture_all(device, dtype) if encoder_graphs is not None else 0
     sync(device)
     print(f"token2wav: {steps} step graphs and {encoder} encoder graphs captured in {time.perf_counter() - started:.1f} "
           f"s, {(torch.cuda.memory_allocated(device) - before) / 2**30:.1f} GiB", flush=True)

@@ -182,7 +182,7 @@ class CachedFlowRunner:
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
-        self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs else STEP_ROWS)
+        self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs is not None else STEP_ROWS)
         self.config = flow.config
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
