@@ -1,7 +1,7 @@
 """The LLM's decode step beside token2wav's calls on one GPU: shared SMs against token2wav held to a share of them.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.sm_share [--llm-rows 16] [--t2w-rows 4] [--t2w-sms 0 100 84]
-        [--seconds 8]
+    PYTHONUNBUFFERED=1 python -m enginebench.sm_share [--llm-rows 16] [--t2w-rows 4] [--t2w-sms 0 112 96]
+        [--seconds 8] [--switch-interval-ms 1]
 
 In the colocated server one process decodes the LLM's sequences and runs token2wav's calls on two CUDA streams of
 one context, and every SM may run either's kernels: a decode step of 16 sequences takes ~4.3 ms beside token2wav
@@ -17,6 +17,9 @@ stream. Cases: each alone, then both together for each `--t2w-sms` value (0: no 
 token2wav's graphs are captured once, as the server captures them, and replayed on the green context's stream
 (whether CUDA holds a replay to the stream's SMs is part of the question: "token2wav alone on N SMs" against "all
 SMs" answers it; a case CUDA refuses is reported as failed).
+Both threads share one interpreter lock, as the server's do: `--switch-interval-ms` sets how soon a thread whose GPU
+work finished gets it back from one running Python (docs/experiments/2026-11-27-sm-share.md: the green contexts
+left the LLM's step as slow, so the lock is the next suspect).
 Table: LLM step p50/p90 (ms), token2wav call p50/p90 (ms), and both rates (steps/s, calls/s).
 """
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from typing import Callable
@@ -97,7 +101,13 @@ def main() -> int:
     parser.add_argument("--t2w-sms", type=int, nargs="+", default=[0, 112, 96, 80],
                         help="SMs token2wav may use (0: all, no green context)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per case")
+    parser.add_argument("--switch-interval-ms", type=float, default=1.0,
+                        help="the interpreter's thread switch interval (the Triton stubs' is 1 ms): how long a thread "
+                             "whose GPU work is done may wait for the lock another thread's Python holds")
     args = parser.parse_args()
+    if args.switch_interval_ms <= 0:
+        raise SystemExit("sm_share: --switch-interval-ms must be positive")
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     device = torch.device(args.device)
     if device.type != "cuda":
         raise SystemExit("sm_share: needs a CUDA device (--device cuda)")
@@ -116,7 +126,7 @@ def main() -> int:
             raise SystemExit("sm_share: this PyTorch has no green contexts (torch.cuda.green_contexts); use --t2w-sms 0")
         green = green_contexts.GreenContext
     print(f"{torch.cuda.get_device_name(device)}: {total_sms} SMs; LLM {args.llm_rows} sequences, token2wav calls "
-          f"of {args.t2w_rows} third chunks", flush=True)
+          f"of {args.t2w_rows} third chunks; switch interval {args.switch_interval_ms} ms", flush=True)
 
     with torch.device(device):
         llm = CosyVoice2LM(LLMConfig()).to(dtype).eval()
