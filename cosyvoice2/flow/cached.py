@@ -156,13 +156,22 @@ def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=dim)
 
 
-def _kept_kv(kv: torch.Tensor, b: int, rows_p: int, kept: int) -> torch.Tensor:
-    """Row b's first `kept` new frames of both guidance rows, (blocks, 2, 2, kept, heads, d), out of a step's new
-    keys/values (blocks, 2, 2 Bp, N, heads, d)."""
-    out = kv.new_empty(kv.size(0), kv.size(1), 2, kept, kv.size(4), kv.size(5))
-    copy_runs(out[:, :, 0], kv[:, :, b, :kept])
-    copy_runs(out[:, :, 1], kv[:, :, rows_p + b, :kept])
-    return out
+def _kept(kv: torch.Tensor, tails: torch.Tensor, solving: Sequence["SolvingRow"], rows_p: int
+          ) -> list[Optional[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per row, what it caches of a step: its first `kept` new frames' keys/values of both guidance rows (blocks, 2,
+    2, kept, heads, d) and its conv tails (2, channels, 2), or None (a row that keeps nothing), out of the step's
+    new keys/values (blocks, 2, 2 Bp, N, heads, d) and tails (2 Bp, channels, 2).
+
+    One copy of every row's frames together, not two per row: each copy is a kernel launched from Python, and this
+    runs at every Euler step while the LLM's thread waits for the same interpreter lock. A row's guidance rows b
+    and Bp + b are one strided view of it (`b::Bp`); `CachedFlowRunner.commit` makes them contiguous."""
+    longest = max(s.kept for s in solving)
+    if not longest:
+        return [None] * len(solving)
+    frames = kv.new_empty(*kv.shape[:3], longest, *kv.shape[4:])
+    copy_runs(frames, kv[:, :, :, :longest])
+    tails = tails.clone()
+    return [(frames[:, :, b::rows_p, : s.kept], tails[b::rows_p]) if s.kept else None for b, s in enumerate(solving)]
 
 
 def _consecutive(values: list[int]) -> bool:
@@ -368,10 +377,9 @@ class CachedFlowRunner:
         rate = cfm.config.inference_cfg_rate
         v_cond, v_uncond = velocity[:rows_p], velocity[rows_p:]
         x = x + schedule[step][1] * ((1.0 + rate) * v_cond - rate * v_uncond)  # the scalar dt, as the uncached solver
-        # keep what the rows cache (graph outputs are overwritten by the next replay; slices and stack: an index
-        # list would be a host-to-device copy, i.e. a sync, per row and step)
-        kept = [(_kept_kv(kv, b, rows_p, s.kept), torch.stack([new_tails[b], new_tails[rows_p + b]])) if s.kept
-                else None for b, s in enumerate(solving)]
+        # keep what the rows cache (graph outputs are overwritten by the next replay; strided slices: an index list
+        # would be a host-to-device copy, i.e. a sync, per row and step)
+        kept = _kept(kv, new_tails, solving, rows_p)
         for b, s in enumerate(solving):  # commit the step to every row at once, after all of it succeeded
             s.x = x[b, :, : s.new]
             s.step += 1
@@ -528,8 +536,10 @@ class CachedFlowRunner:
         e.up_tail = enc.up_tail
         e.tokens += enc.tokens
         s = own.estimator
-        s.kv = [_cat(old, new, dim=3) for old, new in zip(s.kv, est.kv)] if s.kv else list(est.kv)
-        s.tails = est.tails
+        # a step's kept frames are views of the whole call's (`_kept`): copied out, so a stream holds only its own
+        s.kv = ([_cat(old, new, dim=3) for old, new in zip(s.kv, est.kv)] if s.kv
+                else [new.contiguous() for new in est.kv])
+        s.tails = [tail.contiguous() for tail in est.tails]
         s.frames += est.frames
 
 
