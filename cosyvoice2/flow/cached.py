@@ -445,10 +445,9 @@ class CachedFlowRunner:
         for b, row in enumerate(rows):
             if row.own.estimator.frames:
                 at = row.prefix.estimator.frames
-                piece = row.own.estimator.kv[steps[b]]
+                piece = row.own.estimator.kv[steps[b]]  # (blocks, 2, 2 guidance rows, n, heads, d)
                 n = piece.size(3)
-                copy_runs(out[:, :, b, at : at + n], piece[:, :, 0])
-                copy_runs(out[:, :, rows_p + b, at : at + n], piece[:, :, 1])
+                copy_runs(out[:, :, b::rows_p, at : at + n], piece)  # guidance rows b and Bp + b in one copy
         return out
 
     def _gather_tails(self, rows: Sequence[CachedRow], steps: Sequence[int], rows_p: int,
@@ -464,12 +463,11 @@ class CachedFlowRunner:
             if like is None:
                 return None
             out = like.new_zeros(2 * rows_p, *like.shape[1:])
-        for b, source in enumerate(sources):
+        for b, source in enumerate(sources):  # guidance rows b and Bp + b
             if source is None:
-                out[b].zero_()
-                out[rows_p + b].zero_()
+                out[b::rows_p].zero_()
             else:
-                out[b], out[rows_p + b] = source[0], source[1]
+                out[b::rows_p] = source
         return out
 
     def _key_buffer(self, like: torch.Tensor, rows_p: int, frames: int) -> torch.Tensor:
