@@ -197,6 +197,20 @@ def random_hift(config: HiFTConfig, device: torch.device) -> HiFTGenerator:
     return hift.to(device).eval()
 
 
+def random_voice(config: FlowConfig, device: torch.device, dtype: torch.dtype, key: str | None = None,
+                 prompt_tokens: int = PROMPT_TOKENS, seed: int = 0) -> FlowPrompt:
+    """A random voice prompt: `prompt_tokens` speech tokens, their mel, an x-vector (cached by `key` when given)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return FlowPrompt(torch.randint(0, config.vocab_size, (1, prompt_tokens), device=device, generator=gen),
+                      torch.randn(1, 2 * prompt_tokens, 80, device=device, generator=gen).to(dtype),
+                      torch.randn(1, 192, device=device, generator=gen).to(dtype), key=key)
+
+
+def random_tokens(config: FlowConfig, n: int, seed: int = 1) -> list[int]:
+    """`n` random speech tokens (a fixed draw per seed)."""
+    return torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def bench_flow(bench: Bench, dtype: torch.dtype) -> None:
     """Eager and CUDA-graph CFM loops (the encoder runs eagerly in both)."""
     device = bench.device
@@ -327,12 +341,8 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
     device = bench.device
     print(f"Streaming flow caches (flow {dtype}; prompt {PROMPT_TOKENS} tokens, one voice)", flush=True)
     flow, hift = random_flow(config.flow, device, dtype), random_hift(config.hift, device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    vocab = config.flow.vocab_size
-    voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
-                       torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype),
-                       torch.randn(1, 192, device=device, generator=gen).to(dtype), key="bench-voice")
-    tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    voice = random_voice(config.flow, device, dtype, key="bench-voice")
+    tokens = random_tokens(config.flow, 400)
     for mode in modes:
         engine = Token2Wav(flow, hift, config, flow_cache=mode)
         engine.capture_hift_graphs()  # (again: a new engine sets HiFT's buckets anew)

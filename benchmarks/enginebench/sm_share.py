@@ -37,8 +37,9 @@ import torch
 import speech_lm.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig
-from cosyvoice2.streaming import FlowPrompt, Token2Wav
-from enginebench.microbench import advanced_streams, decode_request, random_flow, random_hift
+from cosyvoice2.streaming import Token2Wav
+from enginebench.microbench import (advanced_streams, decode_request, random_flow, random_hift, random_tokens,
+                                     random_voice)
 from enginebench.timing import sync
 from speech_lm.decode import BatchedDecoder
 
@@ -144,12 +145,8 @@ def main() -> int:
     sync(device)
     print(f"token2wav: {steps} step graphs and {encoder} encoder graphs captured in {time.perf_counter() - started:.1f} "
           f"s, {(torch.cuda.memory_allocated(device) - before) / 2**30:.1f} GiB", flush=True)
-    gen = torch.Generator(device=device).manual_seed(0)
-    vocab = config.flow.vocab_size
-    voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
-                       torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype),
-                       torch.randn(1, 192, device=device, generator=gen).to(dtype), key="voice")
-    tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    voice = random_voice(config.flow, device, dtype, key="voice", prompt_tokens=PROMPT_TOKENS)
+    tokens = random_tokens(config.flow, 400)
     work = advanced_streams(engine, voice, tokens, args.t2w_rows, EARLIER_CHUNKS)
     # the flow of the call, run without committing its caches so that it repeats: the part of a call that shares
     # the GPU with the LLM (HiFT is a few ms of it)

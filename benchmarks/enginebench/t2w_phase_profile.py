@@ -27,9 +27,9 @@ import torch
 
 import speech_lm.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from cosyvoice2.flow.cached import CachedFlowRunner
-from cosyvoice2.streaming import FlowPrompt, Token2Wav
-from enginebench.microbench import advanced_streams, kernel_profile, random_flow, random_hift
+from cosyvoice2.streaming import Token2Wav
+from enginebench.microbench import (advanced_streams, kernel_profile, random_flow, random_hift, random_tokens,
+                                     random_voice)
 from enginebench.timing import sync
 
 PROMPT_TOKENS = 150
@@ -125,13 +125,9 @@ def main() -> int:
         print(f"captured {count} encoder graphs in {time.perf_counter() - start:.1f} s, "
               f"{(torch.cuda.memory_allocated(device) - before) / 2**20:.0f} MiB (key buffers and graph pool)",
               flush=True)
-    gen = torch.Generator(device=device).manual_seed(0)
-    vocab = config.flow.vocab_size
-    voice = FlowPrompt(torch.randint(0, vocab, (1, PROMPT_TOKENS), device=device, generator=gen),
-                       torch.randn(1, 2 * PROMPT_TOKENS, 80, device=device, generator=gen).to(dtype),
-                       torch.randn(1, 192, device=device, generator=gen).to(dtype), key="voice")
+    voice = random_voice(config.flow, device, dtype, key="voice", prompt_tokens=PROMPT_TOKENS)
     engine.prefix(voice)
-    tokens = torch.randint(0, vocab, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = random_tokens(config.flow, 400)
 
     phases = Phases(device)
     runner = engine.cached
