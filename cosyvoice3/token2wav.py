@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from cosyvoice2.dit.token2wav import DiTChunkSchedule, DiTStreamingConfig, VoiceCaches, prompt_key
 from cosyvoice2.host_copies import to_device
 from cosyvoice2.streaming import CacheBudget, Chunk, ChunkedStream
+from speech_lm.graph_buckets import fitting_first
 
 from .errors import CosyVoice3InputError
 from .flow import CosyVoice3Flow, FlowInputs
@@ -363,6 +364,10 @@ class CosyVoice3Token2Wav:
         """cached: run non-final chunks over flow caches, starting from the voice's `prompt_flow_cache`."""
         return CosyVoice3Stream(self, prompt, self.prompt_flow_cache(prompt) if cached else None)
 
+    def fits_graphs(self, row: FlowRow) -> bool:
+        """Whether a solve of this row alone fits a bucket of the step graphs (none: every row runs eagerly anyway)."""
+        return self.graphs is None or self.graphs.buckets.fit(1, row.new_frames, row.start) is not None
+
     @torch.inference_mode()
     def run_chunks(self, work: Sequence[tuple["CosyVoice3Stream", Chunk]]) -> list[np.ndarray]:
         """Run the next chunk of each stream and return each one's new audio. The chunks of cached streams (and
@@ -380,11 +385,11 @@ class CosyVoice3Token2Wav:
         rows = {i: work[i][0].flow_row(work[i][1]) for i in batched}
         solved = {}
         # one solve per attention mode: final chunks and offline jobs (whole calls, often long) would otherwise pad
-        # every short streaming row to their length
+        # every short streaming row to their length; within a mode, the rows beyond every graph bucket apart
         for streaming in (True, False):
             group = [i for i in batched if rows[i].streaming == streaming]
-            if group:
-                solved.update(zip(group, batched_solve(self.flow, [rows[i] for i in group], self.graphs)))
+            for part in fitting_first(group, lambda i: self.fits_graphs(rows[i])):
+                solved.update(zip(part, batched_solve(self.flow, [rows[i] for i in part], self.graphs)))
         mels: list[tuple[Optional[torch.Tensor], Optional[FlowCache]]] = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:

@@ -39,6 +39,15 @@ def row_buckets(largest: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range((largest - 1).bit_length()) if 1 << i < largest) + (largest,)
 
 
+def fitting_first(items: Sequence[T], fits: Callable[[T], bool]) -> list[list[T]]:
+    """`items` as the passes of a call: those that fit a CUDA-graph bucket, then those that do not (each group only
+    where it has any). A call is padded to its longest row, so one row beyond every bucket (an offline utterance, a
+    history past the longest bucket) would otherwise take the whole call off the graphs."""
+    inside = [item for item in items if fits(item)]
+    outside = [item for item in items if not fits(item)]
+    return [group for group in (inside, outside) if group]
+
+
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from speech_lm.graph_buckets import GridGraphs
+from speech_lm.graph_buckets import GridGraphs, fitting_first
 from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .cached_encoder import CachedEncoder, EncoderCache
@@ -242,14 +242,11 @@ class CachedFlowRunner:
         return mels, updates  # type: ignore[return-value]
 
     def graph_groups(self, rows: Sequence[CachedRow]) -> list[list[int]]:
-        """The rows that fit the CUDA-graph buckets, then (a second pass) those that do not: an offline utterance
-        or a history past the longest bucket runs eagerly on its own instead of taking every other row of its call
-        with it (a call is padded to its longest row, so one such row left the whole call without graphs)."""
+        """Indices of the rows that fit the CUDA-graph buckets, then (a pass of their own, eager) of those that do
+        not (`fitting_first`)."""
         if self.graphs is None:
             return [list(range(len(rows)))]
-        fits = [self.fits_graphs(row) for row in rows]
-        groups = [[i for i, f in enumerate(fits) if f], [i for i, f in enumerate(fits) if not f]]
-        return [group for group in groups if group]
+        return fitting_first(range(len(rows)), lambda i: self.fits_graphs(rows[i]))
 
     def fits_graphs(self, row: CachedRow) -> bool:
         """Whether a call of this row alone fits a bucket of the estimator's step graphs and (where it has any)

@@ -133,3 +133,12 @@ def test_each_worker_captures_on_a_cuda_stream_of_its_own(pooled_streams) -> Non
     assert graph_buckets.capture_stream(gpu, graph_buckets.TOKEN2WAV_GRAPHS) is token2wav
     other_gpu = graph_buckets.capture_stream(torch.device("cuda", 0), graph_buckets.LLM_GRAPHS)
     assert other_gpu is not llm and other_gpu.device == torch.device("cuda", 0)
+
+
+def test_fitting_first_runs_the_rows_beyond_every_bucket_apart():
+    from speech_lm.graph_buckets import fitting_first
+
+    assert fitting_first([3, 900, 5, 700], lambda n: n <= 256) == [[3, 5], [900, 700]]  # order kept within a pass
+    assert fitting_first([3, 5], lambda n: n <= 256) == [[3, 5]]  # no empty pass
+    assert fitting_first([900], lambda n: n <= 256) == [[900]]
+    assert fitting_first([], lambda n: True) == []
