@@ -162,16 +162,18 @@ def _kept(kv: torch.Tensor, tails: torch.Tensor, solving: Sequence["SolvingRow"]
     2, kept, heads, d) and its conv tails (2, channels, 2), or None (a row that keeps nothing), out of the step's
     new keys/values (blocks, 2, 2 Bp, N, heads, d) and tails (2 Bp, channels, 2).
 
-    One copy of every row's frames together, not two per row: each copy is a kernel launched from Python, and this
-    runs at every Euler step while the LLM's thread waits for the same interpreter lock. A row's guidance rows b
-    and Bp + b are one strided view of it (`b::Bp`); `CachedFlowRunner.commit` makes them contiguous."""
-    longest = max(s.kept for s in solving)
+    One copy of every real row's frames together, not two per row: each copy is a kernel launched from Python, and
+    this runs at every Euler step while the LLM's thread waits for the same interpreter lock. The padding rows are
+    left out (the step's guidance rows are (2, Bp): the first `len(solving)` of each), and a row's cache is a view
+    of the copy until `CachedFlowRunner.commit` makes it contiguous."""
+    longest, count = max(s.kept for s in solving), len(solving)
     if not longest:
-        return [None] * len(solving)
-    frames = kv.new_empty(*kv.shape[:3], longest, *kv.shape[4:])
-    copy_runs(frames, kv[:, :, :, :longest])
-    tails = tails.clone()
-    return [(frames[:, :, b::rows_p, : s.kept], tails[b::rows_p]) if s.kept else None for b, s in enumerate(solving)]
+        return [None] * count
+    source = kv.unflatten(2, (2, rows_p))[:, :, :, :count, :longest]  # (blocks, 2, 2, B, longest, heads, d)
+    frames = source.new_empty(source.shape)
+    copy_runs(frames, source)
+    kept_tails = tails.unflatten(0, (2, rows_p))[:, :count].clone()  # (2, B, channels, 2)
+    return [(frames[:, :, :, b, : s.kept], kept_tails[:, b]) if s.kept else None for b, s in enumerate(solving)]
 
 
 def _consecutive(values: list[int]) -> bool:
