@@ -9,7 +9,8 @@ tokens, its stats updates (with a listener like the Triton metrics exporter's), 
 while the asyncio consumers (the adapter's role) run. The step's own overrun (its wall time beyond the
 sleep, minus what a lone sleep overshoots) is the wait for the GIL when the "device" is done: what inflates a
 real decode step while other threads of the process run Python. The interpreter's
-switch interval is 1 ms, as in the Triton stubs (`triton_repo/adapters/common.py`). Every sequence of a run
+switch interval is the serving processes' (`speech_serving.llm_scheduler.SWITCH_INTERVAL_S`; `--switch-interval-ms`),
+and `--busy-thread` adds a thread that runs Python throughout, as token2wav's worker does beside the LLM. Every sequence of a run
 joins before the first measured step and runs `--steps` steps.
 
 Two delivery modes: `token` (a consumer wakes up for every token, as a caller without a delivery
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
 import statistics
 import sys
@@ -30,7 +32,7 @@ import time
 from typing import Sequence
 
 from cosyvoice2.streaming import ChunkSchedule
-from speech_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
+from speech_serving.llm_scheduler import SWITCH_INTERVAL_S, ContinuousBatchingScheduler, StepOutput
 
 
 class StubDecoder:
@@ -85,6 +87,29 @@ async def _consume(stream) -> int:
     return received
 
 
+class BusyThread:
+    """A thread that runs Python without pause, as token2wav's worker does between its kernel launches (with
+    `--busy-thread`): a step that ends while it holds the interpreter lock waits up to the switch interval."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy", daemon=True)
+
+    def _run(self) -> None:
+        total = 0
+        while not self._stop.is_set():
+            for i in range(200):
+                total += i
+
+    def __enter__(self) -> "BusyThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 async def run_once(batch: int, steps: int, mode: str, step_s: float) -> tuple[list[float], list[float]]:
     """Per step of `batch` sequences, microseconds: (end of a step to the start of the next, the step's wall
     time beyond its sleep)."""
@@ -130,12 +155,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-us", type=float, default=1000.0, help="simulated device time of one step (GIL released)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["token", "chunk"], choices=["token", "chunk"])
+    parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3,
+                        help="the interpreter's thread switch interval (default: the serving processes')")
+    parser.add_argument("--busy-thread", action="store_true",
+                        help="one more thread running Python throughout, as token2wav's worker beside the LLM")
     args = parser.parse_args(argv)
-    sys.setswitchinterval(0.001)
+    if args.switch_interval_ms <= 0:
+        parser.error("--switch-interval-ms must be positive")
+    sys.setswitchinterval(args.switch_interval_ms / 1e3)
     step_s = args.step_us / 1e6
     overshoot = sleep_overshoot_us(step_s)
     print(f"microseconds per decoder step; stub step = sleep {args.step_us:.0f} us (a lone sleep overshoots by "
-          f"{overshoot:.0f} us, subtracted from the overrun)")
+          f"{overshoot:.0f} us, subtracted from the overrun); switch interval {args.switch_interval_ms} ms"
+          + ("; a busy Python thread beside" if args.busy_thread else ""))
     print("| delivery | batch | between steps p50 | p90 | mean | step overrun (GIL wait) p50 | p90 | mean |")
     print("|---|---|---|---|---|---|---|---|")
     for mode in args.modes:
@@ -144,7 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrun: list[float] = []
             try:
                 for _ in range(args.repeats):
-                    b, o = asyncio.run(run_once(batch, args.steps, mode, step_s))
+                    with BusyThread() if args.busy_thread else contextlib.nullcontext():
+                        b, o = asyncio.run(run_once(batch, args.steps, mode, step_s))
                     between += b
                     overrun += [value - overshoot for value in o]
             except SystemExit as exc:

@@ -42,6 +42,7 @@ from enginebench.microbench import (advanced_streams, decode_request, random_flo
                                      random_voice)
 from enginebench.timing import sync
 from speech_lm.decode import BatchedDecoder
+from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 
 PROMPT_TOKENS = 150
 EARLIER_CHUNKS = 2  # the measured call runs each stream's third chunk: 100 new tokens over a history
@@ -102,9 +103,9 @@ def main() -> int:
     parser.add_argument("--t2w-sms", type=int, nargs="+", default=[0, 112, 96, 80],
                         help="SMs token2wav may use (0: all, no green context)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per case")
-    parser.add_argument("--switch-interval-ms", type=float, default=1.0,
-                        help="the interpreter's thread switch interval (the Triton stubs' is 1 ms): how long a thread "
-                             "whose GPU work is done may wait for the lock another thread's Python holds")
+    parser.add_argument("--switch-interval-ms", type=float, default=SWITCH_INTERVAL_S * 1e3,
+                        help="the interpreter's thread switch interval (default: the serving processes'): how long a "
+                             "thread whose GPU work is done may wait for the lock another thread's Python holds")
     args = parser.parse_args()
     if args.switch_interval_ms <= 0:
         raise SystemExit("sm_share: --switch-interval-ms must be positive")

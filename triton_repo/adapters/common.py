@@ -22,6 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
 from speech_serving.orchestrator import parse_request, run_until_cancelled
+from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
@@ -35,9 +36,9 @@ logger = logging.getLogger("cosyvoice2.triton")
 faulthandler.enable(all_threads=True)
 
 # Every stub runs several Python threads that hand work to each other (event loop, BLS readers, the LLM
-# scheduler, the token2wav worker): at the default 5 ms switch interval a thread woken by a finished GPU
-# step can wait that long for the GIL. 1 ms bounds each hand-off at a small cost in switches.
-sys.setswitchinterval(0.001)
+# scheduler, the token2wav worker): a thread woken by a finished GPU step waits up to the switch interval for the
+# GIL (`SWITCH_INTERVAL_S` says why it is short).
+sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
