@@ -43,8 +43,10 @@ def fitting_first(items: Sequence[T], fits: Callable[[T], bool]) -> list[list[T]
     """`items` as the passes of a call: those that fit a CUDA-graph bucket, then those that do not (each group only
     where it has any). A call is padded to its longest row, so one row beyond every bucket (an offline utterance, a
     history past the longest bucket) would otherwise take the whole call off the graphs."""
-    inside = [item for item in items if fits(item)]
-    outside = [item for item in items if not fits(item)]
+    inside: list[T] = []
+    outside: list[T] = []
+    for item in items:  # `fits` once per item: it looks up buckets
+        (inside if fits(item) else outside).append(item)
     return [group for group in (inside, outside) if group]
 
 

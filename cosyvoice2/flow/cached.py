@@ -245,9 +245,7 @@ class CachedFlowRunner:
 
     def graph_groups(self, rows: Sequence[CachedRow]) -> list[list[int]]:
         """Indices of the rows that fit the CUDA-graph buckets, then (a pass of their own, eager) of those that do
-        not (`fitting_first`)."""
-        if self.graphs is None:
-            return [list(range(len(rows)))]
+        not (`fitting_first`; without graphs every row is one eager pass)."""
         return fitting_first(range(len(rows)), lambda i: self.fits_graphs(rows[i]))
 
     def fits_graphs(self, row: CachedRow) -> bool:

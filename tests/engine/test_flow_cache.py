@@ -378,17 +378,17 @@ def test_buckets_pad_the_aligned_schedule_little(tiny_model_dir) -> None:
     to the grid): rows by at most half again, and every chunk's new frames by at most 5 % (a chunk is whole grid
     chunks). The padded frame-rows are computed at every Euler step: padding is the estimator's wasted work."""
     from cosyvoice2.config import EngineConfig
-    from cosyvoice2.flow.cached import STEP_HISTORY_FRAMES, STEP_NEW_FRAMES, STEP_ROWS, StepGraphs
+    from cosyvoice2.flow.cached import STEP_HISTORY_FRAMES, STEP_NEW_FRAMES, STEP_ROWS
+    from speech_lm.graph_buckets import fit
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
     stride, grid, lookahead = config.flow.token_mel_ratio, config.flow.encoder.static_chunk_size, config.flow.pre_lookahead_len
-    graphs = StepGraphs.__new__(StepGraphs)  # the bucket table alone: no flow needed to read it
-    graphs.rows, graphs.new_frames, graphs.history_frames = STEP_ROWS, STEP_NEW_FRAMES, STEP_HISTORY_FRAMES
+    sizes = (STEP_ROWS, STEP_NEW_FRAMES, STEP_HISTORY_FRAMES)  # the step graphs' table (`StepGraphs.bucket` fits it)
     for rows in range(1, max(STEP_ROWS) + 1):
-        assert graphs.bucket(rows, min(STEP_NEW_FRAMES), 0)[0] <= 1.5 * rows, rows
+        assert fit((rows, min(STEP_NEW_FRAMES), 0), sizes)[0] <= 1.5 * rows, rows
     schedule = StreamScheduleParams(align_first_hop="always").schedule(config)
-    sizes = set()
+    seen = set()
     for prompt_tokens in range(lookahead, lookahead + 2 * grid):
         start = (prompt_tokens - lookahead) // grid * grid  # the voice prefix: whole grid chunks of prompt
         for chunk in for_prompt(schedule, prompt_tokens).chunks(1000):
@@ -396,9 +396,9 @@ def test_buckets_pad_the_aligned_schedule_little(tiny_model_dir) -> None:
                 break
             stop = prompt_tokens + chunk.stop
             new = (stop - start) * stride
-            sizes.add(new)
-            padded = graphs.bucket(1, new, 0)[1]
+            seen.add(new)
+            padded = fit((1, new, 0), sizes)[1]
             assert padded - new <= 0.05 * padded, (prompt_tokens, chunk, new, padded)
             start = stop // grid * grid
     # first chunks of two and three grid chunks (by the prompt's tail), the second chunk, the later ones
-    assert sizes == {2 * grid * stride, 3 * grid * stride, 4 * grid * stride}, sizes
+    assert seen == {2 * grid * stride, 3 * grid * stride, 4 * grid * stride}, seen
