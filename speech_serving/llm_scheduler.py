@@ -39,10 +39,11 @@ R = TypeVar("R")
 #: The interpreter's thread switch interval of a serving process (`sys.setswitchinterval`; Python's default 5 ms).
 #: The LLM's worker waits for each step's tokens without the interpreter lock, and takes it back when the GPU is done;
 #: while another thread runs Python - token2wav's worker launching its kernels, an event loop - it waits up to this
-#: long for it. With one busy thread beside it, a step overran by 1.1-1.3 ms at 1 ms and by 0.3-0.4 ms at 0.2 ms
-#: (`python -m enginebench.llm_scheduler --busy-thread`, docs/triton.md); beside token2wav the decode step of 16
-#: sequences took 2.85 ms against 1.92 alone (one H100, `enginebench.sm_share`).
-SWITCH_INTERVAL_S = 0.0002
+#: long for it. 0.2 ms cut a stub step's overrun beside a busy thread (1.1 -> 0.3 ms, `python -m
+#: enginebench.llm_scheduler --busy-thread`, docs/triton.md) but changed nothing on a GPU: the decode step beside
+#: token2wav took 2.95 / 3.00 ms at 1 / 0.2 ms (`enginebench.sm_share`), and the stack's levels were the same
+#: (docs/experiments/2026-11-28-four-h100s-lease.md). The step is slower beside token2wav for the GPU, not the lock.
+SWITCH_INTERVAL_S = 0.001
 
 #: Step counters (and the first-chunk sums) reach `stats` (and its listeners: the metrics exporter) at most this
 #: often, and whenever a sequence ends or the worker goes idle; per step they are only added up locally.

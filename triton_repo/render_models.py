@@ -118,7 +118,9 @@ def _benchmark(opts: RenderOptions) -> BenchmarkMode | None:
 
 def _schedule(opts: RenderOptions) -> StreamScheduleParams:
     return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth,
-                                align_first_hop=opts.align_first_hop, lone_first_hop=opts.lone_first_hop)
+                                align_first_hop=opts.align_first_hop,
+                                lone_first_hop=None if opts.lone_first_hop is None else min(opts.lone_first_hop,
+                                                                                            opts.first_hop))
 
 
 def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:

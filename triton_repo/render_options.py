@@ -257,8 +257,10 @@ class RenderOptions(_Options):
     align_first_hop: str = option(StreamScheduleParams.align_first_hop, choices=FIRST_HOP_ALIGNMENTS,
                                   help="pad the first hop so it ends on the flow's 25-token grid (upstream's "
                                        "schedule): always; busy (not for a stream that starts alone); never")
-    lone_first_hop: int | None = option(None, minimum=4, help="tokens in the first chunk of a stream that starts "
-                                        "while no other stream runs (default: --first-hop)")
+    # 12 measured against 25 (one H100, c=1 first chunk p50 132-140 ms against 159-168, c=4 unchanged;
+    # docs/experiments/2026-11-28-four-h100s-lease.md); never longer than --first-hop
+    lone_first_hop: int | None = option(12, minimum=4, help="tokens in the first chunk of a stream that starts "
+                                        "while no other stream runs (at most --first-hop)")
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
     # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.
