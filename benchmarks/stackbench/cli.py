@@ -821,8 +821,8 @@ def open_loop_markdown(open_loop: dict[str, Any], gpus: int = 1) -> list[str]:
 def replica_devices(replicas: int, device: str, environ: dict[str, str],
                     count_gpus: Callable[[], int | None] = gpu_count) -> list[str]:  # fmt: skip
     """CUDA_VISIBLE_DEVICES of each of ``replicas`` tritonservers: the i-th device this process sees (the i-th entry
-    of its CUDA_VISIBLE_DEVICES, else GPU i); empty for one (it sees what this process sees). SystemExit for a
-    combination that makes no sense. With ``device`` cpu they all run on the CPU, whatever the machine has."""
+    of its CUDA_VISIBLE_DEVICES, else GPU i); empty for one (it sees what this process sees). SystemExit where fewer
+    GPUs are there than servers. With ``device`` cpu they all run on the CPU, whatever the machine has."""
     if replicas == 1:
         return []
     visible = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
