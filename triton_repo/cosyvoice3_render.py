@@ -35,7 +35,7 @@ from triton_repo.model_params import (
     VoicePromptParams,
 )
 from triton_repo.render_options import CosyVoice3RenderOptions, RenderOptions
-from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, with_options
+from triton_repo.render_templates import ModelSpec, entry_specs, with_options
 from triton_repo.render_trtllm import TrtllmFlags, trtllm_input_errors, trtllm_parameters
 
 __all__ = ["CosyVoice3RenderOptions", "check", "model_specs", "models"]
@@ -50,13 +50,10 @@ MODELS = frozenset({contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREA
 SINGLE_INSTANCE = (ENGINE, LLM)
 TRTLLM_FLAGS = TrtllmFlags(backend="--cosyvoice3-engine-dir", engine_dir="--cosyvoice3-engine-dir",
                            llm_dir="--cosyvoice3-llm-dir", which="the CosyVoice3 engine")
-#: The engine's share of the free GPU memory for its KV cache: token2wav, the audio models (and CosyVoice2) share
-#: its GPU.
-KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
 #: What a served CosyVoice3 directory must hold (the engine alone could do with fewer: id-level calls only).
 SERVED_FILES = (*ENGINE_FILES, *TOKENIZER_FILES, *FRONTEND_FILES)
 #: The orchestrators' targets: the colocated engine answers both the LLM's and token2wav's calls.
-INTERNAL_MODELS = InternalModels(llm_model=ENGINE, token2wav_model=(ENGINE,), token2wav_decoupled=True,
+INTERNAL_MODELS = InternalModels(llm_model=ENGINE, token2wav_model=ENGINE, token2wav_decoupled=True,
                                  llm_deliver_at=True, voice_prompt_model=VOICE_PROMPT)
 
 
@@ -131,10 +128,10 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
                            dict(instances=opts.instances_of(VOICE_PROMPT))))
     specs += [
         ModelSpec(name, "audio_model.pbtxt", io.AUDIO_INPUTS, (output,),
-                  AudioModelParams(model_dir, opts.device_of(name)), adapter,
+                  AudioModelParams(model_dir, opts.model_device), adapter,
                   dict(description=description, max_batch=opts.audio_max_batch,
                        max_queue_delay_us=opts.max_queue_delay_us,
-                       instance_group=instance_group(opts, name, opts.instances_of(name))))
+                       instances=opts.instances_of(name)))
         for name, output, adapter, description in (
             (AUDIO_TOKENIZER, io.SPEECH_TOKENS, ("cosyvoice3_engine", "CosyVoice3AudioTokenizerModel"),
              "CosyVoice3 speech tokenizer (speech_tokenizer_v3.onnx), 25 Hz tokens of 16 kHz audio."),
@@ -147,7 +144,7 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     if cv3.engine_dir is not None:  # CosyVoice2's `llm` tensors and template; the engine stays in engine_dir
         specs.append(ModelSpec(
             LLM, "llm_tensorrt_llm.pbtxt", io.LLM_INPUTS, io.LLM_OUTPUTS,
-            trtllm_parameters(opts, cv3.engine_dir, opts.max_seq_len, KV_CACHE_FREE_GPU_MEM_FRACTION), None,
+            trtllm_parameters(opts, cv3.engine_dir, opts.max_seq_len), None,
             dict(max_batch=opts.max_batch, max_seq_len=opts.max_seq_len),
         ))  # fmt: skip
     return specs
@@ -184,7 +181,7 @@ def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
     those names."""
     cv3 = opts.cosyvoice3
     assert cv3 is not None
-    return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.device_of(ENGINE),
+    return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.model_device,
                         flow_cache=cv3.flow_cache, flow_voices=cv3.flow_voices, flow_cache_gb=cv3.flow_cache_gb,
                         first_hop=cv3.first_hop, second_hop=cv3.second_hop, benchmark=_benchmark(cv3),
                         llm=cv3.engine_dir is None)

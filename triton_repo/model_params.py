@@ -6,7 +6,6 @@ and meaning exist once. Rules of the string form:
 
 * scalars: `str`, `int`, `float`, `bool` ("true"/"false"), `Path`; an optional one (`X | None`) is left out
   when None and read as None when absent;
-* a tuple of scalars (`tuple[X, ...]`): its items comma-separated, at least one, none empty or holding a comma;
 * a nested dataclass is flattened into its fields' keys (with the field's `prefix` metadata in front); an
   optional nested one is left out when None and read as None when none of its keys is present;
 * keys shared by two nested parts (the colocated `engine` hosts the LLM and token2wav) must agree.
@@ -46,35 +45,13 @@ def optional_type(kind: Any) -> tuple[Any, bool]:
     return kind, False
 
 
-_LIST_SEPARATOR = ","
-
-
-def _items_of(kind: Any) -> Any:
-    """X of `tuple[X, ...]`, else None."""
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return args[0]
-    return None
-
-
 def _format(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, tuple):
-        items = [_format(item) for item in value]
-        if not items or any(not item or _LIST_SEPARATOR in item for item in items):
-            raise ValueError(f"a list parameter needs items, none empty or holding {_LIST_SEPARATOR!r}: {value!r}")
-        return _LIST_SEPARATOR.join(items)
     return str(value)
 
 
 def _parse(kind: Any, text: str) -> object:
-    item = _items_of(kind)
-    if item is not None:
-        parts = text.split(_LIST_SEPARATOR)
-        if not all(parts):
-            raise ValueError(f"expected {_LIST_SEPARATOR!r}-separated items, none empty")
-        return tuple(_parse(item, part) for part in parts)
     if kind is bool:
         if text not in ("true", "false"):
             raise ValueError("expected true or false")
@@ -97,10 +74,7 @@ def _flatten(obj: object, prefix: str, out: dict[str, str], owner: str) -> None:
         if dataclasses.is_dataclass(kind):
             _flatten(value, key, out, owner)
             continue
-        try:
-            text = _format(value)
-        except ValueError as exc:
-            raise ParameterError(f"{owner}: parameter {key}: {exc}") from exc
+        text = _format(value)
         if out.setdefault(key, text) != text:
             raise ParameterError(f"{owner}: parameter {key} has two values, {out[key]!r} and {text!r}")
 
@@ -118,7 +92,7 @@ def _build(cls: type, prefix: str, params: Mapping[str, str], used: set[str], ow
             else:
                 values[f.name] = _build(kind, key, params, used, owner)
             continue
-        if kind not in _SCALARS and _items_of(kind) not in _SCALARS:
+        if kind not in _SCALARS:
             raise TypeError(f"{cls.__name__}.{f.name}: unsupported parameter type {kind!r}")
         if key not in params:
             if optional:
@@ -184,12 +158,12 @@ class BenchmarkMode:
 
 @dataclass(frozen=True)
 class InternalModels:
-    """Which models answer the orchestrator's LLM and token2wav calls (rendered per layout: `engine` when
-    colocated; the disaggregated layout has several token2wav replicas, each stream kept on one), and whether
-    the LLM takes a delivery schedule (`deliver_at`: the PyTorch LLM; TensorRT-LLM streams per token)."""
+    """Which models answer the orchestrator's LLM and token2wav calls (rendered per layout: `engine` for both
+    when colocated, `llm` and `token2wav` in the single layout), and whether the LLM takes a delivery schedule
+    (`deliver_at`: the PyTorch LLM; TensorRT-LLM streams per token)."""
 
     llm_model: str
-    token2wav_model: tuple[str, ...]  # the token2wav replicas: one model outside the disaggregated layout
+    token2wav_model: str
     token2wav_decoupled: bool
     llm_deliver_at: bool = False
     voice_prompt_model: str = "voice_prompt"  # the voice-prompt cache of this pipeline's model (CosyVoice3 has its own)
@@ -244,22 +218,14 @@ class Token2WavParams(_TorchModelParams):
 
     schedule: StreamScheduleParams
     flow_cache: str
-    flow_cache_gb: float  # the flow caches' budget on this model's GPU; 0: no limit
+    flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
-    # the disaggregated layout: the token2wav replicas on this model's GPU, which split `flow_cache_gb` evenly
-    replicas_per_gpu: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.replicas_per_gpu is not None and self.replicas_per_gpu < 1:
-            raise ValueError(f"replicas_per_gpu must be >= 1, got {self.replicas_per_gpu}")
 
     @property
     def flow_cache_budget_gb(self) -> float | None:
-        """This replica's share of the GPU's flow-cache budget; None: no limit."""
-        if not self.flow_cache_gb:
-            return None
-        return self.flow_cache_gb / (self.replicas_per_gpu or 1)
+        """The flow caches' budget as the engine takes it; None: no limit."""
+        return self.flow_cache_gb or None
 
 
 @dataclass(frozen=True)

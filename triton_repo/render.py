@@ -3,10 +3,9 @@
     python -m triton_repo.render --model-dir models/CosyVoice2-0.5B --out models/triton_repo \\
         [--llm-backend pytorch|tensorrt_llm] [--engine-dir DIR --llm-dir DIR] [--device cpu|cuda] \\
         [--dtype fp32|fp16|bf16] [--max-batch 16] [--max-seq-len 4096] [--instances cosyvoice2_stream=2] \\
-        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single|disaggregated] [--llm-delivery chunk|token] \
+        [--first-hop 25] [--chunk-growth 2] [--layout colocated|single] [--llm-delivery chunk|token] \
         [--token2wav unet|dit --dit-dir models/Step-Audio-2-mini/token2wav] [--spark-dir models/Spark-TTS-0.5B] \
-        [--cosyvoice3-dir models/Fun-CosyVoice3-0.5B-2512] \
-        [--token2wav-gpus 1,2,3 --token2wav-instances-per-gpu 2]  # --layout disaggregated
+        [--cosyvoice3-dir models/Fun-CosyVoice3-0.5B-2512]
 
 Both pipeline models (`cosyvoice2` offline, `cosyvoice2_stream` decoupled) are always rendered, so
 switching between offline and streaming never needs a re-render. With `--spark-dir` the Spark-TTS models
@@ -37,7 +36,6 @@ from triton_repo.model_params import optional_type
 from triton_repo.render_checks import check_options
 from triton_repo.render_models import MARKER, expected_models, render_files
 from triton_repo.render_options import (
-    LLM_GPU,
     TOKEN2WAVS,
     CosyVoice3RenderOptions,
     RenderError,
@@ -50,7 +48,7 @@ from triton_repo.render_validate import validate_repository
 
 # the render tool's interface, whichever module of it defines the name
 __all__ = [
-    "LLM_GPU", "MARKER", "TOKEN2WAVS", "CosyVoice3RenderOptions", "RenderError", "RenderOptions", "SparkRenderOptions",
+    "MARKER", "TOKEN2WAVS", "CosyVoice3RenderOptions", "RenderError", "RenderOptions", "SparkRenderOptions",
     "check_trtllm_config",
     "main", "render_repository", "write_repository",
 ]  # fmt: skip
@@ -115,7 +113,6 @@ def add_option_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "
             spec["action"] = "append"  # MODEL=COUNT, repeatable; the options parse the strings
         elif kind in (int, float, Path):
             spec["type"] = kind
-        # a tuple stays a string: the options parse its comma-separated items
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         parser.add_argument(flag_of(f, prefix), required=required and not prefix, **spec)
 

@@ -13,8 +13,8 @@ from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
 from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
 from triton_repo import cosyvoice3_render, spark_render
-from triton_repo.render_options import LLM_GPU, SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
-from triton_repo.render_trtllm import TrtllmFlags, engine_tp_size, holds_engine, read_engine_config, trtllm_input_errors
+from triton_repo.render_options import SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
+from triton_repo.render_trtllm import TrtllmFlags, trtllm_input_errors
 
 
 def field_errors(opts: object, prefix: str = "") -> list[str]:
@@ -45,11 +45,10 @@ def check_options(opts: RenderOptions) -> None:
     if opts.layout == "colocated" and opts.llm_backend == "tensorrt_llm":
         errors.append(
             "--layout colocated needs --llm-backend pytorch: TensorRT-LLM runs inside tritonserver itself, so it "
-            "cannot share the token2wav process (use --layout single or disaggregated)"
+            "cannot share the token2wav process (use --layout single)"
         )
     if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
-    errors += _check_placement(opts)
     if opts.token2wav == "dit":
         if opts.dit_dir is None:
             errors.append("--token2wav dit needs --dit-dir (the released token2wav/ directory of Step-Audio-2-mini)")
@@ -75,53 +74,13 @@ def check_options(opts: RenderOptions) -> None:
         elif count < 1:
             errors.append(f"--instances {model}={count}: the count must be >= 1")
     if opts.llm_backend == "tensorrt_llm":
-        errors += _check_trtllm(opts)
+        errors += trtllm_input_errors(opts, opts.engine_dir, opts.llm_dir, TrtllmFlags())
     if opts.spark is not None:
         errors += field_errors(opts.spark, opts.spark.FLAG_PREFIX) + spark_render.check(opts)
     if opts.cosyvoice3 is not None:
         errors += field_errors(opts.cosyvoice3, opts.cosyvoice3.FLAG_PREFIX) + cosyvoice3_render.check(opts)
     if errors:
         raise RenderError("cannot render the Triton repository:\n  - " + "\n  - ".join(errors))
-
-
-def _check_placement(opts: RenderOptions) -> list[str]:
-    """The disaggregated layout's GPUs; its CPU rehearsal (`gpu_emulation`)."""
-    errors = []
-    if opts.gpu_emulation:
-        if opts.layout != "disaggregated" or opts.device != "cpu":
-            errors.append("--gpu-emulation rehearses --layout disaggregated on --device cpu only")
-    elif opts.layout == "disaggregated" and opts.device != "cuda":
-        errors.append(
-            "--layout disaggregated needs --device cuda (the LLM on GPU 0, token2wav on the others; "
-            "--gpu-emulation rehearses it on the CPU)"
-        )
-    if opts.layout != "disaggregated":
-        if opts.token2wav_gpus is not None or opts.token2wav_instances_per_gpu != 1:
-            errors.append("--token2wav-gpus and --token2wav-instances-per-gpu need --layout disaggregated")
-        return errors
-    gpus = opts.resolved_token2wav_gpus
-    if not gpus:
-        errors.append("--token2wav-gpus names no GPU (give GPU ids, e.g. 1,2,3)")
-    if any(gpu < 0 for gpu in gpus):
-        errors.append(f"--token2wav-gpus: GPU ids are >= 0, got {','.join(map(str, gpus))}")
-    if len(set(gpus)) != len(gpus):
-        errors.append(f"--token2wav-gpus names a GPU twice ({','.join(map(str, gpus))}); use "
-                      "--token2wav-instances-per-gpu for several replicas on one GPU")
-    if opts.token2wav_instances_per_gpu < 1:
-        errors.append(f"--token2wav-instances-per-gpu must be >= 1, got {opts.token2wav_instances_per_gpu}")
-    return errors
-
-
-def _check_trtllm(opts: RenderOptions) -> list[str]:
-    """CosyVoice2's engine (`--engine-dir`, `--llm-dir`); a tensor-parallel one spans GPUs the disaggregated layout
-    gives token2wav."""
-    errors = trtllm_input_errors(opts, opts.engine_dir, opts.llm_dir, TrtllmFlags())
-    if opts.engine_dir is not None and holds_engine(opts.engine_dir):
-        tp = engine_tp_size(read_engine_config(opts.engine_dir))
-        if tp > 1 and opts.layout == "disaggregated":
-            errors.append(f"a tensor-parallel engine (x{tp}) cannot run in the disaggregated layout (the LLM owns GPU "
-                          f"{LLM_GPU} only)")
-    return errors
 
 
 def _dit_fit_errors(model_dir: Path, dit_dir: Path) -> list[str]:

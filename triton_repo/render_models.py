@@ -27,14 +27,16 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
-from triton_repo.render_options import LLM_GPU, RenderOptions, token2wav_replicas
-from triton_repo.render_templates import ModelSpec, entry_specs, instance_group, model_files, with_options
+from triton_repo.render_options import RenderOptions
+from triton_repo.render_templates import ModelSpec, entry_specs, model_files, with_options
 from triton_repo.render_trtllm import trtllm_parameters
 
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
 ENGINE_MODEL = "engine"
-#: Models that must run as exactly one instance (per-request state in their process), besides every token2wav.
-SINGLE_INSTANCE = ("llm", ENGINE_MODEL, *spark_render.SINGLE_INSTANCE, *cosyvoice3_render.SINGLE_INSTANCE)
+TOKEN2WAV_MODEL = "token2wav"
+#: Models that must run as exactly one instance (per-request state in their process).
+SINGLE_INSTANCE = ("llm", TOKEN2WAV_MODEL, ENGINE_MODEL, *spark_render.SINGLE_INSTANCE,
+                   *cosyvoice3_render.SINGLE_INSTANCE)
 
 
 def render_files(opts: RenderOptions) -> dict[str, str]:
@@ -57,10 +59,9 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
                            dict(instances=opts.instances_of("voice_prompt"))))
     specs += [
         ModelSpec(name, "audio_model.pbtxt", io.AUDIO_INPUTS, (output,),
-                  AudioModelParams(opts.model_dir.resolve(), opts.device_of(name)), ("audio_features", cls),
+                  AudioModelParams(opts.model_dir.resolve(), opts.model_device), ("audio_features", cls),
                   dict(description=description, max_batch=opts.audio_max_batch,
-                       max_queue_delay_us=opts.max_queue_delay_us,
-                       instance_group=instance_group(opts, name, opts.instances_of(name))))
+                       max_queue_delay_us=opts.max_queue_delay_us, instances=opts.instances_of(name)))
         for name, output, cls, description in (
             ("audio_tokenizer", io.SPEECH_TOKENS, "AudioTokenizerModel", "Speech tokenizer (ONNX), 25 Hz tokens of 16 kHz audio."),
             ("speaker_embedding", io.XVECTOR, "SpeakerEmbeddingModel", "CAM++ x-vector (ONNX) of 16 kHz audio."),
@@ -71,34 +72,25 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
                                EngineParams(llm_params(opts), token2wav_params(opts)), ("engine", "TritonPythonModel")))
         return specs
     specs.append(_llm_spec(opts))
-    specs += [
-        ModelSpec(name, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,), token2wav_params(opts, name),
-                  ("token2wav", "TritonPythonModel"), dict(instance_group=instance_group(opts, name)))
-        for name, _ in token2wav_replicas(opts)
-    ]
+    specs.append(ModelSpec(TOKEN2WAV_MODEL, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,),
+                           token2wav_params(opts), ("token2wav", "TritonPythonModel")))
     return specs
 
 
 def _llm_spec(opts: RenderOptions) -> ModelSpec:
-    """The separate `llm` model (single/disaggregated layouts) of either backend."""
+    """The separate `llm` model (the single layout) of either backend."""
     limits = dict(max_batch=opts.max_batch, max_seq_len=opts.max_seq_len)
     if opts.llm_backend == "pytorch":
         return ModelSpec("llm", "llm_pytorch.pbtxt", io.PYTORCH_LLM_INPUTS, io.LLM_OUTPUTS, llm_params(opts),
-                         ("llm", "TritonPythonModel"), dict(limits, instance_group=instance_group(opts, "llm")))
-    kv_cache_share = 0.5 if llm_shares_its_gpu(opts) else 0.9
+                         ("llm", "TritonPythonModel"), limits)
     return ModelSpec("llm", "llm_tensorrt_llm.pbtxt", io.LLM_INPUTS, io.LLM_OUTPUTS,
-                     trtllm_parameters(opts, opts.engine_dir, opts.max_seq_len, kv_cache_share), None, limits)
+                     trtllm_parameters(opts, opts.engine_dir, opts.max_seq_len), None, limits)
 
 
 def expected_models(opts: RenderOptions) -> set[str]:
-    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", *(n for n, _ in token2wav_replicas(opts))}
+    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", TOKEN2WAV_MODEL}
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
     return frontend | internal | spark_render.models(opts) | cosyvoice3_render.models(opts)
-
-
-def llm_shares_its_gpu(opts: RenderOptions) -> bool:
-    """Whether other models run on the LLM's GPU (TensorRT-LLM then leaves them half of the free memory)."""
-    return opts.layout != "disaggregated" or LLM_GPU in opts.resolved_token2wav_gpus
 
 
 def internal_models(opts: RenderOptions) -> InternalModels:
@@ -106,7 +98,7 @@ def internal_models(opts: RenderOptions) -> InternalModels:
     colocated = opts.layout == "colocated"
     return InternalModels(
         llm_model=ENGINE_MODEL if colocated else "llm",
-        token2wav_model=(ENGINE_MODEL,) if colocated else tuple(name for name, _ in token2wav_replicas(opts)),
+        token2wav_model=ENGINE_MODEL if colocated else TOKEN2WAV_MODEL,
         token2wav_decoupled=colocated,
         llm_deliver_at=opts.llm_delivery == "chunk",
     )
@@ -143,22 +135,19 @@ def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:
 
 def llm_params(opts: RenderOptions) -> LLMParams:
     """Parameters of the PyTorch LLM (`adapters.llm.LLMHandler`): dtype, max_batch, max_seq_len, max_waiting."""
-    return with_options(LLMParams, opts, model_dir=opts.model_dir.resolve(), device=opts.device_of("llm"),
+    return with_options(LLMParams, opts, model_dir=opts.model_dir.resolve(), device=opts.model_device,
                          benchmark=_benchmark(opts))
 
 
-def token2wav_params(opts: RenderOptions, name: str = "token2wav") -> Token2WavParams:
-    """Parameters of the token2wav model `name` (`adapters.token2wav.Token2WavHandler`), one of `token2wav_replicas`:
+def token2wav_params(opts: RenderOptions) -> Token2WavParams:
+    """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`, also hosted by the colocated `engine`):
     dtype, token2wav and flow_cache* as rendered."""
-    disaggregated = opts.layout == "disaggregated"
     return with_options(
         Token2WavParams, opts,
         model_dir=opts.model_dir.resolve(),
-        device=opts.device_of(name),
+        device=opts.model_device,
         schedule=_schedule(opts),
         dit_dir=opts.dit_dir.resolve() if opts.dit_dir is not None else None,
-        # the budget is per GPU: the replicas sharing one split it
-        replicas_per_gpu=opts.token2wav_instances_per_gpu if disaggregated else None,
     )  # fmt: skip
 
 

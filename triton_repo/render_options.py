@@ -7,8 +7,8 @@ choices, metavar and lower bound. The command line (`triton_repo.render`) and th
 edit of its field here. A field without `help` is a library option only (no flag).
 
 Values may come as strings from wherever options are written as ``FIELD=VALUE`` (benchmark scripts, settings):
-every field parses its string form by its type (`parse_option`), a tuple from comma-separated items (``"1,2,3"``
--> ``(1, 2, 3)``), a ``dict[str, int]`` from ``MODEL=COUNT`` items.
+every field parses its string form by its type (`parse_option`), a ``dict[str, int]`` from comma-separated
+``MODEL=COUNT`` items.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tenso
 DTYPES = ("fp32", "fp16", "bf16")
 DEVICES = ("cpu", "cuda")
 #: colocated: the PyTorch LLM and token2wav in one model (`engine`, one process: concurrent CUDA streams);
-#: single: separate `llm` and `token2wav` models on one device; disaggregated: the LLM on GPU 0, token2wav
-#: replicas on GPUs 1..N (`token2wav_gpus`, `token2wav_instances_per_gpu`; see `token2wav_replicas`).
-LAYOUTS = ("colocated", "single", "disaggregated")
+#: single: separate `llm` and `token2wav` models on one device. Several GPUs are served by one whole repository
+#: per GPU (replicas behind one gRPC target, docs/deploy.md "Several GPUs").
+LAYOUTS = ("colocated", "single")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
 #: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
 #: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
@@ -60,10 +60,6 @@ SCALABLE = (
     contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, internal_io.COSYVOICE3_VOICE_PROMPT_MODEL,
     internal_io.COSYVOICE3_AUDIO_TOKENIZER_MODEL, internal_io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL,
 )  # fmt: skip
-#: The GPU of the LLM in the disaggregated layout (TensorRT-LLM's `gpu_device_ids`, the PyTorch LLM's instance group).
-LLM_GPU = 0
-#: Default token2wav GPUs of the disaggregated layout: the one GPU after the LLM's.
-DEFAULT_TOKEN2WAV_GPUS = (1,)
 #: LLM sequences decoded together unless `--max-batch` says: 16, and 64 where only PyTorch LLMs run on a GPU. A GPU's
 #: decode step costs little more for 64 rows than for 32, and with 32 slots 64 streams queued 250-320 ms for a slot
 #: before their prefill (one H100: first chunk p50 635-705 ms against 745-923, docs/PERFORMANCE.md), while a CPU's
@@ -81,21 +77,16 @@ def option(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     minimum: float | None = None,  # refused below this (`render_checks.field_errors`)
-    items: str | None = None,  # a tuple's items in words, for its parse error (default: "<type> values")
     default_factory: Any = MISSING,
 ) -> Any:
     """A field of an options class with what its command line and its checks need."""
-    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "minimum": minimum,
-                "items": items}
+    metadata = {"help": help, "flag": flag, "choices": choices, "metavar": metavar, "minimum": minimum}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
-def default_device(llm_backend: str, layout: str | None, gpu_emulation: bool = False) -> str:
-    """TensorRT-LLM and the disaggregated layout (several GPUs) need CUDA, except the layout's CPU rehearsal
-    (`gpu_emulation`); anything else renders for the CPU."""
-    if gpu_emulation:
-        return "cpu"
-    return "cuda" if llm_backend == "tensorrt_llm" or layout == "disaggregated" else "cpu"
+def default_device(llm_backend: str) -> str:
+    """TensorRT-LLM needs CUDA; anything else renders for the CPU unless told."""
+    return "cuda" if llm_backend == "tensorrt_llm" else "cpu"
 
 
 # -- string forms ----------------------------------------------------------------------------------
@@ -105,23 +96,11 @@ def _items(value: str | Sequence[str]) -> list[str]:
     return [part.strip() for text in texts for part in str(text).split(",") if part.strip()]
 
 
-def parse_option(kind: Any, value: Any, flag: str, items: str | None = None) -> Any:
-    """`value` as the field type `kind` when it is written as a string (a tuple also from a list or one item,
-    a dict also from a list of ``KEY=VALUE`` strings); values of the field's type pass unchanged. `items` names
-    a tuple's items in its error message."""
+def parse_option(kind: Any, value: Any, flag: str) -> Any:
+    """`value` as the field type `kind` when it is written as a string (a dict also from a list of ``KEY=VALUE``
+    strings); values of the field's type pass unchanged."""
     kind, _ = optional_type(kind)
     origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        if isinstance(value, tuple):
-            return value
-        if isinstance(value, (str, list)):
-            parts = _items(value)
-            try:
-                return tuple(args[0](part) for part in parts)
-            except ValueError:
-                raise RenderError(f"{flag} expects comma-separated {items or args[0].__name__ + ' values'} "
-                                  f"(e.g. 1,2,3), got {value!r}") from None
-        return (value,) if isinstance(value, args[0]) else value  # one item (a FIELD=1 parsed as a number)
     if origin is dict:
         if not isinstance(value, (str, list, tuple)):
             return value
@@ -159,7 +138,7 @@ class _Options:
         hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            parsed = parse_option(hints[f.name], value, flag_of(f, self.FLAG_PREFIX), f.metadata.get("items"))
+            parsed = parse_option(hints[f.name], value, flag_of(f, self.FLAG_PREFIX))
             if parsed is not value:
                 object.__setattr__(self, f.name, parsed)
 
@@ -241,9 +220,8 @@ class RenderOptions(_Options):
     engine_dir: Path | None = option(None, help="TensorRT-LLM engine directory (tensorrt_llm backend)")
     # HF checkpoint dir with logits_bias.safetensors (tensorrt_llm backend)
     llm_dir: Path | None = option(None, help=f"HF checkpoint dir with {LOGITS_BIAS_FILE} (tensorrt_llm backend)")
-    # None: default_device(llm_backend, layout, gpu_emulation)
-    device: str | None = option(None, choices=DEVICES,
-                                help="default: cuda for tensorrt_llm or the disaggregated layout, else cpu")
+    # None: default_device(llm_backend)
+    device: str | None = option(None, choices=DEVICES, help="default: cuda for tensorrt_llm, else cpu")
     dtype: str = option("fp32", choices=DTYPES, help="LLM and flow dtype")
     # KV slots; None: GPU_PYTORCH_MAX_BATCH or DEFAULT_MAX_BATCH (above)
     max_batch: int | None = option(None, minimum=1, help=f"LLM sequences decoded together (default: "
@@ -292,17 +270,6 @@ class RenderOptions(_Options):
     repetition_penalty: float = option(1.1, help="tensorrt_llm only: the backend's repetition penalty (1 = off; the "
                                        "PyTorch LLM uses RAS instead)")
     loop_guard: LoopGuardConfig = field(default_factory=LoopGuardConfig)
-    # Disaggregated layout only: the GPUs of the token2wav replicas (None: DEFAULT_TOKEN2WAV_GPUS) and how many
-    # replicas each GPU runs. Each replica is a model of its own with one instance (see `token2wav_replicas`).
-    token2wav_gpus: tuple[int, ...] | None = option(
-        None, metavar="IDS", items="GPU ids", help=f"disaggregated: GPUs of the token2wav replicas, e.g. 1,2,3 (default "
-        f"{','.join(map(str, DEFAULT_TOKEN2WAV_GPUS))}; the LLM has GPU {LLM_GPU})")
-    token2wav_instances_per_gpu: int = option(1, metavar="N", help="disaggregated: token2wav replicas on each of "
-                                              "those GPUs")
-    # Rehearse the disaggregated GPU placement on a machine without GPUs (tests, CI): every GPU instance group
-    # renders as a CPU one and every device as cpu; the models, replicas and routing stay those of the GPU render.
-    gpu_emulation: bool = option(False, help="tests/CI: rehearse --layout disaggregated on --device cpu (same models "
-                                 "and routing, every device cpu)")
     # Spark-TTS beside CosyVoice2 (`--spark-dir`); None: CosyVoice2 only
     spark: SparkRenderOptions | None = None
     # CosyVoice3 beside CosyVoice2 (`--cosyvoice3-dir`); None: no CosyVoice3
@@ -317,7 +284,7 @@ class RenderOptions(_Options):
         if self.llm_delivery is None:
             object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
         if self.device is None:
-            object.__setattr__(self, "device", default_device(self.llm_backend, self.layout, self.gpu_emulation))
+            object.__setattr__(self, "device", default_device(self.llm_backend))
         if self.max_batch is None:
             engines = self.engine_dir is not None or (self.spark is not None and self.spark.engine_dir is not None)
             gpu_pytorch = self.device != "cpu" and self.llm_backend == "pytorch" and not engines
@@ -326,47 +293,8 @@ class RenderOptions(_Options):
     def instances_of(self, model: str) -> int:
         return self.instances.get(model, 1)
 
-    def device_of(self, model: str) -> str:
-        """The `device` parameter of `model`'s adapter. `disaggregated` renders "cuda" for the models it pins to a
-        GPU by their instance group (`gpus_of`): the adapter takes the GPU Triton gives the instance
-        (`triton_repo.devices.instance_device`); other layouts run every model on cuda:0 or the CPU."""
-        if self.device == "cpu" or self.gpu_emulation:
-            return "cpu"
-        if self.layout != "disaggregated":
-            return "cuda:0"
-        return "cuda" if self.gpus_of(model) is not None else "cuda:0"
-
-    def gpus_of(self, model: str) -> tuple[int, ...] | None:
-        """The GPUs of `model`'s KIND_GPU instance group in the disaggregated layout; None: a KIND_CPU group.
-
-        The PyTorch LLM gets LLM_GPU (TensorRT-LLM places itself: `gpu_device_ids`); each token2wav replica its
-        GPU; the audio front-end (`audio_tokenizer`, `speaker_embedding`: once per new voice, then cached) the
-        first token2wav GPU, which keeps the LLM's GPU to the LLM's KV cache."""
-        if self.layout != "disaggregated":
-            return None
-        if model == "llm":
-            return (LLM_GPU,) if self.llm_backend == "pytorch" else None
-        replicas = dict(token2wav_replicas(self))
-        if model in replicas:
-            return (replicas[model],)
-        if model in ("audio_tokenizer", "speaker_embedding"):
-            return (self.resolved_token2wav_gpus[0],)
-        return None
-
     @property
-    def resolved_token2wav_gpus(self) -> tuple[int, ...]:
-        return DEFAULT_TOKEN2WAV_GPUS if self.token2wav_gpus is None else tuple(self.token2wav_gpus)
-
-
-def token2wav_replicas(opts: RenderOptions) -> list[tuple[str, int | None]]:
-    """(model name, GPU) of every token2wav model. One model per replica, each with exactly one instance: a
-    stream's caches live in the process that served its first chunk, and Triton spreads the requests of one model
-    over all its instances, so the orchestrator addresses a replica by name and keeps each stream on the one it
-    picked (`speech_serving.replicas.StickyRouter`). Outside the disaggregated layout: the one `token2wav`."""
-    if opts.layout != "disaggregated":
-        return [("token2wav", None)]
-    return [
-        (f"token2wav_gpu{gpu}_{k}", gpu)
-        for gpu in opts.resolved_token2wav_gpus
-        for k in range(opts.token2wav_instances_per_gpu)
-    ]
+    def model_device(self) -> str:
+        """The `device` parameter of every torch or ONNX model's adapter: "cpu", or "cuda:0", the first GPU the
+        tritonserver process sees (one process per GPU serves several GPUs, each pinned by CUDA_VISIBLE_DEVICES)."""
+        return "cpu" if self.device == "cpu" else "cuda:0"

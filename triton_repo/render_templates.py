@@ -60,18 +60,6 @@ def python_model(module: str, cls: str = "TritonPythonModel") -> str:
     return fill("model.py.tmpl", module=f"{ADAPTERS}.{module}", cls=cls)
 
 
-def instance_group(opts: RenderOptions, model: str, count: int = 1) -> str:
-    """`model`'s instance group: `count` instances on each GPU of `gpus_of` (Triton passes each instance its GPU as
-    `model_instance_device_id`), else `count` CPU-kind instances (their adapters use the rendered `device`)."""
-    gpus = opts.gpus_of(model)
-    if gpus is None:
-        return f"instance_group [ {{ kind: KIND_CPU count: {count} }} ]"
-    gpu_list = ", ".join(map(str, gpus))
-    if opts.gpu_emulation:  # the CPU rehearsal: same model and count, the GPU only named
-        return f"# gpu_emulation of: KIND_GPU gpus [ {gpu_list} ]\ninstance_group [ {{ kind: KIND_CPU count: {count} }} ]"
-    return f"instance_group [ {{ kind: KIND_GPU count: {count} gpus: [ {gpu_list} ] }} ]"
-
-
 def entry_specs(opts: RenderOptions, params: ModelParams, adapter: tuple[str, str], offline: tuple[str, str],
                 streaming: tuple[str, str]) -> list[ModelSpec]:
     """A pipeline's two entry models, (name, description) each: the contract's tensors, one adapter and its

@@ -43,8 +43,12 @@ def limit_errors(engine: dict, limits: Sequence[tuple[str, int, str]], which: st
             for flag, ours, key in limits if key in build and ours > int(build[key])]
 
 
-def trtllm_parameters(opts: RenderOptions, engine_dir: Path | None, max_seq_len: int,
-                      kv_cache_free_gpu_mem_fraction: float) -> dict[str, object]:
+#: A TensorRT-LLM engine's share of the free GPU memory for its KV cache: the rest is for the models sharing its
+#: GPU (token2wav, the audio front-end, the other pipelines' models).
+KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
+
+
+def trtllm_parameters(opts: RenderOptions, engine_dir: Path | None, max_seq_len: int) -> dict[str, object]:
     """The tensorrtllm backend parameters of an engine (CosyVoice2's `llm`, Spark's `spark_llm`); every one is
     set (no `${...}` left for the backend to guess)."""
     assert engine_dir is not None
@@ -55,7 +59,7 @@ def trtllm_parameters(opts: RenderOptions, engine_dir: Path | None, max_seq_len:
         "batch_scheduler_policy": "guaranteed_no_evict",
         "max_tokens_in_paged_kv_cache": opts.max_batch * max_seq_len,
         "max_attention_window_size": max_seq_len,
-        "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
+        "kv_cache_free_gpu_mem_fraction": KV_CACHE_FREE_GPU_MEM_FRACTION,
         "enable_kv_cache_reuse": "false",
         "exclude_input_in_output": "true",
         "enable_chunked_context": "false",

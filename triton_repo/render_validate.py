@@ -40,10 +40,7 @@ def validate_repository(repo: Path, expected: set[str]) -> None:
             errors.append(f"{repo / name}: missing version directory 1/")
         if config.backend == "python" and not (repo / name / "1" / "model.py").is_file():
             errors.append(f"{repo / name}/1/model.py missing")
-        single = name in SINGLE_INSTANCE or name.startswith("token2wav")
-        if single and (
-            len(config.instance_group) != 1 or any(g.count != 1 or len(g.gpus) > 1 for g in config.instance_group)
-        ):
+        if name in SINGLE_INSTANCE and (len(config.instance_group) != 1 or config.instance_group[0].count != 1):
             errors.append(f"{path}: {name} must have exactly one instance")
         if config.backend == "tensorrtllm":
             spark = name == spark_render.LLM

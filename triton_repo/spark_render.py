@@ -22,7 +22,7 @@ from triton_repo import spark_io as io
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.model_params import AudioModelParams, BenchmarkMode, SparkEngineParams, SparkOrchestratorParams, VoicePromptParams
 from triton_repo.render_options import RenderOptions, SparkRenderOptions
-from triton_repo.render_templates import ModelSpec, entry_specs, instance_group
+from triton_repo.render_templates import ModelSpec, entry_specs
 from triton_repo.render_trtllm import LOGITS_DTYPE, holds_engine, limit_errors, read_engine_config, trtllm_parameters
 
 __all__ = ["SparkRenderOptions", "check", "model_specs", "models"]
@@ -35,9 +35,6 @@ MODELS = frozenset(
     {contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, VOICE_PROMPT, AUDIO_TOKENIZER, ENGINE}
 )
 SINGLE_INSTANCE = (ENGINE, LLM)
-#: The TensorRT-LLM engine's share of the free GPU memory for its KV cache: the vocoder, the audio tokenizer
-#: (and CosyVoice2) share its GPU.
-KV_CACHE_FREE_GPU_MEM_FRACTION = 0.5
 
 
 def models(opts: RenderOptions) -> set[str]:
@@ -110,19 +107,19 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
                   VoicePromptParams(opts.voice_cache), ("spark", "SparkVoicePromptModel"),
                   dict(instances=opts.instances_of(VOICE_PROMPT))),
         ModelSpec(AUDIO_TOKENIZER, "audio_model.pbtxt", io.SPARK_AUDIO_INPUTS, io.VOICE_TOKENS,
-                  AudioModelParams(spark.model_dir.resolve(), opts.device_of(AUDIO_TOKENIZER)),
+                  AudioModelParams(spark.model_dir.resolve(), opts.model_device),
                   ("spark", "SparkAudioTokenizerModel"),
                   dict(description="Spark audio tokenizer (wav2vec2 + BiCodec encoder): global and semantic tokens "
                                    "of 16 kHz audio; a dynamic batch runs as one masked forward.",
                        max_batch=opts.audio_max_batch, max_queue_delay_us=opts.max_queue_delay_us,
-                       instance_group=instance_group(opts, AUDIO_TOKENIZER, opts.instances_of(AUDIO_TOKENIZER)))),
+                       instances=opts.instances_of(AUDIO_TOKENIZER))),
         ModelSpec(ENGINE, "spark_engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
                   ("spark", "SparkEngineModel")),
     ]  # fmt: skip
     if spark.engine_dir is not None:  # the engine stays in engine_dir
         specs.append(ModelSpec(
             LLM, "spark_llm_tensorrt_llm.pbtxt", io.TRTLLM_INPUTS, io.TRTLLM_OUTPUTS,
-            trtllm_parameters(opts, spark.engine_dir, spark.max_seq_len, KV_CACHE_FREE_GPU_MEM_FRACTION), None,
+            trtllm_parameters(opts, spark.engine_dir, spark.max_seq_len), None,
             dict(max_batch=opts.max_batch, max_seq_len=spark.max_seq_len),
         ))  # fmt: skip
     return specs
@@ -151,7 +148,7 @@ def engine_params(opts: RenderOptions) -> SparkEngineParams:
     assert spark is not None
     return SparkEngineParams(
         model_dir=spark.model_dir.resolve(),
-        device=opts.device_of(ENGINE),
+        device=opts.model_device,
         dtype=opts.dtype,
         max_batch=opts.max_batch,
         max_seq_len=spark.max_seq_len,

@@ -37,7 +37,7 @@ the CPU), each on ports of its own. tts-bench then loads all of them through one
 what a Kubernetes headless Service in front of N Triton pods gives. The Triton metrics are every replica's added
 up, the GPU busy share is sampled GPU by GPU (the summary shows each GPU when there are several), every per-level
 figure is the machine's, and the summary divides the real-time streams and the open-loop rate by the GPUs used
-(N; for `layout=disaggregated` the distinct GPUs it renders, a layout `--replicas` does not combine with).
+(N).
 Results directories of such runs are named with `rep<N>`; summary.md and results.json say how many replicas ran,
 and every level in results.json has the requests each replica took (`replica_requests`, from its own counters).
 
@@ -128,11 +128,9 @@ from stackbench.launch import (
     ensure_dit_dir,
     ensure_model_dir,
     ensure_spark_dir,
-    render_fields,
     render_stack,
 )
-from triton_repo.render import TOKEN2WAVS, RenderOptions
-from triton_repo.render_options import LLM_GPU
+from triton_repo.render import TOKEN2WAVS
 from stackbench.stacks import SlowStacks
 from stackbench.timeline import MetricsTimeline
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
@@ -227,7 +225,7 @@ def settled_metrics(servers: Sequence[TritonServer], quiet_s: float = METRICS_SE
 
 def parse_metrics(text: str) -> dict[str, float]:
     """stat name -> value of every `cosyvoice2_*` metric in a Prometheus text, summed over models (stat names are
-    unique per family; the token2wav replicas of the disaggregated layout add up)."""
+    unique per family)."""
     out: dict[str, float] = {}
     for name, value in re.findall(r'^cosyvoice2_(\w+)\{[^}]*\} (\S+)$', text, re.M):
         out[name] = out.get(name, 0.0) + float(value)
@@ -820,25 +818,13 @@ def open_loop_markdown(open_loop: dict[str, Any], gpus: int = 1) -> list[str]:
 
 # Replicas and GPUs --------------------------------------------------------------------------------
 
-#: RenderOptions fields that only the disaggregated layout reads: it spreads one tritonserver over several GPUs,
-#: which `--replicas` (one whole tritonserver per GPU) does not combine with.
-DISAGGREGATED_FIELDS = ("token2wav_gpus", "token2wav_instances_per_gpu", "gpu_emulation")
-
-
-def replica_devices(replicas: int, device: str, render_args: Sequence[str], environ: dict[str, str],
+def replica_devices(replicas: int, device: str, environ: dict[str, str],
                     count_gpus: Callable[[], int | None] = gpu_count) -> list[str]:  # fmt: skip
     """CUDA_VISIBLE_DEVICES of each of ``replicas`` tritonservers: the i-th device this process sees (the i-th entry
-    of its CUDA_VISIBLE_DEVICES, else GPU i); empty for one (it sees what this process sees). SystemExit for a
-    combination that makes no sense. With ``device`` cpu they all run on the CPU, whatever the machine has."""
+    of its CUDA_VISIBLE_DEVICES, else GPU i); empty for one (it sees what this process sees). SystemExit where fewer
+    GPUs are there than servers. With ``device`` cpu they all run on the CPU, whatever the machine has."""
     if replicas == 1:
         return []
-    fields = render_fields(render_args)
-    given = [name for name in DISAGGREGATED_FIELDS if name in fields]
-    if fields.get("layout") == "disaggregated" or given:
-        what = "layout=disaggregated" if fields.get("layout") == "disaggregated" else ", ".join(given)
-        raise SystemExit(f"stack-bench: --replicas {replicas} runs {replicas} independent colocated tritonservers, one "
-                         f"per GPU; {what} belongs to the disaggregated layout, which spreads ONE tritonserver over "
-                         "several GPUs: measure one or the other (docs/deploy.md#several-gpus)")  # fmt: skip
     visible = [part.strip() for part in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if part.strip()]
     if device == "cuda":
         if "CUDA_VISIBLE_DEVICES" in environ and len(visible) < replicas:
@@ -848,14 +834,6 @@ def replica_devices(replicas: int, device: str, render_args: Sequence[str], envi
             raise SystemExit(f"stack-bench: --replicas {replicas} needs {replicas} GPUs, one per tritonserver; "
                              f"this machine has {count}")
     return [visible[i] if i < len(visible) else str(i) for i in range(replicas)]
-
-
-def logical_gpus(options: RenderOptions, replicas: int) -> list[int]:
-    """The GPUs the rendered stack uses, as this process numbers them: the disaggregated layout's distinct GPUs
-    (the LLM's and the token2wav replicas'), else one per tritonserver."""
-    if options.layout == "disaggregated":
-        return sorted({LLM_GPU, *options.resolved_token2wav_gpus})
-    return list(range(replicas))
 
 
 def sampled_gpu_indices(gpus: Sequence[int], environ: dict[str, str]) -> list[int] | None:
@@ -1040,7 +1018,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_dit_dir(args.dit_dir)
         except FileNotFoundError as exc:
             raise SystemExit(f"stack-bench: --dit-dir: {exc}") from None
-    devices = replica_devices(args.replicas, args.device, args.render_arg, dict(os.environ))
+    devices = replica_devices(args.replicas, args.device, dict(os.environ))
     scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
     search = open_loop_settings(args)
     open_loop_scenario = next(s for s in SCENARIOS if s.name == args.open_loop_scenario)
@@ -1067,7 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices,
                        server_args=tuple(args.server_arg))
     servers = stack.servers
-    gpus = logical_gpus(options, args.replicas)
+    gpus = list(range(args.replicas))  # as this process numbers them: one per tritonserver
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
     slow_stacks = (SlowStacks(lambda: [server.pid for server in servers], out_dir / "stacks", args.stacks_when_slow)
                    if args.stacks_when_slow else None)

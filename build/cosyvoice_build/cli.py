@@ -66,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
         opt("trt-" + name.replace("_", "-"), getattr(_TRT_DEFAULTS, name), type=int)
     opt("token2wav", _DEFAULTS.token2wav, choices=get_args(Token2WavKind),
         help="unet: CosyVoice2's flow; dit: Step-Audio-2-mini's DiT flow (its token2wav/ files are fetched too)")
-    opt("token2wav-gpus", None, help="disaggregated layout: GPUs of the token2wav replicas, e.g. 1,2,3 (default 1)")
-    opt("token2wav-instances-per-gpu", _DEFAULTS.token2wav_instances_per_gpu, type=int,
-        help="disaggregated layout: token2wav replicas per GPU")
     opt("dit-source", _DEFAULTS.dit_source, choices=get_args(DitSource))
     opt("dit-model-id", _DEFAULTS.dit_model_id, help="hub repository holding token2wav/")
     opt("dit-revision", None)
@@ -92,16 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gpu_ids(value: str | None) -> tuple[int, ...] | None:
-    """``1,2,3`` -> (1, 2, 3); None/empty: the render's default."""
-    if not value:
-        return None
-    try:
-        return tuple(int(part) for part in str(value).split(",") if part.strip())
-    except ValueError:
-        raise SystemExit(f"--token2wav-gpus expects comma-separated GPU ids (e.g. 1,2,3), got {value!r}") from None
-
-
 def settings_from_args(args: argparse.Namespace) -> BuildSettings:
     trt = TrtllmOptions(
         dtype=args.trt_dtype,
@@ -123,8 +110,6 @@ def settings_from_args(args: argparse.Namespace) -> BuildSettings:
         smoke_text=args.smoke_text,
         smoke_url=args.smoke_url,
         token2wav=args.token2wav,
-        token2wav_gpus=_gpu_ids(args.token2wav_gpus),
-        token2wav_instances_per_gpu=int(args.token2wav_instances_per_gpu),
         dit_source=args.dit_source,
         dit_model_id=args.dit_model_id,
         dit_revision=args.dit_revision,

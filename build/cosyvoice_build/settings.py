@@ -16,7 +16,7 @@ from cosyvoice3.layout import RELEASE_REPO as COSYVOICE3_MODEL_ID
 ModelSource = Literal["hf", "modelscope", "local"]
 LLMBackend = Literal["trtllm", "torch"]
 #: colocated = LLM and token2wav in one process (PyTorch LLM only; avoids GPU time-slicing between processes)
-TritonLayout = Literal["single", "colocated", "disaggregated"]
+TritonLayout = Literal["single", "colocated"]
 
 DEFAULT_MODEL_IDS: dict[str, str] = {"hf": "FunAudioLLM/CosyVoice2-0.5B", "modelscope": "iic/CosyVoice2-0.5B"}
 WEIGHTS_DIRNAME = "CosyVoice2-0.5B"
@@ -76,17 +76,13 @@ class BuildSettings:
     triton_layout: TritonLayout = "single"
     hf_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     #: Where/in which precision Triton runs the PyTorch models; None: the render tool's default
-    #: (cuda for TensorRT-LLM or disaggregated, otherwise cpu; fp32).
+    #: (cuda for TensorRT-LLM, otherwise cpu; fp32).
     triton_device: Literal["cpu", "cuda"] | None = None
     triton_dtype: Literal["fp32", "fp16", "bf16"] | None = None
     trtllm: TrtllmOptions = field(default_factory=TrtllmOptions)
     smoke_text: str = "Hello, this is a smoke test of the speech pipeline."
     smoke_url: str | None = None  # an already running Triton (gRPC host:port); None: start one
     token2wav: Token2WavKind = "unet"
-    #: disaggregated layout: the GPUs of the token2wav replicas (None: the render's default, GPU 1) and replicas per
-    #: GPU; the LLM has GPU 0. GPU ids as the Triton container numbers them.
-    token2wav_gpus: tuple[int, ...] | None = None
-    token2wav_instances_per_gpu: int = 1
     dit_source: DitSource = "hf"
     dit_model_id: str = DIT_MODEL_ID
     dit_revision: str | None = None

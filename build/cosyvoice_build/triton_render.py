@@ -3,8 +3,7 @@
 Interface: ``triton_repo.render.render_repository`` with keyword arguments ``output_dir``, ``model_dir``
 (CosyVoice2 weights), ``llm_backend`` ("trtllm" | "torch"), ``llm_dir`` (our HF checkpoint: logits bias,
 vocabulary layout), ``engine_dir`` (TensorRT-LLM engine; None for the torch backend), ``layout`` ("single" |
-"disaggregated": one repository, the LLM on the container's GPU 0, token2wav replicas on ``token2wav_gpus`` with
-``token2wav_instances_per_gpu`` each) and render options: ``device``, ``dtype``, ``token2wav``/``dit_dir`` (the DiT
+"colocated") and render options: ``device``, ``dtype``, ``token2wav``/``dit_dir`` (the DiT
 token2wav), and for TensorRT-LLM the engine's ``max_batch``/``max_seq_len`` (the KV cache is sized from them).
 """
 
@@ -35,10 +34,6 @@ def render_arguments(settings: BuildSettings) -> dict[str, object]:
         arguments.update(max_batch=settings.trtllm.max_batch_size, max_seq_len=settings.trtllm.max_seq_len)
     if settings.token2wav == "dit":  # the token2wav/ files the download stage fetched and verified
         arguments.update(token2wav="dit", dit_dir=settings.dit_dir)
-    if settings.triton_layout == "disaggregated":
-        arguments.update(
-            token2wav_gpus=settings.token2wav_gpus, token2wav_instances_per_gpu=settings.token2wav_instances_per_gpu
-        )
     if settings.triton_device is not None:
         arguments["device"] = settings.triton_device
     if settings.triton_dtype is not None:

@@ -259,8 +259,6 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--cosyvoice3", "--token2wav", "dit"], "CosyVoice3, which has its own DiT flow and HiFT: --token2wav and"),
     (["--cosyvoice3", "--render-arg", "cosyvoice3=x"], "give cosyvoice3 with --cosyvoice3, not --render-arg"),
     (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
-    (["--replicas", "2", "--render-arg", "layout=disaggregated"],
-     "--replicas 2 runs 2 independent colocated tritonservers, one per GPU; layout=disaggregated belongs"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -395,10 +393,9 @@ def _scrape(values: dict[tuple[str, str], float]) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: A level of 4 streaming requests in the disaggregated layout (one `llm`, two token2wav replicas), seconds.
+#: A level of 4 streaming requests in the single layout (`llm` and `token2wav` models), seconds.
 BEFORE = {("orchestrator_first_chunks_total", "cosyvoice2_stream"): 10, ("llm_first_chunks_total", "llm"): 10,
-          ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 6,
-          ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 4,
+          ("token2wav_first_chunks_total", "token2wav"): 10,
           ("orchestrator_first_chunk_prompt_seconds_total", "cosyvoice2_stream"): 1.0,
           ("llm_first_chunk_wait_seconds_total", "llm"): 0.5}
 LEVEL = {  # what the level added
@@ -412,14 +409,10 @@ LEVEL = {  # what the level added
     ("llm_first_chunk_prefill_seconds_total", "llm"): 0.06,
     ("llm_first_chunk_decode_seconds_total", "llm"): 0.56,
     ("llm_first_chunk_steps_total", "llm"): 112,
-    ("token2wav_first_chunks_total", "token2wav_gpu1_0"): 3,
-    ("token2wav_first_chunks_total", "token2wav_gpu1_1"): 1,
-    ("token2wav_first_chunk_wait_seconds_total", "token2wav_gpu1_0"): 0.3,
-    ("token2wav_first_chunk_wait_seconds_total", "token2wav_gpu1_1"): 0.1,
-    ("token2wav_first_chunk_call_seconds_total", "token2wav_gpu1_0"): 0.5,
-    ("token2wav_first_chunk_call_seconds_total", "token2wav_gpu1_1"): 0.2,
-    ("token2wav_first_chunk_rows_total", "token2wav_gpu1_0"): 6,
-    ("token2wav_first_chunk_rows_total", "token2wav_gpu1_1"): 1,
+    ("token2wav_first_chunks_total", "token2wav"): 4,
+    ("token2wav_first_chunk_wait_seconds_total", "token2wav"): 0.4,
+    ("token2wav_first_chunk_call_seconds_total", "token2wav"): 0.7,
+    ("token2wav_first_chunk_rows_total", "token2wav"): 7,
 }
 
 
@@ -429,11 +422,11 @@ def _after(level: dict[tuple[str, str], float], before=BEFORE) -> dict[tuple[str
 
 def test_first_chunk_breakdown_lays_the_level_means_end_to_end():
     before, after = sb.parse_metrics(_scrape(BEFORE)), sb.parse_metrics(_scrape(_after(LEVEL)))
-    assert before["token2wav_first_chunks_total"] == 10 and "nv_inference_count" not in before  # replicas add up
+    assert before["token2wav_first_chunks_total"] == 10 and "nv_inference_count" not in before
     stages = sb.stage_breakdown(before, after)
     expected_ms = {"prompt": 10.0, "tokens": 200.0, "audio": 300.0, "send": 2.0,  # the orchestrator's, over 4
                    "llm_queue": 25.0, "llm_prefill": 15.0, "llm_decode": 140.0,  # the LLM's, over its 4
-                   "token2wav_queue": 100.0, "token2wav_call": 175.0}  # both replicas', over their 4
+                   "token2wav_queue": 100.0, "token2wav_call": 175.0}  # token2wav's, over its 4
     for key, ms in expected_ms.items():
         assert stages[f"first_chunk_{key}_ms"] == pytest.approx(ms), key
     assert stages["first_chunks"] == stages["first_chunks_llm"] == stages["first_chunks_token2wav"] == 4
@@ -588,31 +581,18 @@ def test_every_replicas_metrics_are_read_and_its_requests_counted(monkeypatch):
 
 def test_replica_devices_give_each_server_one_device_and_refuse_what_makes_no_sense():
     no_count = lambda: None  # noqa: E731 - nothing tells how many GPUs there are
-    assert sb.replica_devices(1, "cuda", [], {}) == []  # one server: it sees what this process sees
-    assert sb.replica_devices(3, "cuda", [], {}, count_gpus=lambda: 4) == ["0", "1", "2"]
-    assert sb.replica_devices(2, "cuda", [], {"CUDA_VISIBLE_DEVICES": "5,7,9"}) == ["5", "7"]  # the i-th visible
-    assert sb.replica_devices(2, "cpu", ["first_hop=5"], {}, count_gpus=lambda: 0) == ["0", "1"]  # the CPU's
-    assert sb.replica_devices(2, "cuda", ["layout=single"], {}, count_gpus=no_count) == ["0", "1"]
+    assert sb.replica_devices(1, "cuda", {}) == []  # one server: it sees what this process sees
+    assert sb.replica_devices(3, "cuda", {}, count_gpus=lambda: 4) == ["0", "1", "2"]
+    assert sb.replica_devices(2, "cuda", {"CUDA_VISIBLE_DEVICES": "5,7,9"}) == ["5", "7"]  # the i-th visible
+    assert sb.replica_devices(2, "cpu", {}, count_gpus=lambda: 0) == ["0", "1"]  # the CPU's
+    assert sb.replica_devices(2, "cuda", {}, count_gpus=no_count) == ["0", "1"]
     with pytest.raises(SystemExit, match=re.escape("--replicas 2 needs 2 GPUs, one per tritonserver; this machine has 1")):
-        sb.replica_devices(2, "cuda", [], {}, count_gpus=lambda: 1)
+        sb.replica_devices(2, "cuda", {}, count_gpus=lambda: 1)
     with pytest.raises(SystemExit, match=re.escape("CUDA_VISIBLE_DEVICES='3' leaves 1")):
-        sb.replica_devices(2, "cuda", [], {"CUDA_VISIBLE_DEVICES": "3"}, count_gpus=lambda: 8)
-    for render_arg, named in (("layout=disaggregated", "layout=disaggregated"), ("token2wav_gpus=1,2", "token2wav_gpus"),
-                              ("token2wav_instances_per_gpu=2", "token2wav_instances_per_gpu")):
-        with pytest.raises(SystemExit, match=re.escape(f"; {named} belongs to the disaggregated layout")):
-            sb.replica_devices(2, "cpu", [render_arg], {}, count_gpus=lambda: 8)
-    # one server in the disaggregated layout is what that layout is: nothing to refuse
-    assert sb.replica_devices(1, "cuda", ["layout=disaggregated"], {}) == []
+        sb.replica_devices(2, "cuda", {"CUDA_VISIBLE_DEVICES": "3"}, count_gpus=lambda: 8)
 
 
-def test_the_gpus_used_are_the_replicas_or_the_disaggregated_renders(tmp_path):
-    from triton_repo.render import RenderOptions
-
-    colocated = RenderOptions(model_dir=tmp_path, out=tmp_path / "repo", device="cpu")
-    assert sb.logical_gpus(colocated, 1) == [0] and sb.logical_gpus(colocated, 3) == [0, 1, 2]
-    disaggregated = RenderOptions(model_dir=tmp_path, out=tmp_path / "repo", layout="disaggregated",
-                                  token2wav_gpus=(1, 2, 2))  # fmt: skip
-    assert sb.logical_gpus(disaggregated, 1) == [0, 1, 2]  # the LLM's GPU and the token2wav replicas', once each
+def test_the_sampled_gpus_are_the_replicas_as_the_machine_numbers_them():
     assert sb.sampled_gpu_indices([0, 1], {}) == [0, 1]
     assert sb.sampled_gpu_indices([0, 1], {"CUDA_VISIBLE_DEVICES": "4,6"}) == [4, 6]
     assert sb.sampled_gpu_indices([0], {"CUDA_VISIBLE_DEVICES": "GPU-1234abcd"}) is None  # by UUID: sample all

@@ -17,7 +17,7 @@ from tests.build.conftest import REPO_ROOT
 
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 DOCKERFILES = sorted((REPO_ROOT / "docker").glob("*.Dockerfile"))
-PROFILES = ("trtllm", "torch", "dit", "disaggregated", "replicas2", "replicas4")
+PROFILES = ("trtllm", "torch", "dit", "replicas2", "replicas4")
 #: GPUs of the profiles that run one Triton per GPU
 REPLICA_PROFILES = {"replicas2": 2, "replicas4": 4}
 GATEWAY_COMMAND = ["python", "-m", "gateway"]
@@ -150,10 +150,6 @@ def test_triton_serves_the_repository_the_build_renders(configs: dict[str, dict]
             for key, value in build_env.items():
                 if key.startswith("COSYVOICE_"):
                     assert triton_env.get(key) == value, key
-        if settings.triton_layout == "disaggregated":
-            # every GPU of the host, numbered as there: the render's GPU ids (LLM 0, TOKEN2WAV_GPUS) are the host's
-            [device] = services[triton]["deploy"]["resources"]["reservations"]["devices"]
-            assert device.get("count") in ("all", -1) and "device_ids" not in device
 
 
 @pytest.mark.parametrize("profile", sorted(REPLICA_PROFILES))
@@ -173,11 +169,9 @@ def test_replica_profiles_run_one_triton_on_each_gpu(configs: dict[str, dict], p
 
 
 @pytest.mark.parametrize(
-    "profile, token2wav, gpus",
-    [("trtllm", "unet", None), ("torch", "unet", None), ("dit", "dit", None), ("disaggregated", "unet", (1,)),
-     ("replicas4", "unet", None)],
+    "profile, token2wav", [("trtllm", "unet"), ("torch", "unet"), ("dit", "dit"), ("replicas4", "unet")]
 )
-def test_each_profiles_build_renders_its_token2wav_and_placement(configs, profile, token2wav, gpus, monkeypatch):
+def test_each_profiles_build_renders_its_token2wav(configs, profile, token2wav, monkeypatch):
     """The build environment of each profile, read by the build's own option parser, reaches the render step."""
     from cosyvoice_build.cli import build_parser, settings_from_args
     from cosyvoice_build.triton_render import render_arguments
@@ -193,24 +187,7 @@ def test_each_profiles_build_renders_its_token2wav_and_placement(configs, profil
     assert arguments.get("token2wav", "unet") == token2wav
     if token2wav == "dit":  # the directory the download stage fetches and verifies
         assert arguments["dit_dir"] == settings.dit_dir == Path(build_env["COSYVOICE_WORK_DIR"]) / "Step-Audio-2-mini" / "token2wav"
-    assert arguments.get("token2wav_gpus") == gpus
-    assert ("token2wav_instances_per_gpu" in arguments) == (settings.triton_layout == "disaggregated")
-
-
-def test_the_disaggregated_profile_takes_any_gpu_list_and_the_dit_token2wav(configs, monkeypatch):
-    from cosyvoice_build.cli import build_parser, settings_from_args
-    from cosyvoice_build.triton_render import render_arguments
-
-    services = enabled(configs["disaggregated"], "disaggregated")
-    build_env = services[by_role(services)["build"][0]]["environment"]
-    # the compose file passes these through from the shell; here set as compose would
-    assert {build_env[k] for k in ("COSYVOICE_TOKEN2WAV_GPUS", "COSYVOICE_TOKEN2WAV_INSTANCES_PER_GPU")} == {"1"}
-    for key, value in {**build_env, "COSYVOICE_TOKEN2WAV_GPUS": "1,2,3", "COSYVOICE_TOKEN2WAV_INSTANCES_PER_GPU": "2",
-                       "COSYVOICE_TOKEN2WAV": "dit"}.items():  # fmt: skip
-        monkeypatch.setenv(key, str(value))
-    arguments = render_arguments(settings_from_args(build_parser().parse_args(["--to", "render"])))
-    assert (arguments["token2wav_gpus"], arguments["token2wav_instances_per_gpu"]) == ((1, 2, 3), 2)
-    assert arguments["token2wav"] == "dit"
+    assert arguments["layout"] == settings.triton_layout == build_env["COSYVOICE_TRITON_LAYOUT"]
 
 
 def test_default_profile_is_trtllm() -> None:

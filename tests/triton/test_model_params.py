@@ -53,11 +53,6 @@ ADAPTER_PARAMS = {
 }
 
 
-def adapter_params(model: str) -> type:
-    """The class `model`'s adapter reads with; the disaggregated layout's token2wav replicas are token2wav models."""
-    return Token2WavParams if model.startswith("token2wav") else ADAPTER_PARAMS[model]
-
-
 def _expected(opts: RenderOptions, model: str) -> object:
     """What render meant to give `model`, as the typed object."""
     if model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
@@ -66,11 +61,11 @@ def _expected(opts: RenderOptions, model: str) -> object:
         return EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts))
     if model == "llm":
         return render_models.llm_params(opts)
-    if model.startswith("token2wav"):
-        return render_models.token2wav_params(opts, model)
+    if model == "token2wav":
+        return render_models.token2wav_params(opts)
     if model == "voice_prompt":
         return VoicePromptParams(opts.voice_cache)
-    return AudioModelParams(opts.model_dir.resolve(), opts.device_of(model))
+    return AudioModelParams(opts.model_dir.resolve(), opts.model_device)
 
 
 @pytest.mark.parametrize(
@@ -80,44 +75,39 @@ def _expected(opts: RenderOptions, model: str) -> object:
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
          "align_first_hop": "never"},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
-        {"layout": "disaggregated", "device": "cuda", "dtype": "fp16"},
-        {"layout": "disaggregated", "gpu_emulation": True, "token2wav_gpus": (1, 2), "token2wav_instances_per_gpu": 2},
+        {"layout": "single", "device": "cuda", "dtype": "fp16"},
+        {"device": "cuda", "dtype": "bf16"},
     ],
-    ids=["colocated", "single", "benchmark", "disaggregated", "disaggregated-replicas"],
+    ids=["colocated", "single", "benchmark", "single-cuda", "colocated-cuda"],
 )
 def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_path, options):
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", **options)
     configs = parsed_configs(write_repository(opts))
     for name, config in configs.items():
-        read = adapter_params(name).from_parameters(parameters(config), name)
+        read = ADAPTER_PARAMS[name].from_parameters(parameters(config), name)
         assert read == _expected(opts, name), name
     engine_or_llm = configs.get("engine") or configs["llm"]
-    benchmark = adapter_params(engine_or_llm.name).from_parameters(parameters(engine_or_llm))
+    benchmark = ADAPTER_PARAMS[engine_or_llm.name].from_parameters(parameters(engine_or_llm))
     llm = benchmark.llm if isinstance(benchmark, EngineParams) else benchmark
     ratio = options.get("benchmark_speech_ratio")
     assert llm.benchmark == (BenchmarkMode(ratio) if ratio else None)  # one option, in the LLM and the orchestrators
     orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
-    assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop)
-    # the orchestrators address exactly the token2wav models rendered
-    token2wavs = {name for name in configs if name.startswith("token2wav")} or {"engine"}
-    assert set(orchestrator.models.token2wav_model) == token2wavs
+    assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop,
+                                                         min(opts.lone_first_hop, opts.first_hop))
+    # the orchestrators address the token2wav model rendered, the colocated engine's when there is none
+    assert orchestrator.models.token2wav_model == ("token2wav" if "token2wav" in configs else "engine")
+    # every torch and ONNX model runs on the rendered device: cuda:0, the first GPU its tritonserver sees
+    devices = {read.device for read in (AudioModelParams.from_parameters(parameters(configs[name]))
+                                        for name in ("audio_tokenizer", "speaker_embedding"))}  # fmt: skip
+    assert devices == {"cpu" if opts.device == "cpu" else "cuda:0"}
 
 
-def test_the_token2wav_replicas_and_their_share_of_the_gpu_budget_are_typed_parameters(tiny_model_dir, tmp_path):
-    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout="disaggregated", gpu_emulation=True,
-                         token2wav_gpus=(1, 2), token2wav_instances_per_gpu=4, flow_cache_gb=10.0)  # fmt: skip
-    configs = parsed_configs(write_repository(opts))
-    streaming = parameters(configs[contract.STREAMING_MODEL])
-    # one list parameter, items in placement order
-    assert streaming["token2wav_model"] == ",".join(f"token2wav_gpu{g}_{k}" for g in (1, 2) for k in range(4))
-    replica = Token2WavParams.from_parameters(parameters(configs["token2wav_gpu2_3"]))
-    assert (replica.flow_cache_gb, replica.replicas_per_gpu, replica.flow_cache_budget_gb) == (10.0, 4, 2.5)
-    # outside the disaggregated layout the parameter is left out and the whole budget is the model's
-    single = render_models.token2wav_params(replace(opts, layout="single", gpu_emulation=False, token2wav_gpus=None,
-                                             token2wav_instances_per_gpu=1))  # fmt: skip
-    assert "replicas_per_gpu" not in single.to_parameters() and single.flow_cache_budget_gb == 10.0
-    assert replace(single, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
+def test_the_flow_cache_budget_reaches_token2wav(tiny_model_dir, tmp_path):
+    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout="single", flow_cache_gb=10.0)
+    read = Token2WavParams.from_parameters(parameters(parsed_configs(write_repository(opts))["token2wav"]))
+    assert (read.flow_cache_gb, read.flow_cache_budget_gb) == (10.0, 10.0)
+    assert replace(read, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
 
 
 @pytest.mark.parametrize(("given", "budget"), [({}, 16 * 2**30), ({"flow_cache_gb": 0.5}, 2**29),
@@ -132,30 +122,6 @@ def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp
     read = CosyVoice3EngineParams.from_parameters(parameters(configs[cosyvoice3_render.ENGINE]))
     assert read == cosyvoice3_render.engine_params(opts)
     assert read.flow_cache_gb == given.get("flow_cache_gb", 16.0) and read.flow_cache_budget_bytes == budget
-
-
-@pytest.mark.parametrize("value", ["", "llm,", ",llm", "llm,,token2wav"])
-def test_a_list_parameter_needs_items_none_empty(value):
-    params = {**_orchestrator().to_parameters(), "token2wav_model": value}
-    with pytest.raises(ParameterError, match=rf"token2wav_model={value!r} is not a valid"):
-        OrchestratorParams.from_parameters(params)
-
-
-def test_a_list_parameter_round_trips_and_refuses_items_it_cannot_write():
-    orchestrator = _orchestrator()
-    two = replace(orchestrator, models=replace(orchestrator.models, token2wav_model=("a", "b")))
-    assert two.to_parameters()["token2wav_model"] == "a,b"
-    assert OrchestratorParams.from_parameters(two.to_parameters()) == two
-    for bad in ((), ("a,b",), ("",)):
-        with pytest.raises(ParameterError, match="token2wav_model"):
-            replace(orchestrator, models=replace(orchestrator.models, token2wav_model=bad)).to_parameters()
-
-
-def test_a_replica_count_below_one_is_refused():
-    params = {**Token2WavParams(Path("/m"), "cuda", "fp32", StreamScheduleParams(), "chunked", 32.0).to_parameters(),
-              "replicas_per_gpu": "0"}  # fmt: skip
-    with pytest.raises(ParameterError, match="replicas_per_gpu must be >= 1"):
-        Token2WavParams.from_parameters(params)
 
 
 def test_the_tensorrt_llm_orchestrator_reads_back_its_logits_bias_penalty_and_loop_guard(tiny_model_dir, tmp_path):
@@ -217,25 +183,23 @@ def test_booleans_nested_checks_and_shared_keys_are_strict():
 
 
 def test_the_command_line_the_library_call_and_the_options_default_to_the_same_device(tiny_model_dir, tmp_path):
-    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="disaggregated").device == "cuda"
     assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, llm_backend="trtllm").device == "cuda"
-    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path).device == "cpu"
-    emulated = RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="disaggregated", gpu_emulation=True)
-    assert emulated.device == "cpu"  # the rehearsal of the layout on a machine without GPUs
-    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "cli"), "--layout", "disaggregated"]) == 0
-    render_repository(tmp_path / "lib", tiny_model_dir, layout="disaggregated")
+    assert RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="single").device == "cpu"
+    assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "cli"), "--layout", "single"]) == 0
+    render_repository(tmp_path / "lib", tiny_model_dir, layout="single")
     cli, lib = (json.loads((tmp_path / name / MARKER).read_text()) for name in ("cli", "lib"))
-    assert cli == lib and cli["device"] == "cuda"
+    assert cli == lib and cli["device"] == "cpu"
 
 
 @pytest.mark.parametrize(
-    "layout, device", [("colocated", "cpu"), ("disaggregated", "cuda:0")], ids=["colocated", "disaggregated"]
+    "layout, rendered, device", [("colocated", None, "cpu"), ("single", "cuda", "cuda:0")], ids=["cpu", "cuda"]
 )
-def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, layout, device):
+def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, layout, rendered, device):
     spark_dir = write_tiny_model(tmp_path / "spark", seed=1)
     spark = SparkRenderOptions(spark_dir, max_new_tokens=99, first_chunk_tokens=7, chunk_scale=1.5, max_seq_len=999)
     opts = RenderOptions(
-        model_dir=tiny_model_dir, out=tmp_path / "repo", voice_cache=5, max_batch=3, spark=spark, layout=layout
+        model_dir=tiny_model_dir, out=tmp_path / "repo", voice_cache=5, max_batch=3, spark=spark, layout=layout,
+        device=rendered,
     )
     configs = parsed_configs(write_repository(opts))
     read = {name: ADAPTER_PARAMS[name].from_parameters(parameters(configs[name]), name) for name in spark_render.MODELS}
@@ -246,7 +210,7 @@ def test_the_spark_models_read_back_what_render_wrote(tiny_model_dir, tmp_path, 
             voice_cache=5,
         )  # fmt: skip
     assert read[spark_render.VOICE_PROMPT] == VoicePromptParams(5)
-    # the Spark models keep CPU-kind instance groups in every layout: their device is the rendered one
+    # the Spark models run on the rendered device in every layout
     assert read[spark_render.AUDIO_TOKENIZER] == AudioModelParams(spark_dir.resolve(), device)
     assert read[spark_render.ENGINE] == SparkEngineParams(
         spark_dir.resolve(), device, "fp32", max_batch=3, max_seq_len=999, max_waiting=opts.max_waiting

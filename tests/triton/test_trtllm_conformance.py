@@ -1,6 +1,6 @@
 """Conformance of the TensorRT-LLM path with the pinned tensorrtllm backend (`triton_repo.trtllm_backend_facts`).
 
-For every layout that uses TensorRT-LLM, the rendered `llm` config is checked against the fact table, and then
+The rendered `llm` config (TensorRT-LLM renders the single layout) is checked against the fact table, and then
 the orchestrators of that render drive a real tritonserver in which the `llm` model is a recording stand-in with
 exactly the rendered config (only the backend swapped; `trtllm_standin.py`): Triton validates every request
 against the config, and each recorded request is checked against what the backend reads. The last tests feed
@@ -30,7 +30,6 @@ from triton_repo import internal_io as io
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.render import RenderError, RenderOptions, check_trtllm_config, render_repository, write_repository
 
-TRTLLM_LAYOUTS = ("single", "disaggregated")
 #: The sampling controls every generation request must carry, by role (the backend's name for each differs).
 ROLES = ("min_tokens", "seed", "repetition_penalty", "end_id", "stop_words_list", "embedding_bias")
 
@@ -41,17 +40,16 @@ def parse(path: Path) -> model_config_pb2.ModelConfig:
     return config
 
 
-def render_trtllm(tiny_model_dir: Path, root: Path, layout: str, **engine: object) -> Path:
+def render_trtllm(tiny_model_dir: Path, root: Path, **engine: object) -> Path:
     engine_dir, llm_dir = fake_trtllm_inputs(root, max_batch_size=4, max_seq_len=1024, **engine)
     return render_repository(
-        root / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine_dir, layout=layout,
+        root / "repo", tiny_model_dir, llm_backend="trtllm", llm_dir=llm_dir, engine_dir=engine_dir, layout="single",
         max_batch=4, max_seq_len=1024, first_hop=5,
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", TRTLLM_LAYOUTS)
-def test_rendered_tensorrt_llm_config_meets_the_pinned_backend(tiny_model_dir, tmp_path, layout):
-    config = parse(render_trtllm(tiny_model_dir, tmp_path, layout) / "llm" / "config.pbtxt")
+def test_rendered_tensorrt_llm_config_meets_the_pinned_backend(tiny_model_dir, tmp_path):
+    config = parse(render_trtllm(tiny_model_dir, tmp_path) / "llm" / "config.pbtxt")
     assert config.backend == "tensorrtllm"
     assert check_trtllm_config(config, facts.PINNED) == []
     params = {key: value.string_value for key, value in config.parameters.items()}
@@ -61,15 +59,15 @@ def test_rendered_tensorrt_llm_config_meets_the_pinned_backend(tiny_model_dir, t
     assert {facts.PINNED.roles["min_tokens"], facts.PINNED.roles["seed"], "repetition_penalty"} <= declared
 
 
-@pytest.fixture(scope="module", params=TRTLLM_LAYOUTS)
-def recording_stack(request, tiny_model_dir, tmp_path_factory, triton_server_factory):
+@pytest.fixture(scope="module")
+def recording_stack(tiny_model_dir, tmp_path_factory, triton_server_factory):
     """A CPU repository serving the TensorRT-LLM render's orchestrators and `llm` config (stand-in behind it)."""
-    root = tmp_path_factory.mktemp(f"conformance_{request.param}")
-    trt_repo = render_trtllm(tiny_model_dir, root / "trt", request.param)
-    # the same internal models as the TensorRT-LLM render (disaggregated: its token2wav replicas, rehearsed on CPU)
-    placement = {"layout": "disaggregated", "gpu_emulation": True} if request.param == "disaggregated" else {"layout": "single"}
+    root = tmp_path_factory.mktemp("conformance")
+    trt_repo = render_trtllm(tiny_model_dir, root / "trt")
+    # the same internal models as the TensorRT-LLM render
     repo = write_repository(
-        RenderOptions(model_dir=tiny_model_dir, out=root / "repo", max_batch=4, max_seq_len=1024, first_hop=5, **placement)
+        RenderOptions(model_dir=tiny_model_dir, out=root / "repo", max_batch=4, max_seq_len=1024, first_hop=5,
+                      layout="single")
     )
     for name in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):  # the TensorRT-LLM orchestrators as rendered
         shutil.copy(trt_repo / name / "config.pbtxt", repo / name / "config.pbtxt")
@@ -126,7 +124,7 @@ async def test_every_request_to_the_llm_is_one_the_pinned_backend_reads(recordin
 def test_the_checker_refuses_a_config_without_the_guided_decoding_parameters(tiny_model_dir, tmp_path):
     """Before: `tokenizer_dir`, `xgrammar_tokenizer_info_path`, `guided_decoding_backend` were not rendered, and
     the backend, which reads all three without a default, did not load the model."""
-    config = parse(render_trtllm(tiny_model_dir, tmp_path, "single") / "llm" / "config.pbtxt")
+    config = parse(render_trtllm(tiny_model_dir, tmp_path) / "llm" / "config.pbtxt")
     for key in ("tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
         del config.parameters[key]
     errors = "\n".join(check_trtllm_config(config))
@@ -169,7 +167,7 @@ def test_the_checker_names_wrong_dtypes_shapes_and_missing_inputs():
 
 
 def test_a_config_declaring_the_old_names_fails_against_the_renamed_backend(tiny_model_dir, tmp_path):
-    config = parse(render_trtllm(tiny_model_dir, tmp_path, "single") / "llm" / "config.pbtxt")
+    config = parse(render_trtllm(tiny_model_dir, tmp_path) / "llm" / "config.pbtxt")
     errors = "\n".join(check_trtllm_config(config, facts.RENAMED))
     assert "input min_length is declared but" in errors and "input random_seed is declared but" in errors
 
@@ -188,14 +186,12 @@ def test_a_config_declaring_the_old_names_fails_against_the_renamed_backend(tiny
 )
 def test_render_refuses_an_engine_the_requests_do_not_fit(tiny_model_dir, tmp_path, engine, message):
     with pytest.raises(RenderError, match=message):
-        render_trtllm(tiny_model_dir, tmp_path, "single", **engine)
+        render_trtllm(tiny_model_dir, tmp_path, **engine)
 
 
-def test_a_tensor_parallel_engine_spans_its_gpus_and_stays_out_of_the_disaggregated_layout(tiny_model_dir, tmp_path):
-    repo = render_trtllm(tiny_model_dir, tmp_path / "a", "single", tp_size=2)
+def test_a_tensor_parallel_engine_spans_its_gpus(tiny_model_dir, tmp_path):
+    repo = render_trtllm(tiny_model_dir, tmp_path / "a", tp_size=2)
     assert re.search(r'key: "gpu_device_ids" value: \{ string_value: "0,1" \}', (repo / "llm" / "config.pbtxt").read_text())
-    with pytest.raises(RenderError, match="tensor-parallel engine"):
-        render_trtllm(tiny_model_dir, tmp_path / "b", "disaggregated", tp_size=2)
 
 
 def test_repetition_penalty_is_checked_and_only_sent_on_the_tensorrt_llm_path(tiny_model_dir, tmp_path):
@@ -203,7 +199,7 @@ def test_repetition_penalty_is_checked_and_only_sent_on_the_tensorrt_llm_path(ti
         write_repository(replace(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "r"), repetition_penalty=0.0))
     pytorch = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "p"))
     assert "llm_repetition_penalty" not in (pytorch / contract.OFFLINE_MODEL / "config.pbtxt").read_text()
-    trt = render_trtllm(tiny_model_dir, tmp_path / "t", "single")
+    trt = render_trtllm(tiny_model_dir, tmp_path / "t")
     text = (trt / contract.OFFLINE_MODEL / "config.pbtxt").read_text()
     assert 'key: "llm_repetition_penalty" value: { string_value: "1.1" }' in text
     assert 'key: "loop_max_run" value: { string_value: "25" }' in text

@@ -21,7 +21,6 @@ from speech_serving.engines import speaker_xvector, speech_tokens
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import error_response, model_params, read_inputs, response
-from triton_repo.devices import instance_device, make_current
 from triton_repo.model_params import AudioModelParams
 
 
@@ -60,9 +59,7 @@ class AudioTokenizerModel(_AudioModel):
 
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
-        device = instance_device(args, params.device)
-        make_current(device)
-        self.model = SpeechTokenizer(params.model_dir / self.tokenizer_file, _providers(device))
+        self.model = SpeechTokenizer(params.model_dir / self.tokenizer_file, _providers(params.device))
 
 
 class SpeakerEmbeddingModel(_AudioModel):

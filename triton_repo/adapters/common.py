@@ -6,7 +6,6 @@ Imported only inside tritonserver's python stub (it needs `triton_python_backend
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import faulthandler
 import json
 import logging
@@ -26,7 +25,6 @@ from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
-from triton_repo.devices import instance_device, make_current
 from triton_repo.model_params import ModelParams
 
 logger = logging.getLogger("cosyvoice2.triton")
@@ -291,12 +289,10 @@ class PipelineEntryModel:
         release_bls_streams()
 
 
-def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any], *,
-                  on_instance_device: bool = False) -> type:
+def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any]) -> type:
     """The Triton model class of a model whose every request one handler answers.
 
-    `build(params)` makes the handler from the model's typed parameters (with `on_instance_device`, their `device`
-    replaced by the GPU Triton gives the instance: `triton_repo.devices.instance_device`). The handler has
+    `build(params)` makes the handler from the model's typed parameters. The handler has
     `handle(request, sender)` (run per request by `serve`), `close()` (at unload) and `stats`, one `Stats` or a
     tuple of them, exported as the model's metrics.
     """
@@ -304,9 +300,6 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any], 
     class HandlerModel:
         def initialize(self, args: dict[str, str]) -> None:
             params = params_class.from_parameters(model_params(args), args["model_name"])
-            if on_instance_device:
-                params = dataclasses.replace(params, device=instance_device(args, params.device))
-                make_current(params.device)
             self.handler = self.build(params)
             self.decoupled = is_decoupled(args)
             stats = self.handler.stats

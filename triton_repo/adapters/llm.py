@@ -104,4 +104,4 @@ class LLMHandler:
         self.scheduler.close()
 
 
-TritonPythonModel = handler_model(LLMParams, LLMHandler.from_params, on_instance_device=True)
+TritonPythonModel = handler_model(LLMParams, LLMHandler.from_params)

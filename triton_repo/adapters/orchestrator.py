@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -20,7 +19,6 @@ from speech_serving.orchestrator import (
     OrchestratorConfig,
     SamplingConfig,
 )
-from speech_serving.replicas import StickyRouter
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from triton_repo import internal_io as io
@@ -54,10 +52,6 @@ class TritonClients:
         # per request, a fresh predicate on speech tokens: False drops the token (CosyVoice3 on TensorRT-LLM: the
         # silent-token filter the PyTorch LLM's handler applies); other ids always pass
         self.token_filter = token_filter
-        # Each token2wav call of a request goes to the replica holding its stream (Triton would spread them).
-        # Every orchestrator process routes on its own: a random start keeps their first requests apart.
-        replicas = models.token2wav_model
-        self.token2wav_router = StickyRouter(replicas, start=secrets.randbelow(len(replicas)))
 
     async def voice_prompt(self, request: contract.SpeechRequest) -> PromptTensors:
         out = await bls(self.models.voice_prompt_model, io.voice_prompt_tensors(request),
@@ -86,23 +80,14 @@ class TritonClients:
     async def token2wav(
         self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
     ) -> np.ndarray:
-        replica = self.token2wav_router.route(request_id)
-        try:
-            waveform = await self._token2wav_call(replica, io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
-        finally:
-            if chunk is None or chunk.final:  # offline or the last chunk: the replica keeps nothing of it
-                self.token2wav_router.release(request_id)
+        waveform = await self._token2wav_call(io.token2wav_tensors(request_id, tokens, prompt, chunk, seed))
         return np.zeros(0, np.float32) if waveform is None else waveform.astype(np.float32).reshape(-1)
 
     async def token2wav_close(self, request_id: str) -> None:
-        replica = self.token2wav_router.owner(request_id) or self.token2wav_router.route(request_id)
-        try:
-            await self._token2wav_call(replica, io.token2wav_close_tensors(request_id))
-        finally:
-            self.token2wav_router.release(request_id)
+        await self._token2wav_call(io.token2wav_close_tensors(request_id))
 
-    async def _token2wav_call(self, replica: str, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
-        out = await bls_one(replica, inputs, [io.WAVEFORM.name], self.models.token2wav_decoupled)
+    async def _token2wav_call(self, inputs: dict[str, np.ndarray]) -> np.ndarray | None:
+        out = await bls_one(self.models.token2wav_model, inputs, [io.WAVEFORM.name], self.models.token2wav_decoupled)
         return out[io.WAVEFORM.name]
 
 

@@ -1,7 +1,6 @@
 """`token2wav`: flow + HiFT with per-request streams; concurrent chunks share batched flow forwards.
 
-Must run as ONE instance: a stream's state lives in this process (render enforces count 1). Several replicas
-are several models (the disaggregated layout: one per GPU slot), each stream kept on one by the orchestrator.
+Must run as ONE instance: a stream's state lives in this process (render enforces count 1).
 `Token2WavHandler` is the whole model; the colocated `engine` model hosts it next to the LLM.
 The `token2wav` parameter picks the flow: `unet` (CosyVoice2's, from `model_dir`) or `dit` (the DiT flow of
 Step-Audio-2-mini, from `dit_dir`); the chunk schedule is CosyVoice2's either way (the orchestrator's).
@@ -79,4 +78,4 @@ class Token2WavHandler:
         self.service.shutdown()
 
 
-TritonPythonModel = handler_model(Token2WavParams, Token2WavHandler.from_params, on_instance_device=True)
+TritonPythonModel = handler_model(Token2WavParams, Token2WavHandler.from_params)
