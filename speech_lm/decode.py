@@ -37,6 +37,11 @@ parameters and length limits; the stop ids are the model's (``SpeechLM.vocabular
 - On CUDA the whole step (sampling + forward) is captured once per (batch bucket, length bucket) in a CUDA graph
   at construction (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs
   the same code.
+- With the graphs, a prefill is captured too, one request at a time, per prefix-length bucket (``PREFILL_BUCKETS``):
+  ``add_many`` replays one graph per request, its prefix right-padded to the bucket (``padded_prefill``; the pad's
+  keys/values land past the prefix, where every step's mask hides them until the step's own token overwrites
+  them). Eagerly a prefill is launch-bound: ~330 kernels of ~1.4 ms GPU time took 16 ms of host time (released
+  size, one H100). A prefix longer than every bucket prefills eagerly.
 - Not thread-safe: drive one decoder from one thread.
 """
 
@@ -58,6 +63,9 @@ from speech_lm.sampling import SamplingParams, draw_uniforms, make_generator, ra
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
+#: Prefix lengths of the prefill graphs (one request each). A CosyVoice2 prefix is its prompt transcript and target
+#: text plus the prompt's speech tokens (25 per second of reference audio): ~200 for a 6 s voice, ~800 for 30 s.
+PREFILL_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048)
 
 
 class Prefix(Protocol):
@@ -154,31 +162,42 @@ class _SlotTable:
         self.stop_bias[slot] = torch.stack([before_min, after_min])
 
 
-Shape = tuple[int, int]  # (rows, kv_len) of one decode step
+Shape = tuple[int, ...]  # decode step: (rows, kv_len); prefill: (prefix length bucket,)
 
 
-class _StepGraphs:
-    """One CUDA graph of the decode step per shape, sharing one memory pool (replays never overlap)."""
+class _Graphs:
+    """One CUDA graph of a pass per shape, all sharing one memory pool (the decoder's passes run one at a time on
+    one thread, so replays never overlap). Captured the largest shape first: a smaller one reuses its blocks."""
 
-    def __init__(self, step: Callable[[int, int], None], shapes: Sequence[Shape], device: torch.device) -> None:
+    def __init__(self, run: Callable[..., None], shapes: Sequence[Shape], device: torch.device, pool: object) -> None:
         self._graphs: dict[Shape, torch.cuda.CUDAGraph] = {}
+        shapes = sorted(shapes, reverse=True)
         with on_device(device):  # the decoder's GPU, whichever is current (a model instance on GPU 1)
-            pool = torch.cuda.graph_pool_handle()
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles)
+            with torch.cuda.stream(side):  # warm-up outside capture: lazy inits (cuBLAS handles, attention plans)
                 for shape in shapes:
-                    step(*shape)
+                    run(*shape)
             torch.cuda.current_stream(device).wait_stream(side)
             for shape in shapes:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=capture_stream(device, LLM_GRAPHS),
                                       capture_error_mode="thread_local"):
-                    step(*shape)
+                    run(*shape)
                 self._graphs[shape] = graph
 
     def replay(self, shape: Shape) -> None:
         self._graphs[shape].replay()
+
+
+@dataclass(frozen=True)
+class _PrefillInputs:
+    """The static inputs of a one-request prefill: the prefix's embeddings (right-padded), its slot, its last
+    position."""
+
+    embeds: torch.Tensor  # [1, longest bucket, hidden]
+    slot: torch.Tensor  # [1] long
+    last: torch.Tensor  # [1] long
 
 
 class BatchedDecoder:
@@ -192,7 +211,11 @@ class BatchedDecoder:
         cuda_graphs: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         length_buckets: Sequence[int] = LENGTH_BUCKETS,
+        prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
+        padded_prefill: bool | None = None,
     ) -> None:
+        """``padded_prefill``: prefill one request at a time, padded to ``prefill_buckets`` (None: with the CUDA
+        graphs, which capture it; True without them runs the same padded pass eagerly, e.g. to test it)."""
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
@@ -208,11 +231,27 @@ class BatchedDecoder:
         self._slots: dict[int, _SlotState] = {}
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self._graphs: _StepGraphs | None = None
+        if padded_prefill is None:
+            padded_prefill = cuda_graphs
+        self.prefill_buckets = sorted({min(b, max_seq_len) for b in prefill_buckets})  # no prefix is longer
+        self._prefill: _PrefillInputs | None = None
+        if padded_prefill:
+            hidden = model.llm_decoder.weight.shape[-1]
+            self._prefill = _PrefillInputs(
+                embeds=torch.zeros(1, self.prefill_buckets[-1], hidden, device=self.device,
+                                   dtype=model.llm_decoder.weight.dtype),
+                slot=torch.zeros(1, dtype=torch.long, device=self.device),
+                last=torch.zeros(1, dtype=torch.long, device=self.device))
+        self._graphs: _Graphs | None = None
+        self._prefill_graphs: _Graphs | None = None
         if cuda_graphs:
-            shapes = [(rows, kv_len) for rows in self.buckets for kv_len in self.length_buckets]
+            pool = torch.cuda.graph_pool_handle()
             with torch.inference_mode():
-                self._graphs = _StepGraphs(self._advance, shapes, self.device)
+                self._graphs = _Graphs(self._advance, [(rows, kv_len) for rows in self.buckets
+                                                       for kv_len in self.length_buckets], self.device, pool)
+                if self._prefill is not None:
+                    self._prefill_graphs = _Graphs(self._prefill_padded, [(n,) for n in self.prefill_buckets],
+                                                   self.device, pool)
 
     @property
     def active_slots(self) -> list[int]:
@@ -240,17 +279,45 @@ class BatchedDecoder:
         if not requests:
             return []
         slots = free[: len(requests)]
-        prefixes = [self.model.embed_prefix(r.prefix)[0] for r in requests]
-        hidden = self.model.hidden(pad_sequence(prefixes, batch_first=True), cache=self.cache, slots=slots)
-        last = torch.tensor([r.prefix_length - 1 for r in requests], device=self.device)
-        rows = torch.tensor(slots, device=self.device)
-        self.logp[rows] = self.model.log_probs(hidden[torch.arange(len(requests), device=self.device), last])
+        if self._prefill is not None and max(r.prefix_length for r in requests) <= self.prefill_buckets[-1]:
+            for slot, request in zip(slots, requests):
+                self._prefill_one(slot, request)
+        else:
+            prefixes = [self.model.embed_prefix(r.prefix)[0] for r in requests]
+            hidden = self.model.hidden(pad_sequence(prefixes, batch_first=True), cache=self.cache, slots=slots)
+            last = torch.tensor([r.prefix_length - 1 for r in requests], device=self.device)
+            rows = torch.tensor(slots, device=self.device)
+            self.logp[rows] = self.model.log_probs(hidden[torch.arange(len(requests), device=self.device), last])
         for slot, request in zip(slots, requests):
             # one uniform pair per possible draw, from the request's own generator (CPU: same numbers on any device)
             uniforms = draw_uniforms(request.max_tokens, make_generator(request.sampling.seed, "cpu"))
             self._table.reset(slot, request, uniforms.to(self.device))
             self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=request.max_tokens)
         return slots
+
+    def _prefill_one(self, slot: int, request: DecodeRequest) -> None:
+        """Prefill one request into ``slot`` through the static inputs: its prefill graph, or the same pass eagerly."""
+        assert self._prefill is not None
+        embeds = self.model.embed_prefix(request.prefix)[0]
+        length = embeds.shape[0]
+        self._prefill.embeds[0, :length].copy_(embeds)
+        self._prefill.slot.fill_(slot)
+        self._prefill.last.fill_(length - 1)
+        bucket = self._bucket(self.prefill_buckets, length)
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.replay((bucket,))
+        else:
+            self._prefill_padded(bucket)
+
+    def _prefill_padded(self, length: int) -> None:
+        """The prefill of the request in the static inputs over their first ``length`` positions: its keys/values
+        into its cache slot, the log-probs at its last position into ``logp``. Static shapes, no host syncs: what
+        the prefill graphs capture. Positions past the prefix hold what earlier prefixes left (finite): causal
+        attention keeps them out of the prefix's own positions."""
+        p = self._prefill
+        assert p is not None
+        hidden = self.model.hidden(p.embeds[:, :length], cache=self.cache, slots=p.slot)
+        self.logp.index_copy_(0, p.slot, self.model.log_probs(hidden[0].index_select(0, p.last)))
 
     def remove(self, slot: int) -> None:
         """Drop a request (e.g. cancelled); its slot becomes free."""

@@ -146,9 +146,9 @@ class Qwen2Attention(nn.Module):
         q, k, v = qk[:, :, :heads], qk[:, :, heads:], qkv[:, :, heads + kv_heads :]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is None or plan.slots is not None:
-            if cache is not None:
-                cache[0][plan.slots, :, :length] = k
-                cache[1][plan.slots, :, :length] = v
+            if cache is not None:  # index_copy_: no host sync, so a prefill graph can capture it
+                cache[0][:, :, :length].index_copy_(0, plan.slots, k)
+                cache[1][:, :, :length].index_copy_(0, plan.slots, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         else:
             key_cache, value_cache = (buffer[:batch, :, : plan.kv_len] for buffer in cache)

@@ -149,8 +149,10 @@ def bench_llm(bench: Bench, dtype: torch.dtype, batches: list[int], max_seq_len:
             decoder.remove(slot)
 
     prefix = decode_request(0).prefix_length
-    for batch in (b for b in PREFILL_BATCHES if b <= slots):  # add_many: one right-padded forward
-        bench.time("llm", f"prefill {prefix} tokens x {batch}", "eager", lambda: prefill(decoders["eager"], batch))
+    # add_many: eager, one right-padded forward of the batch; with graphs, one prefill graph replay per request
+    for batch in (b for b in PREFILL_BATCHES if b <= slots):
+        for variant, decoder in decoders.items():
+            bench.time("llm", f"prefill {prefix} tokens x {batch}", variant, lambda: prefill(decoder, batch))
     if device.type == "cuda":
         report_profile(bench, "llm", f"prefill {prefix} tokens x 1",
                        kernel_profile(device, lambda: prefill(decoders["eager"], 1)))

@@ -1,5 +1,6 @@
-"""Batched prefill (``BatchedDecoder.add_many``): several requests of different lengths in one right-padded forward
-give each request the log-probs, cache entries and tokens it gets when prefilled alone."""
+"""Batched prefill (``BatchedDecoder.add_many``): several requests of different lengths in one right-padded forward,
+or one at a time right-padded to a prefix-length bucket (``padded_prefill``, what the prefill CUDA graphs capture),
+give each request the log-probs, cache entries and tokens it gets when prefilled alone, unpadded."""
 
 from __future__ import annotations
 
@@ -46,9 +47,17 @@ def solo(model: CosyVoice2LM, request: DecodeRequest) -> tuple[BatchedDecoder, i
     return decoder, decoder.add(request)
 
 
-def test_batched_prefill_matches_solo_prefill(model: CosyVoice2LM) -> None:
+#: Prefill buckets of the padded mode: every prefix here pads (to 16 or 32 positions), over the junk that the
+#: prefixes before it left in the static buffer.
+PADDED = dict(padded_prefill=True, prefill_buckets=(16, 32))
+MODES = pytest.mark.parametrize("mode", [{}, PADDED], ids=["one-forward", "padded-one-by-one"])
+
+
+@MODES
+def test_batched_prefill_matches_solo_prefill(model: CosyVoice2LM, mode: dict) -> None:
     assert len({r.prefix_length for r in REQUESTS}) == len(REQUESTS)  # the padding is really exercised
-    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=MAX_SEQ_LEN)
+    assert max(r.prefix_length for r in REQUESTS) <= 32 < MAX_SEQ_LEN
+    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=MAX_SEQ_LEN, **mode)
     decoder.add(REQUESTS[0])  # slot 0 busy: the batch goes to slots 1, 2, 3
     slots = decoder.add_many(REQUESTS)
     assert slots == [1, 2, 3]
@@ -63,8 +72,9 @@ def test_batched_prefill_matches_solo_prefill(model: CosyVoice2LM) -> None:
                                        alone.cache.values[layer][alone_slot, :, real], rtol=1e-5, atol=1e-5)
 
 
-def test_batched_prefill_decodes_the_same_tokens_as_solo(model: CosyVoice2LM) -> None:
-    decoder = BatchedDecoder(model, num_slots=3, max_seq_len=MAX_SEQ_LEN)
+@MODES
+def test_batched_prefill_decodes_the_same_tokens_as_solo(model: CosyVoice2LM, mode: dict) -> None:
+    decoder = BatchedDecoder(model, num_slots=3, max_seq_len=MAX_SEQ_LEN, **mode)
     together = decode_to_end(decoder, decoder.add_many(REQUESTS))
     alone = []
     for request in REQUESTS:

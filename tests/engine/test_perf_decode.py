@@ -119,11 +119,15 @@ REQUESTS = [
 
 
 @torch.inference_mode()
-def decode_batched(model: CosyVoice2LM, buckets: tuple[int, ...], join_at: list[int]) -> list[list[int]]:
+def decode_batched(model: CosyVoice2LM, buckets: tuple[int, ...], join_at: list[int],
+                   prefill_buckets: tuple[int, ...] | None = None) -> list[list[int]]:
     """Requests join at the given steps (continuous batching); returns each request's tokens. With buckets, the
-    length buckets make attention read 16, 24, 32 or all cache positions as the sequences grow."""
+    length buckets make attention read 16, 24, 32 or all cache positions as the sequences grow. With
+    `prefill_buckets`, each request prefills alone, right-padded to one of them (what the prefill graphs capture),
+    or in the eager batched pass where its prefix is longer than all of them."""
     decoder = BatchedDecoder(model, num_slots=4, max_seq_len=max(map(required_seq_len, REQUESTS)),
-                             cuda_graphs=False, batch_buckets=buckets, length_buckets=(16, 24, 32) if buckets else ())
+                             cuda_graphs=False, batch_buckets=buckets, length_buckets=(16, 24, 32) if buckets else (),
+                             prefill_buckets=prefill_buckets or (), padded_prefill=prefill_buckets is not None)
     owner: dict[int, int] = {}
     tokens: list[list[int]] = [[] for _ in REQUESTS]
     step, pending = 0, list(range(len(REQUESTS)))
@@ -138,11 +142,16 @@ def decode_batched(model: CosyVoice2LM, buckets: tuple[int, ...], join_at: list[
     return tokens
 
 
+@pytest.mark.parametrize("prefill_buckets", [None, (8, 16), (4, 8)], ids=["batched-prefill", "padded-prefill",
+                                                                         "padded-or-eager-prefill"])
 @pytest.mark.parametrize("buckets", [(1, 2, 4), ()], ids=["buckets", "full-width"])
-def test_batched_decoder_matches_row_by_row_decoding(buckets: tuple[int, ...]) -> None:
+def test_batched_decoder_matches_row_by_row_decoding(buckets: tuple[int, ...], prefill_buckets) -> None:
+    """(4, 8): the prefixes of 4 and 7 positions pad to a bucket, those of 11 (longer than every bucket) take the
+    eager pass; (8, 16): every prefix pads, over junk that earlier prefixes left in the static buffer."""
     model = small_model()
     expected = [decode_row_by_row(model, r) for r in REQUESTS]
     assert len({len(t) for t in expected}) > 1 and any(len(t) > 5 for t in expected)
     # request 1 joins at step 3 (slot 1, two rows), 2 and 3 later: the bucket grows from 1 to 2 to 4 rows
-    got = decode_batched(model, buckets, join_at=[0, 3, 4, 9])
+    got = decode_batched(model, buckets, join_at=[0, 3, 4, 9], prefill_buckets=prefill_buckets)
     assert got == expected
+

@@ -1,7 +1,8 @@
-"""The LLM decoder's step CUDA graphs (`speech_lm.decode.BatchedDecoder`) replay what the eager step
-computes: the same tokens and the same pending log-probs at every step, for requests with different sampling
-settings in one batch. The small model checks the logic; the released-size body (marked slow) the real shapes.
-tests/engine/test_perf_decode.py checks the eager step itself against row-by-row decoding on the CPU."""
+"""The LLM decoder's CUDA graphs (`speech_lm.decode.BatchedDecoder`: the step and the one-request padded prefill)
+replay what the eager passes compute: the same tokens and the same pending log-probs at every step, for requests
+with different sampling settings in one batch, also with the model on a GPU that is not the current one. The small
+model checks the logic; the released-size body (marked slow) the real shapes. tests/engine/test_perf_decode.py
+checks the eager passes themselves against row-by-row decoding on the CPU."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tests.engine.test_perf_decode import REQUESTS, small_model
 def decode(model: CosyVoice2LM, requests: list[DecodeRequest], graphs: bool,
            max_seq_len: int = 256) -> tuple[dict[int, list[int]], list[torch.Tensor]]:
     """(tokens per slot, the pending log-probs before every step) of `requests` decoded together."""
-    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=max_seq_len, cuda_graphs=graphs)
+    # both prefill one request at a time, padded to its bucket: the eager decoder runs what the graphs capture
+    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=max_seq_len, cuda_graphs=graphs, padded_prefill=True)
     slots = [decoder.add(r) for r in requests]
     tokens: dict[int, list[int]] = {s: [] for s in slots}
     logps = []
@@ -40,6 +42,13 @@ def assert_replays_equal_eager(model: CosyVoice2LM, requests: list[DecodeRequest
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_step_graph_replays_match_eager_steps(gpus, dtype) -> None:
     assert_replays_equal_eager(small_model().to("cuda", dtype), REQUESTS)
+
+
+def test_graph_replays_match_eager_passes_on_the_last_gpu(gpus) -> None:
+    """Captured and replayed while GPU 0 is the current device: every graph must be made on the model's GPU."""
+    with torch.cuda.device(0):
+        assert_replays_equal_eager(small_model().to(f"cuda:{gpus - 1}", torch.bfloat16), REQUESTS)
+    assert torch.cuda.current_device() == 0
 
 
 @pytest.mark.slow
