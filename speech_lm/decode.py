@@ -48,6 +48,7 @@ parameters and length limits; the stop ids are the model's (``SpeechLM.vocabular
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -229,6 +230,8 @@ class BatchedDecoder:
         self._table = _SlotTable(num_slots, max_seq_len, vocabulary, self.device)
         self._tokens = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self._slots: dict[int, _SlotState] = {}
+        #: of the last `step`, the host's wait for its tokens (the device's work its launch did not cover)
+        self.last_step_sync_seconds = 0.0
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if padded_prefill is None:
@@ -365,7 +368,9 @@ class BatchedDecoder:
                 self._graphs.replay((rows, kv_len))
             else:
                 self._advance(rows, kv_len)
+            launched = time.perf_counter()
             tokens = self._tokens[:rows].tolist()  # the step's one host sync
+            self.last_step_sync_seconds = time.perf_counter() - launched
             for slot, state in list(self._slots.items()):
                 outputs[slot] = self._report(slot, state, tokens[slot])
         return dict(sorted(outputs.items()))

@@ -59,6 +59,7 @@ LLM_STATS = (
     "llm_failed_total",
     "llm_steps_total",
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
+    "llm_step_sync_seconds_total",  # of it, the waits for the steps' tokens (the device); the rest is host work
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
     "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
@@ -88,6 +89,10 @@ class StepOutput:
 
 class SlotDecoder(Protocol[R]):
     """A batched decoder with a fixed number of KV-cache slots. Called from one thread only."""
+
+    #: Of the last `step`, the seconds the host waited for its tokens: the device's work that the host's launch
+    #: did not cover (the rest of the step is host work). 0 where the step has no such wait (a CPU, a stub).
+    last_step_sync_seconds: float
 
     @property
     def num_slots(self) -> int: ...
@@ -252,6 +257,7 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._steps = 0  # worker thread only: steps run, and those of them (and their seconds) not yet in `stats`
         self._published_steps = 0
         self._unpublished_seconds = 0.0
+        self._unpublished_sync_seconds = 0.0
         self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)  # worker thread only
         self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
@@ -386,6 +392,7 @@ class ContinuousBatchingScheduler(Generic[R]):
         ended = time.perf_counter()
         self._steps += 1
         self._unpublished_seconds += ended - started
+        self._unpublished_sync_seconds += self.decoder.last_step_sync_seconds
         active, outbox = self._active, self._outbox
         finished: list[_Job[R]] = []
         # Only the worker thread changes `_active` and a job's token buffer, so the tokens are sorted out
@@ -418,10 +425,10 @@ class ContinuousBatchingScheduler(Generic[R]):
 
     def _publish_step_stats(self) -> None:
         if self._steps != self._published_steps:
-            steps, seconds = self._steps - self._published_steps, self._unpublished_seconds
-            self._published_steps, self._unpublished_seconds = self._steps, 0.0
-            self.stats.add("llm_steps_total", steps)
-            self.stats.add("llm_step_seconds_total", seconds)
+            self.stats.add_all({"llm_steps_total": self._steps - self._published_steps,
+                                "llm_step_seconds_total": self._unpublished_seconds,
+                                "llm_step_sync_seconds_total": self._unpublished_sync_seconds})
+            self._published_steps, self._unpublished_seconds, self._unpublished_sync_seconds = self._steps, 0.0, 0.0
         first_chunks = self._unpublished_first_chunks
         if first_chunks["llm_first_chunks_total"]:
             self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)

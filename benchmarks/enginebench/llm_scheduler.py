@@ -38,6 +38,8 @@ from speech_serving.llm_scheduler import SWITCH_INTERVAL_S, ContinuousBatchingSc
 class StubDecoder:
     """`SlotDecoder` with a trivial step: every slot emits a token; all finish together at `steps`."""
 
+    last_step_sync_seconds = 0.0  # no device
+
     def __init__(self, num_slots: int, steps: int, step_s: float) -> None:
         self.num_slots = num_slots
         self.steps = steps

@@ -312,6 +312,8 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
     return {
         "llm_prefill_ms_per_request": ratio("llm_prefill_seconds_total", "llm_finished_total"),
         "llm_step_ms": ratio("llm_step_seconds_total", "llm_steps_total"),
+        # of the step, the host's wait for its tokens (the GPU's part; the rest is host work)
+        "llm_step_sync_ms": ratio("llm_step_sync_seconds_total", "llm_steps_total"),
         "llm_steps": d.get("llm_steps_total"),
         "token2wav_call_ms": ratio("token2wav_engine_seconds_total", "token2wav_engine_calls_total"),
         "token2wav_chunks_per_call": ratio("token2wav_call_jobs_total", "token2wav_engine_calls_total", 1.0),
@@ -666,6 +668,7 @@ SUMMARY_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
 STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("LLM prefill (ms)", "llm_prefill_ms_per_request", "{:.1f}"),
     ("LLM step (ms)", "llm_step_ms", "{:.2f}"),
+    ("of it, GPU wait (ms)", "llm_step_sync_ms", "{:.2f}"),
     ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),

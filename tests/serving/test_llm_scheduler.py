@@ -25,6 +25,8 @@ class Script:
 class ScriptedDecoder:
     """Records the batch of every step, so tests can see which sequences ran together."""
 
+    last_step_sync_seconds = 0.001  # as if each step had waited 1 ms for its tokens
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self.slots: dict[int, list] = {}
@@ -90,6 +92,8 @@ async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
         assert stats["llm_finished_total"] == 4 and stats["llm_active_sequences"] == 0
         # step counters are published in bulk, but completely by the time the last sequence has ended
         assert stats["llm_steps_total"] == len(decoder.batches) and stats["llm_step_seconds_total"] > 0
+        # each step's wait for its tokens, as the decoder reports it
+        assert stats["llm_step_sync_seconds_total"] == pytest.approx(0.001 * len(decoder.batches))
 
 
 async def test_a_new_request_joins_the_running_batch():

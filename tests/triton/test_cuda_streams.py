@@ -41,6 +41,8 @@ def stream_log(monkeypatch) -> StreamLog:
 class RecordingDecoder:
     """A `SlotDecoder` that notes the stream current at each call."""
 
+    last_step_sync_seconds = 0.0
+
     num_slots = 3
 
     def __init__(self, log: StreamLog) -> None:
