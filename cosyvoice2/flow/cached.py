@@ -195,13 +195,7 @@ class CachedFlowRunner:
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
         self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs is not None else STEP_ROWS)
         self.config = flow.config
-        # each transformer block's q, k and v projections as one weight, in call order (`_BlockKV`): one GEMM
-        # instead of three and one copy of the new keys and values instead of two, 168 fewer kernels per estimator
-        # step of the released model (56 blocks; ~1,300 kernels a step, launch-bound at a few rows). A copy: the
-        # flow's weights must not change after the runner is made.
-        est = flow.decoder.estimator
-        self.qkv_weights = [torch.cat([b.attn1.to_q.weight, b.attn1.to_k.weight, b.attn1.to_v.weight]).detach()
-                            for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks) for b in stage[1]]
+        self.fused = _FusedWeights.of(flow.decoder.estimator)
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
         self.grid = flow.config.encoder.static_chunk_size
@@ -492,27 +486,29 @@ class CachedFlowRunner:
         time; time-major, the causal convs are one GEMM over three stacked frames (`_ConvTails.conv`)."""
         est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
-        blocks = _BlockKV(keys, hist_p, self.qkv_weights)
+        blocks = _BlockKV(keys, hist_p, self.fused.qkv)
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
+        tembs = iter(self.fused.time_projections(temb))
         mask = mask.transpose(1, 2)  # (2B, N, 1)
         h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1).transpose(1, 2)
 
         down = est.down_blocks[0]
-        skip = self._stage(down, h, mask, temb, bias, convs, blocks)
+        skip = self._stage(down, h, mask, next(tembs), bias, convs, blocks)
         h = convs.conv(down[2], skip * mask)
         for stage in est.mid_blocks:
-            h = self._stage(stage, h, mask, temb, bias, convs, blocks)
+            h = self._stage(stage, h, mask, next(tembs), bias, convs, blocks)
         up = est.up_blocks[0]
-        h = self._stage(up, torch.cat([h, skip], dim=2), mask, temb, bias, convs, blocks)
+        h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), bias, convs, blocks)
         h = convs.conv(up[2], h * mask)
         h = self._block(est.final_block, h, mask, convs)
         velocity = _pointwise(est.final_proj, h * mask) * mask
         return velocity.transpose(1, 2), blocks.collected(), convs.collected()
 
-    def _stage(self, stage, x, mask, temb, bias, convs, blocks):
-        """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C)."""
+    def _stage(self, stage, x, mask, time_projection, bias, convs, blocks):
+        """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
+        resnet's `mlp` of the time embedding (`_FusedWeights.time_projections`)."""
         resnet: CausalResnetBlock1D = stage[0]
-        h = self._block(resnet.block1, x, mask, convs) + resnet.mlp(temb).unsqueeze(1)
+        h = self._block(resnet.block1, x, mask, convs) + time_projection.unsqueeze(1)
         h = self._block(resnet.block2, h, mask, convs)
         h = h + _pointwise(resnet.res_conv, x * mask)
         for block in stage[1]:
@@ -543,6 +539,33 @@ class CachedFlowRunner:
                 else [new.contiguous() for new in est.kv])
         s.tails = [tail.contiguous() for tail in est.tails]
         s.frames += est.frames
+
+
+@dataclass(frozen=True)
+class _FusedWeights:
+    """Weights of the estimator joined so that a step launches fewer kernels (~1,300 a step for the released
+    model, launch-bound at a few rows): each transformer block's q, k and v projections as one weight (one GEMM
+    instead of three, and one copy of the new keys and values instead of two: 168 fewer kernels over its 56
+    blocks), and the 14 resnets' projections of the time embedding, which all read the same Mish(temb), as one
+    (26 fewer). Copies: the flow's weights must not change after the runner is made."""
+
+    qkv: list[torch.Tensor]  # per transformer block, in call order (`_BlockKV`)
+    time_weight: torch.Tensor  # the resnets' `mlp` linears stacked, in call order
+    time_bias: torch.Tensor
+    time_sizes: list[int]
+
+    @classmethod
+    def of(cls, est: torch.nn.Module) -> "_FusedWeights":
+        stages = (*est.down_blocks, *est.mid_blocks, *est.up_blocks)
+        qkv = [torch.cat([b.attn1.to_q.weight, b.attn1.to_k.weight, b.attn1.to_v.weight]).detach()
+               for stage in stages for b in stage[1]]
+        time = [stage[0].mlp[1] for stage in stages]
+        return cls(qkv, torch.cat([m.weight for m in time]).detach(), torch.cat([m.bias for m in time]).detach(),
+                   [m.out_features for m in time])
+
+    def time_projections(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every resnet's `mlp(temb)` (Mish, then its linear), in call order, from one GEMM."""
+        return F.linear(F.mish(temb), self.time_weight, self.time_bias).split(self.time_sizes, dim=-1)
 
 
 def _pointwise(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
