@@ -500,26 +500,27 @@ class CachedFlowRunner:
         up = est.up_blocks[0]
         h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), bias, convs, blocks)
         h = convs.conv(up[2], h * mask)
-        h = self._block(est.final_block, h, mask, convs)
-        velocity = _pointwise(est.final_proj, h * mask) * mask
+        h = self._block(est.final_block, h * mask, mask, convs)
+        velocity = _pointwise(est.final_proj, h) * mask  # h is masked: the block's output
         return velocity.transpose(1, 2), blocks.collected(), convs.collected()
 
     def _stage(self, stage, x, mask, time_projection, bias, convs, blocks):
         """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
         resnet's `mlp` of the time embedding (`_FusedWeights.time_projections`)."""
         resnet: CausalResnetBlock1D = stage[0]
-        h = self._block(resnet.block1, x, mask, convs) + time_projection.unsqueeze(1)
-        h = self._block(resnet.block2, h, mask, convs)
-        h = h + _pointwise(resnet.res_conv, x * mask)
+        masked = x * mask  # read by block1 and the residual conv
+        h = self._block(resnet.block1, masked, mask, convs) + time_projection.unsqueeze(1)
+        h = self._block(resnet.block2, h * mask, mask, convs)
+        h = h + _pointwise(resnet.res_conv, masked)
         for block in stage[1]:
             h = blocks.run(block, h, bias)
         return h
 
     @staticmethod
-    def _block(block: CausalBlock1D, x, mask, convs) -> torch.Tensor:
+    def _block(block: CausalBlock1D, masked, mask, convs) -> torch.Tensor:
+        """Causal conv, LayerNorm, Mish over an input the caller has masked; the output is masked too."""
         conv, _, norm, _, mish = block.block
-        h = convs.conv(conv, x * mask)
-        return mish(norm(h)) * mask
+        return mish(norm(convs.conv(conv, masked))) * mask
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     @staticmethod
