@@ -328,7 +328,8 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
+                 compile_estimator: bool = False) -> None:
         import torch
 
         from cosyvoice2.flow.cached import CachedFlowRunner
@@ -336,7 +337,7 @@ class Token2Wav(FlowAndVocoder):
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
         self.flow_cache = flow_cache
-        self.cached = CachedFlowRunner(flow)
+        self.cached = CachedFlowRunner(flow, compiled=compile_estimator)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,

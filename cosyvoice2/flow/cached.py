@@ -184,8 +184,13 @@ def _consecutive(values: list[int]) -> bool:
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True, compiled: bool = False) -> None:
         self.flow = flow
+        # The network of an estimator evaluation (`_evaluate`), as it is or compiled by TorchInductor (one
+        # compilation with symbolic shapes serves every bucket), which fuses the elementwise work between the GEMMs
+        # (masks, LayerNorm, Mish, residual adds, conv windows) into far fewer kernels: a replayed step is launch-
+        # and latency-bound on its ~1,100 small kernels at a few rows.
+        self._network = torch.compile(self._evaluate, dynamic=True) if compiled else self._evaluate
         # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
         # up to a graph bucket); their ratio is the padding's share of the estimator's work
         self.frames_needed = 0
@@ -478,7 +483,14 @@ class CachedFlowRunner:
         """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, N, heads, d),
         new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, hist_p + N, heads, d) holds
         the history in its first hist_p frames; the new keys/values are written after them, so attention reads
-        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe.
+        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe."""
+        velocity, new_tails = self._network(x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at)
+        # the view is taken here, not returned by the network: a compiled function's output view of a strided
+        # input view comes back with the wrong offsets under symbolic shapes
+        return velocity, keys[:, :, :, hist_p:], new_tails
+
+    def _evaluate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
+        """`estimate`'s network -> (velocity, new conv tails); writes the new keys/values into `keys`.
 
         The activations stay time-major, (2B, N, channels), from the first layer to the last, unlike the module's
         own forward (channels first around every conv, time-major in the transformer blocks). Flipping between
@@ -502,7 +514,7 @@ class CachedFlowRunner:
         h = convs.conv(up[2], h * mask)
         h = self._block(est.final_block, h * mask, mask, convs)
         velocity = _pointwise(est.final_proj, h) * mask  # h is masked: the block's output
-        return velocity.transpose(1, 2), blocks.collected(), convs.collected()
+        return velocity.transpose(1, 2), convs.collected()
 
     def _stage(self, stage, x, mask, time_projection, bias, convs, blocks):
         """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
@@ -631,9 +643,6 @@ class _BlockKV:
         out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
         x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
-
-    def collected(self) -> torch.Tensor:
-        return self.keys[:, :, :, self.hist_p :]  # (blocks, 2, 2B, N, heads, d): a view of the buffer
 
 
 _StepStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, bias, tail_at

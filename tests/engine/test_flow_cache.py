@@ -253,11 +253,13 @@ def test_over_budget_stream_freezes_its_caches_and_returns_its_memory(tiny_engin
 
 
 @parity
-def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bucketed_calls_with_static_buffers_equal_recompute(oracle, compiled: bool) -> None:
     """The CUDA-graph path's shapes on CPU: calls padded to (rows, new frames, history) buckets, the history
-    gathered into one static buffer (one copy for rows sharing a voice prefix), run eagerly."""
+    gathered into one static buffer (one copy for rows sharing a voice prefix), run eagerly; `compiled`: the
+    estimator's network compiled by TorchInductor (one compilation, symbolic shapes) for every bucket."""
     flow, dump = oracle
-    runner = CachedFlowRunner(flow)
+    runner = CachedFlowRunner(flow, compiled=compiled)
     graphs = runner.graphs
     graphs.emulate = True
     graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
