@@ -80,8 +80,8 @@ try:
 except ImportError:
     print("")
 try:
-    import torch
-    print(torch.__version__)
+    import importlib.metadata, torch
+    print(importlib.metadata.version("torch"))  # the installed distribution's version (the constraint pins it)
     print(torch.cuda.is_available())
 except ImportError:
     print("")
