@@ -190,7 +190,8 @@ class CachedFlowRunner:
         # compilation with symbolic shapes serves every bucket), which fuses the elementwise work between the GEMMs
         # (masks, LayerNorm, Mish, residual adds, conv windows) into far fewer kernels: a replayed step is launch-
         # and latency-bound on its ~1,100 small kernels at a few rows.
-        self._network = torch.compile(self._evaluate, dynamic=True) if compiled else self._evaluate
+        self._network = torch.compile(self._evaluate, dynamic=False) if compiled else self._evaluate
+        self.compiled = compiled
         # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
         # up to a graph bucket); their ratio is the padding's share of the estimator's work
         self.frames_needed = 0
@@ -479,17 +480,25 @@ class CachedFlowRunner:
         blocks = len(self.flow.decoder.estimator.down_blocks[0][1]) * (2 + len(self.flow.decoder.estimator.mid_blocks))
         return like.new_zeros(blocks, 2, 2 * rows_p, frames, cfg.num_heads, cfg.attention_head_dim)
 
-    def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
+    def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at, bucketed: bool = False):
         """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, N, heads, d),
         new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, hist_p + N, heads, d) holds
         the history in its first hist_p frames; the new keys/values are written after them, so attention reads
-        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe."""
-        velocity, new_tails = self._network(x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at)
+        one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe.
+
+        `bucketed`: a call on the step graphs' static buffers (captured, or emulated), the only one that runs the
+        compiled network: a call beyond the buckets (its own contiguous key buffer) would compile another variant,
+        minutes at the released size, while serving."""
+        network = self._evaluate
+        if bucketed and self.compiled:
+            network = self._network
+            _mark_call_dims(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
+        velocity, new_tails = network(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
         # the view is taken here, not returned by the network: a compiled function's output view of a strided
         # input view comes back with the wrong offsets under symbolic shapes
         return velocity, keys[:, :, :, hist_p:], new_tails
 
-    def _evaluate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
+    def _evaluate(self, x, mask, mu, t, spks, cond, bias, keys, tails, tail_at):
         """`estimate`'s network -> (velocity, new conv tails); writes the new keys/values into `keys`.
 
         The activations stay time-major, (2B, N, channels), from the first layer to the last, unlike the module's
@@ -498,7 +507,7 @@ class CachedFlowRunner:
         time; time-major, the causal convs are one GEMM over three stacked frames (`_ConvTails.conv`)."""
         est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
-        blocks = _BlockKV(keys, hist_p, self.fused.qkv)
+        blocks = _BlockKV(keys, keys.size(3) - x.size(2), self.fused.qkv)  # history: the frames before the new
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         tembs = iter(self.fused.time_projections(temb))
         mask = mask.transpose(1, 2)  # (2B, N, 1)
@@ -579,6 +588,25 @@ class _FusedWeights:
     def time_projections(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every resnet's `mlp(temb)` (Mish, then its linear), in call order, from one GEMM."""
         return F.linear(F.mish(temb), self.time_weight, self.time_bias).split(self.time_sizes, dim=-1)
+
+
+def _mark_call_dims(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at) -> None:
+    """Mark the sizes that differ between calls (guidance rows 2B, new frames N, history + new frames) symbolic for
+    the compiler, and nothing else: one compilation then serves every bucket. Letting it infer them (`dynamic=True`)
+    gave every size symbols, and with one row 2B = 2 shared the symbol of the fixed conv context (2), so the
+    first call's graph held for no other row count (a second compilation; each one takes minutes at the released
+    size)."""
+    mark = torch._dynamo.maybe_mark_dynamic
+    for tensor in (x, mask, mu, cond):  # (2B, C, N)
+        mark(tensor, 0)
+        mark(tensor, 2)
+    for tensor in (t, spks, tails, tail_at):  # (2B, ...)
+        mark(tensor, 0)
+    mark(bias, 0)  # (2B, 1, N, history + N)
+    mark(bias, 2)
+    mark(bias, 3)
+    mark(keys, 2)  # (blocks, 2, 2B, history + N, heads, d)
+    mark(keys, 3)
 
 
 def _pointwise(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
@@ -681,7 +709,8 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
             if captured.graph is None:  # emulation on CPU
-                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, tails, captured.inputs[7])
+                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, tails, captured.inputs[7],
+                                            bucketed=True)
             captured.graph.replay()
             return captured.outputs
 
@@ -699,6 +728,10 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
         cfg = est.config
         blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         rows, history = 2 * max(self.rows), max(self.history_frames) + max(self.new_frames)
+        if self.runner.compiled:
+            # one spare row: a bucket's view of as many rows as the buffer has would be contiguous where the others
+            # are not, and the compiled network holds for one of the two (a second compilation, minutes long)
+            rows += 1
         return (torch.zeros(blocks, 2, rows, history, cfg.num_heads, cfg.attention_head_dim,
                             device=device, dtype=dtype),
                 torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype))
@@ -728,4 +761,4 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
 
     def _pass(self, shape: tuple[int, int, int], inputs: _StepStatics) -> Callable[[], _StepOutputs]:
         keys, tails = self._views(shape)
-        return lambda: self.runner.estimate(*inputs[:7], keys, shape[2], tails, inputs[7])
+        return lambda: self.runner.estimate(*inputs[:7], keys, shape[2], tails, inputs[7], bucketed=True)

@@ -258,8 +258,11 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle, compiled: bo
     """The CUDA-graph path's shapes on CPU: calls padded to (rows, new frames, history) buckets, the history
     gathered into one static buffer (one copy for rows sharing a voice prefix), run eagerly; `compiled`: the
     estimator's network compiled by TorchInductor (one compilation, symbolic shapes) for every bucket."""
+    from torch._dynamo.utils import counters
+
     flow, dump = oracle
     runner = CachedFlowRunner(flow, compiled=compiled)
+    compilations = counters["stats"]["unique_graphs"]
     graphs = runner.graphs
     graphs.emulate = True
     graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
@@ -282,6 +285,8 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle, compiled: bo
             worst = max(worst, (mel - ref).abs().max().item())
     assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
     assert worst <= MEL_TOL
+    # one compilation served every bucket (each one takes minutes at the released size on a GPU)
+    assert counters["stats"]["unique_graphs"] - compilations == (1 if compiled else 0)
     # the runner counted what the buckets padded: three rows run as four, chunks short of a frame bucket
     assert 0 < runner.frames_needed < runner.frames_computed
 
