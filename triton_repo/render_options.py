@@ -19,7 +19,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from cosyvoice2.streaming import FLOW_CACHE_MODES
+from cosyvoice2.streaming import FLOW_CACHE_MODES, FLOW_COMPILE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
@@ -246,6 +246,10 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
+    # Not yet measured against "off" on a GPU (docs/engine.md, "The compiled estimator"); off until it wins.
+    flow_compile: str = option("off", choices=FLOW_COMPILE_MODES,
+                               help="the cached UNet flow's estimator step: off (as written) or inductor (compiled by "
+                                    "TorchInductor before its CUDA graphs are captured; minutes longer start-up)")
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = option("unet", choices=TOKEN2WAVS, help="unet: CosyVoice2's flow from --model-dir; dit: the DiT "

@@ -110,7 +110,7 @@ def main() -> int:
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked", compile_estimator=args.compile)
+                       flow_cache="chunked", flow_compile="inductor" if args.compile else "off")
     start = time.perf_counter()
     count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
     if args.compile:

@@ -73,7 +73,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
     [
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
-         "align_first_hop": "never"},
+         "align_first_hop": "never", "flow_compile": "inductor"},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
         {"device": "cuda", "dtype": "bf16"},
