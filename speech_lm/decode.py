@@ -37,11 +37,15 @@ parameters and length limits; the stop ids are the model's (``SpeechLM.vocabular
 - On CUDA the whole step (sampling + forward) is captured once per (batch bucket, length bucket) in a CUDA graph
   at construction (``cuda_graphs=None`` means "on CUDA only"); replays launch it as one unit. The eager path runs
   the same code.
-- With the graphs, a prefill is captured too, one request at a time, per prefix-length bucket (``PREFILL_BUCKETS``):
-  ``add_many`` replays one graph per request, its prefix right-padded to the bucket (``padded_prefill``; the pad's
-  keys/values land past the prefix, where every step's mask hides them until the step's own token overwrites
-  them). Eagerly a prefill is launch-bound: ~330 kernels of ~1.4 ms GPU time took 16 ms of host time (released
-  size, one H100). A prefix longer than every bucket prefills eagerly.
+- With the graphs, a prefill is captured too, per (requests, prefix length) bucket (``PREFILL_ROWS`` x
+  ``PREFILL_BUCKETS``, at most ``PREFILL_TOKENS`` positions a graph but always one request of any bucket):
+  ``add_many`` replays one graph per group of requests, each prefix right-padded to the group's length bucket and
+  the group to its row bucket (``padded_prefill``; a prefix's pad writes keys/values past the prefix, where every
+  step's mask hides them until the step's own token overwrites them; padding rows write to a spare cache row that
+  no request owns). Eagerly a prefill is launch-bound: ~330 kernels of ~1.4 ms GPU time took 16-19 ms of host time
+  (released size, an H100 and an H200); replayed, 2.3 ms for one request, but one replay per request made 8
+  waiting requests 14.7 ms against one batched eager pass's 13.4 (H200). A prefix longer than every bucket
+  prefills eagerly.
 - Not thread-safe: drive one decoder from one thread.
 """
 
@@ -64,9 +68,15 @@ from speech_lm.sampling import SamplingParams, draw_uniforms, make_generator, ra
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 LENGTH_BUCKETS = (256, 512, 1024, 2048, 4096)
-#: Prefix lengths of the prefill graphs (one request each). A CosyVoice2 prefix is its prompt transcript and target
-#: text plus the prompt's speech tokens (25 per second of reference audio): ~200 for a 6 s voice, ~800 for 30 s.
+#: Prefix lengths of the prefill graphs. A CosyVoice2 prefix is its prompt transcript and target text plus the
+#: prompt's speech tokens (25 per second of reference audio): ~200 for a 6 s voice, ~800 for 30 s.
 PREFILL_BUCKETS = (64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 2048)
+#: Requests per prefill graph: the requests waiting when the scheduler admits (a burst of new streams) prefill
+#: together, a group padded up to the next count.
+PREFILL_ROWS = (1, 2, 4, 8)
+#: Positions (requests x prefix length bucket) of a multi-request prefill graph at most: bounds the activations the
+#: graphs' memory pool holds (8 x 512, 4 x 1024, 2 x 2048).
+PREFILL_TOKENS = 4096
 
 
 class Prefix(Protocol):
@@ -193,12 +203,13 @@ class _Graphs:
 
 @dataclass(frozen=True)
 class _PrefillInputs:
-    """The static inputs of a one-request prefill: the prefix's embeddings (right-padded), its slot, its last
-    position."""
+    """The static inputs of a padded prefill: per row a prefix's embeddings (right-padded), its slot and its last
+    position; the rows past a group's requests (padding) write to the spare slot."""
 
-    embeds: torch.Tensor  # [1, longest bucket, hidden]
-    slot: torch.Tensor  # [1] long
-    last: torch.Tensor  # [1] long
+    embeds: torch.Tensor  # [most rows, longest bucket, hidden]
+    slots: torch.Tensor  # [most rows] long
+    last: torch.Tensor  # [most rows] long
+    spare: int  # the cache row that padding rows write to (no request's)
 
 
 class BatchedDecoder:
@@ -214,16 +225,23 @@ class BatchedDecoder:
         length_buckets: Sequence[int] = LENGTH_BUCKETS,
         prefill_buckets: Sequence[int] = PREFILL_BUCKETS,
         padded_prefill: bool | None = None,
+        prefill_rows: Sequence[int] = PREFILL_ROWS,
+        prefill_tokens: int = PREFILL_TOKENS,
     ) -> None:
-        """``padded_prefill``: prefill one request at a time, padded to ``prefill_buckets`` (None: with the CUDA
-        graphs, which capture it; True without them runs the same padded pass eagerly, e.g. to test it)."""
+        """``padded_prefill``: prefill groups of requests padded to ``prefill_rows`` x ``prefill_buckets`` buckets
+        (None: with the CUDA graphs, which capture it; True without them runs the same padded pass eagerly, e.g. to
+        test it); a bucket of several rows holds at most ``prefill_tokens`` positions."""
         self.model = model
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = model.llm_decoder.weight.device
-        self.cache = model.new_cache(num_slots, max_seq_len)
+        if padded_prefill is None:
+            padded_prefill = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        # a padded prefill's padding rows need a cache row (and a log-prob row) that no request owns
+        spare_rows = 1 if padded_prefill else 0
+        self.cache = model.new_cache(num_slots + spare_rows, max_seq_len)
         vocabulary = model.vocabulary
-        self.logp = torch.zeros(num_slots, vocabulary.size, device=self.device)
+        self.logp = torch.zeros(num_slots + spare_rows, vocabulary.size, device=self.device)
         self.buckets = sorted({b for b in batch_buckets if b < num_slots} | {num_slots})
         self.length_buckets = sorted({b for b in length_buckets if b < max_seq_len} | {max_seq_len})
         self._stop_ids = vocabulary.stop_ids
@@ -234,17 +252,21 @@ class BatchedDecoder:
         self.last_step_sync_seconds = 0.0
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        if padded_prefill is None:
-            padded_prefill = cuda_graphs
         self.prefill_buckets = sorted({min(b, max_seq_len) for b in prefill_buckets})  # no prefix is longer
+        self.prefill_rows = sorted(set(prefill_rows) | {1})
+        #: the (requests, prefix length) buckets of a padded prefill
+        self.prefill_shapes = {(rows, n) for rows in self.prefill_rows for n in self.prefill_buckets
+                               if rows == 1 or rows * n <= prefill_tokens}
         self._prefill: _PrefillInputs | None = None
         if padded_prefill:
             hidden = model.llm_decoder.weight.shape[-1]
+            most = max(rows for rows, _ in self.prefill_shapes)
             self._prefill = _PrefillInputs(
-                embeds=torch.zeros(1, self.prefill_buckets[-1], hidden, device=self.device,
+                embeds=torch.zeros(most, self.prefill_buckets[-1], hidden, device=self.device,
                                    dtype=model.llm_decoder.weight.dtype),
-                slot=torch.zeros(1, dtype=torch.long, device=self.device),
-                last=torch.zeros(1, dtype=torch.long, device=self.device))
+                slots=torch.zeros(most, dtype=torch.long, device=self.device),
+                last=torch.zeros(most, dtype=torch.long, device=self.device),
+                spare=num_slots)
         self._graphs: _Graphs | None = None
         self._prefill_graphs: _Graphs | None = None
         if cuda_graphs:
@@ -253,8 +275,8 @@ class BatchedDecoder:
                 self._graphs = _Graphs(self._advance, [(rows, kv_len) for rows in self.buckets
                                                        for kv_len in self.length_buckets], self.device, pool)
                 if self._prefill is not None:
-                    self._prefill_graphs = _Graphs(self._prefill_padded, [(n,) for n in self.prefill_buckets],
-                                                   self.device, pool)
+                    self._prefill_graphs = _Graphs(self._prefill_padded, sorted(self.prefill_shapes), self.device,
+                                                   pool)
 
     @property
     def active_slots(self) -> list[int]:
@@ -283,8 +305,11 @@ class BatchedDecoder:
             return []
         slots = free[: len(requests)]
         if self._prefill is not None and max(r.prefix_length for r in requests) <= self.prefill_buckets[-1]:
-            for slot, request in zip(slots, requests):
-                self._prefill_one(slot, request)
+            start = 0
+            while start < len(requests):
+                count, shape = self._prefill_group(requests[start:])
+                self._prefill_rows(slots[start : start + count], requests[start : start + count], shape)
+                start += count
         else:
             prefixes = [self.model.embed_prefix(r.prefix)[0] for r in requests]
             hidden = self.model.hidden(pad_sequence(prefixes, batch_first=True), cache=self.cache, slots=slots)
@@ -298,29 +323,46 @@ class BatchedDecoder:
             self._slots[slot] = _SlotState(prefix_length=request.prefix_length, max_len=request.max_tokens)
         return slots
 
-    def _prefill_one(self, slot: int, request: DecodeRequest) -> None:
-        """Prefill one request into ``slot`` through the static inputs: its prefill graph, or the same pass eagerly."""
-        assert self._prefill is not None
-        embeds = self.model.embed_prefix(request.prefix)[0]
-        length = embeds.shape[0]
-        self._prefill.embeds[0, :length].copy_(embeds)
-        self._prefill.slot.fill_(slot)
-        self._prefill.last.fill_(length - 1)
-        bucket = self._bucket(self.prefill_buckets, length)
-        if self._prefill_graphs is not None:
-            self._prefill_graphs.replay((bucket,))
-        else:
-            self._prefill_padded(bucket)
+    def _prefill_group(self, requests: Sequence[DecodeRequest]) -> tuple[int, Shape]:
+        """How many of the first ``requests`` prefill together, and their (rows, prefix length) bucket: the most
+        that one bucket holds (in order: each request keeps the slot ``add_many`` gave it)."""
+        count = min(len(requests), self.prefill_rows[-1])
+        while True:
+            rows = self._bucket(self.prefill_rows, count)
+            shape = (rows, self._bucket(self.prefill_buckets, max(r.prefix_length for r in requests[:count])))
+            if shape in self.prefill_shapes:
+                return count, shape
+            count = self.prefill_rows[self.prefill_rows.index(rows) - 1]  # a smaller group (one always fits)
 
-    def _prefill_padded(self, length: int) -> None:
-        """The prefill of the request in the static inputs over their first ``length`` positions: its keys/values
-        into its cache slot, the log-probs at its last position into ``logp``. Static shapes, no host syncs: what
-        the prefill graphs capture. Positions past the prefix hold what earlier prefixes left (finite): causal
-        attention keeps them out of the prefix's own positions."""
+    def _prefill_rows(self, slots: Sequence[int], requests: Sequence[DecodeRequest], shape: Shape) -> None:
+        """Prefill ``requests`` into ``slots`` through the static inputs: the bucket's graph, or the same pass
+        eagerly. Small fills, no host syncs."""
         p = self._prefill
         assert p is not None
-        hidden = self.model.hidden(p.embeds[:, :length], cache=self.cache, slots=p.slot)
-        self.logp.index_copy_(0, p.slot, self.model.log_probs(hidden[0].index_select(0, p.last)))
+        rows, _ = shape
+        for row, (slot, request) in enumerate(zip(slots, requests)):
+            embeds = self.model.embed_prefix(request.prefix)[0]
+            p.embeds[row, : embeds.shape[0]].copy_(embeds)
+            p.slots[row].fill_(slot)
+            p.last[row].fill_(embeds.shape[0] - 1)
+        if rows > len(requests):  # padding rows: whatever embeddings earlier prefixes left (finite), the spare slot
+            p.slots[len(requests) : rows].fill_(p.spare)
+            p.last[len(requests) : rows].fill_(0)
+        if self._prefill_graphs is not None:
+            self._prefill_graphs.replay(shape)
+        else:
+            self._prefill_padded(*shape)
+
+    def _prefill_padded(self, rows: int, length: int) -> None:
+        """The prefill of the first ``rows`` rows of the static inputs over their first ``length`` positions: their
+        keys/values into their cache slots, the log-probs at their last positions into ``logp``. Static shapes, no
+        host syncs: what the prefill graphs capture. Positions past a prefix hold what earlier prefixes left
+        (finite): causal attention keeps them out of the prefix's own positions."""
+        p = self._prefill
+        assert p is not None
+        hidden = self.model.hidden(p.embeds[:rows, :length], cache=self.cache, slots=p.slots[:rows])
+        last = p.last[:rows].view(rows, 1, 1).expand(rows, 1, hidden.shape[-1])
+        self.logp.index_copy_(0, p.slots[:rows], self.model.log_probs(hidden.gather(1, last)[:, 0]))
 
     def remove(self, slot: int) -> None:
         """Drop a request (e.g. cancelled); its slot becomes free."""

@@ -47,10 +47,13 @@ def solo(model: CosyVoice2LM, request: DecodeRequest) -> tuple[BatchedDecoder, i
     return decoder, decoder.add(request)
 
 
-#: Prefill buckets of the padded mode: every prefix here pads (to 16 or 32 positions), over the junk that the
-#: prefixes before it left in the static buffer.
+#: Prefill buckets of the padded modes: every prefix here pads (to 16 or 32 positions), over the junk that the
+#: prefixes before it left in the static buffer; the three requests prefill as one group padded to four rows (the
+#: fourth writes to the spare slot), as groups of two and one, or one by one.
 PADDED = dict(padded_prefill=True, prefill_buckets=(16, 32))
-MODES = pytest.mark.parametrize("mode", [{}, PADDED], ids=["one-forward", "padded-one-by-one"])
+MODES = pytest.mark.parametrize("mode", [{}, PADDED, dict(PADDED, prefill_rows=(1, 2)),
+                                         dict(PADDED, prefill_rows=(1,))],
+                                ids=["one-forward", "padded-rows-4", "padded-rows-2-1", "padded-one-by-one"])
 
 
 @MODES
@@ -59,8 +62,12 @@ def test_batched_prefill_matches_solo_prefill(model: CosyVoice2LM, mode: dict) -
     assert max(r.prefix_length for r in REQUESTS) <= 32 < MAX_SEQ_LEN
     decoder = BatchedDecoder(model, num_slots=4, max_seq_len=MAX_SEQ_LEN, **mode)
     decoder.add(REQUESTS[0])  # slot 0 busy: the batch goes to slots 1, 2, 3
+    busy = [decoder.logp[0].clone(), *(t[0].clone() for t in (*decoder.cache.keys, *decoder.cache.values))]
     slots = decoder.add_many(REQUESTS)
     assert slots == [1, 2, 3]
+    # a padding row wrote to the spare slot, not to a request's
+    after = [decoder.logp[0], *(t[0] for t in (*decoder.cache.keys, *decoder.cache.values))]
+    assert all(torch.equal(a, b) for a, b in zip(busy, after))
     for slot, request in zip(slots, REQUESTS):
         alone, alone_slot = solo(model, request)
         torch.testing.assert_close(decoder.logp[slot], alone.logp[alone_slot], rtol=1e-5, atol=1e-5)
@@ -82,6 +89,25 @@ def test_batched_prefill_decodes_the_same_tokens_as_solo(model: CosyVoice2LM, mo
         alone.append(decode_to_end(single, [slot])[slot])
     assert list(together.values()) == alone
     assert all(len(tokens) > 3 for tokens in alone)
+
+
+@pytest.mark.parametrize(("options", "groups"), [
+    ({}, [(4, 32)]),  # three requests, one group padded to four rows
+    ({"prefill_rows": (1, 2)}, [(2, 32), (1, 16)]),
+    ({"prefill_tokens": 32}, [(1, 32), (2, 16)]),  # two rows of 32 positions are over the budget
+], ids=["one-group", "rows-2", "token-budget"])
+def test_padded_prefill_groups_requests_into_buckets(model: CosyVoice2LM, options: dict, groups: list) -> None:
+    """`add_many`'s padded prefill takes the requests in order, as many at a time as one (rows, prefix length)
+    bucket holds."""
+    by_length = sorted(REQUESTS, key=lambda r: r.prefix_length)
+    requests = [by_length[-1], *by_length[:2]]
+    lengths = [r.prefix_length for r in requests]
+    assert lengths[0] > 16 >= max(lengths[1:])  # the first request pads to 32 positions, the others to 16
+    decoder = BatchedDecoder(model, num_slots=4, max_seq_len=MAX_SEQ_LEN, **dict(PADDED, **options))
+    shapes, run = [], decoder._prefill_padded
+    decoder._prefill_padded = lambda rows, length: shapes.append((rows, length)) or run(rows, length)
+    decoder.add_many(requests)
+    assert shapes == groups
 
 
 def test_add_many_is_all_or_nothing(model: CosyVoice2LM) -> None:
