@@ -215,3 +215,22 @@ def test_help_lists_exactly_the_accepted_options():
     accepted = set(re.findall(r"^    (--[a-z-]+)(?:\|-h)?\)", SCRIPT.read_text(), re.M))
     assert documented == accepted - {"--help"}
     assert "--offline-wheels" in accepted and "--dry-run" in accepted
+
+
+def test_offline_wheels_download_every_requirement_but_torch(tmp_path):
+    """scripts/offline_wheels.sh (dry run) asks pip for the wheels of every requirement `gpu_setup.sh` installs
+    (pyproject's base, engine, triton and bench lists) except torch, for the GPU machine's Python, binaries only."""
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "offline_wheels.sh"), str(tmp_path / "w"),  # noqa: S603
+                           "--python-version", "3.12", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("+ ")]
+    words = shlex.split(line[2:])
+    assert words[1:4] == ["-m", "pip", "download"] and "--only-binary=:all:" in words
+    assert words[words.index("--python-version") + 1] == "3.12"
+    assert words[words.index("--dest") + 1] == str(tmp_path / "w") and not (tmp_path / "w").exists()
+    asked = {canonicalize_name(Requirement(w).name) for w in words[words.index("--dest") + 2 :]}
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    listed = {canonicalize_name(Requirement(r).name)
+              for r in [*project["dependencies"], *extras["engine"], *extras["triton"], *extras["bench"]]}
+    assert asked == listed - {"torch"} and "nvidia-pytriton" in asked
