@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
 from speech_serving.errors import Overloaded
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.stats import Stats
 
 R = TypeVar("R")
@@ -60,6 +61,7 @@ LLM_STATS = (
     "llm_steps_total",
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
     "llm_step_sync_seconds_total",  # of it, the waits for the steps' tokens (the device); the rest is host work
+    "llm_yield_seconds_total",  # waits for a running token2wav call before a step (`gpu_yield`, llm_yield=lone)
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
     "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
@@ -243,8 +245,13 @@ class TokenStream:
 
 
 class ContinuousBatchingScheduler(Generic[R]):
-    def __init__(self, decoder: SlotDecoder[R], max_waiting: int, stats: Stats | None = None) -> None:
+    def __init__(self, decoder: SlotDecoder[R], max_waiting: int, stats: Stats | None = None,
+                 yield_to: Token2WavCalls | None = None, max_yield_s: float = 0.25) -> None:
+        """`yield_to`: the token2wav calls of this process to wait for while the LLM decodes one stream past its
+        first chunk (`gpu_yield`, at most `max_yield_s` a step); None: never wait."""
         self.decoder = decoder
+        self.yield_to = yield_to
+        self.max_yield_s = max_yield_s
         self.max_waiting = max_waiting
         self.stats = stats or Stats(LLM_STATS)
         self._lock = threading.Condition()
@@ -346,8 +353,22 @@ class ContinuousBatchingScheduler(Generic[R]):
         if admit:  # prefill outside the lock: submit/cancel stay responsive
             self._admit(admit)
         if self._active:
+            if self.yield_to is not None and self._lone_past_first_chunk():
+                waited = self.yield_to.wait_while_running(
+                    self.max_yield_s, lambda: bool(self._waiting or self._cancels or self._closed))
+                self.stats.add("llm_yield_seconds_total", waited)
+                if self._waiting or self._cancels or self._closed:
+                    return True  # admit, cancel or close before the step
             self._step()
         return True
+
+    def _lone_past_first_chunk(self) -> bool:
+        """One streaming sequence active, its first chunk handed over, nothing waiting: its next tokens can wait
+        for a running token2wav call (`gpu_yield`). Worker thread only (it alone changes `_active`)."""
+        if len(self._active) != 1 or self._waiting:
+            return False
+        (job,) = self._active.values()
+        return job.has_first_chunk and job.first_chunk is None and not job.cancelled
 
     def _admit(self, jobs: list[_Job[R]]) -> None:
         """Prefill `jobs` together (one forward); if that fails, one by one so a bad request fails alone."""

@@ -23,6 +23,7 @@ that call (`FIRST_CHUNK_STATS`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ import numpy as np
 
 from cosyvoice2.streaming import Chunk
 from speech_serving.errors import InvalidInput
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.io_struct import PromptTensors
 from speech_serving.stats import Stats
 from speech_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
@@ -171,10 +173,13 @@ class Token2WavService(Generic[S]):
         idle_timeout_s: float = 300.0,
         max_defer_s: float = 0.25,
         max_rows: int | None = None,
+        calls: Token2WavCalls | None = None,
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
-        `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams."""
+        `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks
+        each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`)."""
         self.engine = engine
+        self.calls = calls
         self.policy = SchedulePolicy(max_rows if max_rows is not None else getattr(engine, "max_rows", None),
                                      max_defer_s)
         self.stats = stats or Stats(TOKEN2WAV_STATS)
@@ -336,7 +341,8 @@ class Token2WavService(Generic[S]):
             job.started_at, job.rows = opened, len(work)
         started = time.monotonic()
         try:
-            results: list[np.ndarray | Exception] = engine.run(work)
+            with self.calls.running() if self.calls is not None else contextlib.nullcontext():
+                results: list[np.ndarray | Exception] = engine.run(work)
         except Exception as exc:
             results = [exc] * len(work)
         ended = time.monotonic()

@@ -210,6 +210,7 @@ class LLMParams(DecoderParams):
     """The PyTorch LLM (`adapters.llm.LLMHandler`)."""
 
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
+    llm_yield: str = "off"  # colocated engine: when the LLM waits for token2wav's running call (`gpu_yield`)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,8 @@ def check_options(opts: RenderOptions) -> None:
             "--layout colocated needs --llm-backend pytorch: TensorRT-LLM runs inside tritonserver itself, so it "
             "cannot share the token2wav process (use --layout single)"
         )
+    if opts.llm_yield != "off" and opts.layout != "colocated":
+        errors.append(f"--llm-yield {opts.llm_yield} needs --layout colocated (the LLM and token2wav in one process)")
     if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
     if opts.token2wav == "dit":

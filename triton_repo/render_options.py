@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from cosyvoice2.streaming import FLOW_CACHE_MODES, FLOW_COMPILE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
+from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
 from spark_tts.llm import SparkSampling
@@ -246,6 +247,10 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
+    # Not yet measured against "off" on a GPU (speech_serving/gpu_yield.py); off until it wins.
+    llm_yield: str = option("off", choices=LLM_YIELD_MODES,
+                            help="colocated layout: the LLM waits for the running token2wav call while it decodes "
+                                 "one stream past its first chunk (lone) or never (off)")
     # Not yet measured against "off" on a GPU (docs/engine.md, "The compiled estimator"); off until it wins.
     flow_compile: str = option("off", choices=FLOW_COMPILE_MODES,
                                help="the cached UNet flow's estimator step: off (as written) or inductor (compiled by "

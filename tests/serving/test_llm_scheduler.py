@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from speech_serving.errors import Overloaded
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.llm_scheduler import ContinuousBatchingScheduler, StepOutput
 
 
@@ -266,3 +267,70 @@ async def test_a_scheduled_stream_ends_cleanly_on_cancel_and_raises_after_its_to
                 received += tokens
         assert received == [50, 51, 52]  # buffered until the end, then handed over before the error
         assert scheduler.stats.get("llm_failed_total") == 1
+
+
+@contextmanager
+def token2wav_call(calls: Token2WavCalls) -> Iterator[None]:
+    """A token2wav call running in another thread (as the token2wav worker's) for the body of the block."""
+    started, may_end = threading.Event(), threading.Event()
+
+    def run() -> None:
+        with calls.running():
+            started.set()
+            may_end.wait(10)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert started.wait(5)
+    try:
+        yield
+    finally:
+        may_end.set()
+        worker.join()
+
+
+async def steps_while(decoder: ScriptedDecoder, seconds: float) -> int:
+    before = len(decoder.batches)
+    await asyncio.sleep(seconds)
+    return len(decoder.batches) - before
+
+
+async def test_a_lone_stream_past_its_first_chunk_waits_for_the_running_token2wav_call():
+    """`yield_to` (`gpu_yield`, llm_yield=lone): a stream's first chunk is decoded while a token2wav call runs; once
+    it is handed over, the lone stream's steps wait for the call, and a request that arrives ends the wait (it is
+    prefilled and decoded during the call, the two streams together)."""
+    decoder = ScriptedDecoder(num_slots=4)
+    calls = Token2WavCalls()
+    with scheduling(decoder, max_waiting=8, yield_to=calls, max_yield_s=10.0) as scheduler:
+        with token2wav_call(calls):
+            deliveries = scheduler.submit("lone", Script(base=0, count=None), deliver_at=(2, 4)).deliveries()
+            it = deliveries.__aiter__()
+            assert (await it.__anext__()).tokens == [0, 1]  # the first chunk did not wait for the call
+            await asyncio.sleep(0.05)  # the step in flight, if any, ends
+            assert await steps_while(decoder, 0.2) == 0  # past its first chunk, alone: it waits
+            assert await collect(scheduler.submit("other", Script(base=100, count=3))) == [100, 101, 102]
+            await asyncio.sleep(0.05)
+            assert await steps_while(decoder, 0.2) == 0  # alone again: waiting again
+        assert (await it.__anext__()).tokens  # the call ended: the lone stream goes on
+        assert await steps_while(decoder, 0.05) > 0
+        assert scheduler.stats.get("llm_yield_seconds_total") >= 0.4
+        assert scheduler.cancel("lone")
+
+
+async def test_the_lone_stream_waits_at_most_max_yield_s_and_two_streams_never_wait():
+    decoder = ScriptedDecoder(num_slots=4)
+    calls = Token2WavCalls()
+    with scheduling(decoder, max_waiting=8, yield_to=calls, max_yield_s=0.01) as scheduler:
+        lone = scheduler.submit("lone", Script(base=0, count=None), deliver_at=(1,)).deliveries().__aiter__()
+        await lone.__anext__()
+        with token2wav_call(calls):
+            assert await steps_while(decoder, 0.2) > 0  # a wait ends after 10 ms: steps go on
+    decoder = ScriptedDecoder(num_slots=4)
+    with scheduling(decoder, max_waiting=8, yield_to=calls, max_yield_s=10.0) as scheduler:
+        streams = [scheduler.submit(name, Script(base=base, count=None), deliver_at=(1,)).deliveries().__aiter__()
+                   for name, base in (("a", 0), ("b", 100))]
+        for stream in streams:
+            await stream.__anext__()
+        with token2wav_call(calls):
+            assert await steps_while(decoder, 0.1) > 0  # two streams: the LLM does not wait
+        assert scheduler.stats.get("llm_yield_seconds_total") == 0

@@ -12,6 +12,7 @@ import pytest
 
 from cosyvoice2.streaming import Chunk
 from speech_serving.errors import InvalidInput
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.io_struct import PromptTensors
 from speech_serving.token2wav import Token2WavService, Work
 
@@ -304,5 +305,20 @@ async def test_the_flow_padding_of_each_call_is_published():
         calls = service.stats.get("token2wav_engine_calls_total")
         assert calls >= 2 and service.stats.get("token2wav_flow_cache_refused_total") == calls
         assert service.stats.get("token2wav_cuda_alloc_retries_total") == 2 * calls
+    finally:
+        service.shutdown()
+
+
+async def test_each_engine_call_is_marked_running_for_the_llm_of_the_process():
+    """`calls` (`gpu_yield`): the LLM scheduler sees a call running exactly while the engine runs one."""
+    engine = FakeEngine()
+    calls = Token2WavCalls()
+    seen = []
+    run = engine.run
+    engine.run = lambda work: seen.append(calls.busy) or run(work)
+    service = Token2WavService(engine, calls=calls)
+    try:
+        await service.process("s", np.arange(8), PROMPT, chunk(0, 5), seed=1)
+        assert seen == [True] and not calls.busy  # running inside the call, not after it
     finally:
         service.shutdown()

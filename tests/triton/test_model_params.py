@@ -76,7 +76,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
          "align_first_hop": "never", "flow_compile": "inductor"},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
-        {"device": "cuda", "dtype": "bf16"},
+        {"device": "cuda", "dtype": "bf16", "llm_yield": "lone"},
     ],
     ids=["colocated", "single", "benchmark", "single-cuda", "colocated-cuda"],
 )
@@ -140,6 +140,7 @@ def _llm(**changes) -> LLMParams:
 def test_the_string_form_is_flat_and_leaves_unset_options_out():
     assert _llm().to_parameters() == {
         "model_dir": "/m", "device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "512", "max_waiting": "8",
+        "llm_yield": "off",
     }  # fmt: skip
     assert _llm(benchmark=BenchmarkMode(2.5)).to_parameters()["benchmark_speech_ratio"] == "2.5"
 
@@ -234,3 +235,19 @@ def test_spark_benchmark_mode_reaches_its_orchestrators_and_engine_only_when_ask
     with pytest.raises(RenderError, match="--spark-benchmark-ratio must be > 0"):
         write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "bad",
                                        spark=SparkRenderOptions(spark_dir, benchmark_ratio=0.0)))
+
+
+@pytest.mark.parametrize("llm_yield", ["off", "lone"])
+def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm_when_it_yields(tiny_model_dir, adapters,
+                                                                                 llm_yield):
+    """`llm_yield=lone` (`speech_serving.gpu_yield`): the engine's LLM scheduler waits on the very calls its
+    token2wav service marks; `off`: neither knows of the other."""
+    EngineHandler = adapters("engine").EngineHandler  # noqa: N806 - a class
+    opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), llm_yield=llm_yield)
+    handler = EngineHandler.from_params(EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts)))
+    try:
+        calls = handler.token2wav.service.calls
+        assert handler.llm.scheduler.yield_to is calls
+        assert (calls is not None) == (llm_yield == "lone")
+    finally:
+        handler.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from speech_serving.gpu_yield import Token2WavCalls
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import handler_model
 from triton_repo.adapters.llm import LLMHandler
@@ -30,8 +31,9 @@ class EngineHandler:
     def from_params(cls, params: EngineParams) -> EngineHandler:
         """CosyVoice2's LLM and token2wav (CosyVoice3's: `adapters.cosyvoice3`). The LLM first: its CUDA graphs are
         captured while no other thread uses the GPU yet."""
-        llm = LLMHandler.from_params(params.llm)
-        return cls(llm, Token2WavHandler.from_params(params.token2wav))
+        calls = Token2WavCalls() if params.llm.llm_yield != "off" else None  # `gpu_yield`
+        llm = LLMHandler.from_params(params.llm, yield_to=calls)
+        return cls(llm, Token2WavHandler.from_params(params.token2wav, calls))
 
     async def handle(self, request: Any, sender: Any) -> None:
         kind = io.engine_request_kind(tensor.name() for tensor in request.inputs())

@@ -22,6 +22,7 @@ from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_lm.decode import BatchedDecoder
 from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.engines import build_decode_request, disable_stop_tokens
 from speech_serving.errors import InvalidInput
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
@@ -42,9 +43,11 @@ class LLMHandler:
 
     def __init__(self, llm: torch.nn.Module, vocab: SpeechVocabLayout, params: DecoderParams,
                  sampling: CosyVoice2Sampling | None = None,
-                 token_filter: Callable[[], TokenFilter] | None = None) -> None:
+                 token_filter: Callable[[], TokenFilter] | None = None,
+                 yield_to: Token2WavCalls | None = None) -> None:
         """`sampling`: the sampler each request's values go into (None: CosyVoice2's); `token_filter`: makes one
-        request's filter (None: every decoded token is sent)."""
+        request's filter (None: every decoded token is sent); `yield_to`: the token2wav calls of this process the
+        scheduler may wait for (`gpu_yield`)."""
         self.vocab = vocab
         self.sampling = sampling
         self.token_filter = token_filter
@@ -53,19 +56,19 @@ class LLMHandler:
         self.stats = Stats(LLM_STATS)
         self.scheduler = ContinuousBatchingScheduler(
             StreamDecoder(decoder, worker_stream(torch.device(params.device), LLM_STREAM_PRIORITY)),
-            params.max_waiting, self.stats,
+            params.max_waiting, self.stats, yield_to=yield_to,
         )  # fmt: skip
 
     @classmethod
-    def from_params(cls, params: LLMParams) -> LLMHandler:
-        """CosyVoice2's LLM from its model directory."""
+    def from_params(cls, params: LLMParams, yield_to: Token2WavCalls | None = None) -> LLMHandler:
+        """CosyVoice2's LLM from its model directory (`yield_to`: as in the constructor)."""
         model_dir = params.model_dir
         config = EngineConfig.for_model_dir(model_dir)
         llm = load_llm(model_dir / LLM_FILE, config, torch.device(params.device), resolve_dtype(params.dtype))
         vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
         if params.benchmark:
             disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
-        return cls(llm, vocab, params)
+        return cls(llm, vocab, params, yield_to=yield_to)
 
     async def handle(self, request: Any, sender: Any) -> None:
         request_id = request.request_id()

@@ -19,6 +19,7 @@ from cosyvoice2.dit.loading import load_dit_token2wav
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from speech_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.stats import Stats
 from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavEngine, Token2WavService
 from triton_repo import internal_io as io
@@ -33,17 +34,18 @@ class Token2WavHandler:
     request. CosyVoice2's engines come from the model's parameters (`from_params`); CosyVoice3's from its own
     (`adapters.cosyvoice3`)."""
 
-    def __init__(self, engine: Token2WavEngine, device: torch.device) -> None:
+    def __init__(self, engine: Token2WavEngine, device: torch.device, calls: Token2WavCalls | None = None) -> None:
+        """`calls`: marks each engine call for the LLM scheduler of the same process (`gpu_yield`)."""
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
             logger.info("token2wav: captured %d CUDA graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
-                                        self.stats)
+                                        self.stats, calls=calls)
         logger.info("token2wav: whole calls of at most %s jobs, deadline order", self.service.policy.max_rows)
 
     @classmethod
-    def from_params(cls, params: Token2WavParams) -> Token2WavHandler:
+    def from_params(cls, params: Token2WavParams, calls: Token2WavCalls | None = None) -> Token2WavHandler:
         model_dir = params.model_dir
         device, dtype = torch.device(params.device), resolve_dtype(params.dtype)
         engine: BatchedToken2Wav | DiTBatchedToken2Wav
@@ -63,7 +65,7 @@ class Token2WavHandler:
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb,
                 schedules=params.schedule.schedules(config), flow_compile=params.flow_compile,
             )
-        return cls(engine, device)
+        return cls(engine, device, calls)
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
