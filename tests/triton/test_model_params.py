@@ -244,7 +244,8 @@ def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm_when_it_yield
     token2wav service marks; `off`: neither knows of the other."""
     EngineHandler = adapters("engine").EngineHandler  # noqa: N806 - a class
     opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), llm_yield=llm_yield)
-    handler = EngineHandler.from_params(EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts)))
+    params = EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts))
+    handler = EngineHandler.from_params(params)
     try:
         calls = handler.token2wav.service.calls
         assert handler.llm.scheduler.yield_to is calls
