@@ -314,6 +314,8 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         "llm_step_ms": ratio("llm_step_seconds_total", "llm_steps_total"),
         # of the step, the host's wait for its tokens (the GPU's part; the rest is host work)
         "llm_step_sync_ms": ratio("llm_step_sync_seconds_total", "llm_steps_total"),
+        # the waits for a running token2wav call before a step (llm_yield=lone), per step
+        "llm_yield_ms_per_step": ratio("llm_yield_seconds_total", "llm_steps_total"),
         "llm_steps": d.get("llm_steps_total"),
         "token2wav_call_ms": ratio("token2wav_engine_seconds_total", "token2wav_engine_calls_total"),
         "token2wav_chunks_per_call": ratio("token2wav_call_jobs_total", "token2wav_engine_calls_total", 1.0),
