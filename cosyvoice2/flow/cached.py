@@ -32,6 +32,7 @@ A call's rows run their Euler steps in lock step (`advance`, one estimator evalu
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -43,6 +44,8 @@ from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .cached_encoder import CachedEncoder, EncoderCache
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
+
+logger = logging.getLogger(__name__)
 
 CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
 
@@ -489,11 +492,16 @@ class CachedFlowRunner:
         `bucketed`: a call on the step graphs' static buffers (captured, or emulated), the only one that runs the
         compiled network: a call beyond the buckets (its own contiguous key buffer) would compile another variant,
         minutes at the released size, while serving."""
-        network = self._evaluate
+        args = (x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
+        outputs = None
         if bucketed and self.compiled:
-            network = self._network
-            _mark_call_dims(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
-        velocity, new_tails = network(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
+            _mark_call_dims(*args)
+            try:
+                outputs = self._network(*args)
+            except torch._dynamo.exc.TorchDynamoException as exc:  # the compiler failed, before anything ran
+                logger.warning("the flow estimator's compilation failed, it runs as written: %s", exc)
+                self.compiled, self._network = False, self._evaluate
+        velocity, new_tails = outputs if outputs is not None else self._evaluate(*args)
         # the view is taken here, not returned by the network: a compiled function's output view of a strided
         # input view comes back with the wrong offsets under symbolic shapes
         return velocity, keys[:, :, :, hist_p:], new_tails

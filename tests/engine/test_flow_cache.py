@@ -409,3 +409,33 @@ def test_buckets_pad_the_aligned_schedule_little(tiny_model_dir) -> None:
             start = stop // grid * grid
     # first chunks of two and three grid chunks (by the prompt's tail), the second chunk, the later ones
     assert seen == {2 * grid * stride, 3 * grid * stride, 4 * grid * stride}, seen
+
+
+@parity
+def test_a_failed_compilation_leaves_the_estimator_as_written(oracle, caplog) -> None:
+    """`flow_compile=inductor` on a machine where the compiler fails (no C compiler, say): a warning, and every
+    call runs the network as written, with the same mel."""
+    import torch._dynamo.exc
+
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow, compiled=True)
+
+    def failing(*args):
+        raise torch._dynamo.exc.TorchDynamoException("backend compiler failed: no C compiler")
+
+    runner._network = failing
+    runner.graphs.emulate = True
+    prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
+    spks = runner.project_speaker(dump["in_xvector"])[0]
+    first = ChunkSchedule(prompt_tokens=40).chunks(300)[0]
+    tokens = torch.cat([prompt_tokens, random_tokens(300, seed=5)[: first.feed]])
+    row = dict(stop=40 + first.stop, final=False, keep=True, emit_from=40 + first.start)
+    with caplog.at_level("WARNING"):
+        mel = runner.run([CachedRow(tokens, prompt_mel, spks, runner.prefix(prompt_tokens, prompt_mel, spks),
+                                    CachedSegment(), **row)])[0]
+    assert "compilation failed" in caplog.text and not runner.compiled
+    plain = CachedFlowRunner(flow)
+    plain.graphs.emulate = True
+    expected = plain.run([CachedRow(tokens, prompt_mel, spks, plain.prefix(prompt_tokens, prompt_mel, spks),
+                                    CachedSegment(), **row)])[0]
+    assert (mel - expected).abs().max().item() <= MEL_TOL
