@@ -235,8 +235,10 @@ class BatchedDecoder:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.device = model.llm_decoder.weight.device
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
         if padded_prefill is None:
-            padded_prefill = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+            padded_prefill = cuda_graphs
         # a padded prefill's padding rows need a cache row (and a log-prob row) that no request owns
         spare_rows = 1 if padded_prefill else 0
         self.cache = model.new_cache(num_slots + spare_rows, max_seq_len)
@@ -250,8 +252,6 @@ class BatchedDecoder:
         self._slots: dict[int, _SlotState] = {}
         #: of the last `step`, the host's wait for its tokens (the device's work its launch did not cover)
         self.last_step_sync_seconds = 0.0
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
         self.prefill_buckets = sorted({min(b, max_seq_len) for b in prefill_buckets})  # no prefix is longer
         self.prefill_rows = sorted(set(prefill_rows) | {1})
         #: the (requests, prefix length) buckets of a padded prefill

@@ -49,7 +49,9 @@ class Token2WavCalls:
 
     def wait_while_running(self, max_wait_s: float, stop: Callable[[], bool], poll_s: float = 0.002) -> float:
         """Wait until no call runs, `stop()` is true (checked every `poll_s`) or `max_wait_s` has passed; returns
-        the seconds waited (0.0 when no call ran)."""
+        the seconds waited (0.0 when no call ran: the common case, no lock taken)."""
+        if not self._running:
+            return 0.0
         started = time.perf_counter()
         deadline = started + max_wait_s
         with self._cond:

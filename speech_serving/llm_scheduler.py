@@ -356,7 +356,8 @@ class ContinuousBatchingScheduler(Generic[R]):
             if self.yield_to is not None and self._lone_past_first_chunk():
                 waited = self.yield_to.wait_while_running(
                     self.max_yield_s, lambda: bool(self._waiting or self._cancels or self._closed))
-                self.stats.add("llm_yield_seconds_total", waited)
+                if waited:
+                    self.stats.add("llm_yield_seconds_total", waited)
                 if self._waiting or self._cancels or self._closed:
                     return True  # admit, cancel or close before the step
             self._step()

@@ -22,9 +22,9 @@ from cosyvoice2.text.tokenizer import CosyVoice2Tokenizer
 from cosyvoice2.vocab import SpeechVocabLayout
 from speech_lm.decode import BatchedDecoder
 from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
-from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.engines import build_decode_request, disable_stop_tokens
 from speech_serving.errors import InvalidInput
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
 from triton_repo import internal_io as io
