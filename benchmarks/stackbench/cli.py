@@ -108,6 +108,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -992,7 +993,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (`timeout`, a CI job cancelled, `kill`) ends the run the way Ctrl-C does: the `finally` below stops
+    the tritonservers and the gateway, which run in sessions of their own and would otherwise outlive it. A second
+    SIGTERM during that clean-up is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
+    try:
+        return run(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = set((args.only or "").split(",")) - {"", *(s.name for s in SCENARIOS)}
     if unknown:

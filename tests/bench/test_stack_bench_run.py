@@ -271,3 +271,59 @@ def test_a_cosyvoice3_run_loads_the_cosyvoice3_models_in_benchmark_mode(tmp_path
             text = SENTENCES[int(record["item_id"].rsplit("-", 1)[1])]
             tokens = max(1, round(COSYVOICE3_RATIO * len(tokenizer.encode(text))))
             assert record["audio_seconds"] == pytest.approx(tokens * COSYVOICE3_SECONDS_PER_TOKEN), (scenario, text)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids of the live processes whose command line contains `text` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
+        except OSError:  # it ended meanwhile
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_stops_the_tritonserver_it_started(tmp_path):
+    """`timeout` or a cancelled job sends SIGTERM: stack-bench stops its tritonserver (a session of its own, which
+    outlives a plain kill of the benchmark) before it exits."""
+    import signal
+    import time
+
+    from cosyvoice2.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    work = tmp_path / "work-sigterm"
+    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model), "--device", "cpu",
+               "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream", "--stream-levels", "1",
+               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "100",
+               "--render-arg", "first_hop=5"]  # fmt: skip
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # noqa: S603
+                             cwd=REPO_ROOT)
+    try:
+        seen = []
+        for line in bench.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if "tritonserver(s) ready" in line:
+                break
+        else:
+            pytest.fail("stack-bench ended before its tritonserver was ready:\n" + "".join(seen[-40:]))
+        servers = [pid for pid in _processes_mentioning(str(work)) if pid != bench.pid]
+        assert servers, "no process of the started tritonserver found"
+        bench.send_signal(signal.SIGTERM)
+        rest, _ = bench.communicate(timeout=120)
+        assert bench.returncode == 128 + signal.SIGTERM, "".join(seen[-20:]) + rest[-3000:]
+        deadline = time.monotonic() + 10
+        while (left := [pid for pid in servers if pid in _processes_mentioning(str(work))]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"still running after stack-bench exited: {left}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
