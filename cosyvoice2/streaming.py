@@ -35,9 +35,6 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
 #: with full attention as upstream does; "chunked" also runs the final chunk over the caches, with chunk
 #: attention (cheapest; its final chunk differs slightly from upstream's full-attention one, docs/engine.md).
 FLOW_CACHE_MODES = ("off", "exact", "chunked")
-#: How the cached flow's estimator step runs inside its CUDA graphs: "off" as written (eager kernels, captured);
-#: "inductor" compiled by TorchInductor first (fused elementwise kernels; the start-up compiles for minutes).
-FLOW_COMPILE_MODES = ("off", "inductor")
 
 
 @dataclass(frozen=True)
@@ -331,8 +328,7 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
-                 flow_compile: str = "off") -> None:
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
         import torch
 
         from cosyvoice2.flow.cached import CachedFlowRunner
@@ -340,9 +336,7 @@ class Token2Wav(FlowAndVocoder):
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
         self.flow_cache = flow_cache
-        if flow_compile not in FLOW_COMPILE_MODES:
-            raise ValueError(f"flow_compile must be one of {FLOW_COMPILE_MODES}, got {flow_compile!r}")
-        self.cached = CachedFlowRunner(flow, compiled=flow_compile == "inductor")
+        self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,

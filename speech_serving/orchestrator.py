@@ -97,6 +97,10 @@ class OrchestratorConfig:
     schedule: ChunkSchedule = field(default_factory=ChunkSchedule)  # prompt_tokens is set per request
     #: the schedule of a stream that starts while no other request runs in this orchestrator (None: `schedule`)
     lone_schedule: ChunkSchedule | None = None
+    #: the schedule of a stream that starts while fewer than `busy_streams` requests run here, itself counted
+    #: (None: `schedule`); `schedule` is then the busy streams' (`StreamScheduleParams.busy_streams`)
+    light_schedule: ChunkSchedule | None = None
+    busy_streams: int = 2
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_sequence_len: int = 4096  # the LLM's KV capacity per sequence (prompt + generated)
     max_target_text_tokens: int = contract.MAX_SEGMENT_TOKENS
@@ -249,10 +253,17 @@ class Orchestrator:
         )
         return llm_request, len(prompt_ids) + len(text_ids)
 
-    def schedule(self, prompt: PromptTensors, alone: bool = False) -> ChunkSchedule:
-        """The streaming schedule of a request with `prompt` (its first hop aligns to the prompt's tokens, unless
-        the request is `alone` and the deployment leaves a lone stream's first hop unpadded)."""
-        base = self.config.lone_schedule if alone and self.config.lone_schedule is not None else self.config.schedule
+    def schedule(self, prompt: PromptTensors, running: int | None = None) -> ChunkSchedule:
+        """The streaming schedule of a request with `prompt` that starts while `running` requests run here, itself
+        counted (None: the busy streams'): a lone stream's, a lightly loaded one's or the busy one's
+        (`OrchestratorConfig`), its first hop aligned to the prompt's tokens where that schedule pads it."""
+        config = self.config
+        if running is not None and running <= 1 and config.lone_schedule is not None:
+            base = config.lone_schedule
+        elif running is not None and running < config.busy_streams and config.light_schedule is not None:
+            base = config.light_schedule
+        else:
+            base = config.schedule
         return for_prompt(base, int(prompt.speech_tokens.size))
 
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
@@ -268,8 +279,8 @@ class Orchestrator:
                 # warms the cache this way): one response, no audio, zero tokens.
                 yield SpeechChunk(np.zeros(0, dtype=np.float32), 0, 0, final=True)
                 return
-            # alone: no other request of this orchestrator runs (this one is counted)
-            schedule = self.schedule(prompt, alone=self.stats.get("orchestrator_active_requests") <= 1)
+            # the requests of this orchestrator running now, this one counted
+            schedule = self.schedule(prompt, running=int(self.stats.get("orchestrator_active_requests")))
             llm_request, input_tokens = self.build_llm_request(request, prompt, streaming, schedule)
             tokens: list[int] = []
             sent = 0  # tokens already handed to token2wav

@@ -31,26 +31,40 @@ class StreamScheduleParams:
     #: chunk ends on the grid. Unpadded, the first chunk needs exactly `first_hop` + 3 tokens from the LLM - fewer
     #: decode steps before the first audio, but less audio buffered when it plays - and a chunk that ends inside a
     #: grid chunk only caches the whole grid chunks it completed: the next chunk recomputes the partial one
-    #: (docs/engine.md, "Off-grid hops"). "always": upstream's schedule; "never": no stream is padded; "busy": a
-    #: stream that starts while no other stream runs is not padded (measured: c=1 first chunk 161-164 ms against
-    #: 190-196 padded; with 16 and more streams unpadded first chunks stalled 6-39 % of the streams), the others are.
+    #: (docs/engine.md, "Off-grid hops"). "always": upstream's schedule; "never": no stream is padded; "busy": only
+    #: a stream that starts while `busy_streams` or more streams run (itself counted) is padded.
     align_first_hop: str = "busy"
     #: The first hop of a stream that starts while no other stream runs (None: `first_hop`). A lone stream has the
     #: GPU to itself: fewer tokens before its first chunk are fewer decode steps and a smaller first flow call, and
     #: its later chunks come back long before its first one has played. Streams that start beside others keep
     #: `first_hop`: with many streams a short first chunk plays out before the next one arrives.
     lone_first_hop: int | None = None
+    #: Where "busy" starts. Measured on one H200 (docs/experiments/2026-11-28-four-h200s-settings.md): unpadded
+    #: first hops took the first chunk at 16 streams from 369-389 ms to 270-345 ms (25 decode steps before it
+    #: against 37), but at 32 and 64 streams the shorter first chunk plays out before the next one arrives (0-6 %
+    #: and 41-60 % of the streams stalled, against 0 % and 5-21 % padded). The count is the streaming
+    #: orchestrator's own requests (one instance by default).
+    busy_streams: int = 24
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
             raise ValueError(f"align_first_hop must be one of {FIRST_HOP_ALIGNMENTS}, got {self.align_first_hop!r}")
         if self.lone_first_hop is not None and self.lone_first_hop < 1:
             raise ValueError(f"lone_first_hop must be at least 1 token, got {self.lone_first_hop}")
+        if self.busy_streams < 2:
+            raise ValueError(f"busy_streams must be at least 2 (a lone stream is never busy), got {self.busy_streams}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
         aligned = self._with_first_hop(engine, self.first_hop)
         return unaligned(aligned) if self.align_first_hop == "never" else aligned
+
+    def light_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
+        """The schedule of a stream that starts beside others, but fewer than `busy_streams` in all, where it
+        differs from `schedule` (under "busy": the first hop unpadded)."""
+        if self.align_first_hop != "busy" or self.busy_streams <= 2:
+            return None
+        return unaligned(self.schedule(engine))
 
     def lone_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
         """The schedule of a stream that starts while no other stream runs, where it differs from `schedule`."""
@@ -68,7 +82,8 @@ class StreamScheduleParams:
 
     def schedules(self, engine: EngineConfig) -> list[ChunkSchedule]:
         """Every schedule a stream may follow (what token2wav's CUDA-graph buckets must cover)."""
-        return [s for s in (self.schedule(engine), self.lone_schedule(engine)) if s is not None]
+        served = (self.schedule(engine), self.light_schedule(engine), self.lone_schedule(engine))
+        return list(dict.fromkeys(s for s in served if s is not None))
 
 
 def unaligned(schedule: ChunkSchedule) -> ChunkSchedule:

@@ -221,7 +221,6 @@ class Token2WavParams(_TorchModelParams):
     flow_cache: str
     flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
-    flow_compile: str = "off"  # the UNet flow's estimator step: as written, or compiled (`FLOW_COMPILE_MODES`)
     dit_dir: Path | None = None
 
     @property

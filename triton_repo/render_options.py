@@ -19,7 +19,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from cosyvoice2.streaming import FLOW_CACHE_MODES, FLOW_COMPILE_MODES
+from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
@@ -236,6 +236,9 @@ class RenderOptions(_Options):
     align_first_hop: str = option(StreamScheduleParams.align_first_hop, choices=FIRST_HOP_ALIGNMENTS,
                                   help="pad the first hop so it ends on the flow's 25-token grid (upstream's "
                                        "schedule): always; busy (not for a stream that starts alone); never")
+    busy_streams: int = option(StreamScheduleParams.busy_streams, minimum=2,
+                               help="align_first_hop=busy: pad the first hop of a stream that starts while this "
+                                    "many streams run, itself counted (fewer: unpadded, a shorter first chunk)")
     # 12 measured against 25 (one H100, c=1 first chunk p50 132-140 ms against 159-168, c=4 unchanged;
     # docs/experiments/2026-11-28-four-h100s-lease.md); never longer than --first-hop
     lone_first_hop: int | None = option(12, minimum=4, help="tokens in the first chunk of a stream that starts "
@@ -247,14 +250,13 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
-    # Not yet measured against "off" on a GPU (speech_serving/gpu_yield.py); off until it wins.
-    llm_yield: str = option("off", choices=LLM_YIELD_MODES,
-                            help="colocated layout: the LLM waits for the running token2wav call while it decodes "
-                                 "one stream past its first chunk (lone) or never (off)")
-    # Not yet measured against "off" on a GPU (docs/engine.md, "The compiled estimator"); off until it wins.
-    flow_compile: str = option("off", choices=FLOW_COMPILE_MODES,
-                               help="the cached UNet flow's estimator step: off (as written) or inductor (compiled by "
-                                    "TorchInductor before its CUDA graphs are captured; minutes longer start-up)")
+    # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
+    # stream's first chunk from 111-113 ms to 100-104 (its token2wav call 64 -> 56 ms) and changed nothing measurable
+    # from 4 streams up.
+    llm_yield: str | None = option(None, choices=LLM_YIELD_MODES,
+                                   help="colocated layout: the LLM waits for the running token2wav call while it "
+                                        "decodes one stream past its first chunk (lone) or never (off); default: "
+                                        "lone when colocated on a GPU, else off")
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = option("unet", choices=TOKEN2WAVS, help="unet: CosyVoice2's flow from --model-dir; dit: the DiT "
@@ -294,6 +296,10 @@ class RenderOptions(_Options):
             object.__setattr__(self, "llm_delivery", DEFAULT_LLM_DELIVERY.get(self.llm_backend, "token"))
         if self.device is None:
             object.__setattr__(self, "device", default_device(self.llm_backend))
+        if self.llm_yield is None:
+            # a GPU shared by the LLM and token2wav in one process is what it measured a gain on
+            gpu_colocated = self.layout == "colocated" and self.device != "cpu"
+            object.__setattr__(self, "llm_yield", "lone" if gpu_colocated else "off")
         if self.max_batch is None:
             engines = self.engine_dir is not None or (self.spark is not None and self.spark.engine_dir is not None)
             gpu_pytorch = self.device != "cpu" and self.llm_backend == "pytorch" and not engines

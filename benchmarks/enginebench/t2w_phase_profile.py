@@ -103,21 +103,14 @@ def main() -> int:
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
-    parser.add_argument("--compile", action="store_true",
-                        help="the estimator step compiled by TorchInductor before its graphs are captured")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked", flow_compile="inductor" if args.compile else "off")
+                       flow_cache="chunked")
     start = time.perf_counter()
     count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
-    if args.compile:
-        from torch._dynamo.utils import counters
-
-        print(f"estimator compiled: {dict(counters['stats'])}, graph breaks {sum(counters['graph_break'].values())}",
-              flush=True)
     hift_count = engine.capture_hift_graphs()  # as a server does before it reports ready
     sync(device)
     print(f"captured {count} step graphs and {hift_count} HiFT graphs in {time.perf_counter() - start:.1f} s",

@@ -32,7 +32,6 @@ A call's rows run their Euler steps in lock step (`advance`, one estimator evalu
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -44,8 +43,6 @@ from speech_lm.kernels import copy_runs
 from ..host_copies import to_device
 from .cached_encoder import CachedEncoder, EncoderCache
 from .estimator import CausalBlock1D, CausalResnetBlock1D, TransformerBlock, _MASKED_BIAS
-
-logger = logging.getLogger(__name__)
 
 CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
 
@@ -187,14 +184,8 @@ def _consecutive(values: list[int]) -> bool:
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module, graphs: bool = True, compiled: bool = False) -> None:
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
         self.flow = flow
-        # The network of an estimator evaluation (`_evaluate`), as it is or compiled by TorchInductor (one
-        # compilation with symbolic shapes serves every bucket), which fuses the elementwise work between the GEMMs
-        # (masks, LayerNorm, Mish, residual adds, conv windows) into far fewer kernels: a replayed step is launch-
-        # and latency-bound on its ~1,100 small kernels at a few rows.
-        self._network = torch.compile(self._evaluate, dynamic=False) if compiled else self._evaluate
-        self.compiled = compiled
         # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
         # up to a graph bucket); their ratio is the padding's share of the estimator's work
         self.frames_needed = 0
@@ -483,31 +474,11 @@ class CachedFlowRunner:
         blocks = len(self.flow.decoder.estimator.down_blocks[0][1]) * (2 + len(self.flow.decoder.estimator.mid_blocks))
         return like.new_zeros(blocks, 2, 2 * rows_p, frames, cfg.num_heads, cfg.attention_head_dim)
 
-    def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at, bucketed: bool = False):
+    def estimate(self, x, mask, mu, t, spks, cond, bias, keys, hist_p, tails, tail_at):
         """One estimator evaluation over new frames -> (velocity, this step's new k/v (blocks, 2, 2B, N, heads, d),
         new conv tails (2B, channels, 2) taken at `tail_at`). `keys` (blocks, 2, 2B, hist_p + N, heads, d) holds
         the history in its first hist_p frames; the new keys/values are written after them, so attention reads
         one buffer and the new ones are a view of it. Static shapes, no host syncs: CUDA-graph safe.
-
-        `bucketed`: a call on the step graphs' static buffers (captured, or emulated), the only one that runs the
-        compiled network: a call beyond the buckets (its own contiguous key buffer) would compile another variant,
-        minutes at the released size, while serving."""
-        args = (x, mask, mu, t, spks, cond, bias, keys, tails, tail_at)
-        outputs = None
-        if bucketed and self.compiled:
-            _mark_call_dims(*args)
-            try:
-                outputs = self._network(*args)
-            except torch._dynamo.exc.TorchDynamoException as exc:  # the compiler failed, before anything ran
-                logger.warning("the flow estimator's compilation failed, it runs as written: %s", exc)
-                self.compiled, self._network = False, self._evaluate
-        velocity, new_tails = outputs if outputs is not None else self._evaluate(*args)
-        # the view is taken here, not returned by the network: a compiled function's output view of a strided
-        # input view comes back with the wrong offsets under symbolic shapes
-        return velocity, keys[:, :, :, hist_p:], new_tails
-
-    def _evaluate(self, x, mask, mu, t, spks, cond, bias, keys, tails, tail_at):
-        """`estimate`'s network -> (velocity, new conv tails); writes the new keys/values into `keys`.
 
         The activations stay time-major, (2B, N, channels), from the first layer to the last, unlike the module's
         own forward (channels first around every conv, time-major in the transformer blocks). Flipping between
@@ -515,7 +486,7 @@ class CachedFlowRunner:
         time; time-major, the causal convs are one GEMM over three stacked frames (`_ConvTails.conv`)."""
         est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
-        blocks = _BlockKV(keys, keys.size(3) - x.size(2), self.fused.qkv)  # history: the frames before the new
+        blocks = _BlockKV(keys, hist_p, self.fused.qkv)
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         tembs = iter(self.fused.time_projections(temb))
         mask = mask.transpose(1, 2)  # (2B, N, 1)
@@ -531,7 +502,7 @@ class CachedFlowRunner:
         h = convs.conv(up[2], h * mask)
         h = self._block(est.final_block, h * mask, mask, convs)
         velocity = _pointwise(est.final_proj, h) * mask  # h is masked: the block's output
-        return velocity.transpose(1, 2), convs.collected()
+        return velocity.transpose(1, 2), blocks.collected(), convs.collected()
 
     def _stage(self, stage, x, mask, time_projection, bias, convs, blocks):
         """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
@@ -598,25 +569,6 @@ class _FusedWeights:
         return F.linear(F.mish(temb), self.time_weight, self.time_bias).split(self.time_sizes, dim=-1)
 
 
-def _mark_call_dims(x, mask, mu, t, spks, cond, bias, keys, tails, tail_at) -> None:
-    """Mark the sizes that differ between calls (guidance rows 2B, new frames N, history + new frames) symbolic for
-    the compiler, and nothing else: one compilation then serves every bucket. Letting it infer them (`dynamic=True`)
-    gave every size symbols, and with one row 2B = 2 shared the symbol of the fixed conv context (2), so the
-    first call's graph held for no other row count (a second compilation; each one takes minutes at the released
-    size)."""
-    mark = torch._dynamo.maybe_mark_dynamic
-    for tensor in (x, mask, mu, cond):  # (2B, C, N)
-        mark(tensor, 0)
-        mark(tensor, 2)
-    for tensor in (t, spks, tails, tail_at):  # (2B, ...)
-        mark(tensor, 0)
-    mark(bias, 0)  # (2B, 1, N, history + N)
-    mark(bias, 2)
-    mark(bias, 3)
-    mark(keys, 2)  # (blocks, 2, 2B, history + N, heads, d)
-    mark(keys, 3)
-
-
 def _pointwise(conv: torch.nn.Conv1d, x: torch.Tensor) -> torch.Tensor:
     """A kernel-1 conv over time-major x (B, N, C_in) -> (B, N, C_out): a linear layer on the same weights."""
     return F.linear(x, conv.weight.squeeze(-1), conv.bias)
@@ -680,6 +632,9 @@ class _BlockKV:
         x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
 
+    def collected(self) -> torch.Tensor:
+        return self.keys[:, :, :, self.hist_p :]  # (blocks, 2, 2B, N, heads, d): a view of the buffer
+
 
 _StepStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, bias, tail_at
 _StepOutputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # velocity, k/v, conv tails
@@ -717,8 +672,7 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
             for static, value in zip(captured.inputs, (x, mask, mu, t, spks, cond, bias, tail_at)):
                 static.copy_(value)
             if captured.graph is None:  # emulation on CPU
-                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, tails, captured.inputs[7],
-                                            bucketed=True)
+                return self.runner.estimate(*captured.inputs[:7], keys, hist_p, tails, captured.inputs[7])
             captured.graph.replay()
             return captured.outputs
 
@@ -736,10 +690,6 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
         cfg = est.config
         blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         rows, history = 2 * max(self.rows), max(self.history_frames) + max(self.new_frames)
-        if self.runner.compiled:
-            # one spare row: a bucket's view of as many rows as the buffer has would be contiguous where the others
-            # are not, and the compiled network holds for one of the two (a second compilation, minutes long)
-            rows += 1
         return (torch.zeros(blocks, 2, rows, history, cfg.num_heads, cfg.attention_head_dim,
                             device=device, dtype=dtype),
                 torch.zeros(rows, self._tail_channels(), CONV_CONTEXT, device=device, dtype=dtype))
@@ -769,4 +719,4 @@ class StepGraphs(GridGraphs[_StepStatics, _StepOutputs, tuple[torch.Tensor, torc
 
     def _pass(self, shape: tuple[int, int, int], inputs: _StepStatics) -> Callable[[], _StepOutputs]:
         keys, tails = self._views(shape)
-        return lambda: self.runner.estimate(*inputs[:7], keys, shape[2], tails, inputs[7], bucketed=True)
+        return lambda: self.runner.estimate(*inputs[:7], keys, shape[2], tails, inputs[7])

@@ -34,8 +34,7 @@ def _triton_kernels() -> ModuleType | None:
 
 
 def _implementation(tensor: torch.Tensor) -> ModuleType:
-    # under torch.compile the PyTorch compositions: the compiler generates (and fuses) its own kernels for them
-    fused = _triton_kernels() if tensor.is_cuda and not torch.compiler.is_compiling() else None
+    fused = _triton_kernels() if tensor.is_cuda else None
     return fused or reference
 
 

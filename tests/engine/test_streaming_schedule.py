@@ -75,7 +75,8 @@ def test_a_lone_stream_may_start_with_a_shorter_first_hop(align: str) -> None:
     params = StreamScheduleParams(25, align_first_hop=align, lone_first_hop=12)
     assert params.schedule(engine) == plain.schedule(engine)
     lone = params.lone_schedule(engine)
-    assert lone is not None and params.schedules(engine) == [params.schedule(engine), lone]
+    light = [] if params.light_schedule(engine) is None else [params.light_schedule(engine)]
+    assert lone is not None and params.schedules(engine) == [params.schedule(engine), *light, lone]
     for prompt_tokens in (0, 7, 40):
         first = for_prompt(lone, prompt_tokens)
         assert first.hop(0) == 12 + (first.prompt_pad if align == "always" else 0)
@@ -87,6 +88,33 @@ def test_a_lone_stream_may_start_with_a_shorter_first_hop(align: str) -> None:
         plain.lone_schedule(engine)
     with pytest.raises(ValueError, match="lone_first_hop"):
         StreamScheduleParams(lone_first_hop=0)
+
+
+@pytest.mark.parametrize("busy_streams", [2, 3, 24])
+def test_busy_alignment_pads_only_from_busy_streams_on(busy_streams: int) -> None:
+    """"busy": streams that start beside fewer than `busy_streams` others-and-itself get the unpadded first hop
+    (`light_schedule`), the others the padded one; with `busy_streams` 2 no stream sits between lone and busy.
+    Every schedule a stream may follow is served once (`schedules`: what token2wav's graph buckets cover)."""
+    from cosyvoice2.config import EngineConfig
+    from speech_serving.schedule import StreamScheduleParams, for_prompt, unaligned
+
+    engine = EngineConfig()
+    params = StreamScheduleParams(25, align_first_hop="busy", busy_streams=busy_streams, lone_first_hop=12)
+    light = params.light_schedule(engine)
+    if busy_streams == 2:
+        assert light is None
+    else:
+        assert light == unaligned(params.schedule(engine))
+        for prompt_tokens in (0, 7, 40):
+            first = for_prompt(light, prompt_tokens)
+            assert first.prompt_pad == 0 and first.hop(0) == 25
+            assert for_prompt(params.schedule(engine), prompt_tokens).hop(0) == 25 + (-prompt_tokens % 25)
+    served = params.schedules(engine)
+    assert len(served) == len(set(served)) == (2 if light is None else 3)
+    for align in ("always", "never"):
+        assert StreamScheduleParams(25, align_first_hop=align, busy_streams=busy_streams).light_schedule(engine) is None
+    with pytest.raises(ValueError, match="busy_streams"):
+        StreamScheduleParams(busy_streams=1)
 
 
 def test_chunks_of_a_finished_stream() -> None:

@@ -98,6 +98,11 @@ async def test_one_tritonserver_per_gpu_serves_on_its_own_gpu(name, gpus, tiny_m
         if idle is not None and used is not None:  # NVML or nvidia-smi read the memory of every GPU in use
             growth = [after - before for before, after in zip(idle, used)]
             assert all(g >= MIN_GROWTH_BYTES for g in growth[: len(servers)]), f"memory added per GPU: {growth}"
+    except BaseException:
+        # a stub that died says why only in its server's log (shown with the failure as captured output)
+        for i, server in enumerate(servers):
+            print(f"--- tritonserver {i} (GPU {pins[i]}), last lines of its log:\n{server.log_tail(80)}")
+        raise
     finally:
         for server in servers:
             server.stop()

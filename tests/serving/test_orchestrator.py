@@ -109,6 +109,23 @@ async def test_streaming_follows_the_schedule_and_starts_before_the_llm_ends():
     assert len({call[0] for call in clients.calls}) == 1 and clients.closed == [] and clients.stopped == []
 
 
+def test_the_schedule_follows_the_streams_running_when_a_stream_starts():
+    """Lone (1 running, itself counted): the lone schedule; fewer than `busy_streams`: the light one; from
+    `busy_streams` on: the padded one. Without a light schedule everything beside others is padded."""
+    padded = ChunkSchedule(first_hop=5, grid=5, max_hop=20, growth=2, lookahead=3)
+    light = ChunkSchedule(first_hop=5, grid=1, max_hop=20, growth=2, lookahead=3)
+    lone = ChunkSchedule(first_hop=4, grid=1, max_hop=20, growth=2, lookahead=3, second_hop=10)
+    config = OrchestratorConfig(vocab=VOCAB, schedule=padded, lone_schedule=lone, light_schedule=light, busy_streams=4)
+    orch = Orchestrator(config, WordTokenizer(), clients=None)  # type: ignore[arg-type]
+    first_hops = {running: orch.schedule(PROMPT, running).hop(0) for running in range(1, 7)}
+    pad = -int(PROMPT.speech_tokens.size) % 5
+    assert pad > 0 and first_hops == {1: 4, 2: 5, 3: 5, 4: 5 + pad, 5: 5 + pad, 6: 5 + pad}
+    assert orch.schedule(PROMPT).hop(0) == 5 + pad  # no count given: the busy streams' schedule
+    plain = Orchestrator(OrchestratorConfig(vocab=VOCAB, schedule=padded, lone_schedule=lone, busy_streams=4),
+                         WordTokenizer(), clients=None)  # type: ignore[arg-type]
+    assert [plain.schedule(PROMPT, running).hop(0) for running in (1, 2, 3, 4)] == [4] + [5 + pad] * 3
+
+
 async def test_a_lone_stream_follows_the_lone_schedule_and_a_busy_one_the_padded_one():
     """PROMPT has 7 tokens: padded, the first hop is 5 + 3 (to the 5-token grid); unpadded (`lone_schedule`), 5.
     A request that starts while another runs follows the padded schedule; the deliveries asked of the LLM match."""

@@ -73,7 +73,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
     [
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
-         "align_first_hop": "never", "flow_compile": "inductor"},
+         "align_first_hop": "never", "busy_streams": 8},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
         {"device": "cuda", "dtype": "bf16", "llm_yield": "lone"},
@@ -94,7 +94,7 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
     assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop,
-                                                         min(opts.lone_first_hop, opts.first_hop))
+                                                         min(opts.lone_first_hop, opts.first_hop), opts.busy_streams)
     # the orchestrators address the token2wav model rendered, the colocated engine's when there is none
     assert orchestrator.models.token2wav_model == ("token2wav" if "token2wav" in configs else "engine")
     # every torch and ONNX model runs on the rendered device: cuda:0, the first GPU its tritonserver sees
@@ -235,6 +235,18 @@ def test_spark_benchmark_mode_reaches_its_orchestrators_and_engine_only_when_ask
     with pytest.raises(RenderError, match="--spark-benchmark-ratio must be > 0"):
         write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "bad",
                                        spark=SparkRenderOptions(spark_dir, benchmark_ratio=0.0)))
+
+
+def test_the_llm_yields_by_default_only_where_it_shares_a_process_with_token2wav(tiny_model_dir):
+    """Left open, `llm_yield` is lone in the colocated layout on a GPU (measured to win there) and off elsewhere
+    (the single layout refuses an explicit lone)."""
+    def rendered(**options) -> str:
+        opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), **options)
+        return render_models.llm_params(opts).llm_yield
+
+    assert rendered(device="cuda") == rendered(device="cuda", layout="colocated") == "lone"
+    assert rendered(device="cuda", layout="single") == rendered() == rendered(device="cpu", layout="colocated") == "off"
+    assert rendered(device="cuda", llm_yield="off") == "off"
 
 
 @pytest.mark.parametrize("llm_yield", ["off", "lone"])

@@ -81,7 +81,6 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir is only used with --token2wav dit"),
         ({"layout": "single", "llm_yield": "lone"}, "--llm-yield lone needs --layout colocated"),
         ({"llm_yield": "always"}, "--llm-yield must be one of off, lone"),
-        ({"flow_compile": "nvfuser"}, "--flow-compile must be one of off, inductor"),
     ],
 )
 def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):

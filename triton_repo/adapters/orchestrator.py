@@ -113,6 +113,8 @@ class TritonPythonModel(PipelineEntryModel):
             vocab=vocab,
             schedule=params.schedule.schedule(engine),
             lone_schedule=params.schedule.lone_schedule(engine),
+            light_schedule=params.schedule.light_schedule(engine),
+            busy_streams=params.schedule.busy_streams,
             sampling=SamplingConfig(fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
             max_sequence_len=params.max_sequence_len,
             max_target_text_tokens=params.max_target_text_tokens,
