@@ -16,6 +16,12 @@ from triton_repo.server import REPO_ROOT
 pytestmark = pytest.mark.triton
 
 
+def tiny_run(work: Path, model: Path, *args: str) -> list[str]:
+    """The stack-bench command of a short CPU run on the tiny model in `work` (no server warm-up), plus `args`."""
+    return [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model), "--device", "cpu",
+            "--dtype", "fp32", "--max-batch", "4", "--server-warmup", "0", "--timeout", "120", *args]
+
+
 @pytest.mark.timeout(1200)  # a whole benchmark run: tritonserver and gateway start, four levels, two rate searches
 def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     from cosyvoice2.testing import write_tiny_model
@@ -24,14 +30,12 @@ def test_a_run_writes_every_result_into_its_own_fresh_directory(tmp_path):
     work = tmp_path / "work"
     (work / "results").mkdir(parents=True)
     (work / "results" / "earlier").mkdir()  # an earlier invocation's results stay as they are
-    command = [sys.executable, "-m", "stackbench", "--work", str(work),
-               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
-               "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1", "--gateway-levels", "1",
-               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "2",
-               "--render-arg", "first_hop=5", "--timeout", "120",
-               # a short open-loop search after each run's levels: two steps of 2 s of arrivals
-               "--open-loop", "1", "--open-loop-min", "0.5", "--open-loop-max", "2",
-               "--open-loop-step-seconds", "2", "--open-loop-steps", "2"]  # fmt: skip
+    command = tiny_run(work, model, "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "1",
+                       "--gateway-levels", "1", "--requests", "2", "--warmup", "0", "--repeat", "2",
+                       "--render-arg", "first_hop=5",
+                       # a short open-loop search after each run's levels: two steps of 2 s of arrivals
+                       "--open-loop", "1", "--open-loop-min", "0.5", "--open-loop-max", "2",
+                       "--open-loop-step-seconds", "2", "--open-loop-steps", "2")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -107,11 +111,9 @@ def test_replicas_serve_the_levels_together_behind_one_round_robin_target(tmp_pa
 
     model = write_tiny_model(tmp_path / "tiny")
     work = tmp_path / "work"
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--replicas", "2",
-               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
-               "--only", "triton-stream,gateway-stream-pcm", "--stream-levels", "2", "--gateway-levels", "2",
-               "--requests", "4", "--server-warmup", "0", "--warmup", "1", "--render-arg", "first_hop=5",
-               "--timeout", "120"]  # fmt: skip
+    command = tiny_run(work, model, "--replicas", "2", "--only", "triton-stream,gateway-stream-pcm",
+                       "--stream-levels", "2", "--gateway-levels", "2", "--requests", "4", "--warmup", "1",
+                       "--render-arg", "first_hop=5")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -160,11 +162,9 @@ def test_a_dit_run_renders_the_dit_token2wav_and_is_named_after_it(tmp_path):
     # Without --dit-dir the run takes WORK/dit, written once (released size) and reused: a micro DiT placed there
     # keeps this CPU run short and exercises that default.
     dit_dir = write_dit_model(work / "dit", seed=1)
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--token2wav", "dit",
-               "--model-dir", str(model), "--device", "cpu", "--dtype", "fp32", "--max-batch", "4",
-               "--only", "triton-stream,triton-offline", "--stream-levels", "1", "--offline-levels", "1",
-               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--render-arg", "first_hop=5",
-               "--timeout", "120"]  # fmt: skip
+    command = tiny_run(work, model, "--token2wav", "dit", "--only", "triton-stream,triton-offline",
+                       "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--warmup", "0",
+                       "--render-arg", "first_hop=5")
     done = subprocess.run(command, capture_output=True, text=True, timeout=850, cwd=REPO_ROOT)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -195,10 +195,8 @@ SPARK_SECONDS_PER_TOKEN = 320 / 16_000  # BiCodec: 320 samples of 16 kHz audio p
 
 def _one_level_each(work: Path, model: Path, *pipeline: str) -> Path:
     """A CPU run of `pipeline`'s options: one streaming and one offline level of two requests; its results dir."""
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model), *pipeline,
-               "--device", "cpu", "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream,triton-offline",
-               "--stream-levels", "1", "--offline-levels", "1", "--requests", "2", "--server-warmup", "0",
-               "--warmup", "0", "--timeout", "120"]  # fmt: skip
+    command = tiny_run(work, model, *pipeline, "--only", "triton-stream,triton-offline", "--stream-levels", "1",
+                       "--offline-levels", "1", "--requests", "2", "--warmup", "0")
     done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
@@ -300,10 +298,8 @@ def test_sigterm_stops_the_tritonserver_it_started(tmp_path):
 
     model = write_tiny_model(tmp_path / "tiny")
     work = tmp_path / "work-sigterm"
-    command = [sys.executable, "-m", "stackbench", "--work", str(work), "--model-dir", str(model), "--device", "cpu",
-               "--dtype", "fp32", "--max-batch", "4", "--only", "triton-stream", "--stream-levels", "1",
-               "--requests", "2", "--server-warmup", "0", "--warmup", "0", "--repeat", "100",
-               "--render-arg", "first_hop=5"]  # fmt: skip
+    command = tiny_run(work, model, "--only", "triton-stream", "--stream-levels", "1", "--requests", "2",
+                       "--warmup", "0", "--repeat", "100", "--render-arg", "first_hop=5")
     bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,  # noqa: S603
                              cwd=REPO_ROOT)
     try:
