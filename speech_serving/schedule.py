@@ -48,6 +48,10 @@ class StreamScheduleParams:
     #: The first hop of a stream that gets the unpadded schedule beside others (`light_schedule`; None:
     #: `first_hop`); its second and later hops stay everyone's. Not yet measured against `first_hop`.
     light_first_hop: int | None = None
+    #: Every stream's second hop (None: first_hop x chunk_growth, upstream's), growing by chunk_growth after it. The
+    #: streams that stall do so between their first and second or second and third chunk (H200, 2026-11-28): a
+    #: shorter second hop arrives sooner, at the price of more token2wav calls. Not yet measured.
+    second_hop: int | None = None
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
@@ -58,6 +62,8 @@ class StreamScheduleParams:
             raise ValueError(f"busy_streams must be at least 2 (a lone stream is never busy), got {self.busy_streams}")
         if self.light_first_hop is not None and self.light_first_hop < 1:
             raise ValueError(f"light_first_hop must be at least 1 token, got {self.light_first_hop}")
+        if self.second_hop is not None and self.second_hop < 4:
+            raise ValueError(f"second_hop must be at least 4 tokens, got {self.second_hop}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
@@ -87,7 +93,8 @@ class StreamScheduleParams:
 
     def _with_first_hop(self, engine: EngineConfig, first_hop: int) -> ChunkSchedule:
         base = engine.schedule(0)
-        return replace(base, first_hop=first_hop, growth=self.chunk_growth, max_hop=max(first_hop, base.max_hop))
+        return replace(base, first_hop=first_hop, growth=self.chunk_growth, second_hop=self.second_hop,
+                       max_hop=max(first_hop, self.second_hop or 0, base.max_hop))
 
     def schedules(self, engine: EngineConfig) -> list[ChunkSchedule]:
         """Every schedule a stream may follow (what token2wav's CUDA-graph buckets must cover)."""

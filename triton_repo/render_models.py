@@ -115,7 +115,7 @@ def _schedule(opts: RenderOptions) -> StreamScheduleParams:
     return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth,
                                 align_first_hop=opts.align_first_hop, busy_streams=opts.busy_streams,
                                 lone_first_hop=at_most_first_hop(opts.lone_first_hop),
-                                light_first_hop=at_most_first_hop(opts.light_first_hop))
+                                light_first_hop=at_most_first_hop(opts.light_first_hop), second_hop=opts.second_hop)
 
 
 def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:

@@ -239,6 +239,9 @@ class RenderOptions(_Options):
     busy_streams: int = option(StreamScheduleParams.busy_streams, minimum=2,
                                help="align_first_hop=busy: pad the first hop of a stream that starts while this "
                                     "many streams run, itself counted (fewer: unpadded, a shorter first chunk)")
+    # not yet measured against first_hop x chunk_growth (off until it wins)
+    second_hop: int | None = option(None, minimum=4, help="tokens in every stream's second chunk, growing by "
+                                    "--chunk-growth after it (default: --first-hop x --chunk-growth)")
     # not yet measured against --first-hop (off until it wins); never longer than --first-hop
     light_first_hop: int | None = option(None, minimum=4, help="align_first_hop=busy: tokens in the (unpadded) first "
                                          "chunk of a stream that starts beside fewer than --busy-streams streams "

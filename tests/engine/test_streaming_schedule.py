@@ -139,6 +139,26 @@ def test_a_light_stream_may_start_with_a_first_hop_of_its_own() -> None:
         StreamScheduleParams(light_first_hop=0)
 
 
+def test_a_second_hop_of_its_own_for_every_schedule() -> None:
+    """`second_hop`: every served schedule's second chunk (busy, light, lone alike), then growing by chunk_growth up
+    to the cap; the first hops and their padding stay as they were."""
+    from cosyvoice2.config import EngineConfig
+    from speech_serving.schedule import StreamScheduleParams, for_prompt
+
+    engine = EngineConfig()
+    plain = StreamScheduleParams(25, lone_first_hop=12, light_first_hop=15)
+    short = StreamScheduleParams(25, lone_first_hop=12, light_first_hop=15, second_hop=25)
+    for prompt_tokens in (0, 7, 40):
+        for made in ("schedule", "light_schedule", "lone_schedule"):
+            before = for_prompt(getattr(plain, made)(engine), prompt_tokens)
+            after = for_prompt(getattr(short, made)(engine), prompt_tokens)
+            assert after.hop(0) == before.hop(0) and after.prompt_pad == before.prompt_pad, made
+            assert [after.hop(i) for i in range(1, 5)] == [25, 50, 100, 100], made
+    assert len(short.schedules(engine)) == 3
+    with pytest.raises(ValueError, match="second_hop"):
+        StreamScheduleParams(second_hop=3)
+
+
 def test_chunks_of_a_finished_stream() -> None:
     # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
     # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.
