@@ -258,12 +258,10 @@ class Orchestrator:
         counted (None: the busy streams'): a lone stream's, a lightly loaded one's or the busy one's
         (`OrchestratorConfig`), its first hop aligned to the prompt's tokens where that schedule pads it."""
         config = self.config
-        if running is not None and running <= 1 and config.lone_schedule is not None:
-            base = config.lone_schedule
-        elif running is not None and running < config.busy_streams and config.light_schedule is not None:
-            base = config.light_schedule
-        else:
-            base = config.schedule
+        base = config.schedule
+        if running is not None and running < config.busy_streams:
+            quiet = config.lone_schedule if running <= 1 else None
+            base = quiet or config.light_schedule or base
         return for_prompt(base, int(prompt.speech_tokens.size))
 
     async def synthesize(self, request: SpeechRequest, streaming: bool) -> AsyncIterator[SpeechChunk]:
