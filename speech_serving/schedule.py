@@ -45,13 +45,6 @@ class StreamScheduleParams:
     #: and 41-60 % of the streams stalled, against 0 % and 5-21 % padded). The count is the streaming
     #: orchestrator's own requests (one instance by default).
     busy_streams: int = 24
-    #: The first hop of a stream that gets the unpadded schedule beside others (`light_schedule`; None:
-    #: `first_hop`); its second and later hops stay everyone's. Not yet measured against `first_hop`.
-    light_first_hop: int | None = None
-    #: Every stream's second hop (None: first_hop x chunk_growth, upstream's), growing by chunk_growth after it. The
-    #: streams that stall do so between their first and second or second and third chunk (H200, 2026-11-28): a
-    #: shorter second hop arrives sooner, at the price of more token2wav calls. Not yet measured.
-    second_hop: int | None = None
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
@@ -60,10 +53,6 @@ class StreamScheduleParams:
             raise ValueError(f"lone_first_hop must be at least 1 token, got {self.lone_first_hop}")
         if self.busy_streams < 2:
             raise ValueError(f"busy_streams must be at least 2 (a lone stream is never busy), got {self.busy_streams}")
-        if self.light_first_hop is not None and self.light_first_hop < 1:
-            raise ValueError(f"light_first_hop must be at least 1 token, got {self.light_first_hop}")
-        if self.second_hop is not None and self.second_hop < 4:
-            raise ValueError(f"second_hop must be at least 4 tokens, got {self.second_hop}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
@@ -75,26 +64,21 @@ class StreamScheduleParams:
         differs from `schedule` (under "busy": the first hop unpadded)."""
         if self.align_first_hop != "busy" or self.busy_streams <= 2:
             return None
-        return unaligned(self._own_first_hop(engine, self.light_first_hop))
+        return unaligned(self.schedule(engine))
 
     def lone_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
         """The schedule of a stream that starts while no other stream runs, where it differs from `schedule`."""
-        lone = self._own_first_hop(engine, self.lone_first_hop)
+        lone = self.schedule(engine)
+        if self.lone_first_hop is not None and self.lone_first_hop != self.first_hop:
+            # only the first hop changes: the second and later hops stay everyone's
+            lone = replace(self._with_first_hop(engine, self.lone_first_hop), second_hop=lone.hop(1))
         if self.align_first_hop != "always":
             lone = unaligned(lone)
         return None if lone == self.schedule(engine) else lone
 
-    def _own_first_hop(self, engine: EngineConfig, first_hop: int | None) -> ChunkSchedule:
-        """`schedule` with another first hop (None: the same); the second and later hops stay everyone's."""
-        everyone = self.schedule(engine)
-        if first_hop is None or first_hop == self.first_hop:
-            return everyone
-        return replace(self._with_first_hop(engine, first_hop), grid=everyone.grid, second_hop=everyone.hop(1))
-
     def _with_first_hop(self, engine: EngineConfig, first_hop: int) -> ChunkSchedule:
         base = engine.schedule(0)
-        return replace(base, first_hop=first_hop, growth=self.chunk_growth, second_hop=self.second_hop,
-                       max_hop=max(first_hop, self.second_hop or 0, base.max_hop))
+        return replace(base, first_hop=first_hop, growth=self.chunk_growth, max_hop=max(first_hop, base.max_hop))
 
     def schedules(self, engine: EngineConfig) -> list[ChunkSchedule]:
         """Every schedule a stream may follow (what token2wav's CUDA-graph buckets must cover)."""

@@ -49,9 +49,6 @@ def check_options(opts: RenderOptions) -> None:
         )
     if opts.llm_yield != "off" and opts.layout != "colocated":
         errors.append(f"--llm-yield {opts.llm_yield} needs --layout colocated (the LLM and token2wav in one process)")
-    if opts.light_first_hop is not None and opts.align_first_hop != "busy":
-        errors.append(f"--light-first-hop needs --align-first-hop busy (with {opts.align_first_hop} no stream gets "
-                      "the light schedule)")
     if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
     if opts.token2wav == "dit":

@@ -109,13 +109,10 @@ def _benchmark(opts: RenderOptions) -> BenchmarkMode | None:
 
 
 def _schedule(opts: RenderOptions) -> StreamScheduleParams:
-    def at_most_first_hop(hop: int | None) -> int | None:  # a lone or light stream's first hop is never longer
-        return None if hop is None else min(hop, opts.first_hop)
-
     return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth,
                                 align_first_hop=opts.align_first_hop, busy_streams=opts.busy_streams,
-                                lone_first_hop=at_most_first_hop(opts.lone_first_hop),
-                                light_first_hop=at_most_first_hop(opts.light_first_hop), second_hop=opts.second_hop)
+                                lone_first_hop=None if opts.lone_first_hop is None else min(opts.lone_first_hop,
+                                                                                            opts.first_hop))
 
 
 def orchestrator_params(opts: RenderOptions) -> OrchestratorParams:

@@ -239,13 +239,6 @@ class RenderOptions(_Options):
     busy_streams: int = option(StreamScheduleParams.busy_streams, minimum=2,
                                help="align_first_hop=busy: pad the first hop of a stream that starts while this "
                                     "many streams run, itself counted (fewer: unpadded, a shorter first chunk)")
-    # not yet measured against first_hop x chunk_growth (off until it wins)
-    second_hop: int | None = option(None, minimum=4, help="tokens in every stream's second chunk, growing by "
-                                    "--chunk-growth after it (default: --first-hop x --chunk-growth)")
-    # not yet measured against --first-hop (off until it wins); never longer than --first-hop
-    light_first_hop: int | None = option(None, minimum=4, help="align_first_hop=busy: tokens in the (unpadded) first "
-                                         "chunk of a stream that starts beside fewer than --busy-streams streams "
-                                         "(default: --first-hop)")
     # 12 measured against 25 (one H100, c=1 first chunk p50 132-140 ms against 159-168, c=4 unchanged;
     # docs/experiments/2026-11-28-four-h100s-lease.md); never longer than --first-hop
     lone_first_hop: int | None = option(12, minimum=4, help="tokens in the first chunk of a stream that starts "

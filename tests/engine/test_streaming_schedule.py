@@ -117,48 +117,6 @@ def test_busy_alignment_pads_only_from_busy_streams_on(busy_streams: int) -> Non
         StreamScheduleParams(busy_streams=1)
 
 
-def test_a_light_stream_may_start_with_a_first_hop_of_its_own() -> None:
-    """`light_first_hop`: the unpadded first hop of streams that start beside fewer than `busy_streams` others; their
-    later hops, the busy streams' and the lone stream's schedules stay as they were, and all are served."""
-    from cosyvoice2.config import EngineConfig
-    from speech_serving.schedule import StreamScheduleParams, for_prompt
-
-    engine = EngineConfig()
-    plain = StreamScheduleParams(25, busy_streams=24, lone_first_hop=12)
-    light = StreamScheduleParams(25, busy_streams=24, lone_first_hop=12, light_first_hop=15)
-    assert light.schedule(engine) == plain.schedule(engine) and light.lone_schedule(engine) == plain.lone_schedule(engine)
-    for prompt_tokens in (0, 7, 40):
-        first = for_prompt(light.light_schedule(engine), prompt_tokens)
-        before = for_prompt(plain.light_schedule(engine), prompt_tokens)
-        assert first.prompt_pad == 0 and first.hop(0) == 15
-        assert [first.hop(i) for i in range(1, 5)] == [before.hop(i) for i in range(1, 5)] == [50, 100, 100, 100]
-    assert light.light_schedule(engine) in light.schedules(engine) and len(light.schedules(engine)) == 3
-    assert StreamScheduleParams(25, light_first_hop=25).light_schedule(engine) == plain.light_schedule(engine)
-    assert StreamScheduleParams(25, align_first_hop="never", light_first_hop=15).light_schedule(engine) is None
-    with pytest.raises(ValueError, match="light_first_hop"):
-        StreamScheduleParams(light_first_hop=0)
-
-
-def test_a_second_hop_of_its_own_for_every_schedule() -> None:
-    """`second_hop`: every served schedule's second chunk (busy, light, lone alike), then growing by chunk_growth up
-    to the cap; the first hops and their padding stay as they were."""
-    from cosyvoice2.config import EngineConfig
-    from speech_serving.schedule import StreamScheduleParams, for_prompt
-
-    engine = EngineConfig()
-    plain = StreamScheduleParams(25, lone_first_hop=12, light_first_hop=15)
-    short = StreamScheduleParams(25, lone_first_hop=12, light_first_hop=15, second_hop=25)
-    for prompt_tokens in (0, 7, 40):
-        for made in ("schedule", "light_schedule", "lone_schedule"):
-            before = for_prompt(getattr(plain, made)(engine), prompt_tokens)
-            after = for_prompt(getattr(short, made)(engine), prompt_tokens)
-            assert after.hop(0) == before.hop(0) and after.prompt_pad == before.prompt_pad, made
-            assert [after.hop(i) for i in range(1, 5)] == [25, 50, 100, 100], made
-    assert len(short.schedules(engine)) == 3
-    with pytest.raises(ValueError, match="second_hop"):
-        StreamScheduleParams(second_hop=3)
-
-
 def test_chunks_of_a_finished_stream() -> None:
     # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
     # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.

@@ -74,12 +74,11 @@ def _expected(opts: RenderOptions, model: str) -> object:
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
          "align_first_hop": "never", "busy_streams": 8},
-        {"device": "cuda", "busy_streams": 16, "light_first_hop": 15, "second_hop": 25},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
         {"device": "cuda", "dtype": "bf16", "llm_yield": "lone"},
     ],
-    ids=["colocated", "single", "light", "benchmark", "single-cuda", "colocated-cuda"],
+    ids=["colocated", "single", "benchmark", "single-cuda", "colocated-cuda"],
 )
 def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_path, options):
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", **options)
@@ -95,10 +94,7 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
     assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop,
-                                                         min(opts.lone_first_hop, opts.first_hop), opts.busy_streams,
-                                                         opts.light_first_hop and min(opts.light_first_hop,
-                                                                                      opts.first_hop),
-                                                         opts.second_hop)
+                                                         min(opts.lone_first_hop, opts.first_hop), opts.busy_streams)
     # the orchestrators address the token2wav model rendered, the colocated engine's when there is none
     assert orchestrator.models.token2wav_model == ("token2wav" if "token2wav" in configs else "engine")
     # every torch and ONNX model runs on the rendered device: cuda:0, the first GPU its tritonserver sees

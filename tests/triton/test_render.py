@@ -80,7 +80,6 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"token2wav": "dit", "dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir: .* does not exist"),
         ({"dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir is only used with --token2wav dit"),
         ({"layout": "single", "llm_yield": "lone"}, "--llm-yield lone needs --layout colocated"),
-        ({"align_first_hop": "never", "light_first_hop": 15}, "--light-first-hop needs --align-first-hop busy"),
         ({"llm_yield": "always"}, "--llm-yield must be one of off, lone"),
     ],
 )
