@@ -208,11 +208,17 @@ class BatchedToken2Wav(_BatchedStreams):
         self.vocab_size = config.flow.vocab_size
         self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)
 
-    def frame_counts(self) -> tuple[int, int]:
-        """(needed, computed) new frame-rows of the flow estimator so far; computed includes the padding of rows
-        and frames up to each call's CUDA-graph bucket."""
+    def frame_counts(self) -> tuple[int, int, int]:
+        """(needed, computed, of the computed those of padding rows) new frame-rows of the flow estimator so far;
+        computed includes the padding of rows and frames up to each call's CUDA-graph bucket."""
         cached = self.engine.cached
-        return cached.frames_needed, cached.frames_computed
+        return cached.frames_needed, cached.frames_computed, cached.frames_padding_rows
+
+    def attention_counts(self) -> tuple[int, int]:
+        """(needed, computed) query x key frames of the estimator's attention so far: each row alone, and padded to
+        its call's longest row and history bucket."""
+        cached = self.engine.cached
+        return cached.attention_needed, cached.attention_computed
 
     def hift_calls(self) -> tuple[int, int]:
         """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""

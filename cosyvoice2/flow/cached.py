@@ -187,9 +187,15 @@ class CachedFlowRunner:
     def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
         self.flow = flow
         # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
-        # up to a graph bucket); their ratio is the padding's share of the estimator's work
+        # up to a graph bucket); their ratio is the padding's share of the estimator's work. Of the padding, the
+        # frames of whole padding rows (the rows bucket) apart from the short rows' padding to the longest row.
         self.frames_needed = 0
         self.frames_computed = 0
+        self.frames_padding_rows = 0
+        # attention's query x key frames (new x (history + new), per row): needed alone, and computed, every row
+        # padded to the longest row's new frames and the history bucket
+        self.attention_needed = 0
+        self.attention_computed = 0
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
         self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
@@ -316,9 +322,12 @@ class CachedFlowRunner:
         shape = self.graphs.bucket(batch, max(news), max(hist)) if use_graphs else None
         rows_p, longest, hist_p = shape or (batch, max(news), max(hist))
         # what the estimator computes for these rows (padded to the bucket) against what they need
+        pad = rows_p - batch
         self.frames_needed += sum(news)
         self.frames_computed += rows_p * longest
-        pad = rows_p - batch
+        self.frames_padding_rows += pad * longest
+        self.attention_needed += sum(n * (h + n) for n, h in zip(news, hist))
+        self.attention_computed += rows_p * longest * (hist_p + longest)
         news_p = news + [0] * pad
         mask = (torch.arange(longest, device=device) < to_device(news_p, device).unsqueeze(1))
         mask = mask.unsqueeze(1).to(dtype)  # (Bp, 1, longest)

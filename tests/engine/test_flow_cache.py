@@ -264,6 +264,10 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
     prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
     spks = runner.project_speaker(dump["in_xvector"])[0]
     prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
+    batches, step_batch = [], runner.step_batch
+    runner.step_batch = lambda solving: batches.append(step_batch(solving)) or batches[-1]
+    counted = (runner.frames_needed, runner.frames_computed, runner.frames_padding_rows, runner.attention_needed,
+               runner.attention_computed)  # the prefix's own call
     chunks = [c for c in ChunkSchedule(prompt_tokens=40).chunks(300) if not c.final]
     streams = [(random_tokens(300, seed=30 + s), CachedSegment()) for s in range(3)]
     worst, rows_seen = 0.0, set()
@@ -280,8 +284,21 @@ def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
             worst = max(worst, (mel - ref).abs().max().item())
     assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
     assert worst <= MEL_TOL
-    # the runner counted what the buckets padded: three rows run as four, chunks short of a frame bucket
+    # the runner counted what the buckets padded: three rows run as four, chunks short of a frame bucket, rows of
+    # shorter histories attending over the longest row's history bucket
     assert 0 < runner.frames_needed < runner.frames_computed
+    assert 0 < runner.frames_padding_rows < runner.frames_computed - runner.frames_needed
+    assert 0 < runner.attention_needed < runner.attention_computed
+    expected = [0, 0, 0, 0, 0]
+    for batch in batches:
+        rows_p, longest, hist_p = batch.padded
+        expected[0] += sum(r.new for r in batch.rows)
+        expected[1] += rows_p * longest
+        expected[2] += (rows_p - len(batch.rows)) * longest
+        expected[3] += sum(r.new * (r.start + r.new) for r in batch.rows)
+        expected[4] += rows_p * longest * (hist_p + longest)
+    assert [now - before for now, before in zip((runner.frames_needed, runner.frames_computed,
+            runner.frames_padding_rows, runner.attention_needed, runner.attention_computed), counted)] == expected
 
 
 @parity
