@@ -1,0 +1,45 @@
+"""One tritonserver on one GPU, the tiny colocated pipeline rendered for CUDA, several requests at once.
+
+The several-GPU check (`test_layouts`) failed on H200s because one of its servers died, and the same death comes
+with one server on one GPU: with four streams and two offline requests at once (two rounds of `serve_round`'s load
+for one server), the entry model's Python stub of the bundled tritonserver aborts while it reads a request's
+string input (docs/deploy.md, "Several GPUs"). One stream and one offline request at a time pass, and so does the
+same load on the CPU. Here the load alone, on one GPU, so that the failure is not taken for a layout's."""
+
+from __future__ import annotations
+
+import pytest
+
+import pipeline_contract as contract
+from tests.gpu.test_layouts import FIRST_HOP, serve_round
+from tests.triton.conftest import Pipeline, settled_metrics
+from triton_repo.render import RenderOptions, write_repository
+
+#: Requests at once, in `serve_round`'s servers: 2 -> four streams and two offline requests.
+LOAD = 2
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from cosyvoice2.testing import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+async def test_one_tritonserver_on_a_gpu_serves_streams_and_offline_requests_at_once(
+    gpus, tiny_model_dir, tmp_path, triton_server_factory
+) -> None:
+    options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", device="cuda", max_batch=8,
+                            max_seq_len=2048, first_hop=FIRST_HOP, layout="colocated")
+    repo = write_repository(options)
+    server = triton_server_factory(repo, ready_timeout=300)
+    pipeline = Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    try:
+        for _ in range(ROUNDS):
+            await serve_round(contract.grpc_target([server.grpc_url]), LOAD)
+        metrics = await settled_metrics(pipeline)
+        assert metrics.get(("token2wav_failed_total", "engine"), 0) == 0
+    except BaseException:
+        print(f"--- tritonserver, last lines of its log:\n{server.log_tail(80)}")
+        raise
