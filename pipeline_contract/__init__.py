@@ -71,6 +71,14 @@ def grpc_target(addresses: Sequence[str]) -> str:
     return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
 
 
+def target_addresses(target: str) -> list[str]:
+    """The Triton instances a gRPC target names itself: the addresses of an ``ipv4:a,b,...`` list, or the one
+    ``host:port``; none for a target gRPC resolves (``dns:///name:port`` and other schemes)."""
+    if target.startswith("ipv4:"):
+        return [a.strip() for a in target[len("ipv4:"):].split(",") if a.strip()]
+    return [] if ":/" in target or target.startswith(("dns:", "unix:", "ipv6:")) else [target]
+
+
 #: Reference audio must be 16 kHz mono. CosyVoice2 returns 24 kHz mono, the rate the gateway serves (every
 #: response also states its rate in `sample_rate`; the gateway resamples other rates to this one).
 REFERENCE_SAMPLE_RATE = 16_000

@@ -95,6 +95,9 @@ Options:
   --open-loop-step-seconds S    arrivals offered per search step (default 30)
   --open-loop-steps N           most rates one search measures (default 8)
   --replicas N                  tritonservers on the same colocated repository, replica i on GPU i (default 1)
+  --balance round-robin|least-busy  how tts-bench spreads the Triton scenarios' requests over the replicas: the
+                                target's round robin, as the gateway (default round-robin), or each to the server with
+                                the fewest of the run's requests in flight
   --server-arg ARG              an extra tritonserver argument, repeatable (named in the results directory)
   --stacks-when-slow MS         py-spy dumps of every tritonserver process into RESULTS/stacks/ when a second's
                                 mean LLM step passes MS ms (stackbench.stacks; at most every 20 s; py-spy on PATH)
@@ -115,7 +118,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -136,6 +139,7 @@ from stackbench.stacks import SlowStacks
 from stackbench.timeline import MetricsTimeline
 from triton_repo.server import REPO_ROOT, TritonServer, stop_process
 from ttsbench.cli import DEFAULT_RATE_BOUNDS, concurrency_list, positive_rate
+from ttsbench.targets import BALANCES
 from ttsbench.ratesearch import ListenerBound, SearchSettings, SearchSettingsError
 
 #: Real time for a listener: the first audio within this p90, and no stream running dry afterwards.
@@ -523,6 +527,13 @@ def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] |
 # One level -------------------------------------------------------------------------------------------
 
 
+def balanced(scenario: Scenario, balance: str) -> Scenario:
+    """`scenario` with tts-bench spreading its requests by `balance` (the Triton scenarios; round robin: as it is)."""
+    if scenario.target != "triton" or balance == "round-robin":
+        return scenario
+    return replace(scenario, extra=(*scenario.extra, "--balance", balance))
+
+
 def pipeline_args(target: str, pipeline: str | None) -> list[str]:
     """tts-bench's arguments that aim a scenario's target at ``pipeline`` (None: CosyVoice2, its default)."""
     if pipeline is None:
@@ -730,9 +741,9 @@ def per_gpu(value: float | None, gpus: int) -> str:
 
 def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
                      pipeline: str | None = None, open_loop: dict[str, Any] | None = None, *, replicas: int = 1,
-                     gpus: int = 1) -> str:  # fmt: skip
+                     gpus: int = 1, balance: str = "round-robin") -> str:  # fmt: skip
     """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
-    vocoder) on how many tritonservers (``replicas``) and ``gpus``, then one table row per scenario and
+    vocoder) on how many tritonservers (``replicas``, their requests spread by ``balance``) and ``gpus``, then one table row per scenario and
     concurrency, each cell all runs' values and their spread (the machine's figures: every replica together); with
     several GPUs sampled each one's busy share; the real-time streams per machine and per GPU; with ``open_loop``
     (results.json's) the sustained open-loop rate and its search's steps."""
@@ -742,7 +753,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
     header = ["scenario", "c", "requests (errors)", *(title for title, *_ in SUMMARY_COLUMNS)]
     measured = (f"pipeline: **{pipeline}** (every figure below is {PIPELINE_MODELS.get(pipeline, pipeline)}'s)"
                 if pipeline is not None else f"token2wav: **{token2wav}**")  # fmt: skip
-    servers = (f"{replicas} tritonserver replicas (colocated, one per GPU) behind one round-robin target"
+    spread = "one round-robin target" if balance == "round-robin" else f"one target, {balance} (tts-bench's pick)"
+    servers = (f"{replicas} tritonserver replicas (colocated, one per GPU) behind {spread}"
                if replicas > 1 else "one tritonserver")  # fmt: skip
     lines = [f"# {title}", "", measured, "", f"replicas: **{replicas}** ({servers}); GPUs used: **{gpus}**", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
@@ -888,7 +900,7 @@ def settings_slug(args: argparse.Namespace) -> str:
     if args.only:
         parts.append(args.only.replace(",", "+"))
     if args.replicas > 1:
-        parts.append(f"rep{args.replicas}")
+        parts.append(f"rep{args.replicas}" + ("" if args.balance == "round-robin" else f"-{args.balance}"))
     parts.append(f"r{args.repeat}")
     return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
 
@@ -998,6 +1010,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--replicas", type=_positive, default=1,
                         help="tritonservers serving the same (colocated) repository, replica i on GPU i, all behind "
                              "one round-robin gRPC target (default 1)")
+    parser.add_argument("--balance", choices=BALANCES, default="round-robin",
+                        help="with --replicas: how tts-bench spreads the Triton scenarios' requests over the "
+                             "tritonservers: the target's round robin (as the gateway), or least-busy (each request to "
+                             "the server with the fewest of the run's requests in flight)")
     parser.add_argument("--stacks-when-slow", type=float, metavar="MS",
                         help="py-spy dumps of every tritonserver process (RESULTS/stacks/) when a second's mean LLM "
                              "step passes MS ms, at most every 20 s (needs py-spy on PATH)")
@@ -1055,9 +1071,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         except FileNotFoundError as exc:
             raise SystemExit(f"stack-bench: --dit-dir: {exc}") from None
     devices = replica_devices(args.replicas, args.device, dict(os.environ))
-    scenarios = [s for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    scenarios = [balanced(s, args.balance) for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
     search = open_loop_settings(args)
-    open_loop_scenario = next(s for s in SCENARIOS if s.name == args.open_loop_scenario)
+    open_loop_scenario = balanced(next(s for s in SCENARIOS if s.name == args.open_loop_scenario), args.balance)
+    if args.balance != "round-robin" and args.replicas < 2:
+        raise SystemExit(f"stack-bench: --balance {args.balance} spreads requests over replicas: add --replicas N")
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
     levels_dir = out_dir / "levels"
@@ -1098,6 +1116,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         "cosyvoice3_dir": None if cosyvoice3_dir is None else str(cosyvoice3_dir),
         "render": {k: str(v) for k, v in vars(options).items()},
         "replicas": args.replicas,
+        "balance": args.balance,  # how tts-bench spread the Triton scenarios' requests over the replicas
         "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)
         "gpus_used": len(gpus),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -1133,7 +1152,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests, {warm_concurrency} at a "
                   "time", flush=True)
             for warm in WARMUP:
-                run_level(warm, warm_concurrency, target, levels_dir / f"{warm.name}.json",
+                run_level(balanced(warm, args.balance), warm_concurrency, target, levels_dir / f"{warm.name}.json",
                           args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
         sampler.start()
         timeline.start()
@@ -1196,7 +1215,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         (out_dir / "results.json").write_text(json.dumps(document, indent=1))
         (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
         summary = summary_markdown(rows, f"stack-bench {out_dir.name}", realtime, token2wav, pipeline,
-                                   document.get("open_loop"), replicas=args.replicas, gpus=len(gpus))  # fmt: skip
+                                   document.get("open_loop"), replicas=args.replicas, gpus=len(gpus),
+                                   balance=args.balance)  # fmt: skip
         (out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per machine: {NA if realtime is None else realtime}, per GPU ({len(gpus)} used): "

@@ -41,7 +41,7 @@ from ttsbench.report import (
 )
 from ttsbench.runner import Target, measure, run_level, run_open_loop
 from ttsbench.sentences import SENTENCES
-from ttsbench.targets import DEFAULT_PIPELINE, PIPELINES, GatewayTarget, TritonTarget
+from ttsbench.targets import BALANCES, DEFAULT_PIPELINE, PIPELINES, GatewayTarget, TritonTarget
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32)
 #: Open loop without --duration or --requests: each rate offers arrivals for this long.
@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(ipv4:host:port,host:port; dns:///name:port), spread round robin")
     triton.add_argument("--fresh-voice-ids", action="store_true",
                         help="a new voice id per request, so the server's prompt cache never hits")
+    triton.add_argument("--balance", choices=BALANCES, default="round-robin",
+                        help="how a target naming several instances spreads the requests: the channel's round robin "
+                             "(as the gateway), or least-busy: each request to the instance with the fewest of this "
+                             "run's requests in flight (an ipv4:host:port,host:port target only)")
     triton.add_argument("--pipeline", choices=tuple(PIPELINES), default=DEFAULT_PIPELINE,
                         help="which pipeline's Triton models to load: "
                              + ", ".join(f"{name} ({' / '.join(models)})" for name, models in PIPELINES.items()))
@@ -198,7 +202,8 @@ def make_targets(args: argparse.Namespace) -> list[Target]:
     mode = load_mode(args)
     modes = [True, False] if mode == "both" else [mode == "streaming"]
     if args.target == "triton":
-        return [TritonTarget(args.url, streaming, args.seed, args.fresh_voice_ids, args.pipeline) for streaming in modes]
+        return [TritonTarget(args.url, streaming, args.seed, args.fresh_voice_ids, args.pipeline, args.balance)
+                for streaming in modes]  # fmt: skip
     return [
         GatewayTarget(args.url, streaming, args.response_format, args.stream_format, args.model, args.api_key, args.seed)
         for streaming in modes

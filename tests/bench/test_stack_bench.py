@@ -116,11 +116,14 @@ def test_results_directories_are_fresh_for_every_invocation(tmp_path):
 def test_settings_slug_is_short_and_file_name_safe():
     args = argparse.Namespace(device="cuda", dtype="bf16", max_batch=32, token2wav="unet", spark=False,
                               cosyvoice3=False, render_arg=["first_hop=15", "layout=a/b"], only="triton-stream,triton-offline", repeat=3,
-                              replicas=1, server_arg=[])
+                              replicas=1, server_arg=[], balance="round-robin")
     slug = sb.settings_slug(args)
     assert slug == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-r3"
     replicas = sb.settings_slug(argparse.Namespace(**{**vars(args), "replicas": 4}))
     assert replicas == "cuda-bf16-b32-unet-first_hop15-layoutab-triton-stream+triton-offline-rep4-r3"
+    balanced = sb.settings_slug(argparse.Namespace(**{**vars(args), "replicas": 2, "balance": "least-busy",
+                                                      "only": None}))
+    assert balanced == "cuda-bf16-b32-unet-first_hop15-layoutab-rep2-least-busy-r3"
     assert sb.settings_slug(argparse.Namespace(**{**vars(args), "token2wav": "dit"})).startswith("cuda-bf16-b32-dit-")
     pool = sb.settings_slug(argparse.Namespace(**{**vars(args), "server_arg": ["--backend-config=python,thread-pool-size=128"]}))
     assert "-layoutab-thread-pool-size128-triton-stream" in pool  # a server argument names its run too
@@ -259,6 +262,7 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--cosyvoice3", "--token2wav", "dit"], "CosyVoice3, which has its own DiT flow and HiFT: --token2wav and"),
     (["--cosyvoice3", "--render-arg", "cosyvoice3=x"], "give cosyvoice3 with --cosyvoice3, not --render-arg"),
     (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
+    (["--balance", "least-busy"], "--balance least-busy spreads requests over replicas: add --replicas N"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -617,6 +621,20 @@ def test_summary_of_replicas_shows_the_machines_figures_per_gpu_too():
                  "runs": [], "sustained_rate": 3.0}  # fmt: skip
     with_rate = sb.summary_markdown([], "title", None, "unet", open_loop=open_loop, replicas=2, gpus=2)
     assert "**3 req/s** per machine; per GPU (2 used): **1.5 req/s**" in with_rate
+
+
+def test_least_busy_balance_reaches_the_triton_scenarios_only():
+    from ttsbench.cli import build_parser as tts_parser
+
+    balanced = {s.name: sb.balanced(s, "least-busy") for s in (*sb.SCENARIOS, *sb.WARMUP)}
+    for scenario in (*sb.SCENARIOS, *sb.WARMUP):
+        expected = (*scenario.extra, "--balance", "least-busy") if scenario.target == "triton" else scenario.extra
+        assert balanced[scenario.name].extra == expected
+        assert sb.balanced(scenario, "round-robin") == scenario
+    command = ["triton", *balanced["triton-stream"].extra, "--mode", "streaming"]
+    assert tts_parser().parse_args(command).balance == "least-busy"  # tts-bench takes what stack-bench passes
+    text = sb.summary_markdown([], "title", None, "unet", replicas=2, gpus=2, balance="least-busy")
+    assert "2 tritonserver replicas (colocated, one per GPU) behind one target, least-busy (tts-bench's pick)" in text
 
 
 def test_one_grpc_target_names_every_replica():
