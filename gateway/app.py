@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retry_after_s=settings.retry_after_s,
             known_voices=settings.known_voices_per_model,
             metrics=metrics,
+            balance=settings.triton_balance,
         )
         app.state.triton = triton
         app.state.models = ModelCatalog(settings, triton)
@@ -91,7 +92,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             warmup_timeout_s=settings.voice_warmup_timeout_s,
             catalog=app.state.models,
         )
-        logger.info("gateway ready to serve: triton=%s voices=%d", settings.triton_url, len(registry.voices))
+        logger.info("gateway ready to serve: triton=%s (%s) voices=%d", settings.triton_url, settings.triton_balance,
+                    len(registry.voices))
         if settings.demo:
             logger.warning("\n%s", banner(settings.host, settings.port, with_api_key=bool(settings.api_keys)))
         try:

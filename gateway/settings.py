@@ -45,7 +45,17 @@ class Settings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="HTTP port of the gateway.")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    triton_url: str = Field("127.0.0.1:8001", description="Triton gRPC endpoint (host:port).")
+    triton_url: str = Field(
+        "127.0.0.1:8001",
+        description="Triton gRPC endpoint: host:port, or several replicas (ipv4:host:port,host:port; "
+        "dns:///name:port, e.g. a Kubernetes headless Service).",
+    )
+    triton_balance: Literal["round-robin", "least-busy"] = Field(
+        "round-robin",
+        description="How requests spread over several Triton replicas: gRPC's round robin, or least-busy: each "
+        "request to the replica with the fewest of this gateway's requests in flight (a dns:/// name is resolved "
+        "again every 10 s; an unreachable replica sits out 2 s).",
+    )
     offline_model: str = Field(contract.OFFLINE_MODEL, description="Triton model for whole-segment requests.")
     streaming_model: str = Field(contract.STREAMING_MODEL, description="Decoupled Triton model for streaming.")
     served_models: CommaList = Field(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
+from collections.abc import Hashable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from gateway.errors import (
     SynthesisTimeout,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.replicas import BALANCES, Replica, Replicas
 import pipeline_contract as contract
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,8 @@ class VoiceNotHeld(SynthesisFailed):
 
 class VoiceMemory:
     """Which voices each pipeline of one Triton target was sent with their audio and accepted: their next requests
-    name them by id alone.
+    name them by id alone. Keyed by the pipeline, or by (replica address, pipeline) where the gateway picks the
+    replica itself (least-busy balancing), since each replica keeps its own voice cache.
 
     A voice the pipeline did not hold when named by id is forgotten: its resend carries the audio, and so does its
     next request before it is remembered again. Behind a round-robin target that next request reaches another
@@ -79,16 +82,16 @@ class VoiceMemory:
         if capacity < 0:
             raise ValueError(f"voice memory capacity must be >= 0, got {capacity}")
         self.capacity = capacity
-        self._known: dict[Pipeline, OrderedDict[str, None]] = {}
+        self._known: dict[Hashable, OrderedDict[str, None]] = {}
 
-    def knows(self, pipeline: Pipeline, voice_id: str) -> bool:
+    def knows(self, pipeline: Hashable, voice_id: str) -> bool:
         known = self._known.get(pipeline)
         if known is None or voice_id not in known:
             return False
         known.move_to_end(voice_id)
         return True
 
-    def remember(self, pipeline: Pipeline, voice_id: str) -> None:
+    def remember(self, pipeline: Hashable, voice_id: str) -> None:
         if not self.capacity:
             return
         known = self._known.setdefault(pipeline, OrderedDict())
@@ -97,7 +100,7 @@ class VoiceMemory:
         while len(known) > self.capacity:
             known.popitem(last=False)
 
-    def forget(self, pipeline: Pipeline, voice_id: str) -> None:
+    def forget(self, pipeline: Hashable, voice_id: str) -> None:
         self._known.get(pipeline, {}).pop(voice_id, None)
 
 
@@ -153,7 +156,10 @@ class TritonClient:
     """gRPC client of the offline and streaming pipeline models. Create it inside the event loop.
 
     `url` is one target: one Triton, or several behind one name (a ``dns:///`` Service, an ``ipv4:a,b`` list)
-    spread round-robin; `known_voices` voices per pipeline are remembered as sent to it (`VoiceMemory`).
+    spread round-robin by the channel, or with `balance` "least-busy" each request to the replica with the fewest
+    of the gateway's requests in flight (`Replicas`; a request that could not reach its replica goes once to another
+    before any audio); `known_voices` voices per pipeline (per replica and pipeline when balancing) are remembered
+    as sent to it (`VoiceMemory`).
     """
 
     def __init__(
@@ -166,8 +172,17 @@ class TritonClient:
         retry_after_s: int,
         known_voices: int = 1024,
         metrics: GatewayMetrics | None = None,
+        balance: str = "round-robin",
     ) -> None:
-        self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
+        if balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+        self._replicas: Replicas | None = None
+        self._client = None
+        if balance == "least-busy":
+            self._replicas = Replicas(url, lambda address: grpcclient.InferenceServerClient(
+                address, channel_args=_CHANNEL_ARGS))
+        else:
+            self._client = grpcclient.InferenceServerClient(url, channel_args=_CHANNEL_ARGS)
         self.pipeline = Pipeline(offline_model, streaming_model)  # the default: CosyVoice2's
         self._timeout_s = timeout_s
         self._retry_after_s = retry_after_s
@@ -175,32 +190,83 @@ class TritonClient:
         self._metrics = metrics
 
     async def close(self) -> None:
-        await self._client.close()
+        if self._client is not None:
+            await self._client.close()
+        if self._replicas is not None:
+            await self._replicas.close()
+
+    async def _clients(self) -> list:
+        """The clients the readiness checks ask: the one target's, or every known replica's."""
+        if self._replicas is None:
+            return [self._client]
+        try:
+            await self._replicas.refresh()
+        except BackendUnavailable:
+            return []
+        return self._replicas.clients()
 
     async def is_deployed(self, pipeline: Pipeline, timeout_s: float) -> bool:
-        """Whether Triton has both models of `pipeline` loaded and ready (False when Triton is unreachable)."""
-        try:
-            for model in (pipeline.offline, pipeline.streaming):
-                if not await self._client.is_model_ready(model, client_timeout=timeout_s):
-                    return False
-        except (InferenceServerException, grpc.RpcError):
-            return False
-        return True
+        """Whether Triton (a replica, when balancing) has both models of `pipeline` loaded and ready (False when
+        Triton is unreachable)."""
+        for client in await self._clients():
+            try:
+                if all([await client.is_model_ready(model, client_timeout=timeout_s)
+                        for model in (pipeline.offline, pipeline.streaming)]):  # fmt: skip
+                    return True
+            except (InferenceServerException, grpc.RpcError):
+                continue
+        return False
 
     async def check_ready(self, timeout_s: float) -> None:
-        """Raise BackendUnavailable unless Triton and both models of the default pipeline are ready."""
+        """Raise BackendUnavailable unless Triton (a replica, when balancing) and both models of the default
+        pipeline are ready."""
+        clients = await self._clients()
+        if not clients:
+            raise BackendUnavailable("The speech backend is unreachable.", retry_after=self._retry_after_s)
+        failure: BackendUnavailable | None = None
+        for client in clients:
+            try:
+                await self._check_ready(client, timeout_s)
+                return
+            except BackendUnavailable as exc:
+                failure = exc
+        assert failure is not None
+        raise failure
+
+    async def _check_ready(self, client, timeout_s: float) -> None:
         try:
-            if not await self._client.is_server_ready(client_timeout=timeout_s):
+            if not await client.is_server_ready(client_timeout=timeout_s):
                 raise BackendUnavailable("Triton is not ready.", retry_after=self._retry_after_s)
             for model in (self.pipeline.offline, self.pipeline.streaming):
-                if not await self._client.is_model_ready(model, client_timeout=timeout_s):
+                if not await client.is_model_ready(model, client_timeout=timeout_s):
                     raise BackendUnavailable(f"Model '{model}' is not ready.", retry_after=self._retry_after_s)
         except (InferenceServerException, grpc.RpcError) as exc:
             logger.info("readiness: Triton unreachable: %s", exc)  # probes come often: not a warning each time
             raise BackendUnavailable("The speech backend is unreachable.", retry_after=self._retry_after_s) from exc
 
-    def _first_try(self, request: SegmentRequest, pipeline: Pipeline) -> tuple[SegmentRequest, str]:
-        """`request` by voice id alone when `pipeline` was sent its voice before, else as it is."""
+    # -- replicas (least-busy balancing) -------------------------------------------------------------------------
+    async def _pick(self, avoid: Replica | None) -> Replica | None:
+        return None if self._replicas is None else await self._replicas.pick(avoid)
+
+    def _release(self, replica: Replica | None) -> None:
+        if replica is not None and self._replicas is not None:
+            self._replicas.done(replica)
+
+    def _fails_over(self, replica: Replica | None, tried: Replica | None) -> bool:
+        """Whether a request `replica` could not reach goes once more to another replica (and `replica` sits out)."""
+        if replica is None or self._replicas is None or tried is not None or len(self._replicas.addresses) < 2:
+            return False
+        self._replicas.mark_down(replica)
+        return True
+
+    def _on(self, replica: Replica | None, pipeline: Pipeline) -> tuple[object, Hashable]:
+        """The client of a request and the key its voices are remembered under."""
+        if replica is None:
+            return self._client, pipeline
+        return replica.client, (replica.address, pipeline)
+
+    def _first_try(self, request: SegmentRequest, pipeline: Hashable) -> tuple[SegmentRequest, str]:
+        """`request` by voice id alone when `pipeline` (its voices' key) was sent its voice before, else as it is."""
         if request.carries_audio and self.voices.knows(pipeline, request.voice_id):
             return contract.id_only(request), BY_ID
         return request, WITH_AUDIO if request.carries_audio else BY_ID
@@ -218,22 +284,38 @@ class TritonClient:
         """One unary request on the offline model (of `pipeline`, default CosyVoice2's): the whole waveform of one
         segment (with empty ``target_text``: only the voice prompt is computed and cached, per the contract)."""
         pipeline = pipeline or self.pipeline
-        sent, voice = self._first_try(request, pipeline)
+        tried = None
+        while True:
+            replica = await self._pick(tried)
+            try:
+                return await self._offline_on(replica, request, pipeline, timeout_s)
+            except BackendUnavailable:
+                if not self._fails_over(replica, tried):
+                    raise
+                tried = replica
+            finally:
+                self._release(replica)
+
+    async def _offline_on(
+        self, replica: Replica | None, request: SegmentRequest, pipeline: Pipeline, timeout_s: float | None
+    ) -> contract.SpeechChunk:
+        client, key = self._on(replica, pipeline)
+        sent, voice = self._first_try(request, key)
         try:
-            chunk = await self._offline_once(sent, voice, pipeline, timeout_s)
+            chunk = await self._offline_once(client, sent, voice, pipeline, timeout_s)
         except VoiceNotHeld:
             if sent is request:
                 raise
-            self.voices.forget(pipeline, request.voice_id)
-            return await self._offline_once(request, RESENT_WITH_AUDIO, pipeline, timeout_s)
-        self.voices.remember(pipeline, request.voice_id)
+            self.voices.forget(key, request.voice_id)
+            return await self._offline_once(client, request, RESENT_WITH_AUDIO, pipeline, timeout_s)
+        self.voices.remember(key, request.voice_id)
         return chunk
 
     async def _offline_once(
-        self, request: SegmentRequest, voice: str, pipeline: Pipeline, timeout_s: float | None
+        self, client, request: SegmentRequest, voice: str, pipeline: Pipeline, timeout_s: float | None
     ) -> contract.SpeechChunk:
         try:
-            result = await self._client.infer(
+            result = await client.infer(
                 pipeline.offline,
                 self._inputs(request, voice),
                 outputs=_requested_outputs(),
@@ -250,26 +332,47 @@ class TritonClient:
         """The decoupled model's chunks for one segment, in order (sent by voice id alone when the pipeline was sent
         the voice before; again with the audio if it answers ``[unknown_voice]``, which comes before any chunk)."""
         pipeline = pipeline or self.pipeline
-        sent, voice = self._first_try(request, pipeline)
+        tried = None
+        while True:
+            replica = await self._pick(tried)
+            answered = False
+            try:
+                async with aclosing(self._stream_on(replica, request, pipeline)) as chunks:
+                    async for chunk in chunks:
+                        answered = True
+                        yield chunk
+                return
+            except BackendUnavailable:
+                if answered or not self._fails_over(replica, tried):
+                    raise
+                tried = replica
+            finally:
+                self._release(replica)
+
+    async def _stream_on(
+        self, replica: Replica | None, request: SegmentRequest, pipeline: Pipeline
+    ) -> AsyncIterator[contract.SpeechChunk]:
+        client, key = self._on(replica, pipeline)
+        sent, voice = self._first_try(request, key)
         answered = False
         try:
             # aclosing: a consumer leaving mid-stream cancels the gRPC call now, not when the generator is collected
-            async with aclosing(self._stream_once(sent, voice, pipeline)) as chunks:
+            async with aclosing(self._stream_once(client, sent, voice, pipeline)) as chunks:
                 async for chunk in chunks:
                     answered = True
-                    self.voices.remember(pipeline, request.voice_id)
+                    self.voices.remember(key, request.voice_id)
                     yield chunk
             return
         except VoiceNotHeld:
             if sent is request or answered:
                 raise
-            self.voices.forget(pipeline, request.voice_id)
-        async with aclosing(self._stream_once(request, RESENT_WITH_AUDIO, pipeline)) as chunks:
+            self.voices.forget(key, request.voice_id)
+        async with aclosing(self._stream_once(client, request, RESENT_WITH_AUDIO, pipeline)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
     async def _stream_once(
-        self, request: SegmentRequest, voice: str, pipeline: Pipeline
+        self, client, request: SegmentRequest, voice: str, pipeline: Pipeline
     ) -> AsyncIterator[contract.SpeechChunk]:
         """One streaming call.
 
@@ -287,7 +390,7 @@ class TritonClient:
                 "request_id": request.request_id,
             }
 
-        call = self._client.stream_infer(one_request(), stream_timeout=self._timeout_s)
+        call = client.stream_infer(one_request(), stream_timeout=self._timeout_s)
         ended = False
         try:
             final_seen = False

@@ -143,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     triton.add_argument("--fresh-voice-ids", action="store_true",
                         help="a new voice id per request, so the server's prompt cache never hits")
     triton.add_argument("--balance", choices=BALANCES, default="round-robin",
-                        help="how a target naming several instances spreads the requests: the channel's round robin "
-                             "(as the gateway), or least-busy: each request to the instance with the fewest of this "
-                             "run's requests in flight (an ipv4:host:port,host:port target only)")
+                        help="how a target naming several instances spreads the requests: the channel's round robin, "
+                             "or least-busy: each request to the instance with the fewest of this run's requests in "
+                             "flight (the gateway's TTS_TRITON_BALANCE=least-busy pick)")
     triton.add_argument("--pipeline", choices=tuple(PIPELINES), default=DEFAULT_PIPELINE,
                         help="which pipeline's Triton models to load: "
                              + ", ".join(f"{name} ({' / '.join(models)})" for name, models in PIPELINES.items()))

@@ -18,6 +18,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from gateway.replicas import BALANCES as GATEWAY_BALANCES, Replicas
 import pipeline_contract as contract
 from ttsbench.inputs import BenchRequest
 
@@ -31,33 +32,9 @@ PIPELINES: dict[str, tuple[str, str]] = {
     "cosyvoice3": (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL),
 }
 DEFAULT_PIPELINE = "cosyvoice2"
-#: How a Triton target that names several instances spreads the requests: the gRPC channel's round robin (as the
-#: gateway does), or each request to the instance with the fewest of this target's requests in flight
-#: (`LeastBusy`; an ``ipv4:a,b`` list only).
-BALANCES = ("round-robin", "least-busy")
-
-
-class LeastBusy:
-    """Picks, per request, the address with the fewest requests in flight; of those, the one picked longest ago.
-
-    Round robin spreads requests by count, and streams of different lengths pile up on some instances; this keeps
-    the streams in flight even. Used from one event loop."""
-
-    def __init__(self, addresses: Sequence[str]) -> None:
-        if not addresses:
-            raise ValueError("no address to balance over")
-        self.in_flight = dict.fromkeys(addresses, 0)
-        self._picked = {address: i for i, address in enumerate(addresses)}  # when each was last picked
-        self._clock = itertools.count(len(addresses))
-
-    def pick(self) -> str:
-        address = min(self.in_flight, key=lambda a: (self.in_flight[a], self._picked[a]))
-        self._picked[address] = next(self._clock)
-        self.in_flight[address] += 1
-        return address
-
-    def done(self, address: str) -> None:
-        self.in_flight[address] -= 1
+#: How a Triton target that names several instances spreads the requests: the gRPC channel's round robin, or the
+#: gateway's least-busy pick (`gateway.replicas`: each request to the instance with the fewest in flight).
+BALANCES = GATEWAY_BALANCES
 
 
 class TritonTarget:
@@ -69,7 +46,8 @@ class TritonTarget:
     that answers "unknown voice" gets the request again with the audio. ``pipeline`` picks the models
     (``PIPELINES``); audio durations use the rate the responses state, which must be one rate for the whole run.
     ``balance`` (``BALANCES``): how a target naming several instances spreads the requests; with "least-busy"
-    each instance has a channel of its own, and voices count as served per instance.
+    the gateway's pick (`gateway.replicas.Replicas`: a channel per instance), and voices count as served per
+    instance.
     """
 
     def __init__(self, url: str, streaming: bool, seed: int | None = None, fresh_voice_ids: bool = False,
@@ -82,19 +60,16 @@ class TritonTarget:
         self.mode = f"{where}/{'streaming' if streaming else 'offline'}"
         self.sample_rate: int | None = None  # stated by the first response with audio
         # ``url`` may name several Triton instances (an ``ipv4:a,b`` list, a ``dns:///`` name): the gateway's
-        # channel options spread the requests round robin over them, as the gateway would; or `LeastBusy` picks.
+        # channel options spread the requests round robin over them, as the gateway's default; or its `Replicas` pick.
         if balance not in BALANCES:
             raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-        self._balancer: LeastBusy | None = None
-        addresses = [url]
+        self._url = url
+        self._client: grpcclient.InferenceServerClient | None = None
+        self._replicas: Replicas | None = None
         if balance == "least-busy":
-            addresses = contract.target_addresses(url)
-            if len(addresses) < 2:
-                raise ValueError(f"least-busy balancing needs a target listing several instances "
-                                 f"(ipv4:host:port,host:port), got {url!r}")
-            self._balancer = LeastBusy(addresses)
-        self._clients = {address: grpcclient.InferenceServerClient(address, channel_args=list(contract.GRPC_CHANNEL_ARGS))
-                         for address in addresses}  # fmt: skip
+            self._replicas = Replicas(url, _client)
+        else:
+            self._client = _client(url)
         self._seed = seed
         self._fresh_voice_ids = fresh_voice_ids
         self._ids = itertools.count()
@@ -107,30 +82,32 @@ class TritonTarget:
         return contract.grpc_inputs(contract.id_only(speech) if by_id else speech)
 
     async def synthesize(self, request: BenchRequest) -> AsyncIterator[np.ndarray]:
-        address = self._balancer.pick() if self._balancer is not None else next(iter(self._clients))
+        if self._replicas is None:
+            async for piece in self._synthesize_at(self._client, self._url, request):
+                yield piece
+            return
+        replica = await self._replicas.pick()
         try:
-            async for piece in self._synthesize_at(address, request):
+            async for piece in self._synthesize_at(replica.client, replica.address, request):
                 yield piece
         finally:
-            if self._balancer is not None:
-                self._balancer.done(address)
+            self._replicas.done(replica)
 
-    async def _synthesize_at(self, address: str, request: BenchRequest) -> AsyncIterator[np.ndarray]:
+    async def _synthesize_at(self, client, address: str, request: BenchRequest) -> AsyncIterator[np.ndarray]:
         voice = (address, request.voice.id)
         by_id = not self._fresh_voice_ids and voice in self._held
         try:
-            async for piece in self._synthesize(address, request, by_id):
+            async for piece in self._synthesize(client, request, by_id):
                 yield piece
         except InferenceServerException as exc:
             if not by_id or contract.ERROR_UNKNOWN_VOICE not in str(exc):
                 raise
             self._held.discard(voice)  # refused before any audio: once more, with the audio
-            async for piece in self._synthesize(address, request, False):
+            async for piece in self._synthesize(client, request, False):
                 yield piece
         self._held.add(voice)
 
-    async def _synthesize(self, address: str, request: BenchRequest, by_id: bool) -> AsyncIterator[np.ndarray]:
-        client = self._clients[address]
+    async def _synthesize(self, client, request: BenchRequest, by_id: bool) -> AsyncIterator[np.ndarray]:
         inputs = self._inputs(request, by_id)
         request_id = f"bench-{next(self._ids)}"
         if not self.streaming:
@@ -173,8 +150,14 @@ class TritonTarget:
         return [p.size / rate for p in pieces]
 
     async def aclose(self) -> None:
-        for client in self._clients.values():
-            await client.close()
+        if self._client is not None:
+            await self._client.close()
+        if self._replicas is not None:
+            await self._replicas.close()
+
+
+def _client(address: str) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(address, channel_args=list(contract.GRPC_CHANNEL_ARGS))
 
 
 class GatewayError(RuntimeError):

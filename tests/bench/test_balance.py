@@ -1,5 +1,5 @@
-"""tts-bench's least-busy balancing over several Triton instances: the pick, and two real tritonservers of the
-stand-in pipeline behind one ``ipv4:a,b`` target."""
+"""tts-bench's least-busy balancing over several Triton instances (the gateway's pick, `gateway.replicas`, tested
+there): two real tritonservers of the stand-in pipeline behind one ``ipv4:a,b`` target."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import pipeline_contract as contract
 from tests.gateway.conftest import start_standin_backend, wait_for
 from tests.gateway.standin_model.standin import read_request_log
-from ttsbench.targets import LeastBusy, TritonTarget
+from ttsbench.targets import TritonTarget
 
 
 def test_target_addresses_are_what_grpc_target_listed():
@@ -20,22 +20,7 @@ def test_target_addresses_are_what_grpc_target_listed():
     assert contract.target_addresses("dns:///triton-replicas:8001") == []  # gRPC resolves it, not us
 
 
-def test_least_busy_picks_the_fewest_in_flight_then_the_one_picked_longest_ago():
-    balance = LeastBusy(["a", "b", "c"])
-    assert [balance.pick() for _ in range(3)] == ["a", "b", "c"]  # a tie: in turn
-    balance.done("b")
-    assert balance.pick() == "b"  # the only one with nothing in flight
-    balance.done("a")
-    balance.done("c")
-    assert balance.pick() == "a"  # a and c tie; a was picked longer ago
-    assert balance.in_flight == {"a": 1, "b": 1, "c": 0}
-    with pytest.raises(ValueError, match="no address"):
-        LeastBusy([])
-
-
-def test_least_busy_needs_a_target_that_lists_its_instances():
-    with pytest.raises(ValueError, match="several instances"):
-        TritonTarget("127.0.0.1:8001", streaming=True, balance="least-busy")
+def test_an_unknown_balance_is_refused():
     with pytest.raises(ValueError, match="balance must be one of"):
         TritonTarget("127.0.0.1:8001", streaming=True, balance="random")
 
