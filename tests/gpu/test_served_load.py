@@ -1,10 +1,10 @@
 """One tritonserver on one GPU, the tiny colocated pipeline rendered for CUDA, several requests at once.
 
-The several-GPU check (`test_layouts`) failed on H200s because one of its servers died, and the same death comes
-with one server on one GPU: with four streams and two offline requests at once (two rounds of `serve_round`'s load
-for one server), the entry model's Python stub of the bundled tritonserver aborts while it reads a request's
-string input (docs/deploy.md, "Several GPUs"). One stream and one offline request at a time pass, and so does the
-same load on the CPU. Here the load alone, on one GPU, so that the failure is not taken for a layout's."""
+The several-GPU check (`test_layouts`) failed on H200 machines because one of its servers died, and one server on
+one GPU dies the same way: the entry model's Python stub aborts while it reads a request's string input (docs/deploy.md,
+"Several GPUs"; there even two streams and one offline request at once failed, and two servers with the models
+rendered for the CPU; here, on Python 3.11's stub, the same requests pass). Here the server alone, on one GPU, so
+that the failure is not taken for a layout's."""
 
 from __future__ import annotations
 
