@@ -151,16 +151,57 @@ def _pytriton_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve() / "tritonserver"
 
 
+#: The stubs' own environment that scripts/gpu_setup.sh makes where the machine's Python has numpy 2 (NGC images).
+DEFAULT_STUB_ENV = REPO_ROOT / ".venv-stub"
+
+
+def numpy_major(env_prefix: Path) -> int | None:
+    """The major version of the numpy installed in the Python environment at `env_prefix` (None: none found)."""
+    if Path(env_prefix).resolve() == Path(sys.prefix).resolve():
+        try:
+            import importlib.metadata as metadata
+
+            return int(metadata.version("numpy").split(".")[0])
+        except metadata.PackageNotFoundError:
+            return None
+    versions = [int(info.name.split("-")[1].split(".")[0])
+                for info in Path(env_prefix).glob("lib/python3*/site-packages/numpy-*.dist-info")]  # fmt: skip
+    return min(versions) if versions else None
+
+
+def default_stub_env() -> Path:
+    """Where the python-backend stubs run by default: this interpreter's environment, unless its numpy is 2 or newer
+    and the separate stub environment (`DEFAULT_STUB_ENV`) exists."""
+    here = Path(sys.prefix)
+    if (numpy_major(here) or 0) >= 2 and (DEFAULT_STUB_ENV / "bin" / "python3").exists():
+        return DEFAULT_STUB_ENV
+    return here
+
+
+def check_stub_env(env_prefix: Path) -> None:
+    """TritonLaunchError unless the stubs can run in `env_prefix`: Triton 2.51's python-backend stub is built for
+    numpy 1; under numpy 2 it reads tensors wrongly (string inputs came back as their first byte repeated, outputs
+    empty), so a server there would start and then fail its requests."""
+    major = numpy_major(env_prefix)
+    if major is not None and major >= 2:
+        raise TritonLaunchError(
+            f"the Python environment of the tritonserver stubs ({env_prefix}) has numpy {major}.x, and the "
+            "python-backend stub needs numpy < 2: run scripts/gpu_setup.sh (it makes a stub environment, "
+            f"{DEFAULT_STUB_ENV}, used by default when present) or give one (stack-bench --stub-env DIR)"
+        )
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process on loopback with free ports.
 
     ``env_prefix`` is the Python environment the python-backend stubs run in (it must have numpy < 2
-    and whatever the models import); it defaults to the running interpreter's environment.
+    and whatever the models import); by default the running interpreter's, or the separate stub environment where
+    that one has numpy 2 (`default_stub_env`). A start in an environment with numpy 2 fails at once.
     """
 
     model_repository: Path
-    env_prefix: Path = field(default_factory=lambda: Path(sys.prefix))
+    env_prefix: Path = field(default_factory=default_stub_env)
     host: str = "127.0.0.1"
     http_port: int = 0
     grpc_port: int = 0
@@ -223,6 +264,7 @@ class TritonServer:
             return PORT_CONFLICT_MARK in log.read().decode(errors="replace")
 
     def _start_once(self, ready_timeout: float) -> TritonServer:
+        check_stub_env(self.env_prefix)
         ts_dir = _pytriton_dir()
         if self._workdir is None:  # a restart (same ports) reuses the backend dir and log
             self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-"))

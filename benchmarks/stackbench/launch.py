@@ -20,7 +20,7 @@ from typing import Any
 
 import pipeline_contract as contract
 from triton_repo.render import CosyVoice3RenderOptions, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonServer, free_port, stop_process
+from triton_repo.server import REPO_ROOT, TritonServer, default_stub_env, free_port, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
@@ -200,7 +200,7 @@ def wait_http_ok(url: str, timeout: float, proc: subprocess.Popen) -> None:
 
 @dataclass
 class BenchStack:
-    """tritonserver on a rendered repository (stubs in ``stub_env``, default: this environment) and, on demand,
+    """tritonserver on a rendered repository (stubs in ``stub_env``, default: `default_stub_env`) and, on demand,
     a gateway in front of it run by this interpreter. With ``replica_devices`` one tritonserver per entry serves
     the same repository, each seeing only that device (its ``CUDA_VISIBLE_DEVICES``) on ports of its own, and the
     gateway targets them all round robin (`grpc_target`). Logs: WORK/tritonserver.log (the first server;
@@ -223,7 +223,7 @@ class BenchStack:
         envs = [{"CUDA_VISIBLE_DEVICES": device} for device in self.replica_devices] or [{}]
         self.servers = [
             TritonServer(model_repository=self.repo, log_path=self.server_log_of(i),
-                         env_prefix=self.stub_env or Path(sys.prefix), extra_env=env, extra_args=self.server_args)
+                         env_prefix=self.stub_env or default_stub_env(), extra_env=env, extra_args=self.server_args)
             for i, env in enumerate(envs)
         ]  # fmt: skip
         for log in (*self.server_logs, self.gateway_log):

@@ -1,10 +1,8 @@
 """One tritonserver on one GPU, the tiny colocated pipeline rendered for CUDA, several requests at once.
 
 The several-GPU check (`test_layouts`) failed on H200 machines because one of its servers died, and one server on
-one GPU dies the same way: the entry model's Python stub aborts while it reads a request's string input (docs/deploy.md,
-"Several GPUs"; there even two streams and one offline request at once failed, and two servers with the models
-rendered for the CPU; here, on Python 3.11's stub, the same requests pass). Here the server alone, on one GPU, so
-that the failure is not taken for a layout's."""
+one GPU died the same way: its stubs ran in the machine's Python, which had numpy 2 (docs/deploy.md, "Several
+GPUs"). Here the server alone, on one GPU, so that such a failure is not taken for a layout's."""
 
 from __future__ import annotations
 

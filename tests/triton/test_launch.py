@@ -77,3 +77,51 @@ def test_tritonserver_replaces_the_launcher_and_its_status_is_the_launchers(fake
     server = record(fakes, "server.txt")
     assert f"pid={proc.pid}" in server  # exec: the same process, nothing left in between
     assert "--model-repository=/models/repo" in server and all(a in server for a in SERVING_ARGS)
+
+
+# -- the stubs' Python environment ------------------------------------------------------------------------------
+def _env_with_numpy(root: Path, version: str | None) -> Path:
+    site = root / "lib" / "python3.12" / "site-packages"
+    site.mkdir(parents=True)
+    (root / "bin").mkdir()
+    (root / "bin" / "python3").touch()
+    if version is not None:
+        (site / f"numpy-{version}.dist-info").mkdir()
+    return root
+
+
+def test_the_numpy_of_a_stub_environment_is_read_from_its_site_packages(tmp_path):
+    from triton_repo.server import numpy_major
+
+    assert numpy_major(_env_with_numpy(tmp_path / "one", "1.26.4")) == 1
+    assert numpy_major(_env_with_numpy(tmp_path / "two", "2.1.3")) == 2
+    assert numpy_major(_env_with_numpy(tmp_path / "none", None)) is None
+    import numpy
+
+    assert numpy_major(Path(sys.prefix)) == int(numpy.__version__.split(".")[0])
+
+
+def test_a_server_whose_stubs_would_run_with_numpy_2_refuses_to_start(tmp_path):
+    from triton_repo.server import TritonLaunchError, TritonServer, check_stub_env
+
+    check_stub_env(_env_with_numpy(tmp_path / "one", "1.26.4"))  # fine
+    check_stub_env(_env_with_numpy(tmp_path / "none", None))  # nothing to tell: the stub's own import says
+    numpy2 = _env_with_numpy(tmp_path / "two", "2.1.3")
+    server = TritonServer(model_repository=tmp_path / "repo", env_prefix=numpy2)
+    with pytest.raises(TritonLaunchError, match=r"has numpy 2\.x, and the python-backend stub needs numpy < 2: run "
+                                                r"scripts/gpu_setup\.sh"):
+        server.start(ready_timeout=5)
+    assert server.pid is None  # refused before any process started
+
+
+def test_the_stubs_run_in_the_separate_stub_environment_where_this_one_has_numpy_2(tmp_path, monkeypatch):
+    import triton_repo.server as server
+
+    stub_env = _env_with_numpy(tmp_path / "stub", "1.26.4")
+    monkeypatch.setattr(server, "DEFAULT_STUB_ENV", stub_env)
+    here = Path(sys.prefix)
+    assert server.default_stub_env() == (stub_env if (server.numpy_major(here) or 0) >= 2 else here)
+    monkeypatch.setattr(server, "numpy_major", lambda env: 2 if Path(env) == here else 1)
+    assert server.default_stub_env() == stub_env
+    monkeypatch.setattr(server, "DEFAULT_STUB_ENV", tmp_path / "absent")
+    assert server.default_stub_env() == here  # nothing better: its start then says what to do
