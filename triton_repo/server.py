@@ -9,6 +9,7 @@ in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process gr
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -159,10 +160,8 @@ def numpy_major(env_prefix: Path) -> int | None:
     """The major version of the numpy installed in the Python environment at `env_prefix` (None: none found)."""
     if Path(env_prefix).resolve() == Path(sys.prefix).resolve():
         try:
-            import importlib.metadata as metadata
-
-            return int(metadata.version("numpy").split(".")[0])
-        except metadata.PackageNotFoundError:
+            return int(importlib.metadata.version("numpy").split(".")[0])
+        except importlib.metadata.PackageNotFoundError:
             return None
     versions = [int(info.name.split("-")[1].split(".")[0])
                 for info in Path(env_prefix).glob("lib/python3*/site-packages/numpy-*.dist-info")]  # fmt: skip
