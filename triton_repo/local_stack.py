@@ -60,7 +60,7 @@ from typing import Callable, Sequence
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from cosyvoice3.layout import released_dir_problems
 from triton_repo.render import TOKEN2WAVS, CosyVoice3RenderOptions, RenderError, RenderOptions, write_repository
-from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, stop_process
+from triton_repo.server import CLEAN_STOP_S, REPO_ROOT, TritonLaunchError, TritonServer, spawn_tied, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "CosyVoice2-0.5B"
@@ -334,9 +334,7 @@ class Supervisor:
     def _start_gateway(self) -> None:
         # its own process group: Ctrl-C reaches us once, and we drain the gateway ourselves
         env = {**self.gateway_env, "TTS_TRITON_URL": self.server.grpc_url}  # the ports of the first start
-        self.gateway = subprocess.Popen(  # noqa: S603 - our own module
-            [sys.executable, "-m", "gateway"], env=env, start_new_session=True
-        )
+        self.gateway = spawn_tied([sys.executable, "-m", "gateway"], env=env, start_new_session=True)
         self._gateway_since = time.monotonic()
         _log(f"gateway started (pid {self.gateway.pid})")
 

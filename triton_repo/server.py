@@ -3,12 +3,15 @@
 Used by the local stack (`make run`) and by the test fixtures. The facts behind each step are in
 docs/triton.md: the python-backend stub must sit in a private backend dir, find its
 libraries through LD_LIBRARY_PATH, and run in an environment with numpy < 2; a server with a stream
-in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process group.
+in flight ignores SIGTERM, so stopping ends with SIGKILL of the whole process group. Every server (and the
+stacks' gateways) is tied to the process that started it: it gets SIGTERM when that process dies (`spawn_tied`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -91,6 +95,36 @@ def stop_process(proc: subprocess.Popen, grace: float, sig: int = signal.SIGTERM
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+#: prctl(2) option: the signal the calling process gets when its parent dies (Linux).
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_spawner: concurrent.futures.ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def _die_with(parent: int) -> None:
+    """In the child between fork and exec: SIGTERM when `parent` dies; exit at once if it already has."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def spawn_tied(cmd: list[str], **popen: object) -> subprocess.Popen:
+    """`subprocess.Popen(cmd, **popen)` for a process that must not outlive this one (Linux): it gets SIGTERM when
+    this process dies, however it dies. A tritonserver runs in a session of its own (so that it is stopped as a
+    group), where no terminal's hang-up reaches it: a test run or a benchmark killed by a timeout left its servers
+    running and holding GPU memory. The kernel sends the signal when the *thread* that forked the child exits, so
+    every such child is forked by one thread that lives as long as the process (a local stack starts tritonserver
+    from a short-lived thread)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spawn-tied")
+    parent = os.getpid()
+    return _spawner.submit(subprocess.Popen, cmd, preexec_fn=lambda: _die_with(parent), **popen).result()
 
 
 def _process_table() -> dict[int, tuple[int, float]]:
@@ -295,9 +329,8 @@ class TritonServer:
             *self.extra_args,
         ]
         with open(self.log_path, "ab") as log:
-            self._proc = subprocess.Popen(  # noqa: S603 - fixed binary, our arguments
-                cmd, env=self._env(ts_dir), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+            self._proc = spawn_tied(cmd, env=self._env(ts_dir), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
             self.wait_ready(ready_timeout)
         except BaseException:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pipeline_contract as contract
 from triton_repo.render import CosyVoice3RenderOptions, RenderOptions, write_repository
-from triton_repo.server import REPO_ROOT, TritonServer, default_stub_env, free_port, stop_process
+from triton_repo.server import REPO_ROOT, TritonServer, default_stub_env, free_port, spawn_tied, stop_process
 from triton_repo.spark_render import SparkRenderOptions
 
 SPEECH_TOKENS_PER_CHAR = 1.67  # 25 speech tokens per second / ~15 characters per second of read English
@@ -270,8 +270,8 @@ class BenchStack:
             env = {**os.environ, "TTS_TRITON_URL": self.grpc_target, "TTS_PORT": str(self.gateway_port),
                    "TTS_HOST": "127.0.0.1", **self.gateway_env}  # fmt: skip
             with open(self.gateway_log, "ab") as log:
-                self.gateway = subprocess.Popen([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT,  # noqa: S603
-                                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                self.gateway = spawn_tied([sys.executable, "-m", "gateway"], env=env, cwd=REPO_ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT)
             try:
                 wait_http_ok(f"{self.gateway_url}/ready", ready_timeout, self.gateway)
                 return
