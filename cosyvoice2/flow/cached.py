@@ -493,27 +493,36 @@ class CachedFlowRunner:
         own forward (channels first around every conv, time-major in the transformer blocks). Flipping between
         the two made every LayerNorm, Mish, mask and conv input a strided copy, about a fifth of a step's GPU
         time; time-major, the causal convs are one GEMM over three stacked frames (`_ConvTails.conv`)."""
-        est = self.flow.decoder.estimator
         convs = _ConvTails(tails, tail_at)
-        blocks = _BlockKV(keys, hist_p, self.fused.qkv)
+        blocks = _BlockKV(keys, hist_p, self.fused.qkv, bias)
+        velocity = self.network(x, mask, mu, t, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond, convs, blocks)
+        return velocity, blocks.collected(), convs.collected()
+
+    def network(self, x, mask, mu, t, spks, cond, convs, blocks) -> torch.Tensor:
+        """The estimator's layers over time-major activations -> velocity (rows, 80, frames): x, mu, spks, cond
+        (rows, 80, frames), mask (rows, 1, frames), t (rows,). What makes it a cached evaluation is passed in:
+        `convs` (`conv(module, x)`: causal convs with their left context) and `blocks` (`run(block, x)`:
+        transformer blocks attending to their history); `estimate` gives them padded rows, `flow.packed` rows
+        packed on one frame axis."""
+        est = self.flow.decoder.estimator
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         tembs = iter(self.fused.time_projections(temb))
-        mask = mask.transpose(1, 2)  # (2B, N, 1)
-        h = torch.cat([x, mu, spks.unsqueeze(-1).expand(-1, -1, x.size(-1)), cond], dim=1).transpose(1, 2)
+        mask = mask.transpose(1, 2)  # (rows, frames, 1)
+        h = torch.cat([x, mu, spks, cond], dim=1).transpose(1, 2)
 
         down = est.down_blocks[0]
-        skip = self._stage(down, h, mask, next(tembs), bias, convs, blocks)
+        skip = self._stage(down, h, mask, next(tembs), convs, blocks)
         h = convs.conv(down[2], skip * mask)
         for stage in est.mid_blocks:
-            h = self._stage(stage, h, mask, next(tembs), bias, convs, blocks)
+            h = self._stage(stage, h, mask, next(tembs), convs, blocks)
         up = est.up_blocks[0]
-        h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), bias, convs, blocks)
+        h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), convs, blocks)
         h = convs.conv(up[2], h * mask)
         h = self._block(est.final_block, h * mask, mask, convs)
         velocity = _pointwise(est.final_proj, h) * mask  # h is masked: the block's output
-        return velocity.transpose(1, 2), blocks.collected(), convs.collected()
+        return velocity.transpose(1, 2)
 
-    def _stage(self, stage, x, mask, time_projection, bias, convs, blocks):
+    def _stage(self, stage, x, mask, time_projection, convs, blocks):
         """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
         resnet's `mlp` of the time embedding (`_FusedWeights.time_projections`)."""
         resnet: CausalResnetBlock1D = stage[0]
@@ -522,7 +531,7 @@ class CachedFlowRunner:
         h = self._block(resnet.block2, h * mask, mask, convs)
         h = h + _pointwise(resnet.res_conv, masked)
         for block in stage[1]:
-            h = blocks.run(block, h, bias)
+            h = blocks.run(block, h)
         return h
 
     @staticmethod
@@ -623,11 +632,12 @@ class _BlockKV:
     projection's output (2B, N, heads x d) lands there as one contiguous run per row, and attention reads the
     (2B, heads, frames, d) transposed view, as it reads the queries."""
 
-    def __init__(self, keys: torch.Tensor, hist_p: int, qkv_weights: Sequence[torch.Tensor]) -> None:
-        self.keys, self.hist_p, self.qkv_weights = keys, hist_p, qkv_weights
+    def __init__(self, keys: torch.Tensor, hist_p: int, qkv_weights: Sequence[torch.Tensor],
+                 bias: torch.Tensor) -> None:
+        self.keys, self.hist_p, self.qkv_weights, self.bias = keys, hist_p, qkv_weights, bias
         self.index = 0
 
-    def run(self, block: TransformerBlock, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    def run(self, block: TransformerBlock, x: torch.Tensor) -> torch.Tensor:
         attn = block.attn1
         batch, length, _ = x.shape
         h = block.norm1(x)
@@ -637,7 +647,7 @@ class _BlockKV:
         copy_runs(kv[:, :, self.hist_p :], qkv[:, :, 1:].permute(2, 0, 1, 3, 4))
         self.index += 1
         q, k, v = qkv[:, :, 0].transpose(1, 2), kv[0], kv[1]
-        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias)
+        out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=self.bias)
         x = x + attn.to_out[0](out.transpose(1, 2).reshape(batch, length, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
 
