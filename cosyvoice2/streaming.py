@@ -35,6 +35,9 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
 #: with full attention as upstream does; "chunked" also runs the final chunk over the caches, with chunk
 #: attention (cheapest; its final chunk differs slightly from upstream's full-attention one, docs/engine.md).
 FLOW_CACHE_MODES = ("off", "exact", "chunked")
+#: How the cached flow lays a call's rows out: "padded" to the call's longest row and history (and the step graphs'
+#: rows bucket), or "packed" on one frame axis, each row attending to its own history (`flow.packed`).
+FLOW_PACKINGS = ("padded", "packed")
 
 
 @dataclass(frozen=True)
@@ -328,15 +331,18 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
+                 flow_packing: str = "padded") -> None:
         import torch
 
         from cosyvoice2.flow.cached import CachedFlowRunner
 
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
+        if flow_packing not in FLOW_PACKINGS:
+            raise ValueError(f"flow_packing must be one of {FLOW_PACKINGS}, got {flow_packing!r}")
         self.flow_cache = flow_cache
-        self.cached = CachedFlowRunner(flow)
+        self.cached = CachedFlowRunner(flow, packed=flow_packing == "packed")
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,
@@ -345,7 +351,7 @@ class Token2Wav(FlowAndVocoder):
         # HiFT's graph buckets for this engine's own schedule and every prompt length (a server sets its own)
         own = config.schedule(0)
         self.use_hift_buckets([replace(own, prompt_tokens=p) for p in range(own.grid)],
-                              max(self.cached.graphs.rows) if self.cached.graphs is not None else 1)
+                              self.cached.max_rows or 1)
 
     @property
     def cache_bytes(self) -> int:

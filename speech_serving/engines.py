@@ -199,11 +199,12 @@ class BatchedToken2Wav(_BatchedStreams):
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
                  flow_cache: str = "exact", flow_cache_gb: float | None = None,
-                 schedules: Sequence[ChunkSchedule] = ()):
+                 schedules: Sequence[ChunkSchedule] = (), flow_packing: str = "padded"):
         """`schedule`: the streams' own (`open`); `schedules`: every schedule the orchestrator may cut a stream's
         chunks by (none given: `schedule`), which HiFT's graph buckets cover for every prompt length."""
         budget = None if flow_cache_gb is None else int(flow_cache_gb * 2**30)
-        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
+        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget,
+                                flow_packing=flow_packing)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
         self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)
@@ -240,7 +241,7 @@ class BatchedToken2Wav(_BatchedStreams):
         engine = self.engine
         started = time.perf_counter()
         count = 0
-        graphs = engine.cached.graphs
+        graphs = engine.cached.solve_graphs
         if engine.flow_cache != "off" and graphs is not None and engine.flow_device.type == "cuda":
             with torch.inference_mode():
                 count = graphs.capture_all(engine.flow_device, engine.flow_dtype)
@@ -262,8 +263,7 @@ class BatchedToken2Wav(_BatchedStreams):
     @property
     def max_rows(self) -> int:
         """Jobs per call at most (the service's cap): the largest CUDA-graph bucket of rows (more would run eagerly)."""
-        graphs = self.engine.cached.graphs
-        return max(graphs.rows) if graphs is not None else DEFAULT_MAX_ROWS
+        return self.engine.cached.max_rows or DEFAULT_MAX_ROWS
 
     def open(self, prompt: PromptTensors, seed: int | None) -> StreamState:
         engine = self.engine

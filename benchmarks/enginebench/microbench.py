@@ -350,7 +350,7 @@ def bench_flow_cache(bench: Bench, dtype: torch.dtype, streams: list[int], modes
         engine.capture_hift_graphs()  # (again: a new engine sets HiFT's buckets anew)
         if mode != "off":
             start = time.perf_counter()
-            graphs = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
+            graphs = engine.cached.solve_graphs.capture_all(device, dtype) if engine.cached.solve_graphs else 0
             torch.cuda.synchronize(device)
             print(f"  {mode}: captured {graphs} step graphs in {time.perf_counter() - start:.1f} s, graph pool "
                   f"{torch.cuda.memory_stats(device).get('allocated_bytes.all.current', 0) / 2**30:.1f} GiB in use",

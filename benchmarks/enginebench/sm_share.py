@@ -140,7 +140,7 @@ def main() -> int:
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
                        flow_cache="chunked")
     started, before = time.perf_counter(), torch.cuda.memory_allocated(device)
-    steps = engine.cached.graphs.capture_all(device, dtype)
+    steps = engine.cached.solve_graphs.capture_all(device, dtype)
     encoder_graphs = engine.cached.encoder.graphs  # (an empty set of graphs is falsy: compare with None)
     encoder = encoder_graphs.capture_all(device, dtype) if encoder_graphs is not None else 0
     sync(device)

@@ -27,7 +27,7 @@ import torch
 
 import speech_lm.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from cosyvoice2.streaming import Token2Wav
+from cosyvoice2.streaming import FLOW_PACKINGS, Token2Wav
 from enginebench.microbench import (advanced_streams, kernel_profile, random_flow, random_hift, random_tokens,
                                      random_voice)
 from enginebench.timing import sync
@@ -103,14 +103,17 @@ def main() -> int:
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
+    parser.add_argument("--flow-packing", default="padded", choices=FLOW_PACKINGS,
+                        help="how a call's rows are laid out (`Token2Wav(flow_packing=...)`)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked")
+                       flow_cache="chunked", flow_packing=args.flow_packing)
     start = time.perf_counter()
-    count = engine.cached.graphs.capture_all(device, dtype) if engine.cached.graphs else 0
+    graphs = engine.cached.solve_graphs
+    count = graphs.capture_all(device, dtype) if graphs is not None and device.type == "cuda" else 0
     hift_count = engine.capture_hift_graphs()  # as a server does before it reports ready
     sync(device)
     print(f"captured {count} step graphs and {hift_count} HiFT graphs in {time.perf_counter() - start:.1f} s",
@@ -131,20 +134,31 @@ def main() -> int:
 
     phases = Phases(device)
     runner = engine.cached
-    for name, label in (("_encode", "encoder"), ("step_batch", "step inputs"), ("advance", "Euler steps"),
-                        ("result", "mel out")):
-        phases.wrap(runner, name, label)
+    if runner.packed is not None:  # packed: the whole solve is one phase
+        phases.wrap(runner, "_encode", "encoder")
+        phases.wrap(runner.packed, "solve", "Euler steps")
+    else:
+        for name, label in (("_encode", "encoder"), ("step_batch", "step inputs"), ("advance", "Euler steps"),
+                            ("result", "mel out")):
+            phases.wrap(runner, name, label)
     phases.wrap(engine, "vocode_batch", "HiFT")
 
     print(f"\n{'call':<28} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9} | phases (synchronised, ms)")
     for n in args.streams:
-        for label, earlier in (("first chunks", 0), ("2nd chunks", 1)):
-            prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(args.repeats + 2)]
+        # mixed: half the rows first chunks, half 4th chunks (200 new frames over a history), as calls under load
+        for label, earlier in (("first chunks", 0), ("2nd chunks", 1), ("mixed 1st + 4th", None)):
+            def prepare(n=n, earlier=earlier) -> list:
+                if earlier is not None:
+                    return advanced_streams(engine, voice, tokens, n, earlier)
+                return (advanced_streams(engine, voice, tokens, (n + 1) // 2, 0)
+                        + advanced_streams(engine, voice, tokens, n // 2, 3))
+
+            prepared = [prepare() for _ in range(args.repeats + 2)]
             wall = median_ms(device, lambda: engine.run_chunks(prepared.pop()), args.repeats)
             kernels = (kernel_profile(device, lambda: engine.run_chunks(prepared.pop()), top=6)
                        if device.type == "cuda" else {"kernels": 0, "busy_ms": 0.0, "top": []})
             timed_calls = 3
-            prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(timed_calls)]
+            prepared = [prepare() for _ in range(timed_calls)]
             phases.totals.clear()
             phases.active = True
             for _ in range(timed_calls):
@@ -157,13 +171,14 @@ def main() -> int:
                 print(f"{'':<30}{ms:8.2f} ms  {kernel}")
             if args.by_op:
                 # eager: each kernel keeps its launching operator
-                graphs, runner.graphs = runner.graphs, None
+                owner = runner.packed if runner.packed is not None else runner
+                graphs, owner.graphs = owner.graphs, None
                 encoder, runner.encoder.graphs = runner.encoder.graphs, None
                 try:
-                    prepared = [advanced_streams(engine, voice, tokens, n, earlier) for _ in range(2)]
+                    prepared = [prepare() for _ in range(2)]
                     ops = op_profile(lambda: engine.run_chunks(prepared.pop()), device, args.top)
                 finally:
-                    runner.graphs, runner.encoder.graphs = graphs, encoder
+                    owner.graphs, runner.encoder.graphs = graphs, encoder
                 print(f"{'':<30}eager, by operator (own device ms, calls, input shapes):")
                 for op, shapes, calls, ms in ops:
                     print(f"{'':<30}{ms:8.2f} ms {calls:6d}x  {op}  {shapes}")

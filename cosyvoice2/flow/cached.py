@@ -184,7 +184,9 @@ def _consecutive(values: list[int]) -> bool:
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True, packed: bool = False) -> None:
+        """`packed`: solve a call's rows on one frame axis (`flow.packed`, no padding to the longest row or
+        history) instead of padded to the step graphs' buckets."""
         self.flow = flow
         # new frames x rows of every set of rows the estimator ran over: needed, and computed (with the padding
         # up to a graph bucket); their ratio is the padding's share of the estimator's work. Of the padding, the
@@ -197,11 +199,14 @@ class CachedFlowRunner:
         self.attention_needed = 0
         self.attention_computed = 0
         # CUDA graphs of one estimator evaluation per shape bucket (used for CUDA tensors only)
-        self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs else None
+        self.graphs: Optional[StepGraphs] = StepGraphs(self) if graphs and not packed else None
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
         self.encoder = CachedEncoder(flow, graphs, row_buckets=self.graphs.rows if self.graphs is not None else STEP_ROWS)
         self.config = flow.config
         self.fused = _FusedWeights.of(flow.decoder.estimator)
+        from .packed import PackedFlow  # it builds on this module
+
+        self.packed: Optional[PackedFlow] = PackedFlow(self, graphs) if packed else None
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
         self.grid = flow.config.encoder.static_chunk_size
@@ -255,12 +260,29 @@ class CachedFlowRunner:
         not (`fitting_first`; without graphs every row is one eager pass)."""
         return fitting_first(range(len(rows)), lambda i: self.fits_graphs(rows[i]))
 
+    @property
+    def solve_graphs(self):
+        """The CUDA graphs of the Euler solve (padded step graphs, or the packed ones), or None."""
+        return self.packed.graphs if self.packed is not None else self.graphs
+
+    @property
+    def max_rows(self) -> Optional[int]:
+        """Rows per call that the solve's graphs take at most (None without graphs)."""
+        if self.packed is not None:
+            return self.packed.graphs.row_count if self.packed.graphs is not None else None
+        return max(self.graphs.rows) if self.graphs is not None else None
+
     def fits_graphs(self, row: CachedRow) -> bool:
-        """Whether a call of this row alone fits a bucket of the estimator's step graphs and (where it has any)
-        of the encoder's."""
-        new, history = row.stop - row.start, row.start
-        if self.graphs is None or self.graphs.bucket(1, new * self.stride, history * self.stride) is None:
+        """Whether a call of this row alone fits a bucket of the estimator's graphs and (where it has any) of the
+        encoder's."""
+        new, history = (row.stop - row.start) * self.stride, row.start * self.stride
+        graphs = self.solve_graphs
+        if graphs is None:
             return False
+        keys = history + new + 1 if self.packed is not None else history  # packed: the key axis, a trash slot
+        if graphs.bucket(1, new, keys) is None:
+            return False
+        new, history = row.stop - row.start, row.start
         encoder = self.encoder.graphs
         return encoder is None or encoder.bucket(1, new, history) is not None
 
@@ -281,6 +303,8 @@ class CachedFlowRunner:
     # -- estimator: the Euler solve ---------------------------------------------------------------------------
     def _solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
         """All Euler steps of a batch of rows (one whole call): the rows advance in lock step."""
+        if self.packed is not None:
+            return self.packed.solve(rows, mu)
         solving = self._begin(rows, mu)
         batch = self.step_batch(solving)
         for _ in self.flow.decoder.schedule:

@@ -23,11 +23,16 @@ whole call: the ODE state stays packed from the first step to the last.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from speech_lm.graph_buckets import GridGraphs
+from speech_lm.kernels import copy_runs
 
 from .cached import CONV_CONTEXT, CachedFlowRunner, CachedRow, EstimatorCache
 
@@ -67,67 +72,85 @@ class PackedLayout:
 
     @classmethod
     def of(cls, news: Sequence[int], hists: Sequence[int], finals: Sequence[bool], kept: Sequence[int], chunk: int,
-           device: torch.device, frames: Optional[int] = None, keys: Optional[int] = None) -> "PackedLayout":
-        """The layout of rows with `news` new frames after `hists` history frames (multiples of `chunk`);
-        `frames`/`keys` pad the axes to a size (a CUDA-graph bucket), at least what the rows need."""
-        rows = len(news)
+           device: torch.device, frames: Optional[int] = None, keys: Optional[int] = None,
+           rows: Optional[int] = None, pieces: Optional[int] = None) -> "PackedLayout":
+        """The layout of rows with `news` new frames after `hists` history frames (multiples of `chunk`).
+        `frames`, `keys` and `rows` size the axes and index tensors for a CUDA graph (at least what the rows need):
+        padding frames at the end, unused key slots, rows without frames (their tails unread) and pieces without
+        queries (`pieces_for`)."""
+        count = len(news)
         if any(h % chunk for h in hists):
             raise ValueError(f"packed rows start on the {chunk}-frame grid, not at {list(hists)}")
         need_frames, need_keys = sum(news), sum(hists) + sum(news) + _TRASH
         frames = need_frames if frames is None else frames
         keys = need_keys if keys is None else keys
-        if frames < need_frames or keys < need_keys:
-            raise ValueError(f"packed axes of {frames} frames / {keys} keys hold fewer than the rows' "
-                             f"{need_frames} / {need_keys}")
-        frame_at, key_at = [], []
-        f = k = 0
-        for new, hist in zip(news, hists):
-            frame_at.append(f)
-            key_at.append(k)
-            f += new
-            k += hist + new
+        rows = count if rows is None else rows
+        if frames < need_frames or keys < need_keys or rows < count:
+            raise ValueError(f"packed axes of {frames} frames / {keys} keys / {rows} rows hold fewer than the "
+                             f"rows' {need_frames} / {need_keys} / {count}")
+        news_a, hists_a = np.asarray(news, dtype=np.int64), np.asarray(hists, dtype=np.int64)
+        frame_at = np.concatenate([[0], np.cumsum(news_a)[:-1]]).astype(np.int64)
+        key_at = np.concatenate([[0], np.cumsum(news_a + hists_a)[:-1]]).astype(np.int64)
         trash = keys - 1
-        tails = CONV_CONTEXT * rows  # the tail frames come first in every conv's input sequence
-        window = []
-        new_key = []
-        for r, (new, hist) in enumerate(zip(news, hists)):
-            for i in range(new):
-                for back in range(CONV_CONTEXT, -1, -1):  # frames i-2, i-1, i
-                    j = i - back
-                    window.append(tails + frame_at[r] + j if j >= 0 else CONV_CONTEXT * r + CONV_CONTEXT + j)
-                new_key.append(key_at[r] + hist + i)
-        for p in range(need_frames, frames):  # padding frames read themselves and write the trash slot
-            window.extend([tails + p] * (CONV_CONTEXT + 1))
-            new_key.append(trash)
-        # each row's new tails: its inputs at kept-2, kept-1 (with nothing kept, the old tails again)
-        tail_at = []
-        for r, k in enumerate(kept):
-            for back in range(CONV_CONTEXT, 0, -1):
-                j = k - back
-                tail_at.append(tails + frame_at[r] + j if j >= 0 else CONV_CONTEXT * r + CONV_CONTEXT + j)
-        # attention pieces, guidance row by guidance row
+        tails = CONV_CONTEXT * rows  # every row's tail frames come first in a conv's input sequence
+
+        def position(row: np.ndarray, j: np.ndarray) -> np.ndarray:
+            """Where frame j (< 0: a tail frame) of `row` lies in [tails | frames]."""
+            return np.where(j >= 0, tails + frame_at[row] + j, CONV_CONTEXT * row + CONV_CONTEXT + j)
+
+        row = np.repeat(np.arange(count), news_a)
+        local = np.arange(need_frames) - frame_at[row]
+        window = np.stack([position(row, local - back) for back in range(CONV_CONTEXT, -1, -1)], axis=1)
+        padding = tails + np.arange(need_frames, frames)
+        window = np.concatenate([window, np.repeat(padding[:, None], CONV_CONTEXT + 1, axis=1)])
+        new_key = np.concatenate([key_at[row] + hists_a[row] + local, np.full(frames - need_frames, trash)])
+        # each row's new tails: its inputs at kept-2, kept-1 (nothing kept: its old tails again); rows beyond the
+        # call's read its first tail slot (never used)
+        kept_a = np.asarray(kept, dtype=np.int64)
+        tail_at = np.stack([position(np.arange(count), kept_a - back) for back in range(CONV_CONTEXT, 0, -1)], 1)
+        tail_at = np.concatenate([tail_at.reshape(-1), np.zeros(CONV_CONTEXT * (rows - count), dtype=np.int64)])
+        # attention pieces, guidance row by guidance row; padding queries in pieces of at most `chunk` that see the
+        # trash key
         cu, starts, used = [0], [], []
         for g in range(2):
             q0, k0 = g * frames, g * keys
             for r, (new, hist, final) in enumerate(zip(news, hists, finals)):
-                for c0 in range(0, new, chunk):
-                    c1 = min(new, c0 + chunk)
-                    cu.append(q0 + frame_at[r] + c1)
-                    starts.append(k0 + key_at[r])
+                for c1 in range(min(new, chunk), new + chunk, chunk):
+                    c1 = min(new, c1)
+                    cu.append(q0 + int(frame_at[r]) + c1)
+                    starts.append(k0 + int(key_at[r]))
                     used.append(hist + (new if final else c1))
-            if frames > need_frames:  # the padding queries: one piece that sees the trash key
-                cu.append(q0 + frames)
+                    if c1 == new:
+                        break
+            for end in range(need_frames + chunk, frames + chunk, chunk):
+                cu.append(q0 + min(end, frames))
                 starts.append(k0 + trash)
                 used.append(_TRASH)
+        longest = max(b - a for a, b in zip(cu, cu[1:]))
+        if pieces is not None:  # pieces without queries fill the capacity
+            if pieces < len(used):
+                raise ValueError(f"{len(used)} attention pieces, capacity {pieces}")
+            spare = pieces - len(used)
+            cu, starts, used = cu + [cu[-1]] * spare, starts + [2 * keys - 1] * spare, used + [0] * spare
         starts.append(2 * keys)  # the end of the key axis (flash attention reads starts[s] only, with `used`)
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
 
-        def long_(values: list[int], dtype=torch.long) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
+        def tensor(values, dtype=torch.long) -> torch.Tensor:
+            return torch.as_tensor(np.asarray(values), dtype=dtype).to(device)
 
-        return cls(tuple(news), tuple(hists), tuple(finals), tuple(kept), frames, keys, tuple(frame_at),
-                   tuple(key_at), long_(window), long_(tail_at), long_(new_key), long_(cu, torch.int32),
-                   long_(starts, torch.int32), long_(used, torch.int32), max(lengths), max(used))
+        return cls(tuple(news), tuple(hists), tuple(finals), tuple(kept), frames, keys,
+                   tuple(int(v) for v in frame_at), tuple(int(v) for v in key_at), tensor(window.reshape(-1)),
+                   tensor(tail_at), tensor(new_key), tensor(cu, torch.int32), tensor(starts, torch.int32),
+                   tensor(used, torch.int32), longest, max(used))
+
+    @staticmethod
+    def pieces_for(frames: int, rows: int, chunk: int) -> int:
+        """Attention pieces of any call of at most `rows` rows on `frames` packed frames: per guidance row each row's
+        pieces (its new frames / chunk, rounded up) and the padding's, at most frames / chunk + rows + 1."""
+        return 2 * (frames // chunk + rows + 2)
+
+    def index(self) -> "PackedIndex":
+        return PackedIndex(self.window, self.tail_at, self.new_key_at, self.cu_queries, self.piece_keys,
+                           self.piece_used, self.longest_piece, self.longest_keys, self.keys)
 
     def visible(self) -> torch.Tensor:
         """(2 frames, 2 keys) bool: which keys each query of the folded axes sees (the pieces as a dense mask)."""
@@ -139,17 +162,39 @@ class PackedLayout:
         return (slot >= lo.unsqueeze(1)) & (slot < hi.unsqueeze(1))
 
 
-def piece_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout,
+@dataclass(frozen=True)
+class PackedIndex:
+    """What the estimator's layers read of a layout: the index tensors (a call's own, or a CUDA graph's static
+    copies of them) and the sizes an attention call is launched with."""
+
+    window: torch.Tensor
+    tail_at: torch.Tensor
+    new_key_at: torch.Tensor
+    cu_queries: torch.Tensor
+    piece_keys: torch.Tensor
+    piece_used: torch.Tensor
+    longest_piece: int
+    longest_keys: int
+    keys: int
+
+
+def flash_pieces(q: torch.Tensor) -> bool:
+    """Whether `piece_attention` runs as one flash attention call for these queries (a GPU, half precision)."""
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def piece_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: PackedIndex,
                     visible: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of the packed queries (2 frames, heads, d) over the packed keys/values (2 keys, heads, d), piece
-    by piece (`PackedLayout`). On a GPU in half precision one variable-length flash attention call; otherwise an
-    explicit mask (`visible`, from `layout.visible()` when not given)."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v, layout.cu_queries, layout.piece_keys, layout.longest_piece, layout.longest_keys, 0.0, False,
-            False, seqused_k=layout.piece_used)[0]
-        return out
-    mask = layout.visible() if visible is None else visible
+    by piece (`PackedLayout`). On a GPU in half precision one variable-length flash attention call (static shapes,
+    no host sync: CUDA-graph safe); otherwise through `visible` (`PackedLayout.visible`)."""
+    if flash_pieces(q):
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, index.cu_queries, index.piece_keys, index.longest_piece, index.longest_keys, 0.0, False, False,
+            seqused_k=index.piece_used)[0]
+    if visible is None:
+        raise ValueError("attention pieces off a GPU need the layout's visibility mask")
+    mask = visible
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=mask)
     return out[0].transpose(0, 1)
@@ -159,8 +204,8 @@ class _PackedConvs:
     """Causal convs over packed frames (2, frames, C) with every row's two tail frames as its left context; the
     tails of all convs travel as one tensor (2, 2 rows, channels of all convs), each conv reading its slice."""
 
-    def __init__(self, tails: torch.Tensor, layout: PackedLayout, weights: dict[int, torch.Tensor]) -> None:
-        self.tails, self.layout, self.weights = tails, layout, weights
+    def __init__(self, tails: torch.Tensor, index: PackedIndex, weights: dict[int, torch.Tensor]) -> None:
+        self.tails, self.index, self.weights = tails, index, weights
         self.offset = 0
         self.out: list[torch.Tensor] = []
 
@@ -169,8 +214,8 @@ class _PackedConvs:
         left = self.tails[:, :, self.offset : self.offset + channels]
         self.offset += channels
         seq = torch.cat([left, x], dim=1)  # (2, 2 rows + frames, C)
-        self.out.append(seq.index_select(1, self.layout.tail_at))
-        windows = seq.index_select(1, self.layout.window).view(x.size(0), x.size(1), (CONV_CONTEXT + 1) * channels)
+        self.out.append(seq.index_select(1, self.index.tail_at))
+        windows = seq.index_select(1, self.index.window).view(x.size(0), x.size(1), (CONV_CONTEXT + 1) * channels)
         return F.linear(windows, self.weights[id(conv)], conv.bias)
 
     def collected(self) -> torch.Tensor:
@@ -181,30 +226,110 @@ class _PackedBlocks:
     """Transformer blocks over packed frames: each writes its new keys/values into its rows' key slots and attends
     piece by piece (`piece_attention`). `keys` (blocks, 2 k/v, 2 guidance, key slots, heads, d)."""
 
-    def __init__(self, keys: torch.Tensor, layout: PackedLayout, qkv_weights: Sequence[torch.Tensor],
+    def __init__(self, keys: torch.Tensor, index: PackedIndex, qkv_weights: Sequence[torch.Tensor],
                  visible: Optional[torch.Tensor]) -> None:
-        self.keys, self.layout, self.qkv_weights, self.visible = keys, layout, qkv_weights, visible
-        self.index = 0
+        self.keys, self.index, self.qkv_weights, self.visible = keys, index, qkv_weights, visible
+        self.block = 0
 
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
         attn = block.attn1
         guidance, frames, _ = x.shape
-        qkv = F.linear(block.norm1(x), self.qkv_weights[self.index]).view(guidance, frames, 3, attn.heads,
+        qkv = F.linear(block.norm1(x), self.qkv_weights[self.block]).view(guidance, frames, 3, attn.heads,
                                                                           attn.head_dim)
-        kv = self.keys[self.index]  # (2 k/v, 2 guidance, key slots, heads, d)
-        kv.index_copy_(2, self.layout.new_key_at, qkv[:, :, 1:].permute(2, 0, 1, 3, 4))
-        self.index += 1
-        flat = (guidance * self.layout.keys, attn.heads, attn.head_dim)
+        kv = self.keys[self.block]  # (2 k/v, 2 guidance, key slots, heads, d)
+        kv.index_copy_(2, self.index.new_key_at, qkv[:, :, 1:].permute(2, 0, 1, 3, 4))
+        self.block += 1
+        flat = (guidance * self.index.keys, attn.heads, attn.head_dim)
         out = piece_attention(qkv[:, :, 0].reshape(guidance * frames, attn.heads, attn.head_dim),
-                              kv[0].view(flat), kv[1].view(flat), self.layout, self.visible)
+                              kv[0].view(flat), kv[1].view(flat), self.index, self.visible)
         x = x + attn.to_out[0](out.reshape(guidance, frames, attn.heads * attn.head_dim))
         return x + block.ff(block.norm3(x))
 
 
-class PackedFlow:
-    """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`, the counterpart of `_solve`)."""
+#: The CUDA-graph buckets of packed calls: one graph per size of the packed frame axis (a call's new frames
+#: together, padded up to the next size), each for up to `PACKED_ROWS` rows. The key axis is the same for every graph
+#: (`packed_keys`): attention reads each piece's own keys (`seqused_k`), so its size costs memory, not time.
+PACKED_FRAMES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
+PACKED_ROWS = 16
 
-    def __init__(self, runner: CachedFlowRunner) -> None:
+
+def packed_keys(rows: int = PACKED_ROWS) -> int:
+    """The key axis of the packed graphs: every row at the padded path's longest history and new frames."""
+    from .cached import STEP_HISTORY_FRAMES, STEP_NEW_FRAMES
+
+    return rows * (max(STEP_HISTORY_FRAMES) + max(STEP_NEW_FRAMES)) + _TRASH
+
+
+_PackedStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, then the index tensors of `PackedIndex`
+
+
+class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+    """CUDA graphs of one packed estimator evaluation per (rows, frames, keys) bucket: rows and keys have one size
+    each, frames `PACKED_FRAMES`. The keys/values of every block and the conv tails live in two static buffers that
+    every graph reads (filled before each step: the rows' histories, their last conv inputs); a graph's outputs
+    (velocity, new conv tails) are valid until the next replay."""
+
+    def __init__(self, packed: "PackedFlow", frames: Sequence[int] = PACKED_FRAMES, rows: int = PACKED_ROWS) -> None:
+        super().__init__()
+        self.packed = packed
+        self.frame_sizes, self.row_count, self.key_count = tuple(frames), rows, packed_keys(rows)
+
+    def sizes(self) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
+        return (self.row_count,), self.frame_sizes, (self.key_count,)
+
+    @property
+    def lock(self):
+        return self._lock
+
+    def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
+        """Every bucket captured now; none where attention is not one flash call (no GPU, full precision): such
+        calls run eagerly."""
+        if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            return 0
+        return super().capture_all(device, dtype)
+
+    def statics(self, shape, device: torch.device, dtype: torch.dtype):
+        """The bucket's captured entry (captured now if new, on a GPU) and the static key and tail buffers."""
+        captured = self._get(shape, device, dtype)
+        assert self._buffers is not None
+        return captured, self._buffers
+
+    def _allocate(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.packed.runner.flow.decoder.estimator.config
+        return (torch.zeros(self.packed.blocks, 2, 2, self.key_count, cfg.num_heads, cfg.attention_head_dim,
+                            device=device, dtype=dtype),
+                torch.zeros(2, CONV_CONTEXT * self.row_count, self.packed.tail_channels, device=device, dtype=dtype))
+
+    def _inputs(self, shape, device: torch.device, dtype: torch.dtype) -> _PackedStatics:
+        rows, frames, _ = shape
+        mel = self.packed.runner.flow.decoder.estimator.config.out_channels
+        pieces = PackedLayout.pieces_for(frames, rows, self.packed.chunk)
+
+        def zeros(*size, kind=dtype):
+            return torch.zeros(*size, device=device, dtype=kind)
+
+        return (zeros(2, mel, frames), zeros(2, 1, frames), zeros(2, mel, frames), zeros(2), zeros(2, mel, frames),
+                zeros(2, mel, frames), zeros((CONV_CONTEXT + 1) * frames, kind=torch.long),
+                zeros(CONV_CONTEXT * rows, kind=torch.long), zeros(frames, kind=torch.long),
+                zeros(pieces + 1, kind=torch.int32), zeros(pieces + 1, kind=torch.int32),
+                zeros(pieces, kind=torch.int32))
+
+    def index_of(self, inputs: _PackedStatics) -> PackedIndex:
+        window, tail_at, new_key_at, cu, starts, used = inputs[6:]
+        return PackedIndex(window, tail_at, new_key_at, cu, starts, used, self.packed.chunk, self.key_count,
+                           self.key_count)
+
+    def _pass(self, shape, inputs: _PackedStatics):
+        assert self._buffers is not None
+        keys, tails = self._buffers
+        return lambda: self.packed.evaluate(inputs[:6], keys, tails, self.index_of(inputs), None)
+
+
+class PackedFlow:
+    """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`, the counterpart of `_solve`), from
+    CUDA graphs (`PackedGraphs`) where the call fits one and runs on a GPU."""
+
+    def __init__(self, runner: CachedFlowRunner, graphs: bool = True) -> None:
         self.runner = runner
         est = runner.flow.decoder.estimator
         # causal conv weights as (out, 3 x in) with the tap major: the gathered windows' (tap, channel) order
@@ -214,6 +339,23 @@ class PackedFlow:
         self.blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         self.tail_channels = sum(m.in_channels for m in est.modules()
                                  if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3)
+        self.graphs: Optional[PackedGraphs] = PackedGraphs(self) if graphs else None
+
+    def bucket(self, news: Sequence[int], hists: Sequence[int], like: torch.Tensor):
+        """The graph bucket of a call, or None (eager): off a GPU, or beyond the buckets."""
+        if self.graphs is None or not (flash_pieces(like) or self.graphs.emulate):
+            return None
+        return self.graphs.bucket(len(news), sum(news), sum(hists) + sum(news) + _TRASH)
+
+    def evaluate(self, statics: Sequence[torch.Tensor], keys: torch.Tensor, tails: torch.Tensor, index: PackedIndex,
+                 visible: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One estimator evaluation over packed frames: statics (x, mask, mu, t, spks, cond) -> (velocity (2, 80,
+        frames), the new conv tails (2, 2 rows, channels)); the new keys/values land in `keys`' slots."""
+        x, mask, mu, t, spks, cond = statics
+        convs = _PackedConvs(tails, index, self.conv_weights)
+        blocks = _PackedBlocks(keys, index, self.runner.fused.qkv, visible)
+        velocity = self.runner.network(x, mask, mu, t, spks, cond, convs, blocks)
+        return velocity, convs.collected()
 
     @torch.inference_mode()
     def solve(self, rows: Sequence[CachedRow], mu: torch.Tensor) -> tuple[list[torch.Tensor], list[EstimatorCache]]:
@@ -221,33 +363,56 @@ class PackedFlow:
         it): each row's mel (80, frames) float32 of tokens[first_emitted:stop] and its new estimator caches."""
         runner, cfm = self.runner, self.runner.flow.decoder
         solving = runner._begin(rows, mu)
-        layout = PackedLayout.of([s.new for s in solving], [s.start for s in solving], [r.final for r in rows],
-                                 [s.kept for s in solving], self.chunk, mu.device)
+        news, hists = [s.new for s in solving], [s.start for s in solving]
+        finals, kept = [r.final for r in rows], [s.kept for s in solving]
         like = solving[0].x
+        shape = self.bucket(news, hists, like)
+        if shape is None:
+            layout = PackedLayout.of(news, hists, finals, kept, self.chunk, like.device)
+        else:
+            count, frames, keys = shape
+            layout = PackedLayout.of(news, hists, finals, kept, self.chunk, like.device, frames=frames, keys=keys,
+                                     rows=count, pieces=PackedLayout.pieces_for(frames, count, self.chunk))
+        self._count(layout)
         x = self._pack([s.x for s in solving], layout)  # (80, frames): the ODE state, packed for the whole call
         mask = self._pack([torch.ones_like(s.x[:1]) for s in solving], layout)
-        cond_mu = self._pack([s.mu for s in solving], layout)
-        cond_spks = self._pack([s.spks.unsqueeze(1).expand(-1, s.new) for s in solving], layout)
-        cond_cond = self._pack([s.cond for s in solving], layout)
         zeros = torch.zeros_like(x)
-        mask2, mu2 = torch.stack([mask, mask]), torch.stack([cond_mu, zeros])
-        spks2, cond2 = torch.stack([cond_spks, zeros]), torch.stack([cond_cond, zeros])
-        visible = None if like.is_cuda and like.dtype in (torch.float16, torch.bfloat16) else layout.visible()
-        cfg = runner.flow.decoder.estimator.config
-        keys = like.new_zeros(self.blocks, 2, 2, layout.keys, cfg.num_heads, cfg.attention_head_dim)
+        statics = [torch.stack([x, x]), torch.stack([mask, mask]),
+                   torch.stack([self._pack([s.mu for s in solving], layout), zeros]),
+                   torch.zeros(2, device=like.device, dtype=like.dtype),
+                   torch.stack([self._pack([s.spks.unsqueeze(1).expand(-1, s.new) for s in solving], layout), zeros]),
+                   torch.stack([self._pack([s.cond for s in solving], layout), zeros])]
         rate = cfm.config.inference_cfg_rate
         kvs: list[torch.Tensor] = []
         tails_out: list[torch.Tensor] = []
-        for step, (t, dt) in enumerate(cfm.schedule):
-            self._fill_history(keys, rows, step, layout)
-            convs = _PackedConvs(self._tails(rows, step, layout.rows, like), layout, self.conv_weights)
-            blocks = _PackedBlocks(keys, layout, runner.fused.qkv, visible)
-            t_in = torch.full((2,), t, device=like.device, dtype=like.dtype)
-            velocity = runner.network(torch.stack([x, x]), mask2, mu2, t_in, spks2, cond2, convs, blocks)
-            x = x + dt * ((1.0 + rate) * velocity[0] - rate * velocity[1])
-            if any(layout.kept):  # the new keys of every row's frames, in frame order (a row's kept ones lead)
-                kvs.append(keys.index_select(3, layout.new_key_at[: sum(layout.news)]))
-            tails_out.append(convs.collected())
+        lock = self.graphs.lock if shape is not None else contextlib.nullcontext()
+        with lock:
+            if shape is None:
+                cfg = runner.flow.decoder.estimator.config
+                keys = like.new_zeros(self.blocks, 2, 2, layout.keys, cfg.num_heads, cfg.attention_head_dim)
+                tails = like.new_zeros(2, CONV_CONTEXT * layout.rows, self.tail_channels)
+                index, captured = layout.index(), None
+            else:
+                captured, (keys, tails) = self.graphs.statics(shape, like.device, like.dtype)
+                for static, value in zip(captured.inputs, (*statics, *self._index_tensors(layout))):
+                    static.copy_(value)
+                statics = list(captured.inputs[:6])
+                index = self.graphs.index_of(captured.inputs)
+            visible = None if flash_pieces(like) else layout.visible()  # (off a GPU: the pieces as a mask)
+            for step, (t, dt) in enumerate(cfm.schedule):
+                self._fill_history(keys, rows, step, layout)
+                self._fill_tails(tails, rows, step)
+                statics[0].copy_(torch.stack([x, x]))
+                statics[3].fill_(t)
+                if captured is not None and captured.graph is not None:
+                    captured.graph.replay()
+                    velocity, new_tails = captured.outputs
+                else:
+                    velocity, new_tails = self.evaluate(statics, keys, tails, index, visible)
+                x = x + dt * ((1.0 + rate) * velocity[0] - rate * velocity[1])
+                if any(kept):  # the new keys of every row's frames, in frame order (a row's kept ones lead)
+                    kvs.append(keys.index_select(3, layout.new_key_at[: sum(news)]))
+                    tails_out.append(new_tails.clone())
         mels, caches = [], []
         for r, s in enumerate(solving):
             at = layout.frame_at[r]
@@ -261,6 +426,22 @@ class PackedFlow:
                 [t[:, 2 * r : 2 * r + CONV_CONTEXT].transpose(1, 2) for t in tails_out]))
         return mels, caches
 
+    def _count(self, layout: PackedLayout) -> None:
+        """The runner's padding counters: packed, only the frame axis' padding up to its bucket is computed in
+        vain (no padding rows), and attention computes each piece's own keys."""
+        runner = self.runner
+        needed = sum(layout.news)
+        runner.frames_needed += needed
+        runner.frames_computed += layout.frames
+        attention = sum(n * (h + n) for n, h in zip(layout.news, layout.hists))
+        runner.attention_needed += attention
+        runner.attention_computed += attention
+
+    @staticmethod
+    def _index_tensors(layout: PackedLayout) -> tuple[torch.Tensor, ...]:
+        return (layout.window, layout.tail_at, layout.new_key_at, layout.cu_queries, layout.piece_keys,
+                layout.piece_used)
+
     @staticmethod
     def _pack(pieces: Sequence[torch.Tensor], layout: PackedLayout) -> torch.Tensor:
         """Per-row (C, new) tensors -> (C, frames), padding zeroed."""
@@ -269,21 +450,24 @@ class PackedFlow:
             out[:, at : at + piece.size(1)] = piece
         return out
 
-    def _fill_history(self, keys: torch.Tensor, rows: Sequence[CachedRow], step: int, layout: PackedLayout) -> None:
+    @staticmethod
+    def _fill_history(keys: torch.Tensor, rows: Sequence[CachedRow], step: int, layout: PackedLayout) -> None:
         """Each row's history keys/values at this Euler step into its key slots (prefix, then its own)."""
         for row, at in zip(rows, layout.key_at):
             for segment in (row.prefix, row.own):
                 if segment.estimator.frames:
                     piece = segment.estimator.kv[step]  # (blocks, 2, 2, n, heads, d)
-                    keys[:, :, :, at : at + piece.size(3)] = piece
+                    copy_runs(keys[:, :, :, at : at + piece.size(3)], piece)
                     at += piece.size(3)
 
-    def _tails(self, rows: Sequence[CachedRow], step: int, count: int, like: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _fill_tails(tails: torch.Tensor, rows: Sequence[CachedRow], step: int) -> None:
         """(2, 2 rows, channels of all convs): each row's last two inputs of every causal conv before its new frames
         (zeros without history)."""
-        out = like.new_zeros(2, CONV_CONTEXT * count, self.tail_channels)
         for r, row in enumerate(rows):
             segment = row.own if row.own.estimator.frames else row.prefix
+            at = slice(CONV_CONTEXT * r, CONV_CONTEXT * (r + 1))
             if segment.estimator.frames:  # (2, channels, 2) -> (2, 2, channels)
-                out[:, CONV_CONTEXT * r : CONV_CONTEXT * (r + 1)] = segment.estimator.tails[step].transpose(1, 2)
-        return out
+                tails[:, at] = segment.estimator.tails[step].transpose(1, 2)
+            else:
+                tails[:, at] = 0

@@ -3,7 +3,8 @@
 On the parity oracle's micro flow: a call of rows at different points of their streams (fresh, after one and two
 chunks, finishing, with and without a voice prefix) solved packed gives each row the mel and the new caches the
 padded call gives it, and a stream carried on by packed calls stays equal to one carried on by padded calls. The
-layout's index arithmetic is checked on its own (windows, tails, key slots, attention pieces).
+layout's index arithmetic is checked on its own (windows, tails, key slots, attention pieces), and streams through
+`Token2Wav` batched at staggered points give the padded engine's audio.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
-from cosyvoice2.flow.packed import PackedFlow, PackedLayout
+from cosyvoice2.flow.packed import PackedFlow, PackedGraphs, PackedLayout
+from cosyvoice2.streaming import Token2Wav
 from tests.conftest import FIXTURES_DIR
 
 PARITY_DIR = FIXTURES_DIR / "parity"
@@ -105,6 +107,28 @@ def test_packed_call_gives_every_row_the_padded_calls_mel_and_caches(oracle, wit
 
 
 @parity
+def test_packed_call_through_the_graphs_static_buffers_equals_the_padded_call(oracle) -> None:
+    """The CUDA-graph path emulated on the CPU: the call padded to a frame bucket, its index tensors and history in
+    the graphs' static buffers, which hold the previous call's keys (a second call must not read them)."""
+    flow, dump = oracle
+    runner = CachedFlowRunner(flow, graphs=False)
+    rows = stream_rows(runner, dump, with_prefix=True)
+    mu, _ = runner._encode(rows())
+    padded_mels, _ = runner._solve(rows(), mu)
+    packed = PackedFlow(runner)
+    packed.graphs = PackedGraphs(packed, frames=(256, 1024), rows=6)
+    packed.graphs.emulate = True
+    assert packed.bucket([100, 100, 200, 90], [50, 150, 250, 450], mu) == (6, 1024, packed.graphs.key_count)
+    needed, computed = runner.frames_needed, runner.frames_computed
+    for _ in range(2):
+        mels, _ = packed.solve(rows(), mu)
+        for a, b in zip(padded_mels, mels):
+            assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
+    assert runner.frames_computed - computed == 2 * 1024  # the frame bucket, no padding rows
+    assert runner.frames_needed - needed == 2 * (100 + 100 + 200 + 90)
+
+
+@parity
 def test_a_stream_carried_on_by_packed_calls_stays_equal(oracle) -> None:
     """Caches written by packed calls feed the next packed call: three chunks of one stream beside a fresh one."""
     flow, dump = oracle
@@ -127,3 +151,43 @@ def test_a_stream_carried_on_by_packed_calls_stays_equal(oracle) -> None:
         mels, caches = packed.solve([row(own_packed), fresh], mu)
         runner.commit(own_packed, CachedSegment(encoder_caches[0], caches[0]))
         assert (reference - mels[0]).abs().max().item() <= TOL
+
+
+# ---- through Token2Wav, on the tiny model directory: streams batched at different points -----------------
+@pytest.mark.parametrize("flow_cache", ["chunked", "exact"])
+def test_token2wav_with_packed_rows_streams_the_padded_audio(tiny_engine, tiny_prompt, tiny_prompt_unaligned,
+                                                             flow_cache: str) -> None:
+    base = tiny_engine.token2wav_engine
+    tokens = random_tokens(230, seed=6).tolist()
+    prompts = [tiny_prompt, tiny_prompt_unaligned, tiny_prompt]
+    engines = {packing: Token2Wav(base.flow, base.hift, base.config, flow_cache=flow_cache, flow_packing=packing)
+               for packing in ("padded", "packed")}
+
+    def calls(engine: Token2Wav) -> list[np.ndarray]:
+        """Three streams, one chunk of each per call (`run_chunks`), at staggered points of their schedules."""
+        streams = [engine.open_stream(engine.flow_prompt(p), engine.new_generator(i)) for i, p in enumerate(prompts)]
+        joins = [0, 40, 90]  # stream i gets its first tokens when the clock reaches joins[i]
+        audio: list[list[np.ndarray]] = [[] for _ in streams]
+        for clock in range(0, max(joins) + len(tokens) + 10, 10):
+            work = []
+            for i, stream in enumerate(streams):
+                fed = min(len(tokens), max(0, clock - joins[i]))
+                if stream.finished or clock < joins[i]:
+                    continue
+                stream.extend(tokens[len(stream.tokens) : fed])
+                chunk = stream.next_chunk(finished=fed == len(tokens))
+                if chunk is not None:
+                    work.append((stream, chunk))
+            for (stream, _), piece in zip(work, engine.run_chunks(work) if work else []):
+                audio[streams.index(stream)].append(piece)
+        assert all(stream.finished for stream in streams)
+        return [np.concatenate(a) for a in audio]
+
+    padded, packed = calls(engines["padded"]), calls(engines["packed"])
+    padded_runner, packed_runner = engines["padded"].cached, engines["packed"].cached
+    assert packed_runner.frames_needed == padded_runner.frames_needed
+    if flow_cache == "chunked":  # rows of different lengths were batched: the padded calls computed padding
+        assert packed_runner.frames_computed == packed_runner.frames_needed < padded_runner.frames_computed
+    for a, b in zip(padded, packed):
+        assert a.shape == b.shape == (960 * len(tokens),)
+        assert np.abs(a - b).max() < 1e-3  # HiFT turns mel rounding (1e-6) into ~2e-4 here
