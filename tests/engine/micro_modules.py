@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cosyvoice2.flow import EncoderConfig, EstimatorConfig, FlowConfig
@@ -16,9 +18,11 @@ TINY_FLOW = FlowConfig(encoder=EncoderConfig(width=16, attention_heads=2, linear
 TINY_HIFT = HiFTConfig(base_channels=16, f0_cond_channels=16)
 
 
-def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Default init plus random offsets, so that no norm weight or bias is a trivial 1 or 0."""
+def randomized(make: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
+    """`make()`'s module: its default init plus random offsets (no norm weight or bias a trivial 1 or 0), both drawn
+    after seeding, so the weights do not depend on what earlier tests drew from the global generator."""
     torch.manual_seed(seed)
+    module = make()
     with torch.no_grad():
         for param in module.parameters():
             param.add_(torch.randn_like(param) * 0.1)

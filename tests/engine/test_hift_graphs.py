@@ -21,7 +21,7 @@ BUCKETS = HiFTBuckets(rows=(1, 2, 4), frames=(32, 64), cache_samples=OVERLAP)
 
 @pytest.fixture(scope="module")
 def eager() -> HiFTGenerator:
-    return randomized(HiFTGenerator(TINY_HIFT), seed=4)
+    return randomized(lambda: HiFTGenerator(TINY_HIFT), seed=4)
 
 
 @pytest.fixture

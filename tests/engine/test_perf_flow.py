@@ -23,7 +23,7 @@ def flow_inputs(frames: int, prompt_frames: int, seed: int) -> tuple[torch.Tenso
 @pytest.fixture(scope="module")
 def flow() -> CausalFlow:
     torch.manual_seed(3)
-    return randomized(CausalFlow(TINY_FLOW), seed=3)
+    return randomized(lambda: CausalFlow(TINY_FLOW), seed=3)
 
 
 @pytest.mark.parametrize("streaming", [True, False])
@@ -62,7 +62,7 @@ def test_graph_replay_matches_eager_solve(flow: CausalFlow, dtype: torch.dtype) 
 @torch.inference_mode()
 def test_hift_graph_replays_match_eager_vocoding() -> None:
     torch.manual_seed(4)
-    hift = randomized(HiFTGenerator(TINY_HIFT), seed=4).to("cuda")
+    hift = randomized(lambda: HiFTGenerator(TINY_HIFT), seed=4).to("cuda")
     hift.cuda_graphs.use_buckets(HiFTBuckets(rows=(1,), frames=(32, 64), cache_samples=3840))
     assert hift.cuda_graphs.capture_all(torch.device("cuda")) == 2
     gen = torch.Generator(device="cuda").manual_seed(0)

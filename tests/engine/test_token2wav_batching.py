@@ -20,13 +20,13 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def hift() -> HiFTGenerator:
-    return randomized(HiFTGenerator(TINY_HIFT), seed=4)
+    return randomized(lambda: HiFTGenerator(TINY_HIFT), seed=4)
 
 
 @pytest.fixture(scope="module")
 def flow() -> CausalFlow:
     torch.manual_seed(3)
-    return randomized(CausalFlow(TINY_FLOW), seed=3)
+    return randomized(lambda: CausalFlow(TINY_FLOW), seed=3)
 
 
 def hift_rows(hift: HiFTGenerator, frames: list[int], caches: list[int]):

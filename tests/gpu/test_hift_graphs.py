@@ -26,7 +26,7 @@ def last_gpu(gpus: int) -> torch.device:
 
 def twins(config: HiFTConfig, device: torch.device, seed: int) -> tuple[HiFTGenerator, HiFTGenerator]:
     """An eager HiFT and one with graphs, same weights, on `device`."""
-    eager = randomized(HiFTGenerator(config), seed=seed)
+    eager = randomized(lambda: HiFTGenerator(config), seed=seed)
     graphed = HiFTGenerator(config).eval()
     graphed.load_state_dict(eager.state_dict())
     eager.cuda_graphs = None
