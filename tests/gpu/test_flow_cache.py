@@ -29,18 +29,24 @@ def random_flow(config: FlowConfig, device: torch.device) -> CausalFlow:
     return flow
 
 
-@torch.inference_mode()
-def worst_cached_deviation(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: int) -> tuple[float, int]:
-    """(max |cached - recompute| over every non-final chunk of every stream, step graphs captured). Stream s runs
-    chunk i in round i + s, so each call mixes rows at different points of their streams."""
+def stream_inputs(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: int):
+    """(prompt tokens, prompt mel, x-vector, each stream's speech tokens) of one random voice, on the flow's device."""
     device = next(flow.parameters()).device
-    runner = CachedFlowRunner(flow)
     gen = torch.Generator(device=device).manual_seed(1)
     prompt = torch.randint(0, flow.config.vocab_size, (prompt_tokens,), device=device, generator=gen)
     prompt_mel = torch.randn(2 * prompt_tokens, 80, device=device, generator=gen)
     xvector = torch.randn(1, 192, device=device, generator=gen)
     speech = [torch.randint(0, flow.config.vocab_size, (tokens,), device=device, generator=gen)
               for _ in range(streams)]
+    return prompt, prompt_mel, xvector, speech
+
+
+@torch.inference_mode()
+def worst_cached_deviation(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: int) -> tuple[float, int]:
+    """(max |cached - recompute| over every non-final chunk of every stream, step graphs captured). Stream s runs
+    chunk i in round i + s, so each call mixes rows at different points of their streams."""
+    runner = CachedFlowRunner(flow)
+    prompt, prompt_mel, xvector, speech = stream_inputs(flow, prompt_tokens, tokens, streams)
     chunks = [c for c in ChunkSchedule(prompt_tokens=prompt_tokens).chunks(tokens) if not c.final]
     spks = runner.project_speaker(xvector)[0]
     prefix = runner.prefix(prompt, prompt_mel, spks)

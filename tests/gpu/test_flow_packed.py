@@ -16,7 +16,7 @@ from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
 from cosyvoice2.flow.packed import PackedFlow, PackedLayout, piece_attention
 from cosyvoice2.streaming import ChunkSchedule
 from cosyvoice2.testing.models import tiny_config
-from tests.gpu.test_flow_cache import random_flow
+from tests.gpu.test_flow_cache import random_flow, stream_inputs
 
 HEADS, HEAD_DIM, CHUNK = 8, 64, 50
 
@@ -65,13 +65,7 @@ def test_flash_pieces_equal_the_pieces_as_a_mask_and_replay_from_a_graph(gpus) -
 @torch.inference_mode()
 def staggered_calls(runner: CachedFlowRunner, flow, prompt_tokens: int, tokens: int, streams: int):
     """The mels of streams run in staggered rounds (stream s runs chunk i in round i + s, the last chunk final)."""
-    device = next(flow.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(1)
-    prompt = torch.randint(0, flow.config.vocab_size, (prompt_tokens,), device=device, generator=gen)
-    prompt_mel = torch.randn(2 * prompt_tokens, 80, device=device, generator=gen)
-    xvector = torch.randn(1, 192, device=device, generator=gen)
-    speech = [torch.randint(0, flow.config.vocab_size, (tokens,), device=device, generator=gen)
-              for _ in range(streams)]
+    prompt, prompt_mel, xvector, speech = stream_inputs(flow, prompt_tokens, tokens, streams)
     chunks = list(ChunkSchedule(prompt_tokens=prompt_tokens).chunks(tokens))
     dtype = next(flow.parameters()).dtype
     spks = runner.project_speaker(xvector.to(dtype))[0]
