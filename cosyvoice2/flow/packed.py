@@ -402,7 +402,7 @@ class PackedFlow:
             for step, (t, dt) in enumerate(cfm.schedule):
                 self._fill_history(keys, rows, step, layout)
                 self._fill_tails(tails, rows, step)
-                statics[0].copy_(torch.stack([x, x]))
+                statics[0].copy_(x.expand_as(statics[0]))  # both guidance rows
                 statics[3].fill_(t)
                 if captured is not None and captured.graph is not None:
                     captured.graph.replay()
