@@ -20,6 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
+from speech_serving.loop_watchdog import LoopWatchdog
 from speech_serving.orchestrator import parse_request, run_until_cancelled
 from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 from speech_serving.stats import Stats
@@ -43,6 +44,8 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 #: Each decoupled BLS stream is read by one blocking reader here, never on the stub's event loop (it would
 #: stall every request). A reader is busy for its stream's whole life, hence the many workers.
 _BLS_THREADS = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="bls")
+#: This process's event loop, watched from its first request on (`serve`).
+_WATCHDOG = LoopWatchdog()
 #: No internal model ever goes this long without answering (a decode step is milliseconds, a token2wav call
 #: well under a second): a silent callee fails the request with a clear error instead of hanging it.
 BLS_STALL_TIMEOUT_S = 60.0
@@ -54,6 +57,9 @@ def model_config(args: Mapping[str, str]) -> dict[str, Any]:
 
 
 def model_params(args: Mapping[str, str]) -> dict[str, str]:
+    """The model's string parameters. Every model's `initialize` reads them first, so here the process's event-loop
+    watchdog learns whose loop it watches (one model per python stub process)."""
+    _WATCHDOG.name = args.get("model_name", _WATCHDOG.name)
     return {k: v["string_value"] for k, v in model_config(args).get("parameters", {}).items()}
 
 
@@ -90,7 +96,8 @@ async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[
     cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
     started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
     blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
-    sequence and token2wav job every 50 ms.
+    sequence and token2wav job every 50 ms. The loop these run on is watched (`speech_serving.loop_watchdog`): stuck
+    for seconds, it is logged with every thread's stack.
 
     `decoupled`: the model is (`is_decoupled`), and then this returns once its requests are answered; otherwise at
     once. The python stub runs a decoupled model's `execute` in the background and keeps its future in a set from
@@ -100,6 +107,7 @@ async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[
     is awaited by the stub before it takes the next batch, so it must return at once to keep its requests concurrent.
     """
     loop = asyncio.get_running_loop()
+    _WATCHDOG.start(loop)
     tasks = []
     for request in requests:
         task = loop.create_task(_serve_one(request, handle, cancellable))
