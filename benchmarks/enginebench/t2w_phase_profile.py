@@ -2,17 +2,20 @@
 
 Released-size random flow and HiFT, flow caches on (`chunked`), step and encoder graphs captured (`--eager-encoder`:
 the encoder pass eagerly), one voice whose prefix is cached; for each `--streams N` it times calls of N first
-chunks (and of N later chunks: 50 new tokens over a history) three ways:
+chunks, of N later chunks (50 new tokens over a history), and of half first and half 4th chunks (a call under load)
+three ways:
 - wall: the call as the server runs it (no added syncs);
 - phases: the same call with the device synchronised around each phase (encoder pass, step inputs, each Euler
   step, the mel out, HiFT, emit), so each phase's time is its own (the sum is a little above the wall time);
 - kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
   waited for the host.
+Each row ends with the flow padding of its calls (the share of the estimator's frame-rows computed in vain). With
+`--flow-packing packed` the rows are packed (docs/engine.md) and the Euler steps are one phase.
 With `--by-op`, one more call of each case runs with the step and encoder graphs off, under the profiler with input shapes, and
 the operators that launched the most kernel time are listed with their shapes: a graph replay shows only kernel
 names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder]
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder] [--flow-packing packed]
 """
 
 from __future__ import annotations
@@ -161,10 +164,13 @@ def main() -> int:
             prepared = [prepare() for _ in range(timed_calls)]
             phases.totals.clear()
             phases.active = True
+            needed, computed = runner.frames_needed, runner.frames_computed
             for _ in range(timed_calls):
                 engine.run_chunks(prepared.pop())
             phases.active = False
+            padding = 1.0 - (runner.frames_needed - needed) / max(1, runner.frames_computed - computed)
             split = ", ".join(f"{k} {v / timed_calls:.1f}" for k, v in phases.totals.items())
+            split += f"; flow padding {100 * padding:.0f} %"
             print(f"{label + ' x ' + str(n):<28} | {wall:8.1f} | {kernels['kernels']:7d} | {kernels['busy_ms']:9.1f} | "
                   f"{split}", flush=True)
             for kernel, ms in kernels["top"]:
