@@ -25,15 +25,14 @@ STUCK_S = 10.0
 
 
 def thread_stacks(skip: Optional[int] = None) -> str:
-    """Every thread's name and stack but `skip`'s (a thread id), innermost call last."""
+    """Every thread's stack but `skip`'s (a thread id), innermost call last; threads with the same stack (a pool's
+    idle workers) once, with all their names."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    parts = []
+    by_stack: dict[str, list[str]] = {}
     for ident, frame in sys._current_frames().items():
-        if ident == skip:
-            continue
-        stack = "".join(traceback.format_stack(frame))
-        parts.append(f"thread {names.get(ident, ident)}:\n{stack}")
-    return "\n".join(parts)
+        if ident != skip:
+            by_stack.setdefault("".join(traceback.format_stack(frame)), []).append(str(names.get(ident, ident)))
+    return "\n".join(f"{len(who)} thread(s) {', '.join(sorted(who))}:\n{stack}" for stack, who in by_stack.items())
 
 
 class LoopWatchdog:

@@ -34,3 +34,21 @@ async def test_a_turning_loop_is_not_reported() -> None:
         blocking_call_for_the_watchdog_test(0.02)  # short blocks: a busy loop, not a stuck one
         await asyncio.sleep(0.01)
     assert reports == [] and watchdog.stalls == 0
+
+
+def test_threads_with_one_stack_are_listed_once() -> None:
+    import threading
+
+    from speech_serving.loop_watchdog import thread_stacks
+
+    release = threading.Event()
+    workers = [threading.Thread(target=release.wait, name=f"idle-{i}") for i in range(5)]
+    for worker in workers:
+        worker.start()
+    try:
+        stacks = thread_stacks()
+    finally:
+        release.set()
+        for worker in workers:
+            worker.join()
+    assert "5 thread(s) idle-0, idle-1, idle-2, idle-3, idle-4:" in stacks
