@@ -248,8 +248,10 @@ class _PackedBlocks:
 
 #: The CUDA-graph buckets of packed calls: one graph per size of the packed frame axis (a call's new frames
 #: together, padded up to the next size), each for up to `PACKED_ROWS` rows. The key axis is the same for every graph
-#: (`packed_keys`): attention reads each piece's own keys (`seqused_k`), so its size costs memory, not time.
-PACKED_FRAMES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096)
+#: (`packed_keys`): attention reads each piece's own keys (`seqused_k`), so its size costs memory, not time. Up to
+#: 4096 the streaming calls (16 rows of at most 256 new frames); 6144 and 8192 take offline calls (whole utterances
+#: of a few hundred frames each), which the padded path runs eagerly.
+PACKED_FRAMES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
 PACKED_ROWS = 16
 
 
