@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +48,9 @@ def triton_server_factory() -> Iterator[TritonFactory]:
 
     yield start
     for server in started:
+        if server.exited:  # it ended on its own (a crash, a signal): its log says how, before cleanup removes it
+            sys.__stderr__.write(f"\ntritonserver of {server.model_repository} ended on its own; the end of its log:\n"
+                                 f"{server.log_tail(60)}\n")
         server.cleanup()
 
 
