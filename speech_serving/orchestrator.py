@@ -20,7 +20,6 @@ import asyncio
 import logging
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
@@ -388,36 +387,19 @@ async def accounted(stats: Stats, release: Callable[[], Awaitable[None]]) -> Asy
             stats.add("orchestrator_active_requests", -1)
 
 
-#: Where `run_until_cancelled` asks whether a request was cancelled: the python backend stub answers
-#: `request.is_cancelled()` by a round trip to tritonserver that blocks its caller until the server's one message
-#: thread gets to it, and at 32 streams polled every 50 ms that is 640 round trips a second. On the event loop each
-#: of them stopped every request of the model while it lasted; here a slow or lost answer delays that one check.
-_CANCEL_CHECKS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="cancel-check")
-
-
 async def run_until_cancelled(
     work: Callable[[], Awaitable[None]], is_cancelled: Callable[[], bool], poll_s: float = 0.05
 ) -> bool:
-    """Run `work()` and cancel it as soon as `is_cancelled()` (a blocking call, run off the event loop) turns true.
-    Returns True if cancelled."""
-    loop = asyncio.get_running_loop()
+    """Run `work()` and cancel it as soon as `is_cancelled()` turns true. Returns True if cancelled."""
     task = asyncio.ensure_future(work())
-    check: asyncio.Future[bool] | None = None
     while not task.done():
-        if check is None:
-            await asyncio.wait({task}, timeout=poll_s)
-            if task.done():
-                break
-            check = loop.run_in_executor(_CANCEL_CHECKS, is_cancelled)
-        await asyncio.wait({task, check}, return_when=asyncio.FIRST_COMPLETED)
-        if check.done():
-            cancelled, check = check.result(), None
-            if cancelled and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
-                return True
+        await asyncio.wait({task}, timeout=poll_s)
+        if not task.done() and is_cancelled():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            return True
     task.result()
     return False
