@@ -276,11 +276,10 @@ class CachedFlowRunner:
         """Whether a call of this row alone fits a bucket of the estimator's graphs and (where it has any) of the
         encoder's."""
         new, history = (row.stop - row.start) * self.stride, row.start * self.stride
-        graphs = self.solve_graphs
-        if graphs is None:
-            return False
-        keys = history + new + 1 if self.packed is not None else history  # packed: the key axis, a trash slot
-        if graphs.bucket(1, new, keys) is None:
+        if self.packed is not None:
+            if not self.packed.fits_graphs(new, history):
+                return False
+        elif self.graphs is None or self.graphs.bucket(1, new, history) is None:
             return False
         new, history = row.stop - row.start, row.start
         encoder = self.encoder.graphs

@@ -40,6 +40,15 @@ from .cached import CONV_CONTEXT, CachedFlowRunner, CachedRow, EstimatorCache
 _TRASH = 1
 
 
+def keys_needed(news: Sequence[int], hists: Sequence[int]) -> int:
+    """Key slots of a packed call: every row's history and new frames, and the trash slot."""
+    return sum(hists) + sum(news) + _TRASH
+
+
+def half_precision(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
 @dataclass(frozen=True)
 class PackedLayout:
     """Where each row of a call lies on the packed axes, and the index tensors the estimator reads them by.
@@ -81,7 +90,7 @@ class PackedLayout:
         count = len(news)
         if any(h % chunk for h in hists):
             raise ValueError(f"packed rows start on the {chunk}-frame grid, not at {list(hists)}")
-        need_frames, need_keys = sum(news), sum(hists) + sum(news) + _TRASH
+        need_frames, need_keys = sum(news), keys_needed(news, hists)
         frames = need_frames if frames is None else frames
         keys = need_keys if keys is None else keys
         rows = count if rows is None else rows
@@ -180,7 +189,7 @@ class PackedIndex:
 
 def flash_pieces(q: torch.Tensor) -> bool:
     """Whether `piece_attention` runs as one flash attention call for these queries (a GPU, half precision)."""
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return q.is_cuda and half_precision(q.dtype)
 
 
 def piece_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: PackedIndex,
@@ -286,7 +295,7 @@ class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor],
     def capture_all(self, device: torch.device, dtype: torch.dtype) -> int:
         """Every bucket captured now; none where attention is not one flash call (no GPU, full precision): such
         calls run eagerly."""
-        if torch.device(device).type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        if torch.device(device).type != "cuda" or not half_precision(dtype):
             return 0
         return super().capture_all(device, dtype)
 
@@ -347,7 +356,11 @@ class PackedFlow:
         """The graph bucket of a call, or None (eager): off a GPU, or beyond the buckets."""
         if self.graphs is None or not (flash_pieces(like) or self.graphs.emulate):
             return None
-        return self.graphs.bucket(len(news), sum(news), sum(hists) + sum(news) + _TRASH)
+        return self.graphs.bucket(len(news), sum(news), keys_needed(news, hists))
+
+    def fits_graphs(self, new: int, history: int) -> bool:
+        """Whether a call of one row of `new` frames after `history` fits a packed graph bucket."""
+        return self.graphs is not None and self.graphs.bucket(1, new, keys_needed([new], [history])) is not None
 
     def evaluate(self, statics: Sequence[torch.Tensor], keys: torch.Tensor, tails: torch.Tensor, index: PackedIndex,
                  visible: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
