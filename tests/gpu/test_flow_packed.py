@@ -21,8 +21,11 @@ from tests.gpu.test_flow_cache import random_flow, stream_inputs
 HEADS, HEAD_DIM, CHUNK = 8, 64, 50
 
 
+FRAMES, KEYS, ROWS = 512, 1536, 6  # the axes of one graph, large enough for both layouts below
+
+
 def graph_layout(device: torch.device, news, hists, finals) -> PackedLayout:
-    frames, keys, rows = 512, 1024, 6
+    frames, keys, rows = FRAMES, KEYS, ROWS
     return PackedLayout.of(news, hists, finals, [0] * len(news), CHUNK, device, frames=frames, keys=keys, rows=rows,
                            pieces=PackedLayout.pieces_for(frames, rows, CHUNK))
 
@@ -38,9 +41,9 @@ def test_flash_pieces_equal_the_pieces_as_a_mask_and_replay_from_a_graph(gpus) -
     gen = torch.Generator(device=device).manual_seed(0)
     layouts = [graph_layout(device, [100, 37, 200], [150, 0, 400], [False, True, False]),
                graph_layout(device, [250, 60], [50, 700], [False, False])]
-    q = torch.randn(2 * 512, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
-    k = torch.randn(2 * 1024, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
-    v = torch.randn(2 * 1024, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    q = torch.randn(2 * FRAMES, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    k = torch.randn(2 * KEYS, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
+    v = torch.randn(2 * KEYS, HEADS, HEAD_DIM, device=device, generator=gen).bfloat16()
     for layout in layouts:
         out = piece_attention(q, k, v, layout.index())
         assert out.shape == q.shape and out.device == device
