@@ -35,9 +35,6 @@ if TYPE_CHECKING:  # torch stays out of the pure schedule's import path
 #: with full attention as upstream does; "chunked" also runs the final chunk over the caches, with chunk
 #: attention (cheapest; its final chunk differs slightly from upstream's full-attention one, docs/engine.md).
 FLOW_CACHE_MODES = ("off", "exact", "chunked")
-#: How the cached flow lays a call's rows out: "padded" to the call's longest row and history (and the step graphs'
-#: rows bucket), or "packed" on one frame axis, each row attending to its own history (`flow.packed`).
-FLOW_PACKINGS = ("padded", "packed")
 
 
 @dataclass(frozen=True)
@@ -331,18 +328,13 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
-                 flow_packing: str = "padded") -> None:
-        import torch
-
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
         from cosyvoice2.flow.cached import CachedFlowRunner
 
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
-        if flow_packing not in FLOW_PACKINGS:
-            raise ValueError(f"flow_packing must be one of {FLOW_PACKINGS}, got {flow_packing!r}")
         self.flow_cache = flow_cache
-        self.cached = CachedFlowRunner(flow, packed=flow_packing == "packed")
+        self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,

@@ -199,27 +199,20 @@ class BatchedToken2Wav(_BatchedStreams):
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
                  flow_cache: str = "exact", flow_cache_gb: float | None = None,
-                 schedules: Sequence[ChunkSchedule] = (), flow_packing: str = "padded"):
+                 schedules: Sequence[ChunkSchedule] = ()):
         """`schedule`: the streams' own (`open`); `schedules`: every schedule the orchestrator may cut a stream's
         chunks by (none given: `schedule`), which HiFT's graph buckets cover for every prompt length."""
         budget = None if flow_cache_gb is None else int(flow_cache_gb * 2**30)
-        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget,
-                                flow_packing=flow_packing)
+        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
         self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)
 
-    def frame_counts(self) -> tuple[int, int, int]:
-        """(needed, computed, of the computed those of padding rows) new frame-rows of the flow estimator so far;
-        computed includes the padding of rows and frames up to each call's CUDA-graph bucket."""
+    def frame_counts(self) -> tuple[int, int]:
+        """(needed, computed) new frames of the flow estimator so far; computed includes the padding of each call's
+        packed frame axis up to its CUDA-graph bucket."""
         cached = self.engine.cached
-        return cached.frames_needed, cached.frames_computed, cached.frames_padding_rows
-
-    def attention_counts(self) -> tuple[int, int]:
-        """(needed, computed) query x key frames of the estimator's attention so far: each row alone, and padded to
-        its call's longest row and history bucket."""
-        cached = self.engine.cached
-        return cached.attention_needed, cached.attention_computed
+        return cached.frames_needed, cached.frames_computed
 
     def hift_calls(self) -> tuple[int, int]:
         """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""

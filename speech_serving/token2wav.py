@@ -58,11 +58,8 @@ TOKEN2WAV_STATS = (
     "token2wav_closed_total",
     "token2wav_expired_total",
     "token2wav_engine_seconds_total",  # wall time inside engine calls (flow + HiFT)
-    "token2wav_flow_frames_needed_total",  # new frame-rows the flow estimator needed (engines that count them)
+    "token2wav_flow_frames_needed_total",  # new frames the flow estimator needed (engines that count them)
     "token2wav_flow_frames_computed_total",  # ... and computed, padded up to the CUDA-graph buckets
-    "token2wav_flow_frames_padding_rows_total",  # ... of them, the frames of whole padding rows (the rows bucket)
-    "token2wav_flow_attention_needed_total",  # query x key frames of the estimator's attention, each row alone
-    "token2wav_flow_attention_computed_total",  # ... and computed, padded to the call's longest row and history
     "token2wav_hift_replayed_total",  # HiFT forwards replayed from a CUDA graph (engines that count them)
     "token2wav_hift_eager_total",  # ... and run eagerly, fitting no captured bucket (long offline utterances)
     # streams whose flow caches met the budget (`flow_cache_gb`) and stopped growing: their later chunks recompute
@@ -84,12 +81,10 @@ FIRST_CHUNK_STATS = (
 TOKEN2WAV_STATS += FIRST_CHUNK_STATS
 
 #: Running totals an engine may keep, as (its method, the counters of this call's share of each value): the flow
-#: estimator's frame-rows (needed, computed with the padding up to its graph buckets, of those the padding rows')
-#: and its attention's query x key frames (needed, computed), HiFT's forwards (replayed from a CUDA graph, eager).
+#: estimator's frames (needed, computed with the padding up to its graph buckets), HiFT's forwards (replayed from
+#: a CUDA graph, eager).
 ENGINE_TOTALS = (
-    ("frame_counts", ("token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total",
-                      "token2wav_flow_frames_padding_rows_total")),
-    ("attention_counts", ("token2wav_flow_attention_needed_total", "token2wav_flow_attention_computed_total")),
+    ("frame_counts", ("token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total")),
     ("hift_calls", ("token2wav_hift_replayed_total", "token2wav_hift_eager_total")),
     ("flow_cache_refusals", ("token2wav_flow_cache_refused_total",)),
     ("allocator_retries", ("token2wav_cuda_alloc_retries_total",)),

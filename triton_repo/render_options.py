@@ -19,7 +19,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from cosyvoice2.streaming import FLOW_CACHE_MODES, FLOW_PACKINGS
+from cosyvoice2.streaming import FLOW_CACHE_MODES
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
@@ -250,11 +250,6 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
-    # Off until measured against padded on a GPU (docs/PERFORMANCE.md, "What stands in the way"): 43-50 % of the
-    # estimator's frame-rows were padding from 16 streams on.
-    flow_packing: str = option("padded", choices=FLOW_PACKINGS,
-                               help="cached flow calls: padded (rows padded to the longest row and history) or packed "
-                                    "(rows on one frame axis, each attending to its own history)")
     # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
     # stream's first chunk from 111-113 ms to 100-104 (its token2wav call 64 -> 56 ms) and changed nothing measurable
     # from 4 streams up.

@@ -5,17 +5,17 @@ the encoder pass eagerly), one voice whose prefix is cached; for each `--streams
 chunks, of N later chunks (50 new tokens over a history), and of half first and half 4th chunks (a call under load)
 three ways:
 - wall: the call as the server runs it (no added syncs);
-- phases: the same call with the device synchronised around each phase (encoder pass, step inputs, each Euler
-  step, the mel out, HiFT, emit), so each phase's time is its own (the sum is a little above the wall time);
+- phases: the same call with the device synchronised around each phase (encoder pass, the Euler solve, HiFT), so
+  each phase's time is its own (the sum is a little above the wall time);
 - kernels: the CUDA kernels of one call (count and summed kernel time): wall minus kernel time is time the GPU
   waited for the host.
-Each row ends with the flow padding of its calls (the share of the estimator's frame-rows computed in vain). With
-`--flow-packing packed` the rows are packed (docs/engine.md) and the Euler steps are one phase.
+Each row ends with the flow padding of its calls (the share of the estimator's frames computed in vain: the packed
+frame axis padded up to its graph bucket).
 With `--by-op`, one more call of each case runs with the step and encoder graphs off, under the profiler with input shapes, and
 the operators that launched the most kernel time are listed with their shapes: a graph replay shows only kernel
 names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder] [--flow-packing packed]
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 import speech_lm.kernels  # noqa: F401 - the fused kernels the server uses
 from cosyvoice2.config import EngineConfig, resolve_dtype
-from cosyvoice2.streaming import FLOW_PACKINGS, Token2Wav
+from cosyvoice2.streaming import Token2Wav
 from enginebench.microbench import (advanced_streams, kernel_profile, random_flow, random_hift, random_tokens,
                                      random_voice)
 from enginebench.timing import sync
@@ -106,14 +106,12 @@ def main() -> int:
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
-    parser.add_argument("--flow-packing", default="padded", choices=FLOW_PACKINGS,
-                        help="how a call's rows are laid out (`Token2Wav(flow_packing=...)`)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked", flow_packing=args.flow_packing)
+                       flow_cache="chunked")
     start = time.perf_counter()
     graphs = engine.cached.solve_graphs
     count = graphs.capture_all(device, dtype) if graphs is not None and device.type == "cuda" else 0
@@ -137,13 +135,8 @@ def main() -> int:
 
     phases = Phases(device)
     runner = engine.cached
-    if runner.packed is not None:  # packed: the whole solve is one phase
-        phases.wrap(runner, "_encode", "encoder")
-        phases.wrap(runner.packed, "solve", "Euler steps")
-    else:
-        for name, label in (("_encode", "encoder"), ("step_batch", "step inputs"), ("advance", "Euler steps"),
-                            ("result", "mel out")):
-            phases.wrap(runner, name, label)
+    phases.wrap(runner, "_encode", "encoder")
+    phases.wrap(runner.solver, "solve", "Euler steps")
     phases.wrap(engine, "vocode_batch", "HiFT")
 
     print(f"\n{'call':<28} | {'wall ms':>8} | {'kernels':>7} | {'kernel ms':>9} | phases (synchronised, ms)")
@@ -177,14 +170,13 @@ def main() -> int:
                 print(f"{'':<30}{ms:8.2f} ms  {kernel}")
             if args.by_op:
                 # eager: each kernel keeps its launching operator
-                owner = runner.packed if runner.packed is not None else runner
-                graphs, owner.graphs = owner.graphs, None
+                graphs, runner.solver.graphs = runner.solver.graphs, None
                 encoder, runner.encoder.graphs = runner.encoder.graphs, None
                 try:
                     prepared = [prepare() for _ in range(2)]
                     ops = op_profile(lambda: engine.run_chunks(prepared.pop()), device, args.top)
                 finally:
-                    owner.graphs, runner.encoder.graphs = graphs, encoder
+                    runner.solver.graphs, runner.encoder.graphs = graphs, encoder
                 print(f"{'':<30}eager, by operator (own device ms, calls, input shapes):")
                 for op, shapes, calls, ms in ops:
                     print(f"{'':<30}{ms:8.2f} ms {calls:6d}x  {op}  {shapes}")

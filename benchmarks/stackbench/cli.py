@@ -333,17 +333,9 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         # streams whose flow caches met the budget in this level (they recompute the frames since then)
         "token2wav_flow_cache_refused": d.get("token2wav_flow_cache_refused_total"),
         "token2wav_cuda_alloc_retries": d.get("token2wav_cuda_alloc_retries_total"),
-        # the share of the flow estimator's frame-rows that were padding (graph buckets); None: not counted
+        # the share of the flow estimator's frames that were padding (graph buckets); None: not counted
         "token2wav_padded_share_pct": padded_share(d, "token2wav_flow_frames_needed_total",
                                                    "token2wav_flow_frames_computed_total"),
-        # of the computed frame-rows, those of whole padding rows (the rest of the padding: short rows padded to the
-        # call's longest)
-        "token2wav_padding_rows_share_pct": (ratio("token2wav_flow_frames_padding_rows_total",
-                                                   "token2wav_flow_frames_computed_total", 100.0)
-                                             if "token2wav_flow_frames_padding_rows_total" in d else None),
-        # the share of the attention's query x key frames that were padding (longest row, history bucket)
-        "token2wav_attention_padded_share_pct": padded_share(d, "token2wav_flow_attention_needed_total",
-                                                             "token2wav_flow_attention_computed_total"),
         **first_chunk_breakdown(d),
     }
 
@@ -698,8 +690,6 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),
-    ("of it, padding rows (%)", "token2wav_padding_rows_share_pct", "{:.0f}"),
-    ("attention padding (%)", "token2wav_attention_padded_share_pct", "{:.0f}"),
     ("caches over budget", "token2wav_flow_cache_refused", "{:.0f}"),
     ("alloc retries", "token2wav_cuda_alloc_retries", "{:.0f}"),
     # the slowest second of the level (`stackbench.timeline`): a level that slowed down as a whole for a while

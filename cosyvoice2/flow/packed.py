@@ -1,9 +1,9 @@
 """Packed rows: a cached flow call's rows on one frame axis, each attending to its own history only.
 
-`CachedFlowRunner.advance` pads every row of a call to the call's longest row (new frames) and every row's history
-to the longest history, and the rows to a CUDA-graph bucket. On an H200 at 16 and more streams 43-50 % of the
-estimator's frame-rows and 62-65 % of its attention were that padding: first chunks of ~50-104 frames ride with
-later chunks of 200, and a fresh stream attends over a long stream's history length.
+Why packed: padded to the call's longest row (new frames), to the longest history and to a rows bucket, 43-50 % of
+the estimator's frame-rows and 62-65 % of its attention were padding on an H200 at 16 and more streams (first
+chunks of ~50-104 frames ride with later chunks of 200, and a fresh stream attends over a long stream's history
+length); packed, the served stack answered faster at every level (docs/experiments/2026-11-28-packed-rows.md).
 
 Here the rows' new frames lie one after another on a single frame axis (the guidance rows, conditional and
 unconditional, stay a batch of two). Everything the estimator does per frame (linear layers, LayerNorm, Mish,
@@ -17,8 +17,7 @@ masks) runs over that axis as it is; the two things that look across frames take
   piece is a sequence whose keys start where its row's do and whose length (`seqused_k`) ends at its chunk, so the
   pieces of one row share their keys in place. Elsewhere the same visibility is an explicit mask.
 
-The rows advance in lock step over the Euler steps, as in the padded path, and the packed layout holds for the
-whole call: the ODE state stays packed from the first step to the last.
+The rows advance in lock step over the Euler steps, and the packed layout holds for the whole call: the ODE state stays packed from the first step to the last.
 """
 
 from __future__ import annotations
@@ -259,16 +258,22 @@ class _PackedBlocks:
 #: together, padded up to the next size), each for up to `PACKED_ROWS` rows. The key axis is the same for every graph
 #: (`packed_keys`): attention reads each piece's own keys (`seqused_k`), so its size costs memory, not time. Up to
 #: 4096 the streaming calls (16 rows of at most 256 new frames); 6144 and 8192 take offline calls (whole utterances
-#: of a few hundred frames each), which the padded path runs eagerly.
+#: of a few hundred frames each).
 PACKED_FRAMES = (128, 256, 384, 512, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 6144, 8192)
 PACKED_ROWS = 16
 
 
-def packed_keys(rows: int = PACKED_ROWS) -> int:
-    """The key axis of the packed graphs: every row at the padded path's longest history and new frames."""
-    from .cached import STEP_HISTORY_FRAMES, STEP_NEW_FRAMES
+#: Key slots per row of the packed graphs' key axis: the longest history a stream's calls replay from graphs at a
+#: full call (2048 frames, 41 s of audio; the encoder's graphs stop there too) and a call's longest new frames (256,
+#: the encoder's 128 tokens). The axis is shared by the call's rows, so a longer history fits beside short ones; a
+#: call beyond it runs eagerly.
+LONGEST_HISTORY, LONGEST_NEW = 2048, 256
+PACKED_KEYS_PER_ROW = LONGEST_HISTORY + LONGEST_NEW
 
-    return rows * (max(STEP_HISTORY_FRAMES) + max(STEP_NEW_FRAMES)) + _TRASH
+
+def packed_keys(rows: int = PACKED_ROWS) -> int:
+    """The key axis of the packed graphs."""
+    return rows * PACKED_KEYS_PER_ROW + _TRASH
 
 
 _PackedStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, then the index tensors of `PackedIndex`
@@ -337,7 +342,7 @@ class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor],
 
 
 class PackedFlow:
-    """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`, the counterpart of `_solve`), from
+    """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`), from
     CUDA graphs (`PackedGraphs`) where the call fits one and runs on a GPU."""
 
     def __init__(self, runner: CachedFlowRunner, graphs: bool = True) -> None:
@@ -442,15 +447,10 @@ class PackedFlow:
         return mels, caches
 
     def _count(self, layout: PackedLayout) -> None:
-        """The runner's padding counters: packed, only the frame axis' padding up to its bucket is computed in
-        vain (no padding rows), and attention computes each piece's own keys."""
-        runner = self.runner
-        needed = sum(layout.news)
-        runner.frames_needed += needed
-        runner.frames_computed += layout.frames
-        attention = sum(n * (h + n) for n, h in zip(layout.news, layout.hists))
-        runner.attention_needed += attention
-        runner.attention_computed += attention
+        """The runner's padding counters: only the frame axis' padding up to its bucket is computed in vain
+        (attention computes each piece's own keys)."""
+        self.runner.frames_needed += sum(layout.news)
+        self.runner.frames_computed += layout.frames
 
     @staticmethod
     def _index_tensors(layout: PackedLayout) -> tuple[torch.Tensor, ...]:

@@ -652,17 +652,6 @@ def test_the_flow_padding_share_comes_from_the_frame_counters():
     assert sb.stage_breakdown({}, {})["token2wav_padded_share_pct"] is None  # an engine that does not count
 
 
-def test_the_padding_rows_and_attention_padding_shares_come_from_their_counters():
-    before = {"token2wav_flow_frames_computed_total": 150.0, "token2wav_flow_frames_padding_rows_total": 10.0,
-              "token2wav_flow_attention_needed_total": 1000.0, "token2wav_flow_attention_computed_total": 2000.0}
-    after = {"token2wav_flow_frames_computed_total": 550.0, "token2wav_flow_frames_padding_rows_total": 90.0,
-             "token2wav_flow_attention_needed_total": 4000.0, "token2wav_flow_attention_computed_total": 8000.0}
-    stages = sb.stage_breakdown(before, after)
-    assert stages["token2wav_padding_rows_share_pct"] == pytest.approx(20.0)
-    assert stages["token2wav_attention_padded_share_pct"] == pytest.approx(50.0)
-    assert sb.stage_breakdown({}, {})["token2wav_attention_padded_share_pct"] is None
-
-
 def test_each_replica_server_sees_its_own_device_and_all_are_started_and_stopped(tmp_path, monkeypatch):
     """The servers are replaced by recorders of what each was started with."""
     events: list[tuple[str, str]] = []

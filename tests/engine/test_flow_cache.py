@@ -16,6 +16,7 @@ import torch
 
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
+from cosyvoice2.flow.packed import LONGEST_HISTORY, PackedGraphs, keys_needed
 from cosyvoice2.streaming import ChunkSchedule, Token2Wav
 from tests.conftest import FIXTURES_DIR
 
@@ -252,67 +253,60 @@ def test_over_budget_stream_freezes_its_caches_and_returns_its_memory(tiny_engin
     assert engine.cache_bytes == 0
 
 
+def emulated_graphs(runner: CachedFlowRunner, frames: tuple[int, ...], rows: int) -> list[tuple[int, int, int]]:
+    """Give the runner packed graphs of small buckets, emulated on the CPU (static buffers, padding, run eagerly);
+    returns the list the bucket of each call that uses them is appended to."""
+    graphs = PackedGraphs(runner.solver, frames=frames, rows=rows)
+    graphs.emulate = True
+    runner.solver.graphs = graphs
+    shapes: list[tuple[int, int, int]] = []
+    statics = graphs.statics
+    graphs.statics = lambda shape, *args: shapes.append(shape) or statics(shape, *args)
+    return shapes
+
+
 @parity
 def test_bucketed_calls_with_static_buffers_equal_recompute(oracle) -> None:
-    """The CUDA-graph path's shapes on CPU: calls padded to (rows, new frames, history) buckets, the history
-    gathered into one static buffer (one copy for rows sharing a voice prefix), run eagerly."""
+    """The CUDA-graph path's shapes on CPU: staggered streams' calls packed and padded to a frame bucket, their
+    histories copied into the graphs' static key buffer (which holds the previous call's keys), run eagerly."""
     flow, dump = oracle
     runner = CachedFlowRunner(flow)
-    graphs = runner.graphs
-    graphs.emulate = True
-    graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
+    shapes = emulated_graphs(runner, frames=(128, 256, 512, 1024), rows=4)
     prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
     spks = runner.project_speaker(dump["in_xvector"])[0]
     prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
-    batches, step_batch = [], runner.step_batch
-    runner.step_batch = lambda solving: batches.append(step_batch(solving)) or batches[-1]
-    counted = (runner.frames_needed, runner.frames_computed, runner.frames_padding_rows, runner.attention_needed,
-               runner.attention_computed)  # the prefix's own call
+    counted = (runner.frames_needed, runner.frames_computed)  # the prefix's own call
+    shapes.clear()
     chunks = [c for c in ChunkSchedule(prompt_tokens=40).chunks(300) if not c.final]
     streams = [(random_tokens(300, seed=30 + s), CachedSegment()) for s in range(3)]
-    worst, rows_seen = 0.0, set()
+    worst, rows_seen, needed = 0.0, set(), 0
     for round_ in range(len(chunks) + len(streams) - 1):  # stream s runs chunk i at round i + s
         work = [(s, chunks[round_ - s]) for s in range(len(streams)) if 0 <= round_ - s < len(chunks)]
         rows = [CachedRow(torch.cat([prompt_tokens, streams[s][0][: c.feed]]), prompt_mel, spks, prefix,
                           streams[s][1], stop=40 + c.stop, final=False, keep=True, emit_from=40 + c.start)
                 for s, c in work]
         rows_seen.add(len(rows))
+        needed += sum(row.stop - row.start for row in rows) * runner.stride
         for (s, chunk), mel in zip(work, runner.run(rows)):
             ref = recompute(flow, prompt_tokens, prompt_mel, dump["in_xvector"][0], streams[s][0][: chunk.feed],
                             chunk.start, final=False)
             assert mel.shape == ref.shape
             worst = max(worst, (mel - ref).abs().max().item())
-    assert rows_seen == {1, 2, 3} and len(graphs._captured) > 1  # several buckets, padded rows included
+    assert rows_seen == {1, 2, 3} and len({shape[1] for shape in shapes}) > 1  # several frame buckets
     assert worst <= MEL_TOL
-    # the runner counted what the buckets padded: three rows run as four, chunks short of a frame bucket, rows of
-    # shorter histories attending over the longest row's history bucket
-    assert 0 < runner.frames_needed < runner.frames_computed
-    assert 0 < runner.frames_padding_rows < runner.frames_computed - runner.frames_needed
-    assert 0 < runner.attention_needed < runner.attention_computed
-    expected = [0, 0, 0, 0, 0]
-    for batch in batches:
-        rows_p, longest, hist_p = batch.padded
-        expected[0] += sum(r.new for r in batch.rows)
-        expected[1] += rows_p * longest
-        expected[2] += (rows_p - len(batch.rows)) * longest
-        expected[3] += sum(r.new * (r.start + r.new) for r in batch.rows)
-        expected[4] += rows_p * longest * (hist_p + longest)
-    assert [now - before for now, before in zip((runner.frames_needed, runner.frames_computed,
-            runner.frames_padding_rows, runner.attention_needed, runner.attention_computed), counted)] == expected
+    # the runner counted what the buckets padded: each call's packed frames up to its frame bucket
+    assert runner.frames_needed - counted[0] == needed
+    assert runner.frames_computed - counted[1] == sum(shape[1] for shape in shapes) > needed
 
 
 @parity
 def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> None:
-    """An offline utterance longer than the largest new-frame bucket, in one call with two streams' chunks: the
-    chunks still run from the step graphs (emulated on CPU), the utterance eagerly on its own, and every row's mel
+    """An offline utterance longer than the largest frame bucket, in one call with two streams' chunks: the chunks
+    still run packed from the graphs (emulated on CPU), the utterance eagerly on its own, and every row's mel
     equals the row run alone."""
     flow, dump = oracle
     runner = CachedFlowRunner(flow)
-    graphs = runner.graphs
-    graphs.emulate = True
-    graphs.rows, graphs.new_frames, graphs.history_frames = (1, 2, 4), (128, 256), (128, 256, 512, 1024)
-    replayed, run = [], graphs.run
-    graphs.run = lambda shape, *args: replayed.append(shape) or run(shape, *args)
+    shapes = emulated_graphs(runner, frames=(128, 256), rows=4)
     prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
     spks = runner.project_speaker(dump["in_xvector"])[0]
     prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
@@ -324,10 +318,10 @@ def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> N
     rows.insert(1, CachedRow(torch.cat([prompt_tokens, utterance]), prompt_mel, spks, prefix, CachedSegment(),
                              stop=240, final=True, keep=False, emit_from=40))
     assert [runner.fits_graphs(row) for row in rows] == [True, False, True]
-    replayed.clear()  # the voice prefix ran from a graph too
+    shapes.clear()  # the voice prefix ran from a graph too
     mels, _ = runner.run_pending(rows)
-    steps = len(flow.decoder.schedule)
-    assert replayed and all(shape[0] == 2 for shape in replayed) and len(replayed) == steps  # the two chunks
+    chunk_frames = 2 * (rows[0].stop - rows[0].start) * runner.stride
+    assert len(shapes) == 1 and shapes[0][1] >= chunk_frames  # the two chunks, in one packed call
     assert mels[1].shape[1] == 200 * runner.stride
     for row, mel in zip(rows, mels):
         alone, _ = runner.run_pending([row])
@@ -342,8 +336,7 @@ def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> N
 def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
-    captured (rows, new frames, history frames) step bucket and (rows, new tokens, history tokens) encoder bucket
-    of the engine, while the stream's history fits the table's
+    captured packed-frames bucket of the solve and (rows, new tokens, history tokens) encoder bucket of the engine, while the stream's history fits the table's
     longest (a longer stream runs eagerly); one row more than the service's cap fits none."""
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.flow.cached import EncoderCache
@@ -357,14 +350,13 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
                               load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config,
                               params.schedule(config), flow_cache="chunked", schedules=params.schedules(config))
     runner = engine.engine.cached
-    graphs, encoder_graphs = runner.graphs, runner.encoder.graphs
-    longest_history = max(graphs.history_frames)
-    assert max(encoder_graphs.history_tokens) * runner.stride == longest_history  # one history limit for both
+    graphs, encoder_graphs = runner.solve_graphs, runner.encoder.graphs
+    assert max(encoder_graphs.history_tokens) * runner.stride == LONGEST_HISTORY  # one history limit for both
     none = torch.zeros(0)
     checked = 0
     for schedule in params.schedules(config):
         for prompt_tokens in sorted({*range(runner.lookahead, runner.lookahead + runner.grid + 1),
-                                     *range(runner.lookahead, longest_history // runner.stride, 53)}):
+                                     *range(runner.lookahead, LONGEST_HISTORY // runner.stride, 53)}):
             stream_schedule = for_prompt(schedule, prompt_tokens)
             for tokens in range(1, 300):  # every final-chunk size once hops reach 100
                 # the rows of the stream's calls, with the caches each one leaves (the same arithmetic as `CachedRow`)
@@ -374,36 +366,33 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
                     row = CachedRow(none, none, none, prefix, own, stop=prompt_tokens + chunk.stop, final=chunk.final,
                                     keep=not chunk.final)
                     history, new = row.start * runner.stride, (row.stop - row.start) * runner.stride
-                    if history > longest_history:
+                    if history > LONGEST_HISTORY:
                         break
-                    for rows in (1, 3, engine.max_rows):
-                        assert graphs.bucket(rows, new, history) is not None, (prompt_tokens, tokens, chunk, new,
-                                                                               history)
+                    for rows in (1, 3, engine.max_rows):  # as many rows of this chunk, packed
+                        assert graphs.bucket(rows, rows * new, keys_needed([new] * rows, [history] * rows)) \
+                            is not None, (prompt_tokens, tokens, chunk, new, history)
                         # the encoder pass of the same call, in tokens
                         assert encoder_graphs.bucket(rows, row.stop - row.start, row.start) is not None, (
                             prompt_tokens, tokens, chunk, row.start, row.stop)
                     own.encoder.tokens += row.kept_tokens(runner.grid)
                     checked += 1
     assert checked > 30_000
-    assert engine.max_rows == max(graphs.rows) == max(encoder_graphs.rows)  # the service's cap: the largest bucket
-    assert graphs.bucket(engine.max_rows + 1, min(graphs.new_frames), min(graphs.history_frames)) is None
+    assert engine.max_rows == graphs.row_count == max(encoder_graphs.rows)  # the service's cap: the largest bucket
+    assert graphs.bucket(engine.max_rows + 1, min(graphs.frame_sizes), keys_needed([1], [0])) is None
     assert encoder_graphs.bucket(engine.max_rows + 1, 1, 0) is None
 
 
-def test_buckets_pad_the_aligned_schedule_little(tiny_model_dir) -> None:
-    """The padding the buckets add to the calls most streams make (every stream but a lone one pads its first hop
-    to the grid): rows by at most half again, and every chunk's new frames by at most 5 % (a chunk is whole grid
-    chunks). The padded frame-rows are computed at every Euler step: padding is the estimator's wasted work."""
+def test_encoder_row_buckets_pad_rows_little_and_chunks_are_whole_grid_chunks(tiny_model_dir) -> None:
+    """The encoder's row buckets pad a call's rows by at most half again; the calls most streams make (every stream
+    but a lone one pads its first hop to the grid) are whole grid chunks of new frames."""
     from cosyvoice2.config import EngineConfig
-    from cosyvoice2.flow.cached import STEP_HISTORY_FRAMES, STEP_NEW_FRAMES, STEP_ROWS
-    from speech_lm.graph_buckets import fit
+    from cosyvoice2.flow.cached import ENCODER_ROWS
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
     stride, grid, lookahead = config.flow.token_mel_ratio, config.flow.encoder.static_chunk_size, config.flow.pre_lookahead_len
-    sizes = (STEP_ROWS, STEP_NEW_FRAMES, STEP_HISTORY_FRAMES)  # the step graphs' table (`StepGraphs.bucket` fits it)
-    for rows in range(1, max(STEP_ROWS) + 1):
-        assert fit((rows, min(STEP_NEW_FRAMES), 0), sizes)[0] <= 1.5 * rows, rows
+    for rows in range(1, max(ENCODER_ROWS) + 1):
+        assert min(r for r in ENCODER_ROWS if r >= rows) <= 1.5 * rows, rows
     schedule = StreamScheduleParams(align_first_hop="always").schedule(config)
     seen = set()
     for prompt_tokens in range(lookahead, lookahead + 2 * grid):
@@ -412,10 +401,7 @@ def test_buckets_pad_the_aligned_schedule_little(tiny_model_dir) -> None:
             if chunk.final:
                 break
             stop = prompt_tokens + chunk.stop
-            new = (stop - start) * stride
-            seen.add(new)
-            padded = fit((1, new, 0), sizes)[1]
-            assert padded - new <= 0.05 * padded, (prompt_tokens, chunk, new, padded)
+            seen.add((stop - start) * stride)
             start = stop // grid * grid
     # first chunks of two and three grid chunks (by the prompt's tail), the second chunk, the later ones
     assert seen == {2 * grid * stride, 3 * grid * stride, 4 * grid * stride}, seen

@@ -1,10 +1,11 @@
-"""Packed rows (cosyvoice2/flow/packed.py) against the padded cached path they stand in for.
+"""Packed rows (cosyvoice2/flow/packed.py): the rows of one call solved together, each as if alone.
 
 On the parity oracle's micro flow: a call of rows at different points of their streams (fresh, after one and two
-chunks, finishing, with and without a voice prefix) solved packed gives each row the mel and the new caches the
-padded call gives it, and a stream carried on by packed calls stays equal to one carried on by padded calls. The
-layout's index arithmetic is checked on its own (windows, tails, key slots, attention pieces), and streams through
-`Token2Wav` batched at staggered points give the padded engine's audio.
+chunks, finishing, with and without a voice prefix) gives each row the mel and the new caches the row gets in a call
+of its own (tests/engine/test_flow_cache.py holds a row alone equal to recomputing), also through the CUDA-graph
+path's static buffers (emulated), and a stream carried on by calls shared with a fresh stream stays equal to the
+stream run alone. The layout's index arithmetic is checked on its own (windows, tails, key slots, attention
+pieces), and streams through `Token2Wav` batched at staggered points give each stream's audio alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
-from cosyvoice2.flow.packed import PackedFlow, PackedGraphs, PackedLayout
+from cosyvoice2.flow.packed import PackedGraphs, PackedLayout
 from cosyvoice2.streaming import Token2Wav
 from tests.conftest import FIXTURES_DIR
 
@@ -88,57 +89,67 @@ def stream_rows(runner: CachedFlowRunner, dump, with_prefix: bool):
                     zip(owns, [(35, False), (85, False), (185, False), (230, True)])]
 
 
+def solved_alone(runner: CachedFlowRunner, rows):
+    """Each row's mel and new estimator caches from a call of its own."""
+    out = []
+    for row in rows:
+        mu, _ = runner._encode([row])
+        mels, caches = runner._solve([row], mu)
+        out.append((mels[0], caches[0]))
+    return [mel for mel, _ in out], [cache for _, cache in out]
+
+
 @parity
 @pytest.mark.parametrize("with_prefix", [True, False])
-def test_packed_call_gives_every_row_the_padded_calls_mel_and_caches(oracle, with_prefix: bool) -> None:
+def test_packed_call_gives_every_row_its_own_mel_and_caches(oracle, with_prefix: bool) -> None:
     flow, dump = oracle
     runner = CachedFlowRunner(flow, graphs=False)
     rows = stream_rows(runner, dump, with_prefix)
+    alone_mels, alone_caches = solved_alone(runner, rows())
     mu, _ = runner._encode(rows())
-    padded_mels, padded_caches = runner._solve(rows(), mu)
-    packed_mels, packed_caches = PackedFlow(runner).solve(rows(), mu)
-    for a, b in zip(padded_mels, packed_mels):
+    packed_mels, packed_caches = runner._solve(rows(), mu)
+    for a, b in zip(alone_mels, packed_mels):
         assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
-    for a, b in zip(padded_caches, packed_caches):
+    for a, b in zip(alone_caches, packed_caches):
         assert a.frames == b.frames and len(a.kv) == len(b.kv) and len(a.tails) == len(b.tails)
         for x, y in zip(a.kv + a.tails, b.kv + b.tails):
             assert x.shape == y.shape and (x - y).abs().max().item() <= TOL
-    assert padded_caches[3].frames == 0 and all(c.frames for c in padded_caches[:3])
+    assert packed_caches[3].frames == 0 and all(c.frames for c in packed_caches[:3])
 
 
 @parity
-def test_packed_call_through_the_graphs_static_buffers_equals_the_padded_call(oracle) -> None:
+def test_packed_call_through_the_graphs_static_buffers_equals_the_eager_call(oracle) -> None:
     """The CUDA-graph path emulated on the CPU: the call padded to a frame bucket, its index tensors and history in
     the graphs' static buffers, which hold the previous call's keys (a second call must not read them)."""
     flow, dump = oracle
     runner = CachedFlowRunner(flow, graphs=False)
     rows = stream_rows(runner, dump, with_prefix=True)
     mu, _ = runner._encode(rows())
-    padded_mels, _ = runner._solve(rows(), mu)
-    packed = PackedFlow(runner)
+    eager_mels, _ = runner._solve(rows(), mu)
+    packed = runner.solver
     packed.graphs = PackedGraphs(packed, frames=(256, 1024), rows=6)
     packed.graphs.emulate = True
     assert packed.bucket([100, 100, 200, 90], [50, 150, 250, 450], mu) == (6, 1024, packed.graphs.key_count)
     needed, computed = runner.frames_needed, runner.frames_computed
     for _ in range(2):
         mels, _ = packed.solve(rows(), mu)
-        for a, b in zip(padded_mels, mels):
+        for a, b in zip(eager_mels, mels):
             assert a.shape == b.shape and (a - b).abs().max().item() <= TOL
     assert runner.frames_computed - computed == 2 * 1024  # the frame bucket, no padding rows
     assert runner.frames_needed - needed == 2 * (100 + 100 + 200 + 90)
 
 
 @parity
-def test_a_stream_carried_on_by_packed_calls_stays_equal(oracle) -> None:
-    """Caches written by packed calls feed the next packed call: three chunks of one stream beside a fresh one."""
+def test_a_stream_carried_on_by_calls_shared_with_another_stays_equal(oracle) -> None:
+    """Caches written by packed calls feed the next packed call: three chunks of one stream, each beside a fresh
+    stream's first chunk, against the same stream run alone."""
     flow, dump = oracle
     runner = CachedFlowRunner(flow, graphs=False)
-    packed = PackedFlow(runner)
     prompt_tokens, prompt_mel = dump["in_prompt_speech_token"][0].long(), dump["in_prompt_feat"][0]
     spks = runner.project_speaker(dump["in_xvector"])[0]
     prefix = runner.prefix(prompt_tokens, prompt_mel, spks)
     offset, tokens = prompt_tokens.numel(), random_tokens(300, seed=4)
-    own_padded, own_packed = CachedSegment(), CachedSegment()
+    own_alone, own_shared = CachedSegment(), CachedSegment()
     for stop in (35, 85, 185):
         def row(own):
             return CachedRow(torch.cat([prompt_tokens, tokens]), prompt_mel, spks, prefix, own, stop=offset + stop,
@@ -146,48 +157,47 @@ def test_a_stream_carried_on_by_packed_calls_stays_equal(oracle) -> None:
 
         fresh = CachedRow(torch.cat([prompt_tokens, tokens]), prompt_mel, spks, prefix, CachedSegment(),
                           stop=offset + 35, final=False, keep=True)
-        reference = runner.run([row(own_padded)])[0]
-        mu, encoder_caches = runner._encode([row(own_packed), fresh])
-        mels, caches = packed.solve([row(own_packed), fresh], mu)
-        runner.commit(own_packed, CachedSegment(encoder_caches[0], caches[0]))
+        reference = runner.run([row(own_alone)])[0]
+        mels = runner.run([row(own_shared), fresh])
         assert (reference - mels[0]).abs().max().item() <= TOL
 
 
 # ---- through Token2Wav, on the tiny model directory: streams batched at different points -----------------
 @pytest.mark.parametrize("flow_cache", ["chunked", "exact"])
-def test_token2wav_with_packed_rows_streams_the_padded_audio(tiny_engine, tiny_prompt, tiny_prompt_unaligned,
-                                                             flow_cache: str) -> None:
+def test_token2wav_streams_batched_at_staggered_points_give_each_streams_audio_alone(
+        tiny_engine, tiny_prompt, tiny_prompt_unaligned, flow_cache: str) -> None:
     base = tiny_engine.token2wav_engine
     tokens = random_tokens(230, seed=6).tolist()
     prompts = [tiny_prompt, tiny_prompt_unaligned, tiny_prompt]
-    engines = {packing: Token2Wav(base.flow, base.hift, base.config, flow_cache=flow_cache, flow_packing=packing)
-               for packing in ("padded", "packed")}
+    engine = Token2Wav(base.flow, base.hift, base.config, flow_cache=flow_cache)
+    joins = [0, 40, 90]  # stream i gets its first tokens when the clock reaches joins[i]
 
-    def calls(engine: Token2Wav) -> list[np.ndarray]:
-        """Three streams, one chunk of each per call (`run_chunks`), at staggered points of their schedules."""
-        streams = [engine.open_stream(engine.flow_prompt(p), engine.new_generator(i)) for i, p in enumerate(prompts)]
-        joins = [0, 40, 90]  # stream i gets its first tokens when the clock reaches joins[i]
-        audio: list[list[np.ndarray]] = [[] for _ in streams]
+    def calls(which: list[int]) -> list[np.ndarray]:
+        """Streams `which`, one chunk of each per call (`run_chunks`), at staggered points of their schedules."""
+        streams = {i: engine.open_stream(engine.flow_prompt(prompts[i]), engine.new_generator(i)) for i in which}
+        audio: dict[int, list[np.ndarray]] = {i: [] for i in which}
         for clock in range(0, max(joins) + len(tokens) + 10, 10):
             work = []
-            for i, stream in enumerate(streams):
+            for i, stream in streams.items():
                 fed = min(len(tokens), max(0, clock - joins[i]))
                 if stream.finished or clock < joins[i]:
                     continue
                 stream.extend(tokens[len(stream.tokens) : fed])
                 chunk = stream.next_chunk(finished=fed == len(tokens))
                 if chunk is not None:
-                    work.append((stream, chunk))
-            for (stream, _), piece in zip(work, engine.run_chunks(work) if work else []):
-                audio[streams.index(stream)].append(piece)
-        assert all(stream.finished for stream in streams)
-        return [np.concatenate(a) for a in audio]
+                    work.append((i, stream, chunk))
+            pieces = engine.run_chunks([(stream, chunk) for _, stream, chunk in work]) if work else []
+            for (i, _, _), piece in zip(work, pieces):
+                audio[i].append(piece)
+        assert all(stream.finished for stream in streams.values())
+        return [np.concatenate(audio[i]) for i in which]
 
-    padded, packed = calls(engines["padded"]), calls(engines["packed"])
-    padded_runner, packed_runner = engines["padded"].cached, engines["packed"].cached
-    assert packed_runner.frames_needed == padded_runner.frames_needed
-    if flow_cache == "chunked":  # rows of different lengths were batched: the padded calls computed padding
-        assert packed_runner.frames_computed == packed_runner.frames_needed < padded_runner.frames_computed
-    for a, b in zip(padded, packed):
+    runner = engine.cached
+    needed = runner.frames_needed
+    together = calls([0, 1, 2])
+    # eager on the CPU: the packed frame axis is the rows' frames, nothing padded
+    assert runner.frames_computed == runner.frames_needed > needed
+    alone = [calls([i])[0] for i in range(len(prompts))]
+    for a, b in zip(alone, together):
         assert a.shape == b.shape == (960 * len(tokens),)
         assert np.abs(a - b).max() < 1e-3  # HiFT turns mel rounding (1e-6) into ~2e-4 here

@@ -1,6 +1,7 @@
 """The chunk-cached streaming flow (UNet, `cosyvoice2.flow.cached`) on CUDA: for streams of several chunks (one
-voice; rows at different points of their streams batched together), the cached path's mel - replayed from the
-step CUDA graphs where a call fits a bucket - equals recomputing prompt + history for every non-final chunk.
+voice; rows at different points of their streams packed in one call), the cached path's mel equals recomputing
+prompt + history for every non-final chunk. In fp32 the packed solve runs eagerly (attention pieces as a mask); its
+CUDA graphs (half precision) are checked in tests/gpu/test_flow_packed.py.
 
 fp32 means fp32 here: TF32 is switched off, since cuDNN's TF32 convolutions alone differ by ~1e-3 between two call
 shapes. The tiny flow checks the logic fast; the released-size one (marked slow) checks the real shapes."""
@@ -42,9 +43,9 @@ def stream_inputs(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: in
 
 
 @torch.inference_mode()
-def worst_cached_deviation(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: int) -> tuple[float, int]:
-    """(max |cached - recompute| over every non-final chunk of every stream, step graphs captured). Stream s runs
-    chunk i in round i + s, so each call mixes rows at different points of their streams."""
+def worst_cached_deviation(flow: CausalFlow, prompt_tokens: int, tokens: int, streams: int) -> float:
+    """max |cached - recompute| over every non-final chunk of every stream. Stream s runs chunk i in round i + s,
+    so each call mixes rows at different points of their streams."""
     runner = CachedFlowRunner(flow)
     prompt, prompt_mel, xvector, speech = stream_inputs(flow, prompt_tokens, tokens, streams)
     chunks = [c for c in ChunkSchedule(prompt_tokens=prompt_tokens).chunks(tokens) if not c.final]
@@ -62,19 +63,17 @@ def worst_cached_deviation(flow: CausalFlow, prompt_tokens: int, tokens: int, st
                                         streaming=True, finalize=False)[0, :, 2 * c.start :]
             assert mel.shape == recomputed.shape, (mel.shape, recomputed.shape)
             worst = max(worst, float((mel - recomputed.float()).abs().max()))
-    return worst, len(runner.graphs._captured)
+    return worst
 
 
-def test_the_cached_flow_with_step_graphs_equals_recompute(gpus, no_tf32) -> None:
+def test_the_cached_flow_equals_recompute(gpus, no_tf32) -> None:
     flow = random_flow(tiny_config().flow, torch.device("cuda"))
-    worst, graphs = worst_cached_deviation(flow, prompt_tokens=60, tokens=250, streams=3)
-    assert graphs > 0  # the calls fitted buckets: the replays were compared, not only the eager path
+    worst = worst_cached_deviation(flow, prompt_tokens=60, tokens=250, streams=3)
     assert worst <= TOLERANCE, worst
 
 
 @pytest.mark.slow
 def test_the_released_size_cached_flow_equals_recompute(gpus, no_tf32) -> None:
     flow = random_flow(FlowConfig(), torch.device("cuda"))
-    worst, graphs = worst_cached_deviation(flow, prompt_tokens=150, tokens=400, streams=3)
-    assert graphs > 0
+    worst = worst_cached_deviation(flow, prompt_tokens=150, tokens=400, streams=3)
     assert worst <= TOLERANCE, worst

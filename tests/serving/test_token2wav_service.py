@@ -289,10 +289,7 @@ class CountingEngine(FakeEngine):
         return (self.retries,)
 
     def frame_counts(self):
-        return self.needed, self.computed, self.needed // 2
-
-    def attention_counts(self):
-        return 3 * self.needed, 5 * self.needed
+        return self.needed, self.computed
 
     def flow_cache_refusals(self):
         return (self.refused,)
@@ -306,9 +303,6 @@ async def test_the_flow_padding_of_each_call_is_published():
         await service.process("t", np.arange(8), PROMPT, None)
         assert service.stats.get("token2wav_flow_frames_needed_total") == 4 * 4
         assert service.stats.get("token2wav_flow_frames_computed_total") == 8 * 4
-        assert service.stats.get("token2wav_flow_frames_padding_rows_total") == 2 * 4
-        assert service.stats.get("token2wav_flow_attention_needed_total") == 3 * 4 * 4
-        assert service.stats.get("token2wav_flow_attention_computed_total") == 5 * 4 * 4
         calls = service.stats.get("token2wav_engine_calls_total")
         assert calls >= 2 and service.stats.get("token2wav_flow_cache_refused_total") == calls
         assert service.stats.get("token2wav_cuda_alloc_retries_total") == 2 * calls
