@@ -22,7 +22,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Mapping, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -387,14 +387,41 @@ async def accounted(stats: Stats, release: Callable[[], Awaitable[None]]) -> Asy
             stats.add("orchestrator_active_requests", -1)
 
 
+class FinalResponseGuard:
+    """A request's response sender that remembers whether the request's final response went out.
+
+    After it the request is tritonserver's again, which may release it while the handler still cleans up (closes
+    its LLM sequence and token2wav stream): it must not be asked `is_cancelled()` then. Asked about a request the
+    server had completed, python_backend's stub waited for an answer that never came, on the event loop of the
+    pipeline's entry model: the replica froze with every stream of it open (docs/RELIABILITY.md); off the loop the
+    same question killed tritonserver. Sends after the final one are refused here rather than sent."""
+
+    def __init__(self, sender: Any, final_flag: int) -> None:
+        self._sender, self._final_flag = sender, final_flag
+        self.final_sent = False
+
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if self.final_sent:
+            raise RuntimeError("a response after the request's final response")
+        if response is None:
+            self._sender.send(flags=flags)
+        else:
+            self._sender.send(response, flags=flags)
+        if flags & self._final_flag:
+            self.final_sent = True
+
+
 async def run_until_cancelled(
-    work: Callable[[], Awaitable[None]], is_cancelled: Callable[[], bool], poll_s: float = 0.05
+    work: Callable[[], Awaitable[None]], is_cancelled: Callable[[], bool],
+    answered: Callable[[], bool] = lambda: False, poll_s: float = 0.05,
 ) -> bool:
-    """Run `work()` and cancel it as soon as `is_cancelled()` turns true. Returns True if cancelled."""
+    """Run `work()` and cancel it as soon as `is_cancelled()` turns true. Returns True if cancelled. Once
+    `answered()` (the final response went out: `FinalResponseGuard`) the request is not asked again and `work()`
+    runs to its end."""
     task = asyncio.ensure_future(work())
     while not task.done():
         await asyncio.wait({task}, timeout=poll_s)
-        if not task.done() and is_cancelled():
+        if not task.done() and not answered() and is_cancelled():
             task.cancel()
             try:
                 await task

@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
 from speech_serving.loop_watchdog import LoopWatchdog
-from speech_serving.orchestrator import parse_request, run_until_cancelled
+from speech_serving.orchestrator import FinalResponseGuard, parse_request, run_until_cancelled
 from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 from speech_serving.stats import Stats
 import pipeline_contract as contract
@@ -119,19 +119,22 @@ async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[
 
 
 async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
-    sender = request.get_response_sender()
+    sender = FinalResponseGuard(request.get_response_sender(), FINAL)
     try:
         if cancellable:
-            cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled)
+            cancelled = await run_until_cancelled(lambda: handle(request, sender), request.is_cancelled,
+                                                  answered=lambda: sender.final_sent)
         else:
             await handle(request, sender)
             cancelled = False
-        if cancelled:
+        if cancelled and not sender.final_sent:
             sender.send(flags=FINAL)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the request's error response
         # a downstream model's error was logged there; an unknown voice is an answer (the client resends the audio)
         if not isinstance(exc, (RemoteError, UnknownVoice)):
             logger.exception("request failed")
+        if sender.final_sent:  # answered already: the failure came in the clean-up after it
+            return
         try:
             sender.send(error_response(exc), flags=FINAL)
         except Exception:  # noqa: BLE001 - the request may already be complete (e.g. cancelled)
