@@ -6,7 +6,12 @@
 - ``copy_runs(dst, src)``: ``dst.copy_(src)`` for strided tensors made of long contiguous runs, such as a stream's
   cached keys/values written into a slice of a static attention buffer. PyTorch copies any non-contiguous tensor
   with its generic element-by-element kernel (index arithmetic and a 2-byte access per bf16 element); on a GPU
-  the flow's per-step key/value gathers ran at a fraction of the memory bandwidth that way.
+  the flow's per-step key/value gathers ran at a fraction of the memory bandwidth that way;
+- ``layer_norm(x, weight, bias, eps, mish, mask)``: LayerNorm over the last dimension, optionally followed by Mish
+  and a per-row mask, as the flow estimator's causal blocks apply them, and ``add_layer_norm(x, residual, weight,
+  bias, eps) -> (normed, summed)``: the residual add and the LayerNorm after it (its transformer blocks). The flow
+  uses these two only inside its CUDA-graph captures (`cosyvoice2.flow.packed.PackedGraphs`): a Triton launch from
+  Python costs several times a PyTorch op's host time, and eager calls of the estimator launch ~1,000 of them.
 
 On CUDA with OpenAI Triton installed they run as one Triton kernel each (``triton_kernels``, graph-capturable:
 no host syncs, shapes fixed per call); elsewhere as the PyTorch compositions in ``reference``, which define the
@@ -54,3 +59,16 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` (`src` broadcast to `dst`'s shape, same dtype and device): one Triton kernel with
     vectorised accesses where both are strided views of long contiguous runs, else PyTorch's copy."""
     _implementation(dst).copy_runs(dst, src)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``layer_norm(x)``, then ``mish`` when asked, then ``* mask`` (one value per row of the last dimension,
+    broadcast over it), each rounded to the input dtype as the separate PyTorch ops round."""
+    return _implementation(x).layer_norm(x, weight, bias, eps, mish, mask)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``summed = x + residual`` (rounded to the input dtype) and ``layer_norm(summed)``."""
+    return _implementation(x).add_layer_norm(x, residual, weight, bias, eps)

@@ -20,3 +20,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    out = F.layer_norm(x, weight.shape, weight, bias, eps)
+    if mish:
+        out = F.mish(out)
+    return out if mask is None else out * mask
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    summed = x + residual
+    return F.layer_norm(summed, weight.shape, weight, bias, eps), summed

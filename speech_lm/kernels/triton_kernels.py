@@ -118,3 +118,66 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
         _copy_runs_kernel[(programs, triton.cdiv(run, _COPY_BLOCK))](
             dst, src, run, n1, n2, n3, d0, d1, d2, d3, s0, s1, s2, s3, BLOCK=_COPY_BLOCK
         )
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, residual_ptr, weight_ptr, bias_ptr, mask_ptr, out_ptr, summed_ptr, n_cols, eps,
+                       ADD: tl.constexpr, MISH: tl.constexpr, MASK: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: [x + residual, stored rounded] -> LayerNorm (fp32, weight and bias) -> [Mish] -> [* mask of the
+    row], rounded to the output dtype after each step as the PyTorch ops round."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    valid = cols < n_cols
+    offsets = row * n_cols + cols
+    x = tl.load(x_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    if ADD:
+        summed = (x + tl.load(residual_ptr + offsets, mask=valid, other=0.0).to(tl.float32)).to(
+            summed_ptr.dtype.element_ty)
+        tl.store(summed_ptr + offsets, summed, mask=valid)
+        x = summed.to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    centred = tl.where(valid, x - mean, 0.0)
+    inv_std = tl.rsqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
+    weight = tl.load(weight_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    bias = tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    y = centred * inv_std * weight + bias
+    if MISH:  # y tanh(softplus(y)) of the rounded norm; softplus >= 0, so tanh(s) = (1 - e^-2s) / (1 + e^-2s)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        soft = tl.where(y > 20.0, y, tl.log(1.0 + tl.exp(tl.minimum(y, 20.0))))
+        decay = tl.exp(-2.0 * soft)
+        y = y * (1.0 - decay) / (1.0 + decay)
+    if MASK:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32) * tl.load(mask_ptr + row).to(tl.float32)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _layer_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor,
+                eps: float, mish: bool, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n_cols = x.shape[-1]
+    rows = x.numel() // n_cols
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    if mask is not None:
+        if mask.numel() != rows:
+            raise ValueError(f"layer_norm: the mask needs one value per row ({rows}), has {mask.numel()}")
+        mask = mask.reshape(rows).contiguous()
+    with on_device(x.device):  # unused pointers get `x`: the constexpr flags keep the kernel from touching them
+        _layer_norm_kernel[(rows,)](
+            x, x if residual is None else residual.contiguous(), weight, bias, x if mask is None else mask, out,
+            out if summed is None else summed, n_cols, eps, ADD=residual is not None, MISH=mish,
+            MASK=mask is not None, BLOCK=triton.next_power_of_2(n_cols),
+        )
+    return out, summed
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+    return _layer_norm(x, None, weight, bias, eps, mish, mask)[0]
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out, summed = _layer_norm(x, residual, weight, bias, eps, False, None)
+    assert summed is not None
+    return out, summed

@@ -336,8 +336,9 @@ def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> N
 def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
-    captured packed-frames bucket of the solve and (rows, new tokens, history tokens) encoder bucket of the engine, while the stream's history fits the table's
-    longest (a longer stream runs eagerly); one row more than the service's cap fits none."""
+    captured packed-frames bucket of the solve and (rows, new tokens, history tokens) encoder bucket of the engine,
+    while the stream's history fits the longest (a longer stream runs eagerly); one row more than the service's cap
+    fits none."""
     from cosyvoice2.config import EngineConfig
     from cosyvoice2.flow.cached import EncoderCache
     from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
