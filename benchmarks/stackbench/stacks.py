@@ -7,11 +7,10 @@ token2wav call finished: the slow phase seen on H100s is a freeze of tens of sec
 long is only counted once it ends, too late for the first trigger). Then it runs `py-spy dump --native` (Python and
 C frames: what a thread waits for inside CUDA or the driver) on every process of every tritonserver (the python
 stubs hold the models), in a thread of its own so the timeline keeps ticking, at most once per `every_s`, and keeps
-the machine's state beside them (`nvidia-smi -q` performance and clocks, the host's memory and pressure). While
-frozen, a process whose stacks show a GPU worker thread also gets the kernels running on the GPU for it (`cuda-gdb`
-`info cuda kernels`, where cuda-gdb is installed): a frozen GPU runs some kernel that never ends, and its name is
-the question. Each dump is a text file under the results directory, named by the time and the process, with the
-reason in its first line.
+the machine's state beside them (`nvidia-smi -q` performance and clocks, the host's memory and pressure). Each
+dump is a text file under the results directory, named by the time and the process, with the reason in its first
+line. No debugger attaches: `cuda-gdb` asked for the kernels of frozen processes (none ran) and killed three of
+the four frozen servers it attached to on four H200s (docs/experiments/2026-11-28-replica-freeze-cause.md).
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ DUMP_EVERY_S = 20.0
 DUMP_TIMEOUT_S = 30.0
 
 
-#: Threads whose process holds a model's GPU work (`speech_serving`'s worker threads).
-GPU_WORKER_THREADS = ('"llm-scheduler"', '"token2wav"')
 #: What the machine's state file holds: (title, command).
 MACHINE_STATE = (
     ("GPU performance and clocks", ["nvidia-smi", "-q", "-d", "PERFORMANCE,CLOCK,MEMORY,TEMPERATURE,POWER"]),
@@ -71,7 +68,6 @@ class SlowStacks:
         self.threshold_ms = threshold_ms
         self.every_s = every_s
         self.py_spy = py_spy or shutil.which("py-spy")
-        self.cuda_gdb = shutil.which("cuda-gdb")
         self.rounds = 0
         self._last: float | None = None
         self._threads: list[threading.Thread] = []
@@ -93,21 +89,18 @@ class SlowStacks:
         self._last = after.at
         self.rounds += 1
         pids = sorted({p for server in self.server_pids() if server is not None for p in process_tree(server)})
-        thread = threading.Thread(target=self._dump, args=(pids, after.at, reason, stuck), name="slow-stacks",
+        thread = threading.Thread(target=self._dump, args=(pids, after.at, reason), name="slow-stacks",
                                   daemon=True)
         self._threads.append(thread)
         thread.start()
 
-    def _dump(self, pids: list[int], at: float, reason: str, stuck: bool) -> None:
+    def _dump(self, pids: list[int], at: float, reason: str) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%H%M%S", time.gmtime(at))
         for pid in pids:
             text = run_text([self.py_spy, "dump", "--native", "--pid", str(pid)])
             if "Thread " not in text:  # no stacks: native unwinding failed here, the Python frames alone
                 text += run_text([self.py_spy, "dump", "--pid", str(pid)])
-            if stuck and self.cuda_gdb is not None and any(name in text for name in GPU_WORKER_THREADS):
-                text += "\n== kernels on the GPU (cuda-gdb)\n" + run_text(
-                    [self.cuda_gdb, "--batch", "-p", str(pid), "-ex", "info cuda kernels", "-ex", "detach"])
             (self.out_dir / f"{stamp}-{pid}.txt").write_text(f"{reason}\n{text}")
         state = [f"{reason}\n"] + [f"== {title}\n{run_text(command)}" for title, command in MACHINE_STATE]
         (self.out_dir / f"{stamp}-machine.txt").write_text("\n".join(state))
