@@ -319,8 +319,9 @@ class Token2Wav(FlowAndVocoder):
     """Stateless token -> audio conversion (flow + HiFT); one instance serves any number of streams.
 
     Batching: `run_chunks` runs one chunk of each of several streams (and offline utterances, as one-chunk
-    streams) together: one flow forward per attention mode (rows of any lengths, padded and masked) and one
-    HiFT forward (padded and masked). Every stream keeps its own HiFT caches and noise generator and draws
+    streams) together: one flow forward per attention mode (rows of any lengths: packed on one frame axis over the
+    flow caches, `flow.packed`; padded and masked when recomputed, `flow_cache="off"`) and one HiFT forward
+    (padded and masked). Every stream keeps its own HiFT caches and noise generator and draws
     exactly what it would draw alone, so its audio is the same batched or not (up to float rounding).
 
     The flow runs in the model dtype; HiFT always runs in fp32 (as upstream). HiFT's source noise comes from
