@@ -391,10 +391,11 @@ class FinalResponseGuard:
     """A request's response sender that remembers whether the request's final response went out.
 
     After it the request is tritonserver's again, which may release it while the handler still cleans up (closes
-    its LLM sequence and token2wav stream): it must not be asked `is_cancelled()` then. Asked about a request the
-    server had completed, python_backend's stub waited for an answer that never came, on the event loop of the
-    pipeline's entry model: the replica froze with every stream of it open (docs/RELIABILITY.md); off the loop the
-    same question killed tritonserver. Sends after the final one are refused here rather than sent."""
+    its LLM sequence and token2wav stream): it is not asked `is_cancelled()` then (`run_until_cancelled`'s
+    `answered`). Asked off the event loop, where a check could overlap the final send, that question killed
+    tritonserver in two test runs; whether asking it late on the loop also froze a replica of four is not proven
+    (docs/experiments/2026-11-28-replica-freeze-cause.md). Sends after the final one are refused here rather than
+    sent."""
 
     def __init__(self, sender: Any, final_flag: int) -> None:
         self._sender, self._final_flag = sender, final_flag
