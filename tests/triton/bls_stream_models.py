@@ -35,8 +35,8 @@ class Caller:
     def initialize(self, args: dict[str, str]) -> None:
         self.ticker = model_params(args)["ticker"]
 
-    async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle, cancellable=False, decoupled=False)
+    def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle, cancellable=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         inputs = read_inputs(request, (STREAMS, TICKS, TAKE))

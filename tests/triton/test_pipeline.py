@@ -62,13 +62,22 @@ async def test_eight_concurrent_streams_all_complete(pipeline):
 
 
 async def test_decoupled_models_leave_the_stub_no_unfinished_bookkeeping(pipeline):
-    """The python stub keeps each decoupled model's running `execute` in a set; an `execute` that finished before
-    the stub added it made the removal fail for every request ("Cannot remove future from background", an error
-    line per request, the future kept for good). Streams and offline requests through every decoupled model."""
+    """The python stub keeps each decoupled model's running `async def execute` in a set; an `execute` that finished
+    before the stub added it made the removal fail ("Cannot remove future from background", an error line per
+    request, the future kept for good). Requests refused at once (too short a reference) finish fastest, so they
+    come too: streams and offline requests, good and refused, through every decoupled model."""
     texts = [f"Stream {i} of the stub check." for i in range(6)]
+
+    async def refused(call):
+        with pytest.raises(InferenceServerException, match="reference_wav_len"):
+            await call
+
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        too_short = [synthesis_inputs(f"Refused {i}.", seconds=0.05) for i in range(16)]
         await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=i)) for i, t in enumerate(texts)),
-                             client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=3)))
+                             client.infer(contract.OFFLINE_MODEL, synthesis_inputs(TEXT, seed=3)),
+                             *(refused(stream(client, inputs)) for inputs in too_short),
+                             *(refused(client.infer(contract.OFFLINE_MODEL, inputs)) for inputs in too_short))
     await wait_metrics(pipeline, lambda m: m[("orchestrator_active_requests", "cosyvoice2_stream")] == 0)
     log = pipeline.server.log_path.read_text(errors="replace")
     assert "Cannot remove future from background" not in log

@@ -44,12 +44,14 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 #: Each decoupled BLS stream is read by one blocking reader here, never on the stub's event loop (it would
 #: stall every request). A reader is busy for its stream's whole life, hence the many workers.
 _BLS_THREADS = ThreadPoolExecutor(max_workers=1024, thread_name_prefix="bls")
-#: This process's event loop, watched from its first request on (`serve`).
+#: This process's event loop, watched from its first request on (`serving_loop`).
 _WATCHDOG = LoopWatchdog()
 #: No internal model ever goes this long without answering (a decode step is milliseconds, a token2wav call
 #: well under a second): a silent callee fails the request with a clear error instead of hanging it.
 BLS_STALL_TIMEOUT_S = 60.0
 _IN_FLIGHT: set[asyncio.Task] = set()
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
 
 
 def model_config(args: Mapping[str, str]) -> dict[str, Any]:
@@ -87,35 +89,48 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-async def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool,
-                decoupled: bool) -> None:
-    """A model's async `execute`: one task per request, so the requests run concurrently (no head-of-line blocking).
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
+    """A model's `execute`: hands each request to this process's serving loop as a task of its own (the requests
+    run concurrently, no head-of-line blocking) and returns at once, before any of them is answered.
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
     cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
     started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
     blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
-    sequence and token2wav job every 50 ms. The loop these run on is watched (`speech_serving.loop_watchdog`): stuck
-    for seconds, it is logged with every thread's stack.
+    sequence and token2wav job every 50 ms.
 
-    `decoupled`: the model is (`is_decoupled`), and then this returns once its requests are answered; otherwise at
-    once. The python stub runs a decoupled model's `execute` in the background and keeps its future in a set from
-    which a done-callback removes it, but it registers that callback before it adds the future: an `execute` that
-    returned at once finished in between, so the removal failed ("Cannot remove future from background; KeyError",
-    an error line per request) and the finished future stayed in the set for good. A non-decoupled model's `execute`
-    is awaited by the stub before it takes the next batch, so it must return at once to keep its requests concurrent.
+    Why `execute` is a plain function and the loop is ours, not the stub's: for an `async def execute` of a
+    decoupled model the python stub schedules the coroutine on its own loop, then registers a done-callback that
+    removes the coroutine's future from a set, then adds the future to that set. A coroutine that finished in
+    between (a request refused at once, say) made the removal fail ("Cannot remove future from background;
+    KeyError", an error line per request) and left the finished future in the set for good; no wait inside the
+    coroutine closes that window. A plain `execute` that returns None is the stub's ordinary decoupled path (and,
+    for a non-decoupled model, answered through its response sender, the default one), with no bookkeeping.
     """
+    loop = serving_loop()
+    loop.call_soon_threadsafe(_start_all, list(requests), handle, cancellable)
+
+
+def serving_loop() -> asyncio.AbstractEventLoop:
+    """This process's one event loop, on a daemon thread of its own, started on first use and watched
+    (`speech_serving.loop_watchdog`: stuck for seconds, it is logged with every thread's stack)."""
+    global _LOOP  # noqa: PLW0603 - one loop per process, made once
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="serving-loop", daemon=True).start()
+            loop.call_soon_threadsafe(_WATCHDOG.start, loop)
+            _LOOP = loop
+        return _LOOP
+
+
+def _start_all(requests: list[Any], handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
     loop = asyncio.get_running_loop()
-    _WATCHDOG.start(loop)
-    tasks = []
     for request in requests:
         task = loop.create_task(_serve_one(request, handle, cancellable))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
-        tasks.append(task)
-    if decoupled and tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _serve_one(request: Any, handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
@@ -286,8 +301,8 @@ class PipelineEntryModel:
     orchestrator: Any  # has `synthesize(SpeechRequest, streaming) -> AsyncIterator[SpeechChunk]`
     streaming: bool
 
-    async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle, cancellable=True, decoupled=self.streaming)
+    def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle, cancellable=True)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
@@ -312,12 +327,11 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any]) 
         def initialize(self, args: dict[str, str]) -> None:
             params = params_class.from_parameters(model_params(args), args["model_name"])
             self.handler = self.build(params)
-            self.decoupled = is_decoupled(args)
             stats = self.handler.stats
             self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 
-        async def execute(self, requests: list[Any]) -> None:
-            await serve(requests, self.handler.handle, cancellable=False, decoupled=self.decoupled)
+        def execute(self, requests: list[Any]) -> None:
+            serve(requests, self.handler.handle, cancellable=False)
 
         def finalize(self) -> None:
             self.handler.close()

@@ -143,10 +143,9 @@ class SparkVoicePromptModel:
         self.stats = Stats(CACHE_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[SparkVoicePrompt] = VoicePromptCache(params.cache_capacity, self.stats)
-        self.decoupled = is_decoupled(args)
 
-    async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle, cancellable=False, decoupled=self.decoupled)
+    def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle, cancellable=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = internal_io.parse_voice_prompt(read_inputs(request, io.SPARK_VOICE_PROMPT_INPUTS))

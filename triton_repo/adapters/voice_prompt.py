@@ -19,7 +19,7 @@ from speech_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_vo
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
-    FINAL, MetricsExporter, bls, is_decoupled, model_params, read_inputs, response, serve,
+    FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve,
 )
 from triton_repo.model_params import VoicePromptParams
 
@@ -36,10 +36,9 @@ class TritonPythonModel:
         self.stats = Stats(CACHE_STATS)
         self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(params.cache_capacity, self.stats)
-        self.decoupled = is_decoupled(args)
 
-    async def execute(self, requests: list[Any]) -> None:
-        await serve(requests, self._handle, cancellable=False, decoupled=self.decoupled)
+    def execute(self, requests: list[Any]) -> None:
+        serve(requests, self._handle, cancellable=False)
 
     async def _handle(self, request: Any, sender: Any) -> None:
         voice_id, wav = io.parse_voice_prompt(read_inputs(request, io.VOICE_PROMPT_INPUTS))

@@ -1,0 +1,90 @@
+"""Every Triton model's `execute` is a plain function, and `serve` hands requests to the process's serving loop.
+
+The python stub runs an `async def execute` of a decoupled model in the background and keeps its future in a set
+that a done-callback empties; it registers the callback before it adds the future, so a coroutine that finished in
+between (a request refused at once) left an error line and a future behind for good. The adapters avoid that path
+altogether; the real-server check is `test_pipeline.py`'s bookkeeping test, which a rare race cannot fail on
+demand, so this one fails whenever a model's `execute` becomes a coroutine function again.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ADAPTERS = sorted(p.stem for p in (REPO_ROOT / "triton_repo" / "adapters").glob("*.py") if p.stem != "__init__")
+
+# In a fresh interpreter: the adapters import `triton_python_backend_utils`, which exists only inside tritonserver.
+_PROBE = """
+import importlib, inspect, json, sys
+from unittest import mock
+sys.modules["triton_python_backend_utils"] = mock.MagicMock()
+found = {}
+for name in sys.argv[1:]:
+    module = importlib.import_module("triton_repo.adapters." + name)
+    for attr, value in vars(module).items():
+        # the models `handler_model` makes (engine, LLM, token2wav) are classes defined in `common`, named here
+        if inspect.isclass(value) and callable(getattr(value, "execute", None)):
+            found[name + "." + attr] = inspect.iscoroutinefunction(value.execute)
+print(json.dumps(found))
+"""
+
+_SERVE = """
+import asyncio, json, sys, threading
+from unittest import mock
+pb = mock.MagicMock()
+pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+sys.modules["triton_python_backend_utils"] = pb
+from triton_repo.adapters import common
+
+sent, done = [], threading.Event()
+
+class Sender:
+    def send(self, response=None, flags=0):
+        sent.append((response is not None, flags, threading.current_thread().name))
+        if len(sent) == 2:
+            done.set()
+
+class Request:
+    def get_response_sender(self):
+        return Sender()
+
+async def handle(request, sender):
+    await asyncio.sleep(0.05)
+    if request.fail:
+        raise ValueError("refused")
+    sender.send(object(), flags=common.FINAL)
+
+good, bad = Request(), Request()
+good.fail, bad.fail = False, True
+returned = common.serve([good, bad], handle, cancellable=False)
+answered_before_return = bool(sent)
+assert done.wait(10), "no answer"
+print(json.dumps({"returned": returned, "answered_before_return": answered_before_return, "sent": sent,
+                  "error_responses": pb.TritonError.call_count}))
+"""
+
+
+def _python(code: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO_ROOT, capture_output=True, text=True,  # noqa: S603
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_no_model_execute_is_a_coroutine_function():
+    found = json.loads(_python(_PROBE, *ADAPTERS))
+    assert {"common.PipelineEntryModel", "voice_prompt.TritonPythonModel"} <= found.keys(), found  # it saw the models
+    assert any(name.startswith("engine.") for name in found), found
+    assert [name for name, is_coroutine in found.items() if is_coroutine] == []
+
+
+def test_serve_returns_at_once_and_answers_on_the_serving_loop():
+    out = json.loads(_python(_SERVE))
+    assert out["returned"] is None and not out["answered_before_return"]
+    assert sorted(flags for _, flags, _ in out["sent"]) == [1, 1]  # each request answered once, with FINAL
+    assert {thread for *_, thread in out["sent"]} == {"serving-loop"}
+    assert out["error_responses"] == 1  # the failure went back as the request's error response
