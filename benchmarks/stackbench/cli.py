@@ -41,6 +41,15 @@ figure is the machine's, and the summary divides the real-time streams and the o
 Results directories of such runs are named with `rep<N>`; summary.md and results.json say how many replicas ran,
 and every level in results.json has the requests each replica took (`replica_requests`, from its own counters).
 
+With `--variant 'FIELD=VALUE ...'` (repeatable) one invocation measures several settings against each other: the
+command line's own ("base") and each variant, whose render items go on top of the `--render-arg`s (`balance=...`
+sets its `--balance`; variants that differ only in that share one stack). Every setting's stack is rendered into a
+work directory of its own (WORK/variants/<i>) and started before the first level, with its own warm-up; then run 1
+of every setting's levels, then run 2 of every setting, ...: interleaved runs of one machine state, not one setting
+after another. Each setting writes its usual documents into RESULTS/<i>-<setting>/, and RESULTS/summary.md puts the
+settings side by side, level by level (each cell every run and the spread). The stacks that are not being measured
+sit idle meanwhile, holding their GPU memory.
+
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
 (default: released-size random Spark weights written once under WORK/spark-model, `spark_tts.testing`, the same
@@ -98,6 +107,7 @@ Options:
   --balance round-robin|least-busy  how tts-bench spreads the Triton scenarios' requests over the replicas: the
                                 target's round robin, as the gateway (default round-robin), or each to the server with
                                 the fewest of the run's requests in flight
+  --variant 'FIELD=VALUE ...'   another setting measured beside the command's own, repeatable (render items; balance=...)
   --server-arg ARG              an extra tritonserver argument, repeatable (named in the results directory)
   --stacks-when-slow MS         py-spy dumps of every tritonserver process into RESULTS/stacks/ when a second's
                                 mean LLM step passes MS ms (stackbench.stacks; at most every 20 s; py-spy on PATH)
@@ -132,6 +142,7 @@ from stackbench.launch import (
     ensure_dit_dir,
     ensure_model_dir,
     ensure_spark_dir,
+    render_fields,
     render_stack,
 )
 from triton_repo.render import TOKEN2WAVS
@@ -838,6 +849,51 @@ def open_loop_markdown(open_loop: dict[str, Any], gpus: int = 1) -> list[str]:
     return [*lines, ""]
 
 
+#: (column title, row key or "stages." stage key, scale, format) of the variants' side-by-side table: the measures and
+#: stages that decide between settings, as the summary's own tables show them.
+VARIANT_COLUMNS: tuple[tuple[str, str, float, str], ...] = (
+    *(column for column in SUMMARY_COLUMNS if column[1] in ("first_chunk_p50", "first_chunk_p90", "stalled_share",
+                                                            "total_p50", "audio_seconds_per_second", "gpu_busy")),
+    *((title, f"stages.{key}", 1.0, fmt) for title, key, fmt in STAGE_COLUMNS
+      if key in ("token2wav_call_ms", "token2wav_padded_share_pct", "llm_step_ms")),
+)
+
+
+def variants_markdown(runs: Sequence[VariantRun], title: str, gpus: int = 1) -> str:
+    """The variants side by side: per scenario and concurrency one row per variant, each cell every run's value and
+    their spread; then each variant's real-time streams and where its own summary is."""
+
+    def value(row: dict[str, Any], key: str) -> float | None:
+        return row["stages"].get(key.partition(".")[2]) if key.startswith("stages.") else row.get(key)
+
+    header = ["scenario", "c", "variant", "requests (errors)", *(t for t, *_ in VARIANT_COLUMNS)]
+    lines = [f"# {title}", "", f"{len(runs)} settings, their runs interleaved (run k of every setting before run k+1 "
+             "of any), every stack started before the first level; each setting's own summary is in its directory.",
+             "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    levels: list[tuple[str, int]] = []
+    for variant_run in runs:
+        for row in variant_run.rows:
+            if (row["scenario"], row["concurrency"]) not in levels:
+                levels.append((row["scenario"], row["concurrency"]))
+    for scenario, concurrency in levels:
+        for variant_run in runs:
+            rows = sorted((r for r in variant_run.rows if (r["scenario"], r["concurrency"]) == (scenario, concurrency)),
+                          key=lambda r: r["run"])  # fmt: skip
+            if not rows:
+                continue
+            cells = [scenario, str(concurrency), variant_run.variant.name,
+                     f"{sum(r['requests'] for r in rows)} ({sum(r['errors'] for r in rows)})"]
+            cells += [spread_cell([value(r, key) for r in rows], scale, fmt) for _, key, scale, fmt in VARIANT_COLUMNS]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Real-time streams per machine (first chunk p90 <= "
+              f"{REALTIME_FIRST_CHUNK_P90_S * 1000:.0f} ms, no stall, no error, in every run), per GPU ({gpus} used):", ""]
+    for variant_run in runs:
+        realtime = variant_run.realtime
+        lines.append(f"- {variant_run.variant.name}: **{NA if realtime is None else realtime}** "
+                     f"({per_gpu(realtime, gpus)} per GPU); `{variant_run.out_dir.name}/summary.md`")
+    return "\n".join([*lines, ""])
+
+
 # Replicas and GPUs --------------------------------------------------------------------------------
 
 def replica_devices(replicas: int, device: str, environ: dict[str, str],
@@ -891,6 +947,8 @@ def settings_slug(args: argparse.Namespace) -> str:
         parts.append(args.only.replace(",", "+"))
     if args.replicas > 1:
         parts.append(f"rep{args.replicas}" + ("" if args.balance == "round-robin" else f"-{args.balance}"))
+    if getattr(args, "variant", None):
+        parts.append(f"{len(args.variant) + 1}settings")
     parts.append(f"r{args.repeat}")
     return re.sub(r"[^A-Za-z0-9_.+-]", "", "-".join(parts))[:80]
 
@@ -1007,6 +1065,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stacks-when-slow", type=float, metavar="MS",
                         help="py-spy dumps of every tritonserver process (RESULTS/stacks/) when a second's mean LLM "
                              "step passes MS ms, at most every 20 s (needs py-spy on PATH)")
+    parser.add_argument("--variant", action="append", default=[], metavar="'FIELD=VALUE ...'",
+                        help="another setting measured beside the command's own (repeatable): render FIELD=VALUE "
+                             "items on top of the --render-args, balance=... for its --balance; every setting's stack "
+                             "starts before the first level and their runs interleave (results per setting in "
+                             "RESULTS/<i>-<setting>/, side by side in RESULTS/summary.md)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an extra tritonserver argument (repeatable), e.g. "
                              "--server-arg=--backend-config=python,thread-pool-size=128")
@@ -1029,6 +1092,265 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One setting measured: the render's ``FIELD=VALUE`` items (the command's `--render-arg`s, then the variant's
+    own, which win) and how tts-bench spreads the Triton scenarios' requests over the replicas."""
+
+    name: str
+    render_args: tuple[str, ...]
+    balance: str
+
+
+#: The setting of the command line itself, when `--variant`s are measured beside it.
+BASE_VARIANT = "base"
+
+
+def check_render_args(items: Iterable[str], where: str) -> None:
+    for item in items:
+        field_name, sep, value = item.partition("=")
+        if not sep or not field_name or not value:
+            raise SystemExit(f"stack-bench: {where}: {item!r} is not FIELD=VALUE")
+        if field_name in OWN_OPTIONS:
+            raise SystemExit(f"stack-bench: give {field_name} with {OWN_OPTIONS[field_name]}, not {where} "
+                             "(the results are named after it)")
+
+
+def variants(args: argparse.Namespace) -> list[Variant]:
+    """The settings one invocation measures: the command line's, then one per `--variant` (its FIELD=VALUE items on
+    top of the command's render args; `balance=...` sets the variant's `--balance`)."""
+    measured = [Variant(BASE_VARIANT, tuple(args.render_arg), args.balance)]
+    for spec in args.variant:
+        items = spec.split()
+        if not items:
+            raise SystemExit("stack-bench: --variant needs FIELD=VALUE items, e.g. --variant flow_norm_kernels=on")
+        render = [item for item in items if not item.startswith("balance=")]
+        check_render_args(render, "--variant")
+        balances = [item.partition("=")[2] for item in items if item.startswith("balance=")]
+        if any(balance not in BALANCES for balance in balances):
+            raise SystemExit(f"stack-bench: --variant {spec!r}: balance is one of {', '.join(BALANCES)}")
+        variant = Variant(" ".join(items), (*args.render_arg, *render), balances[-1] if balances else args.balance)
+        if any(v.name == variant.name or (render_fields(v.render_args), v.balance)
+               == (render_fields(variant.render_args), variant.balance) for v in measured):
+            raise SystemExit(f"stack-bench: --variant {spec!r} measures a setting already measured")
+        measured.append(variant)
+    for variant in measured:
+        if variant.balance != "round-robin" and args.replicas < 2:
+            raise SystemExit(f"stack-bench: --balance {variant.balance} spreads requests over replicas: "
+                             "add --replicas N")
+    return measured
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The weights every setting of an invocation loads (the pipeline's, and the token2wav's or the other
+    pipeline's where one is measured)."""
+
+    model_dir: Path
+    dit_dir: Path | None = None
+    spark_dir: Path | None = None
+    cosyvoice3_dir: Path | None = None
+
+
+class StackUnderTest:
+    """One rendered repository on its tritonserver(s) (and gateway, when a scenario needs it), with the timeline of
+    their metrics and, with `--stacks-when-slow`, the stack dumps of their processes. Variants that differ only in
+    their balance share one."""
+
+    def __init__(self, args: argparse.Namespace, render_args: Sequence[str], work: Path, weights: Weights,
+                 devices: list[str], stacks_dir: Path) -> None:  # fmt: skip
+        self.work = work
+        self.options, repo = render_stack(
+            work=work, model_dir=weights.model_dir, device=args.device, dtype=args.dtype,
+            max_batch=args.max_batch, max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio,
+            render_args=render_args, token2wav=args.token2wav, dit_dir=weights.dit_dir,
+            spark_dir=weights.spark_dir, spark_benchmark_ratio=args.spark_benchmark_ratio,
+            cosyvoice3_dir=weights.cosyvoice3_dir, cosyvoice3_benchmark_ratio=args.cosyvoice3_benchmark_ratio,
+        )  # fmt: skip
+        self.bench = BenchStack(repo, work, stub_env=args.stub_env, replica_devices=devices,
+                                server_args=tuple(args.server_arg))
+        self.servers = self.bench.servers
+        self.slow_stacks = (SlowStacks(lambda: [server.pid for server in self.servers], stacks_dir,
+                                       args.stacks_when_slow) if args.stacks_when_slow else None)  # fmt: skip
+        self.timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(self.servers)), GpuMemory().used,
+                                        on_tick=self.slow_stacks.observe if self.slow_stacks is not None else None)
+        self.ready_s: float | None = None
+        self.started = False
+
+    def start(self, with_gateway: bool) -> None:
+        started = time.perf_counter()
+        self.started = True
+        self.bench.start_triton()
+        self.ready_s = round(time.perf_counter() - started, 1)
+        print(f"{len(self.servers)} tritonserver(s) ready in {self.ready_s} s: {self.bench.grpc_target}", flush=True)
+        if with_gateway:
+            self.bench.start_gateway()
+
+    def watch(self) -> None:
+        """From the first measured level on (not during the warm-up's captures): the metrics' timeline, and the
+        stack dumps it triggers."""
+        self.timeline.start()
+
+    def url(self, scenario: Scenario) -> str:
+        return self.bench.grpc_target if scenario.target == "triton" else self.bench.gateway_url
+
+    def stop(self, out_dir: Path) -> None:
+        """Stop the servers; the timeline and the logs' tails go to ``out_dir``."""
+        self.timeline.stop()
+        (out_dir / "timeline.json").write_text(json.dumps(self.timeline.to_json()))
+        if self.slow_stacks is not None:
+            self.slow_stacks.join()
+        self.bench.stop()
+        for replica, log in enumerate(self.bench.server_logs):
+            copy_tail(log, out_dir / ("tritonserver_tail.log" if replica == 0 else f"tritonserver-{replica}_tail.log"))
+        copy_tail(self.bench.gateway_log, out_dir / "gateway_tail.log")
+
+
+class VariantRun:
+    """What one variant measures on its stack: its levels, run by run, and the documents it writes into
+    ``out_dir`` (results.json, stages.json, summary.md, levels/)."""
+
+    def __init__(self, variant: Variant, stack: StackUnderTest, out_dir: Path, args: argparse.Namespace,
+                 sampler: GpuSampler, gpus: int, weights: Weights, devices: list[str],
+                 search: SearchSettings | None) -> None:  # fmt: skip
+        self.variant, self.stack, self.out_dir, self.args, self.sampler, self.gpus = \
+            variant, stack, out_dir, args, sampler, gpus
+        self.levels_dir = out_dir / "levels"
+        self.levels_dir.mkdir()
+        self.pipeline = selected_pipeline(args)
+        self.scenarios = [balanced(s, variant.balance) for s in SCENARIOS
+                          if not args.only or s.name in args.only.split(",")]
+        self.search = search
+        self.open_loop_scenario = balanced(next(s for s in SCENARIOS if s.name == args.open_loop_scenario),
+                                           variant.balance)
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        settings["max_batch"] = stack.options.max_batch  # what the render chose where --max-batch was left out
+        settings["render_arg"], settings["balance"] = list(variant.render_args), variant.balance
+        self.document: dict[str, Any] = {
+            "settings": settings,
+            "variant": variant.name,
+            "pipeline": self.pipeline or "cosyvoice2",
+            "token2wav": None if self.pipeline else args.token2wav,  # Spark and CosyVoice3 vocode with their own
+            "dit_dir": None if weights.dit_dir is None else str(weights.dit_dir),
+            "spark_dir": None if weights.spark_dir is None else str(weights.spark_dir),
+            "cosyvoice3_dir": None if weights.cosyvoice3_dir is None else str(weights.cosyvoice3_dir),
+            "render": {k: str(v) for k, v in vars(stack.options).items()},
+            "replicas": args.replicas,
+            "balance": variant.balance,  # how tts-bench spread the Triton scenarios' requests over the replicas
+            "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)
+            "gpus_used": gpus,
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "levels": [],
+        }
+        if search is not None:
+            self.document["open_loop"] = {
+                "scenario": self.open_loop_scenario.name,
+                "rule": {"first_chunk_p95_max_s": OPEN_LOOP_BOUND.first_chunk_p95, "stalled_streams": 0, "errors": 0,
+                         "lowest_over_runs": True},
+                "search": asdict(search),
+                "step_seconds": args.open_loop_step_seconds,
+                "runs": [],
+                "sustained_rate": None,
+            }  # fmt: skip
+        self.rows: list[dict[str, Any]] = self.document["levels"]
+        self.stages: dict[str, Any] = {"render": self.document["render"]}
+        self.realtime: int | None = None
+
+    @property
+    def loaded(self) -> list[Scenario]:
+        return self.scenarios + ([self.open_loop_scenario] if self.search is not None else [])
+
+    def started(self) -> None:
+        self.document["grpc_target"] = self.stack.bench.grpc_target  # the ports are chosen as the servers start
+        self.document["server_ready_s"] = self.stages["server_ready_s"] = self.stack.ready_s
+        self.document["gpu_sampler"] = self.sampler.source
+
+    def warm_up(self) -> None:
+        """Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs; a server
+        that has been up a while has them all, so the levels measure that state. At the largest level's
+        concurrency: calls of more rows than the warm-up formed (eager shapes, kernel plans) otherwise land in the
+        first measured run of a larger level (its p90 was the worst of three)."""
+        args = self.args
+        concurrency = max(WARMUP_CONCURRENCY, *(c for s in self.scenarios for c in getattr(args, s.levels_option)))
+        print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests, {concurrency} at a "
+              "time", flush=True)
+        for warm in WARMUP:
+            run_level(balanced(warm, self.variant.balance), concurrency, self.stack.bench.grpc_target,
+                      self.levels_dir / f"{warm.name}.json", args.server_warmup, args.timeout, 0, self.pipeline)
+
+    def measure(self, run: int) -> None:
+        """Run ``run`` of every level, then (with `--open-loop`) its rate search."""
+        args, servers = self.args, self.stack.servers
+        for scenario in self.scenarios:
+            for concurrency in getattr(args, scenario.levels_option):
+                name = f"{scenario.name}-c{concurrency}-r{run}"
+                before = replica_metrics(servers)
+                level = run_level(scenario, concurrency, self.stack.url(scenario), self.levels_dir / f"{name}.json",
+                                  args.requests, args.timeout, args.warmup, self.pipeline)  # fmt: skip
+                after = settled_metrics(servers)
+                self.stages[name] = stage_breakdown(sum_metrics(before), sum_metrics(after))
+                window = level.get("window")
+                self.stages[name].update(self.stack.timeline.slowest(window))
+                row = level_row(scenario, concurrency, run, level, self.sampler.busy_share(window), self.stages[name],
+                                self.sampler.busy_per_gpu(window))  # fmt: skip
+                row["replica_requests"] = replica_requests(before, after)
+                if self.variant.name != BASE_VARIANT or args.variant:
+                    row["variant"] = self.variant.name
+                self.rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
+                self.write_results()
+                if level["errors"] == level["requests"]:
+                    raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
+        if self.search is not None:
+            found = run_rate_search(self.open_loop_scenario, self.stack.url(self.open_loop_scenario),
+                                    self.levels_dir / f"open-loop-r{run}.json", self.search,
+                                    args.open_loop_step_seconds, args.timeout, args.warmup, self.pipeline)  # fmt: skip
+            outcome = found["rate_search"]
+            open_loop = self.document["open_loop"]
+            open_loop["runs"].append({
+                "run": run, "sustained_rate": outcome["sustained_rate"], "failed_above": outcome["failed_above"],
+                "steps": rate_rows(found, run, self.sampler.busy_share),
+            })  # fmt: skip
+            open_loop["sustained_rate"] = rate = sustained_open_loop_rate(open_loop["runs"])
+            open_loop["sustained_rate_per_gpu"] = None if rate is None else round(rate / self.gpus, 3)
+            print(json.dumps({k: v for k, v in open_loop["runs"][-1].items() if k != "steps"}), flush=True)
+            self.write_results()
+
+    def write_results(self) -> None:
+        (self.out_dir / "results.json").write_text(json.dumps(self.document, indent=1))
+
+    def finish(self) -> None:
+        """The real-time streams and every document of the variant, also after a failure (what was measured)."""
+        self.realtime = realtime = realtime_streams(self.rows)
+        self.document["realtime_streams"] = realtime  # the machine's: every replica together
+        self.document["realtime_streams_per_gpu"] = None if realtime is None else round(realtime / self.gpus, 3)
+        self.document["realtime_rule"] = {"scenario": REALTIME_SCENARIO,
+                                          "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,
+                                          "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
+        self.write_results()
+        (self.out_dir / "stages.json").write_text(json.dumps(self.stages, indent=1))
+        token2wav = self.args.token2wav if self.document["dit_dir"] is None else \
+            f"{self.args.token2wav} ({self.document['dit_dir']})"
+        title = (f"stack-bench {self.out_dir.parent.name}/{self.out_dir.name}" if self.args.variant
+                 else f"stack-bench {self.out_dir.name}")
+        summary = summary_markdown(self.rows, title, realtime, token2wav, self.pipeline, self.document.get("open_loop"),
+                                   replicas=self.args.replicas, gpus=self.gpus, balance=self.variant.balance)
+        if self.args.variant:
+            summary = summary.replace("\n\n", f"\n\nvariant: **{self.variant.name}** (render args: "
+                                      f"{' '.join(self.variant.render_args) or 'none'})\n\n", 1)
+        (self.out_dir / "summary.md").write_text(summary)
+        print("\n" + summary, flush=True)
+        print(f"real-time streams per machine: {NA if realtime is None else realtime}, per GPU ({self.gpus} used): "
+              f"{per_gpu(realtime, self.gpus)}", flush=True)  # fmt: skip
+        if self.search is not None:
+            print(f"sustained open-loop rate: {self.document['open_loop']['sustained_rate']} req/s", flush=True)
+
+
+def variant_dir_name(index: int, variant: Variant) -> str:
+    return f"{index}-" + (re.sub(r"[^A-Za-z0-9_.+-]", "", variant.name.replace("=", "").replace(" ", "+"))[:60]
+                          or "variant")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     unknown = set((args.only or "").split(",")) - {"", *(s.name for s in SCENARIOS)}
@@ -1036,10 +1358,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"stack-bench: unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.stub_env is not None and not (args.stub_env / "bin" / "python3").exists():
         raise SystemExit(f"stack-bench: {args.stub_env} is not a Python environment (no bin/python3)")
-    for item in args.render_arg:
-        if (field := item.partition("=")[0]) in OWN_OPTIONS:
-            raise SystemExit(f"stack-bench: give {field} with {OWN_OPTIONS[field]}, not --render-arg "
-                             "(the results are named after it)")
+    check_render_args(args.render_arg, "--render-arg")
     if not args.spark and (args.spark_dir is not None or args.spark_benchmark_ratio is not None):
         raise SystemExit("stack-bench: --spark-dir and --spark-benchmark-ratio need --spark")
     if args.spark and (args.token2wav != "unet" or args.dit_dir is not None):
@@ -1061,158 +1380,84 @@ def run(argv: Sequence[str] | None = None) -> int:
         except FileNotFoundError as exc:
             raise SystemExit(f"stack-bench: --dit-dir: {exc}") from None
     devices = replica_devices(args.replicas, args.device, dict(os.environ))
-    scenarios = [balanced(s, args.balance) for s in SCENARIOS if not args.only or s.name in args.only.split(",")]
+    measured = variants(args)
     search = open_loop_settings(args)
-    open_loop_scenario = balanced(next(s for s in SCENARIOS if s.name == args.open_loop_scenario), args.balance)
-    if args.balance != "round-robin" and args.replicas < 2:
-        raise SystemExit(f"stack-bench: --balance {args.balance} spreads requests over replicas: add --replicas N")
 
     out_dir = fresh_results_dir(args.out or args.work / "results", settings_slug(args))
-    levels_dir = out_dir / "levels"
-    levels_dir.mkdir()
     print(f"results: {out_dir}", flush=True)
-    model_dir = ensure_model_dir(args.work, args.model_dir)
-    dit_dir = ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None
-    spark_dir = ensure_spark_dir(args.work, args.spark_dir) if args.spark else None
-    cosyvoice3_dir = ensure_cosyvoice3_dir(args.work, args.cosyvoice3_dir, args.device) if args.cosyvoice3 else None
-    token2wav = args.token2wav if dit_dir is None else f"{args.token2wav} ({dit_dir})"
-    print(f"pipeline: {pipeline} ({spark_dir or cosyvoice3_dir})" if pipeline else f"token2wav: {token2wav}",
-          flush=True)  # fmt: skip
-    options, repo = render_stack(
-        work=args.work, model_dir=model_dir, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-        max_seq_len=args.max_seq_len, benchmark_speech_ratio=args.benchmark_speech_ratio, render_args=args.render_arg,
-        token2wav=args.token2wav, dit_dir=dit_dir, spark_dir=spark_dir,
-        spark_benchmark_ratio=args.spark_benchmark_ratio, cosyvoice3_dir=cosyvoice3_dir,
-        cosyvoice3_benchmark_ratio=args.cosyvoice3_benchmark_ratio,
-    )  # fmt: skip
+    weights = Weights(
+        model_dir=ensure_model_dir(args.work, args.model_dir),
+        dit_dir=ensure_dit_dir(args.work, args.dit_dir) if args.token2wav == "dit" else None,
+        spark_dir=ensure_spark_dir(args.work, args.spark_dir) if args.spark else None,
+        cosyvoice3_dir=ensure_cosyvoice3_dir(args.work, args.cosyvoice3_dir, args.device) if args.cosyvoice3 else None,
+    )
+    token2wav = args.token2wav if weights.dit_dir is None else f"{args.token2wav} ({weights.dit_dir})"
+    print(f"pipeline: {pipeline} ({weights.spark_dir or weights.cosyvoice3_dir})" if pipeline
+          else f"token2wav: {token2wav}", flush=True)  # fmt: skip
 
-    stack = BenchStack(repo, args.work, stub_env=args.stub_env, replica_devices=devices,
-                       server_args=tuple(args.server_arg))
-    servers = stack.servers
     gpus = list(range(args.replicas))  # as this process numbers them: one per tritonserver
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
-    slow_stacks = (SlowStacks(lambda: [server.pid for server in servers], out_dir / "stacks", args.stacks_when_slow)
-                   if args.stacks_when_slow else None)
-    timeline = MetricsTimeline(lambda: sum_metrics(replica_metrics(servers)), GpuMemory().used,
-                               on_tick=slow_stacks.observe if slow_stacks is not None else None)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    settings["max_batch"] = options.max_batch  # what the render chose where --max-batch was left out
-    document: dict[str, Any] = {
-        "settings": settings,
-        "pipeline": pipeline or "cosyvoice2",
-        "token2wav": None if pipeline else args.token2wav,  # Spark and CosyVoice3 vocode with their own
-        "dit_dir": None if dit_dir is None else str(dit_dir),
-        "spark_dir": None if spark_dir is None else str(spark_dir),
-        "cosyvoice3_dir": None if cosyvoice3_dir is None else str(cosyvoice3_dir),
-        "render": {k: str(v) for k, v in vars(options).items()},
-        "replicas": args.replicas,
-        "balance": args.balance,  # how tts-bench spread the Triton scenarios' requests over the replicas
-        "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)
-        "gpus_used": len(gpus),
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "levels": [],
-    }
-    if search is not None:
-        document["open_loop"] = {
-            "scenario": open_loop_scenario.name,
-            "rule": {"first_chunk_p95_max_s": OPEN_LOOP_BOUND.first_chunk_p95, "stalled_streams": 0, "errors": 0,
-                     "lowest_over_runs": True},
-            "search": asdict(search),
-            "step_seconds": args.open_loop_step_seconds,
-            "runs": [],
-            "sustained_rate": None,
-        }  # fmt: skip
-    rows: list[dict[str, Any]] = document["levels"]
-    stages: dict[str, Any] = {"render": document["render"]}
-    started = time.perf_counter()
+    # One invocation, one setting: its stack in WORK and its results in the results directory itself. With
+    # --variant every setting gets a directory of its own under it (and each render a work directory of its own),
+    # every stack is started before the first level, and run k of every variant comes before run k+1 of any.
+    stacks: dict[tuple[tuple[str, Any], ...], StackUnderTest] = {}  # by the render they serve
+    runs: list[VariantRun] = []
+    for index, variant in enumerate(measured):
+        variant_out = out_dir if not args.variant else out_dir / variant_dir_name(index, variant)
+        variant_out.mkdir(exist_ok=True)
+        render = tuple(sorted(render_fields(variant.render_args).items()))
+        stack = stacks.get(render)
+        if stack is None:
+            work = args.work if not args.variant else args.work / "variants" / str(len(stacks))
+            work.mkdir(parents=True, exist_ok=True)
+            stack = stacks[render] = StackUnderTest(args, variant.render_args, work, weights, devices,
+                                                                 variant_out / "stacks")
+        runs.append(VariantRun(variant, stack, variant_out, args, sampler, len(gpus), weights, devices, search))
     try:
-        stack.start_triton()
-        document["grpc_target"] = target = stack.grpc_target  # the ports are chosen as the servers start
-        document["server_ready_s"] = stages["server_ready_s"] = round(time.perf_counter() - started, 1)
-        print(f"{len(servers)} tritonserver(s) ready in {document['server_ready_s']} s: {target}", flush=True)
-        loaded = scenarios + ([open_loop_scenario] if search is not None else [])
-        if any(s.target == "gateway" for s in loaded):
-            stack.start_gateway()
-        if args.server_warmup:
-            # Unmeasured: the first calls of each shape run eagerly and the second ones capture CUDA graphs;
-            # a server that has been up a while has them all, so the levels below measure that state.
-            # At the largest level's concurrency: calls of more rows than the warm-up formed (eager shapes, kernel
-            # plans) otherwise land in the first measured run of a larger level (its p90 was the worst of three).
-            warm_concurrency = max(WARMUP_CONCURRENCY, *(c for s in scenarios for c in getattr(args, s.levels_option)))
-            print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests, {warm_concurrency} at a "
-                  "time", flush=True)
-            for warm in WARMUP:
-                run_level(balanced(warm, args.balance), warm_concurrency, target, levels_dir / f"{warm.name}.json",
-                          args.server_warmup, args.timeout, 0, pipeline)  # fmt: skip
+        for stack in stacks.values():
+            stack.start(any(s.target == "gateway" for r in runs if r.stack is stack for s in r.loaded))
+        warmed: set[int] = set()
+        for variant_run in runs:
+            variant_run.started()
+            if args.server_warmup and id(variant_run.stack) not in warmed:
+                warmed.add(id(variant_run.stack))
+                variant_run.warm_up()
         sampler.start()
-        timeline.start()
-        document["gpu_sampler"] = sampler.source
+        for stack in stacks.values():
+            stack.watch()
         if sampler.source is None:
             print("no NVML and no nvidia-smi: GPU busy share is n/a", flush=True)
-        for run in range(1, args.repeat + 1):
-            for scenario in scenarios:
-                url = target if scenario.target == "triton" else stack.gateway_url
-                for concurrency in getattr(args, scenario.levels_option):
-                    name = f"{scenario.name}-c{concurrency}-r{run}"
-                    before = replica_metrics(servers)
-                    level = run_level(scenario, concurrency, url, levels_dir / f"{name}.json", args.requests,
-                                      args.timeout, args.warmup, pipeline)  # fmt: skip
-                    after = settled_metrics(servers)
-                    stages[name] = stage_breakdown(sum_metrics(before), sum_metrics(after))
-                    window = level.get("window")
-                    stages[name].update(timeline.slowest(window))
-                    row = level_row(scenario, concurrency, run, level, sampler.busy_share(window), stages[name],
-                                    sampler.busy_per_gpu(window))  # fmt: skip
-                    row["replica_requests"] = replica_requests(before, after)
-                    rows.append(row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
-                    (out_dir / "results.json").write_text(json.dumps(document, indent=1))
-                    if level["errors"] == level["requests"]:
-                        raise RuntimeError(f"{name}: every request failed; stopping (server log tail saved)")
-            if search is not None:
-                url = target if open_loop_scenario.target == "triton" else stack.gateway_url
-                found = run_rate_search(open_loop_scenario, url, levels_dir / f"open-loop-r{run}.json", search,
-                                        args.open_loop_step_seconds, args.timeout, args.warmup, pipeline)  # fmt: skip
-                outcome = found["rate_search"]
-                document["open_loop"]["runs"].append({
-                    "run": run, "sustained_rate": outcome["sustained_rate"], "failed_above": outcome["failed_above"],
-                    "steps": rate_rows(found, run, sampler.busy_share),
-                })  # fmt: skip
-                document["open_loop"]["sustained_rate"] = rate = sustained_open_loop_rate(document["open_loop"]["runs"])
-                document["open_loop"]["sustained_rate_per_gpu"] = None if rate is None else round(rate / len(gpus), 3)
-                print(json.dumps({k: v for k, v in document["open_loop"]["runs"][-1].items() if k != "steps"}),
-                      flush=True)  # fmt: skip
-                (out_dir / "results.json").write_text(json.dumps(document, indent=1))
+        for variant_run in runs:
+            variant_run.document["gpu_sampler"] = sampler.source
+        for run_number in range(1, args.repeat + 1):
+            for variant_run in runs:
+                if args.variant:
+                    print(f"\n# run {run_number}, variant {variant_run.variant.name}", flush=True)
+                variant_run.measure(run_number)
     except BaseException:
-        for server in servers:
-            print(server.log_tail(80), flush=True)
+        for stack in stacks.values():
+            for server in stack.servers:
+                print(server.log_tail(80), flush=True)
         raise
     finally:
         sampler.stop()
-        timeline.stop()
-        (out_dir / "timeline.json").write_text(json.dumps(timeline.to_json()))
-        if slow_stacks is not None:
-            slow_stacks.join()
-        stack.stop()
-        for replica, log in enumerate(stack.server_logs):
-            copy_tail(log, out_dir / ("tritonserver_tail.log" if replica == 0 else f"tritonserver-{replica}_tail.log"))
-        copy_tail(stack.gateway_log, out_dir / "gateway_tail.log")
-        realtime = realtime_streams(rows)
-        document["realtime_streams"] = realtime  # the machine's: every replica together
-        document["realtime_streams_per_gpu"] = None if realtime is None else round(realtime / len(gpus), 3)
-        document["realtime_rule"] = {"scenario": REALTIME_SCENARIO, "first_chunk_p90_max_s": REALTIME_FIRST_CHUNK_P90_S,
-                                     "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
-        (out_dir / "results.json").write_text(json.dumps(document, indent=1))
-        (out_dir / "stages.json").write_text(json.dumps(stages, indent=1))
-        summary = summary_markdown(rows, f"stack-bench {out_dir.name}", realtime, token2wav, pipeline,
-                                   document.get("open_loop"), replicas=args.replicas, gpus=len(gpus),
-                                   balance=args.balance)  # fmt: skip
-        (out_dir / "summary.md").write_text(summary)
-        print("\n" + summary, flush=True)
-        print(f"real-time streams per machine: {NA if realtime is None else realtime}, per GPU ({len(gpus)} used): "
-              f"{per_gpu(realtime, len(gpus))}", flush=True)  # fmt: skip
-        if search is not None:
-            print(f"sustained open-loop rate: {document['open_loop']['sustained_rate']} req/s", flush=True)
+        stopped: set[int] = set()
+        for variant_run in runs:  # each stack's timeline and logs beside its first variant's results
+            if variant_run.stack.started and id(variant_run.stack) not in stopped:
+                stopped.add(id(variant_run.stack))
+                variant_run.stack.stop(variant_run.out_dir)
+        for variant_run in runs:
+            variant_run.finish()
+        if args.variant:
+            summary = variants_markdown(runs, f"stack-bench {out_dir.name}", gpus=len(gpus))
+            (out_dir / "summary.md").write_text(summary)
+            (out_dir / "results.json").write_text(json.dumps({
+                "variants": [{"name": r.variant.name, "render_args": list(r.variant.render_args),
+                              "balance": r.variant.balance, "results": r.out_dir.name,
+                              "realtime_streams": r.realtime} for r in runs],
+                "repeat": args.repeat,
+            }, indent=1))  # fmt: skip
+            print("\n" + summary, flush=True)
         print(f"results: {out_dir}", flush=True)
     return 0
 

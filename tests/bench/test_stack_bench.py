@@ -263,6 +263,14 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     (["--cosyvoice3", "--render-arg", "cosyvoice3=x"], "give cosyvoice3 with --cosyvoice3, not --render-arg"),
     (["--open-loop", "1", "--open-loop-min", "8", "--open-loop-max", "4"], "--open-loop: rate bounds must be"),
     (["--balance", "least-busy"], "--balance least-busy spreads requests over replicas: add --replicas N"),
+    (["--render-arg", "first_hop"], "'first_hop' is not FIELD=VALUE"),
+    (["--variant", ""], "--variant needs FIELD=VALUE items"),
+    (["--variant", "first_hop"], "--variant: 'first_hop' is not FIELD=VALUE"),
+    (["--variant", "dtype=fp16"], "give dtype with --dtype, not --variant"),
+    (["--variant", "balance=fastest", "--replicas", "2", "--device", "cpu"], "balance is one of"),
+    (["--variant", "balance=least-busy"], "--balance least-busy spreads requests over replicas: add --replicas N"),
+    (["--render-arg", "first_hop=5", "--variant", "first_hop=5 "], "measures a setting already measured"),
+    (["--variant", "first_hop=6", "--variant", "first_hop=6"], "measures a setting already measured"),
 ])
 def test_bad_settings_stop_before_anything_is_written(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -667,3 +675,23 @@ def test_each_replica_server_sees_its_own_device_and_all_are_started_and_stopped
     assert stack.server_logs == [tmp_path / "tritonserver.log", tmp_path / "tritonserver-1.log"]
     stack.stop()
     assert events[2:] == [("stop", "0"), ("stop", "1")]
+
+
+def _variant_args(*argv: str):
+    from stackbench.cli import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def test_variants_put_their_items_on_top_of_the_command_line():
+    from stackbench.cli import Variant, variants
+
+    measured = variants(_variant_args("--render-arg", "first_hop=5", "--replicas", "2",
+                                      "--variant", "first_hop=3 flow_norm_kernels=on", "--variant", "balance=least-busy"))
+    assert measured == [
+        Variant("base", ("first_hop=5",), "round-robin"),
+        Variant("first_hop=3 flow_norm_kernels=on", ("first_hop=5", "first_hop=3", "flow_norm_kernels=on"),
+                "round-robin"),
+        Variant("balance=least-busy", ("first_hop=5",), "least-busy"),  # the base's render: one stack for both
+    ]
+    assert variants(_variant_args()) == [Variant("base", (), "round-robin")]

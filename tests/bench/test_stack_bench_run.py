@@ -144,6 +144,47 @@ def test_replicas_serve_the_levels_together_behind_one_round_robin_target(tmp_pa
     assert f"**{realtime}**; per GPU (2 used): **{realtime / 2:.3g}**" in summary
 
 
+@pytest.mark.timeout(1200)  # two tritonservers start, two settings x two runs of one short level
+def test_variants_are_measured_interleaved_each_on_its_own_render(tmp_path):
+    """`--variant first_hop=6` beside the command's `first_hop=5`: two renders, two stacks up at once, run 1 of
+    both settings before run 2 of either, each setting's documents in a directory of its own, and the side-by-side
+    summary on top."""
+    from cosyvoice2.testing import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    work = tmp_path / "work"
+    command = tiny_run(work, model, "--only", "triton-stream", "--stream-levels", "1", "--requests", "2",
+                       "--warmup", "0", "--repeat", "2", "--render-arg", "first_hop=5", "--variant", "first_hop=6")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1100, cwd=REPO_ROOT)  # noqa: S603
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    out = Path(re.findall(r"^results: (.+)$", done.stdout, re.M)[-1])
+    assert out.name.endswith("-first_hop5-triton-stream-2settings-r2")
+    index = json.loads((out / "results.json").read_text())
+    assert [(v["name"], v["render_args"], v["results"]) for v in index["variants"]] == [
+        ("base", ["first_hop=5"], "0-base"), ("first_hop=6", ["first_hop=5", "first_hop=6"], "1-first_hop6")]
+    windows = {}
+    for variant, first_hop in (("0-base", "5"), ("1-first_hop6", "6")):
+        results = json.loads((out / variant / "results.json").read_text())
+        assert results["render"]["first_hop"] == first_hop  # the variant's item won over the command's
+        assert [(r["run"], r["requests"], r["errors"]) for r in results["levels"]] == [(1, 2, 0), (2, 2, 0)]
+        assert "Started GRPCInferenceService" in (out / variant / "tritonserver_tail.log").read_text()
+        for run in (1, 2):
+            level = json.loads((out / variant / "levels" / f"triton-stream-c1-r{run}.json").read_text())
+            windows[(variant, run)] = level["levels"][0]["window"]
+        own = (out / variant / "summary.md").read_text()
+        assert own.startswith(f"# stack-bench {out.name}/{variant}\n") and re.search(r"^\| triton-stream \| 1 \| 4 \(0\) \|", own, re.M)
+    # interleaved: base run 1, variant run 1, base run 2, variant run 2
+    order = sorted(windows, key=lambda key: windows[key][0])
+    assert order == [("0-base", 1), ("1-first_hop6", 1), ("0-base", 2), ("1-first_hop6", 2)]
+    assert (work / "variants" / "0" / "repo").is_dir() and (work / "variants" / "1" / "repo").is_dir()
+
+    summary = (out / "summary.md").read_text()
+    assert re.search(r"^\| triton-stream \| 1 \| base \| 4 \(0\) \|", summary, re.M)
+    assert re.search(r"^\| triton-stream \| 1 \| first_hop=6 \| 4 \(0\) \|", summary, re.M)
+    assert "`1-first_hop6/summary.md`" in summary
+
+
 def _rendered_parameters(config: Path) -> dict[str, str]:
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
