@@ -101,9 +101,21 @@ async def test_cached_streams_equal_the_recompute_reference(both_server, tiny_mo
             cached, recomputed = await _stream(both_server.grpc_url, inputs), await _stream(reference.grpc_url, inputs)
             assert len(cached) >= 3 and [c[1:] for c in cached] == [c[1:] for c in recomputed]
             for ours, theirs in zip(cached, recomputed):
-                np.testing.assert_allclose(ours[0], theirs[0], atol=1e-4)
+                _assert_equal_but_rounding(ours[0], theirs[0])
     finally:
         reference.cleanup()
+
+
+def _assert_equal_but_rounding(ours: np.ndarray, theirs: np.ndarray) -> None:
+    """Audio equal up to float rounding. Rounding also reaches a discrete decision: HiFT's source marks a sample
+    voiced where its upsampled f0 passes the threshold, and an f0 that rounds to the other side of it changes a frame's
+    excitation (a few hundred samples, ~5e-4 apart, on one CPU of the test machines). A stale or misplaced cache
+    changes the whole chunk instead, so: nine samples in ten within 1e-4, and the difference's RMS a hundredth of
+    the chunk's at most."""
+    assert ours.shape == theirs.shape
+    apart = np.abs(ours - theirs)
+    assert np.mean(apart <= 1e-4) >= 0.9, f"{np.mean(apart > 1e-4):.1%} of the samples more than 1e-4 apart"
+    assert np.sqrt(np.mean(apart**2)) <= 1e-2 * np.sqrt(np.mean(theirs**2)), "the chunks differ beyond rounding"
 
 
 def _cosyvoice3_tokenizer(model_dir):
