@@ -239,6 +239,15 @@ class EngineParams(ModelParams):
 
 
 @dataclass(frozen=True)
+class EngineEntryParams(ModelParams):
+    """`cosyvoice2_stream` hosting the engine (`adapters.engine_entry`, render option `orchestration=in_engine`):
+    the streaming orchestrator's parameters and the engine's in one map."""
+
+    orchestrator: OrchestratorParams
+    engine: EngineParams
+
+
+@dataclass(frozen=True)
 class AudioModelParams(ModelParams):
     """`audio_tokenizer` and `speaker_embedding` (`adapters.audio_features`); `spark_audio_tokenizer`
     (`adapters.spark`, `model_dir` the Spark-TTS directory)."""

@@ -13,6 +13,7 @@ from cosyvoice2.dit.layout import DIT_FLOW_CONFIG
 from cosyvoice2.dit.loading import check_dit_dir
 from cosyvoice2.layout import MODEL_FILES
 from triton_repo import cosyvoice3_render, spark_render
+import pipeline_contract as contract
 from triton_repo.render_options import SCALABLE, TOKEN2WAVS, RenderError, RenderOptions, flag_of
 from triton_repo.render_trtllm import TrtllmFlags, trtllm_input_errors
 
@@ -49,6 +50,13 @@ def check_options(opts: RenderOptions) -> None:
         )
     if opts.llm_yield != "off" and opts.layout != "colocated":
         errors.append(f"--llm-yield {opts.llm_yield} needs --layout colocated (the LLM and token2wav in one process)")
+    if opts.orchestration == "in_engine":
+        if opts.layout != "colocated":
+            errors.append("--orchestration in_engine needs --layout colocated (the streaming entry model becomes "
+                          "the process that holds the LLM and token2wav)")
+        if opts.instances_of(contract.STREAMING_MODEL) != 1:
+            errors.append(f"--orchestration in_engine: {contract.STREAMING_MODEL} holds the engine, one instance "
+                          f"(got --instances {contract.STREAMING_MODEL}={opts.instances_of(contract.STREAMING_MODEL)})")
     if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
     if opts.token2wav == "dit":

@@ -9,17 +9,20 @@ the options (`MARKER`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Sequence
 
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.schedule import StreamScheduleParams
 import pipeline_contract as contract
+from pipeline_contract import TensorSpec
 from triton_repo import internal_io as io
 from triton_repo import cosyvoice3_render, spark_render
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
+    EngineEntryParams,
     EngineParams,
     InternalModels,
     LLMParams,
@@ -27,7 +30,7 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
-from triton_repo.render_options import RenderOptions
+from triton_repo.render_options import RenderError, RenderOptions
 from triton_repo.render_templates import ModelSpec, entry_specs, model_files, with_options
 from triton_repo.render_trtllm import trtllm_parameters
 
@@ -48,12 +51,15 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
 
 
 def model_specs(opts: RenderOptions) -> list[ModelSpec]:
-    """CosyVoice2's models: both pipeline models, the voice front-end, then the LLM and token2wav of the layout."""
+    """CosyVoice2's models: both pipeline models, the voice front-end, then the LLM and token2wav of the layout
+    (with `orchestration=in_engine`, the streaming pipeline model is the engine's process)."""
     specs = entry_specs(
         opts, orchestrator_params(opts), ("orchestrator", "TritonPythonModel"),
         (contract.OFFLINE_MODEL, "Offline pipeline: one response with the whole waveform of one segment."),
         (contract.STREAMING_MODEL, "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
     )
+    if opts.orchestration == "in_engine":
+        specs = [spec for spec in specs if spec.name != contract.STREAMING_MODEL]
     specs.append(ModelSpec("voice_prompt", "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
                            VoicePromptParams(cache_capacity=opts.voice_cache), ("voice_prompt", "TritonPythonModel"),
                            dict(instances=opts.instances_of("voice_prompt"))))
@@ -67,14 +73,40 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
             ("speaker_embedding", io.XVECTOR, "SpeakerEmbeddingModel", "CAM++ x-vector (ONNX) of 16 kHz audio."),
         )
     ]  # fmt: skip
+    if opts.layout == "colocated" and opts.orchestration == "in_engine":
+        specs.append(ModelSpec(contract.STREAMING_MODEL, "engine_entry.pbtxt", *engine_entry_tensors(),
+                               EngineEntryParams(orchestrator_params(opts), engine_params(opts)),
+                               ("engine_entry", "TritonPythonModel")))
+        return specs
     if opts.layout == "colocated":
-        specs.append(ModelSpec(ENGINE_MODEL, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS,
-                               EngineParams(llm_params(opts), token2wav_params(opts)), ("engine", "TritonPythonModel")))
+        specs.append(ModelSpec(ENGINE_MODEL, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
+                               ("engine", "TritonPythonModel")))
         return specs
     specs.append(_llm_spec(opts))
     specs.append(ModelSpec(TOKEN2WAV_MODEL, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,),
                            token2wav_params(opts), ("token2wav", "TritonPythonModel")))
     return specs
+
+
+def engine_entry_tensors() -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """(inputs, outputs) of the streaming entry model that hosts the engine: the contract's and the engine's, every
+    input optional (a request carries one set); a tensor both name (seed, waveform) is the same tensor once."""
+
+    def union(*groups: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        merged: dict[str, TensorSpec] = {}
+        for spec in (s for group in groups for s in group):
+            if spec.name in merged and (merged[spec.name].triton_dtype, merged[spec.name].dims) != (
+                    spec.triton_dtype, spec.dims):
+                raise RenderError(f"{spec.name}: the contract's and the engine's tensors differ")
+            merged.setdefault(spec.name, spec)
+        return tuple(merged.values())
+
+    inputs = union((replace(spec, optional=True) for spec in contract.INPUTS), io.ENGINE_INPUTS)
+    return inputs, union(contract.OUTPUTS, io.ENGINE_OUTPUTS)
+
+
+def engine_params(opts: RenderOptions) -> EngineParams:
+    return EngineParams(llm_params(opts), token2wav_params(opts))
 
 
 def _llm_spec(opts: RenderOptions) -> ModelSpec:
@@ -89,6 +121,8 @@ def _llm_spec(opts: RenderOptions) -> ModelSpec:
 
 def expected_models(opts: RenderOptions) -> set[str]:
     internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", TOKEN2WAV_MODEL}
+    if opts.orchestration == "in_engine":
+        internal = set()  # the streaming entry model is the engine
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
     return frontend | internal | spark_render.models(opts) | cosyvoice3_render.models(opts)
 
@@ -96,9 +130,10 @@ def expected_models(opts: RenderOptions) -> set[str]:
 def internal_models(opts: RenderOptions) -> InternalModels:
     """The orchestrator's targets for its LLM and token2wav calls."""
     colocated = opts.layout == "colocated"
+    engine = contract.STREAMING_MODEL if opts.orchestration == "in_engine" else ENGINE_MODEL
     return InternalModels(
-        llm_model=ENGINE_MODEL if colocated else "llm",
-        token2wav_model=ENGINE_MODEL if colocated else TOKEN2WAV_MODEL,
+        llm_model=engine if colocated else "llm",
+        token2wav_model=engine if colocated else TOKEN2WAV_MODEL,
         token2wav_decoupled=colocated,
         llm_deliver_at=opts.llm_delivery == "chunk",
     )

@@ -43,6 +43,11 @@ DEVICES = ("cpu", "cuda")
 #: per GPU (replicas behind one gRPC target, docs/deploy.md "Several GPUs").
 LAYOUTS = ("colocated", "single")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
+#: Where the streaming pipeline is orchestrated in the colocated layout: `bls` = in the entry model's own processes,
+#: calling the `engine` over BLS for every LLM hand-over and token2wav chunk; `in_engine` = the streaming entry model
+#: is the engine's process itself (its orchestrator calls the LLM's scheduler and token2wav's service directly; the
+#: offline entry model reaches that engine over BLS).
+ORCHESTRATIONS = ("bls", "in_engine")
 #: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
 #: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
 LLM_DELIVERIES = ("chunk", "token")
@@ -275,6 +280,12 @@ class RenderOptions(_Options):
     # None: DEFAULT_LAYOUT of the LLM backend
     layout: str | None = option(None, choices=LAYOUTS, help="default: colocated for the pytorch LLM (LLM + token2wav "
                                 "in one process), single for tensorrt_llm")
+    # Off until measured in the served stack against bls (three interleaved runs, `stack-bench --variant
+    # orchestration=in_engine`): every chunk of a stream crossed four python-backend IPC hops (the LLM's hand-over,
+    # the token2wav request and its answer, the client's chunk), the first three through BLS.
+    orchestration: str = option("bls", choices=ORCHESTRATIONS,
+                                help="colocated layout: the streaming entry model calls the engine over BLS (bls) "
+                                     "or is the engine's own process (in_engine)")
     # None: DEFAULT_LLM_DELIVERY of the LLM backend
     llm_delivery: str | None = option(None, choices=LLM_DELIVERIES, help="tokens to the streaming orchestrator per "
                                       "chunk boundary (default for pytorch) or per token (tensorrt_llm)")

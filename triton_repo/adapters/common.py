@@ -89,13 +89,14 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *,
+          cancellable: bool | Callable[[Any], bool]) -> None:
     """A model's `execute`: hands each request to this process's serving loop as a task of its own (the requests
     run concurrently, no head-of-line blocking) and returns at once, before any of them is answered.
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
-    the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
-    cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
+    the error goes back as the final response. `cancellable` (the pipeline's entry models; a predicate on the
+    request for a model that is both, `adapters.engine_entry`): a client that leaves cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
     started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
     blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
     sequence and token2wav job every 50 ms.
@@ -125,10 +126,12 @@ def serving_loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def _start_all(requests: list[Any], handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
+def _start_all(requests: list[Any], handle: Callable[[Any, Any], Awaitable[None]],
+               cancellable: bool | Callable[[Any], bool]) -> None:
     loop = asyncio.get_running_loop()
     for request in requests:
-        task = loop.create_task(_serve_one(request, handle, cancellable))
+        task = loop.create_task(_serve_one(request, handle, cancellable(request) if callable(cancellable)
+                                           else cancellable))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
 
@@ -176,11 +179,13 @@ async def bls(
     model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str], request_id: str = ""
 ) -> dict[str, np.ndarray | None]:
     """One call to a non-decoupled model."""
-    resp = await _within_stall_timeout(model, _bls_request(model, inputs, outputs, request_id).async_exec())
+    resp = await within_stall_timeout(model, _bls_request(model, inputs, outputs, request_id).async_exec())
     return _outputs(resp, outputs)
 
 
-async def _within_stall_timeout(model: str, pending: Awaitable[Any]) -> Any:
+async def within_stall_timeout(model: str, pending: Awaitable[Any]) -> Any:
+    """`pending`'s result; a callee (a model over BLS, or an engine part in this process) silent for
+    `BLS_STALL_TIMEOUT_S` fails the request with a clear error instead of hanging it."""
     try:
         return await asyncio.wait_for(pending, BLS_STALL_TIMEOUT_S)
     except asyncio.TimeoutError:
@@ -268,7 +273,7 @@ async def bls_stream(
     _BLS_THREADS.submit(_pump_stream, model, request, loop, queue, abandoned)
     try:
         while True:
-            item = await _within_stall_timeout(model, queue.get())
+            item = await within_stall_timeout(model, queue.get())
             if item is _END:
                 return
             if isinstance(item, RemoteError):

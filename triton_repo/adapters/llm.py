@@ -10,7 +10,8 @@ boundary (the last one flagged final) instead of one per token; without it, one 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Callable
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, work
 from speech_serving.engines import build_decode_request, disable_stop_tokens
 from speech_serving.errors import InvalidInput
 from speech_serving.gpu_yield import Token2WavCalls
+from speech_serving.io_struct import LLMRequest
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
 from triton_repo import internal_io as io
@@ -79,6 +81,20 @@ class LLMHandler:
             return
         if not request_id:
             raise InvalidInput("LLM requests need a request id (it is how `stop` finds them)")
+        async with aclosing(self.deliveries(request_id, llm_request)) as deliveries:
+            async for ids, last in deliveries:
+                if ids or not llm_request.streaming:  # offline: exactly one response, maybe empty
+                    sender.send(response(io.llm_response_tensors(ids)), flags=FINAL if last else 0)
+                elif last:  # the end came without a token (a stop id): nothing but the flag
+                    sender.send(flags=FINAL)
+                else:
+                    continue
+                self.stats.add("llm_responses_total")
+
+    async def deliveries(self, request_id: str, llm_request: LLMRequest) -> AsyncIterator[tuple[list[int], bool]]:
+        """(vocabulary ids, last) per hand-over of one sequence: what an LLM response carries, for the model's own
+        requests and for an orchestrator in this process (`adapters.engine_entry`). Closed early (`aclosing`), it
+        frees the sequence's slot."""
         decode_request = build_decode_request(
             llm_request.input_ids, self.vocab, llm_request.min_tokens, llm_request.max_tokens,
             llm_request.seed, llm_request.top_k, llm_request.top_p, self.sampling,
@@ -89,19 +105,12 @@ class LLMHandler:
         stream = self.scheduler.submit(request_id, decode_request, deliver_at, streaming=llm_request.streaming)
         try:
             async for delivery in stream.deliveries():
-                flags = FINAL if delivery.last else 0
                 tokens = delivery.tokens if keep is None else [t for t in delivery.tokens if keep(t)]
-                if tokens or not llm_request.streaming:  # offline: exactly one response, maybe empty
-                    # the decoder counts speech tokens; the LLM's responses are vocabulary ids
-                    ids = self.vocab.to_vocab_ids(np.asarray(tokens, dtype=np.int64)).tolist()
-                    sender.send(response(io.llm_response_tensors(ids)), flags=flags)
-                elif delivery.last:  # the end came without a token (a stop id): nothing but the flag
-                    sender.send(flags=FINAL)
-                else:
-                    continue
-                self.stats.add("llm_responses_total")
+                # the decoder counts speech tokens; the LLM's responses are vocabulary ids
+                ids = self.vocab.to_vocab_ids(np.asarray(tokens, dtype=np.int64)).tolist() if tokens else []
+                yield ids, delivery.last
         finally:
-            stream.cancel()  # no-op once finished; frees the slot when the client went away
+            stream.cancel()  # no-op once finished; frees the slot when the caller went away
 
     def close(self) -> None:
         self.scheduler.close()

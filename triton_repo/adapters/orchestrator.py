@@ -17,6 +17,7 @@ from speech_serving.orchestrator import (
     ORCHESTRATOR_STATS,
     Orchestrator,
     OrchestratorConfig,
+    PipelineClients,
     SamplingConfig,
 )
 from speech_serving.stats import Stats
@@ -102,28 +103,35 @@ def read_logits_bias(path: Path | None, vocab: SpeechVocabLayout, benchmark: boo
     return logits_bias
 
 
+def cosyvoice2_orchestrator(params: OrchestratorParams,
+                            clients: Callable[[SpeechVocabLayout, np.ndarray | None], PipelineClients]
+                            ) -> Orchestrator:  # fmt: skip
+    """CosyVoice2's orchestrator of a pipeline entry model as its parameters say; `clients(vocab, logits_bias)`
+    makes what it calls (`TritonClients`: BLS; `adapters.engine_entry`: the engine in the same process)."""
+    engine = EngineConfig.for_model_dir(params.model_dir)
+    tokenizer = CosyVoice2Tokenizer.from_model_dir(params.model_dir)
+    vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
+    benchmark = params.benchmark
+    config = OrchestratorConfig(
+        vocab=vocab,
+        schedule=params.schedule.schedule(engine),
+        lone_schedule=params.schedule.lone_schedule(engine),
+        light_schedule=params.schedule.light_schedule(engine),
+        busy_streams=params.schedule.busy_streams,
+        sampling=SamplingConfig(fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
+        max_sequence_len=params.max_sequence_len,
+        max_target_text_tokens=params.max_target_text_tokens,
+        loop_guard=None if benchmark else params.loop_guard,  # TensorRT-LLM only (the PyTorch LLM runs RAS)
+        voice_cache=params.voice_cache,
+    )
+    logits_bias = read_logits_bias(params.llm_logits_bias, vocab, benchmark is not None)
+    return Orchestrator(config, tokenizer, clients(vocab, logits_bias), Stats(ORCHESTRATOR_STATS))
+
+
 class TritonPythonModel(PipelineEntryModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = OrchestratorParams.from_parameters(model_params(args), args["model_name"])
-        engine = EngineConfig.for_model_dir(params.model_dir)
-        tokenizer = CosyVoice2Tokenizer.from_model_dir(params.model_dir)
-        vocab = SpeechVocabLayout(text_vocab_size=len(tokenizer), speech_token_size=engine.llm.speech_token_size)
-        benchmark = params.benchmark
-        config = OrchestratorConfig(
-            vocab=vocab,
-            schedule=params.schedule.schedule(engine),
-            lone_schedule=params.schedule.lone_schedule(engine),
-            light_schedule=params.schedule.light_schedule(engine),
-            busy_streams=params.schedule.busy_streams,
-            sampling=SamplingConfig(fixed_token_text_ratio=benchmark.speech_ratio if benchmark else None),
-            max_sequence_len=params.max_sequence_len,
-            max_target_text_tokens=params.max_target_text_tokens,
-            loop_guard=None if benchmark else params.loop_guard,  # TensorRT-LLM only (the PyTorch LLM runs RAS)
-            voice_cache=params.voice_cache,
-        )
-        logits_bias = read_logits_bias(params.llm_logits_bias, vocab, benchmark is not None)
         self.streaming = is_decoupled(args)
-        self.stats = Stats(ORCHESTRATOR_STATS)
-        clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty)
-        self.orchestrator = Orchestrator(config, tokenizer, clients, self.stats)
-        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
+        self.orchestrator = cosyvoice2_orchestrator(
+            params, lambda vocab, bias: TritonClients(vocab, bias, params.models, params.llm_repetition_penalty))
+        self.metrics = MetricsExporter(args["model_name"], self.orchestrator.stats, self.orchestrator.voices.cache.stats)

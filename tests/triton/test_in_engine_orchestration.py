@@ -1,0 +1,120 @@
+"""`orchestration=in_engine`: the streaming entry model is the engine's process, its orchestrator calling the LLM's
+scheduler and token2wav's service directly; the offline entry model reaches that engine over BLS. A real
+tritonserver with the tiny random model, against the default (`bls`) pipeline of the session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as aio
+from tritonclient.utils import InferenceServerException
+
+from tests.triton.conftest import (
+    SAMPLES_PER_TOKEN,
+    Pipeline,
+    colocated_pipeline,
+    settled_metrics,
+    stream,
+    synthesis_inputs,
+    wait_metrics,
+)
+import pipeline_contract as contract
+from triton_repo.render import RenderOptions, render_files
+from triton_repo.render_checks import check_options
+from triton_repo.render_options import RenderError
+
+pytestmark = pytest.mark.triton
+
+STREAM = contract.STREAMING_MODEL
+
+
+@pytest.fixture(scope="module")
+def in_engine(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
+    pipeline = colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("in_engine") / "repo",
+                                  triton_server_factory, orchestration="in_engine")
+    yield Pipeline(server=pipeline.server, repo=pipeline.repo, llm_model=STREAM, token2wav_model=STREAM)
+    pipeline.server.cleanup()
+
+
+def test_the_streaming_entry_model_is_the_engine(tiny_model_dir, tmp_path):
+    files = render_files(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, orchestration="in_engine"))
+    models = {path.split("/")[0] for path in files if "/" in path}
+    assert "engine" not in models and {contract.OFFLINE_MODEL, STREAM} <= models
+    assert "engine_entry" in files[f"{STREAM}/1/model.py"] and "count: 1" in files[f"{STREAM}/config.pbtxt"]
+    offline = files[f"{contract.OFFLINE_MODEL}/config.pbtxt"]
+    assert f'key: "llm_model" value: {{ string_value: "{STREAM}" }}' in offline  # the offline pipeline's engine
+    assert f'key: "token2wav_model" value: {{ string_value: "{STREAM}" }}' in offline
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(layout="single"), "--orchestration in_engine needs --layout colocated"),
+    (dict(instances={STREAM: 2}), f"{STREAM} holds the engine, one instance"),
+])
+def test_in_engine_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path, options, message):
+    with pytest.raises(RenderError, match=message):
+        check_options(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, orchestration="in_engine", **options))
+
+
+async def test_streams_are_the_bls_pipelines_streams(in_engine, pipeline):
+    """The same request, seeded, makes the same chunks whether the orchestrator calls the engine over BLS or in
+    its own process."""
+    inputs = dict(text="The same words through both orchestrations.", seed=11)
+    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
+        here = await stream(client, synthesis_inputs(**inputs))
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        there = await stream(client, synthesis_inputs(**inputs))
+    assert len(here) >= 3 and [c[1:] for c in here] == [c[1:] for c in there]  # tokens and flags, chunk by chunk
+    for (mine, *_), (theirs, *_) in zip(here, there):
+        np.testing.assert_allclose(mine, theirs, atol=1e-5)
+    assert sum(w.size for w, *_ in here) == here[-1][2] * SAMPLES_PER_TOKEN
+
+
+async def test_offline_requests_reach_the_engine_over_bls(in_engine):
+    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
+        before = await settled_metrics(in_engine)
+        result = await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("An offline request.", seed=5))
+    tokens = int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0])
+    assert tokens > 0 and result.as_numpy(contract.WAVEFORM.name).size == tokens * SAMPLES_PER_TOKEN
+    after = await settled_metrics(in_engine)
+    # the LLM and token2wav that answered are the streaming model's; the offline model orchestrated
+    assert after[("llm_finished_total", STREAM)] == before.get(("llm_finished_total", STREAM), 0) + 1
+    key = ("orchestrator_requests_total", contract.OFFLINE_MODEL)
+    assert after[key] == before.get(key, 0) + 1
+
+
+async def test_concurrent_streams_and_a_cancelled_one_leave_nothing_behind(in_engine):
+    texts = [f"Stream number {i} speaks beside the others." for i in range(6)]
+    long_text = " ".join(["This sentence keeps the language model busy for a long while."] * 4)
+    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
+        before = await settled_metrics(in_engine)
+        *results, cut = await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=i)) for i, t in enumerate(texts)),
+                                             stream(client, synthesis_inputs(long_text, seed=9), cancel_after=1))
+    for chunks in results:
+        assert chunks[-1][3] and sum(w.size for w, *_ in chunks) == chunks[-1][2] * SAMPLES_PER_TOKEN
+    assert len(cut) == 1 and not cut[0][3]
+
+    def released(m):
+        return (m[("orchestrator_active_requests", STREAM)] == 0 and m[("llm_active_sequences", STREAM)] == 0
+                and m[("token2wav_active_streams", STREAM)] == 0
+                and m.get(("orchestrator_cancelled_total", STREAM), 0) >= before.get(("orchestrator_cancelled_total",
+                                                                                       STREAM), 0) + 1)
+
+    metrics = await wait_metrics(in_engine, released)
+    assert released(metrics)
+    assert metrics[("llm_cancelled_total", STREAM)] >= before.get(("llm_cancelled_total", STREAM), 0) + 1
+
+
+async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(in_engine):
+    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
+        with pytest.raises(InferenceServerException, match="reference_wav_len"):
+            await stream(client, synthesis_inputs("Too short a reference.", seconds=0.05))
+        no_text = [i for i in synthesis_inputs("Missing its text.") if i.name() != contract.TARGET_TEXT.name]
+        with pytest.raises(InferenceServerException, match="target_text"):
+            await stream(client, no_text)
+        with pytest.raises(InferenceServerException, match=contract.ERROR_UNKNOWN_VOICE.strip("[]")):
+            await stream(client, synthesis_inputs("A voice never sent.", voice="never-sent", by_id=True))
+        chunks = await stream(client, synthesis_inputs("Still serving.", seed=2))  # and the model serves on
+    assert chunks[-1][3]

@@ -1,0 +1,104 @@
+"""`cosyvoice2_stream` as the engine's own process (render option `orchestration=in_engine`, colocated layout).
+
+With `bls` orchestration every chunk of a stream crosses python-backend IPC four times: the LLM's hand-over of its
+tokens to the streaming entry model, that model's token2wav request and the audio's way back (all three BLS, each a
+message through tritonserver that wakes the other process's stub), then the chunk to the client. Here the streaming
+orchestrator lives beside the LLM scheduler and token2wav service it drives and calls them directly: the client's
+chunk is the one IPC message left, and no response of this process waits for another stub to take it in (the
+path the four-replica freeze was caught in, docs/experiments/2026-11-28-replica-freeze-cause.md). The voice prompt
+stays a BLS call (once per voice: the orchestrator caches it), and the offline entry model reaches this engine as
+it reaches `engine` in the `bls` orchestration: requests carrying the LLM's or token2wav's tensors are answered
+exactly as `engine` answers them.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from dataclasses import replace
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from cosyvoice2.streaming import Chunk
+from cosyvoice2.vocab import SpeechVocabLayout
+from speech_serving.io_struct import LLMRequest, PromptTensors
+import pipeline_contract as contract
+from triton_repo import internal_io as io
+from triton_repo.adapters.common import (
+    MetricsExporter,
+    PipelineEntryModel,
+    model_params,
+    serve,
+    within_stall_timeout,
+)
+from triton_repo.adapters.engine import EngineHandler
+from triton_repo.adapters.orchestrator import TritonClients, cosyvoice2_orchestrator
+from triton_repo.model_params import EngineEntryParams, InternalModels
+
+#: The engine's inputs that no client request carries (seed is both a client's and token2wav's): one of them makes a
+#: request the engine's, anything else is a client's (refused by the contract's codec when it is no good).
+_ENGINE_ONLY = frozenset(spec.name for spec in io.ENGINE_INPUTS) - {spec.name for spec in contract.INPUTS}
+
+
+def is_client_request(request: Any) -> bool:
+    return not any(tensor.name() in _ENGINE_ONLY for tensor in request.inputs())
+
+
+class EngineClients(TritonClients):
+    """`PipelineClients` of an orchestrator in the engine's process: the LLM's scheduler and token2wav's service
+    called directly, the voice prompt over BLS (`TritonClients`)."""
+
+    def __init__(self, engine: EngineHandler, vocab: SpeechVocabLayout, models: InternalModels) -> None:
+        super().__init__(vocab, None, models)
+        self.engine = engine
+
+    async def llm(self, request_id: str, request: LLMRequest) -> AsyncIterator[list[int]]:
+        if not self.models.llm_deliver_at:  # `llm_delivery=token`: every token as it comes, as over BLS
+            request = replace(request, deliver_at=None)
+        async with aclosing(self.engine.llm.deliveries(request_id, request)) as deliveries:
+            while True:
+                try:
+                    ids, _ = await within_stall_timeout(f"{self.models.llm_model} (LLM)", anext(deliveries))
+                except StopAsyncIteration:
+                    return
+                if ids:
+                    yield ids
+
+    async def llm_stop(self, request_id: str) -> None:
+        self.engine.llm.scheduler.cancel(request_id)
+
+    async def token2wav(
+        self, request_id: str, tokens: np.ndarray, prompt: PromptTensors | None, chunk: Chunk | None, seed: int
+    ) -> np.ndarray:
+        audio = await within_stall_timeout(f"{self.models.token2wav_model} (token2wav)",
+                                           self.engine.token2wav.service.process(request_id, tokens, prompt, chunk,
+                                                                                 seed))
+        return np.asarray(audio, dtype=np.float32).reshape(-1)
+
+    async def token2wav_close(self, request_id: str) -> None:
+        self.engine.token2wav.service.close_stream(request_id)
+
+
+class TritonPythonModel(PipelineEntryModel):
+    def initialize(self, args: dict[str, str]) -> None:
+        params = EngineEntryParams.from_parameters(model_params(args), args["model_name"])
+        self.engine = EngineHandler.from_params(params.engine)
+        self.streaming = True
+        self.orchestrator = cosyvoice2_orchestrator(
+            params.orchestrator, lambda vocab, _: EngineClients(self.engine, vocab, params.orchestrator.models))
+        self.metrics = MetricsExporter(args["model_name"], self.orchestrator.stats,
+                                       self.orchestrator.voices.cache.stats, *self.engine.stats)
+
+    def execute(self, requests: list[Any]) -> None:
+        # a client's request is cancelled when the client leaves; the engine's are stopped by their callers
+        serve(requests, self._route, cancellable=is_client_request)
+
+    async def _route(self, request: Any, sender: Any) -> None:
+        if is_client_request(request):
+            await self._handle(request, sender)
+        else:
+            await self.engine.handle(request, sender)
+
+    def finalize(self) -> None:
+        super().finalize()
+        self.engine.close()
