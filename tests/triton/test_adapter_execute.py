@@ -88,3 +88,64 @@ def test_serve_returns_at_once_and_answers_on_the_serving_loop():
     assert sorted(flags for _, flags, _ in out["sent"]) == [1, 1]  # each request answered once, with FINAL
     assert {thread for *_, thread in out["sent"]} == {"serving-loop"}
     assert out["error_responses"] == 1  # the failure went back as the request's error response
+
+
+_STALL = """
+import asyncio, json, sys
+from unittest import mock
+sys.modules["triton_python_backend_utils"] = mock.MagicMock()
+import numpy as np
+from speech_serving.errors import RemoteError
+from speech_serving.io_struct import LLMRequest
+from triton_repo.adapters import common, engine_entry
+from triton_repo.model_params import InternalModels
+
+common.BLS_STALL_TIMEOUT_S = 0.2
+cancelled = []
+
+class Silent:
+    '''An engine whose LLM hands over one delivery and then nothing, and whose token2wav never answers.'''
+    class llm:
+        class scheduler:
+            pass
+        @staticmethod
+        async def deliveries(request_id, request):
+            try:
+                yield [7, 8], False
+                await asyncio.sleep(3600)
+            finally:
+                cancelled.append(request_id)
+    class token2wav:
+        class service:
+            @staticmethod
+            async def process(*args):
+                await asyncio.sleep(3600)
+
+async def main():
+    models = InternalModels("cosyvoice2_stream", "cosyvoice2_stream", True, True)
+    clients = engine_entry.EngineClients(Silent, vocab=None, models=models)
+    got, errors = [], []
+    try:
+        async for ids in clients.llm("r1", LLMRequest(np.zeros(3, np.int32), 0, 10, 0, 25, 0.8, 1.0, True, (5,))):
+            got.append(ids)
+    except RemoteError as exc:
+        errors.append(str(exc))
+    try:
+        await clients.token2wav("r1", np.zeros(4, np.int32), None, None, 0)
+    except RemoteError as exc:
+        errors.append(str(exc))
+    print(json.dumps({"got": got, "errors": errors, "cancelled": cancelled}))
+
+asyncio.run(main())
+"""
+
+
+def test_an_engine_part_that_goes_silent_fails_the_request_instead_of_hanging_it():
+    """In the engine's process (`orchestration=in_engine`) the orchestrator's calls keep the deadline its BLS calls
+    have: an LLM that stops handing over tokens, or a token2wav call that never ends, becomes an error (and the
+    LLM's sequence is let go)."""
+    out = json.loads(_python(_STALL))
+    assert out["got"] == [[7, 8]]
+    assert len(out["errors"]) == 2 and all("sent no response" in e for e in out["errors"]), out["errors"]
+    assert "(LLM)" in out["errors"][0] and "(token2wav)" in out["errors"][1]
+    assert out["cancelled"] == ["r1"]
