@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from speech_lm.graph_buckets import GridGraphs
-from speech_lm.kernels import add_layer_norm, copy_runs
+from speech_lm.kernels import add_layer_norm, copy_runs, gather_rows, scatter_rows
 
 from .cached import CONV_CONTEXT, CachedFlowRunner, CachedRow, EstimatorCache
 
@@ -223,8 +223,8 @@ class _PackedConvs:
         left = self.tails[:, :, self.offset : self.offset + channels]
         self.offset += channels
         seq = torch.cat([left, x], dim=1)  # (2, 2 rows + frames, C)
-        self.out.append(seq.index_select(1, self.index.tail_at))
-        windows = seq.index_select(1, self.index.window).view(x.size(0), x.size(1), (CONV_CONTEXT + 1) * channels)
+        self.out.append(gather_rows(seq, self.index.tail_at))
+        windows = gather_rows(seq, self.index.window).view(x.size(0), x.size(1), (CONV_CONTEXT + 1) * channels)
         return F.linear(windows, self.weights[id(conv)], conv.bias)
 
     def collected(self) -> torch.Tensor:
@@ -249,7 +249,8 @@ class _PackedBlocks:
         qkv = F.linear(block.norm1(x), self.qkv_weights[self.block]).view(guidance, frames, 3, attn.heads,
                                                                           attn.head_dim)
         kv = self.keys[self.block]  # (2 k/v, 2 guidance, key slots, heads, d)
-        kv.index_copy_(2, self.index.new_key_at, qkv[:, :, 1:].permute(2, 0, 1, 3, 4))
+        for j in (0, 1):  # the keys, then the values: each frame's row of heads x d into its key slot
+            scatter_rows(kv[j].flatten(2), self.index.new_key_at, qkv[:, :, 1 + j].flatten(2))
         self.block += 1
         flat = (guidance * self.index.keys, attn.heads, attn.head_dim)
         out = piece_attention(qkv[:, :, 0].reshape(guidance * frames, attn.heads, attn.head_dim),
@@ -447,7 +448,8 @@ class PackedFlow:
                     velocity, new_tails = self.evaluate(statics, keys, tails, index, visible)
                 x = x + dt * ((1.0 + rate) * velocity[0] - rate * velocity[1])
                 if any(kept):  # the new keys of every row's frames, in frame order (a row's kept ones lead)
-                    kvs.append(keys.index_select(3, layout.new_key_at[: sum(news)]))
+                    new = gather_rows(keys.flatten(0, 2).flatten(2), layout.new_key_at[: sum(news)])
+                    kvs.append(new.view(*keys.shape[:3], -1, *keys.shape[4:]))
                     tails_out.append(new_tails.clone())
         mels, caches = [], []
         for r, s in enumerate(solving):

@@ -22,6 +22,14 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return src.index_select(1, index)
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    dst.index_copy_(1, index, src)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
                mask: torch.Tensor | None = None) -> torch.Tensor:
     out = F.layer_norm(x, weight.shape, weight, bias, eps)

@@ -15,6 +15,7 @@ from speech_lm.graph_buckets import on_device
 
 _SILU_BLOCK = 1024
 _COPY_BLOCK = 2048
+_ROWS_BLOCK = 1024
 #: `copy_runs` hands shorter runs, more outer dimensions (after merging) or other dtypes to PyTorch's copy.
 _COPY_MIN_RUN = 256
 _COPY_OUTER_DIMS = 4
@@ -118,6 +119,53 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor) -> None:
         _copy_runs_kernel[(programs, triton.cdiv(run, _COPY_BLOCK))](
             dst, src, run, n1, n2, n3, d0, d1, d2, d3, s0, s1, s2, s3, BLOCK=_COPY_BLOCK
         )
+
+
+@triton.jit
+def _rows_kernel(dst_ptr, src_ptr, index_ptr, width, dst_outer, dst_row, src_outer, src_row, GATHER: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # program (i, outer, block): BLOCK elements of row index[i] (gather: of src into row i of dst; scatter: row i of
+    # src into row index[i] of dst) at one outer index
+    i = tl.program_id(0).to(tl.int64)
+    outer = tl.program_id(1).to(tl.int64)
+    row = tl.load(index_ptr + i).to(tl.int64)
+    src_at = row if GATHER else i
+    dst_at = i if GATHER else row
+    cols = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    values = tl.load(src_ptr + outer * src_outer + src_at * src_row + cols, mask=mask)
+    tl.store(dst_ptr + outer * dst_outer + dst_at * dst_row + cols, values, mask=mask)
+
+
+def _rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, gather: bool) -> bool:
+    """Launch the row kernel; False where it does not apply (a last dimension that is not contiguous, other
+    dtypes or devices, an empty index)."""
+    if (dst.dim() != 3 or src.dim() != 3 or dst.stride(2) != 1 or src.stride(2) != 1 or dst.dtype != src.dtype
+            or dst.device != src.device or index.device != dst.device or index.numel() == 0 or index.dim() != 1):
+        return False
+    width = dst.shape[2]
+    block = min(triton.next_power_of_2(width), _ROWS_BLOCK)
+    if dst.shape[0] > 65535 or triton.cdiv(width, block) > 65535:
+        return False
+    with on_device(dst.device):
+        _rows_kernel[(index.numel(), dst.shape[0], triton.cdiv(width, block))](
+            dst, src, index, width, dst.stride(0), dst.stride(1), src.stride(0), src.stride(1), GATHER=gather,
+            BLOCK=block)
+    return True
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty(src.shape[0], index.numel(), src.shape[2])
+    if not _rows(out, src, index, gather=True):
+        return src.index_select(1, index)
+    return out
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    if src.shape != (dst.shape[0], index.numel(), dst.shape[2]):
+        raise ValueError(f"scatter_rows: a source of {tuple(src.shape)} for {index.numel()} rows of {tuple(dst.shape)}")
+    if not _rows(dst, src, index, gather=False):
+        dst.index_copy_(1, index, src)
 
 
 @triton.jit

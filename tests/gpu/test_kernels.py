@@ -165,12 +165,61 @@ def copy_comparisons(device: torch.device, dtype: torch.dtype, graph: bool = Fal
     return results
 
 
+def row_comparisons(device: torch.device, dtype: torch.dtype, graph: bool = False) -> list[Comparison]:
+    """`gather_rows` / `scatter_rows` against `index_select` / `index_copy_` along dim 1 on the packed flow's
+    layouts, scaled down: a causal conv's windows (3 per frame, rows repeated, a width that is no power of two), the
+    rows' tails, every block's new keys out of the key buffer, the new keys/values written from the qkv projection
+    (a view whose rows are 3 x wider apart than they are long), and a layout the kernel hands to PyTorch (columns
+    not contiguous). The whole destination must equal PyTorch's result. `graph`: one CUDA-graph replay."""
+    from speech_lm.kernels import triton_kernels  # noqa: PLC0415 - after TRITON_INTERPRET is read
+
+    generator = torch.Generator(device).manual_seed(7)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    def positions(count: int, size: int, unique: bool = False) -> torch.Tensor:
+        picks = torch.randperm(size, generator=generator, device=device)[:count] if unique else \
+            torch.randint(0, size, (count,), generator=generator, device=device)
+        return picks.to(torch.long)
+
+    seq, keys, qkv = rand(2, 4 + 50, 40), rand(3 * 2 * 2, 90, 64), rand(2, 50, 3, 4, 16)
+    gathers = {
+        "conv windows": (seq, positions(3 * 50, 54)),
+        "conv tails": (seq, positions(4, 54)),
+        "new keys of every block": (keys, positions(50, 90, unique=True)),
+        "columns not contiguous (PyTorch)": (seq.transpose(1, 2).contiguous().transpose(1, 2), positions(20, 54)),
+    }
+    results = []
+    kind = f"{str(dtype).removeprefix('torch.')}{' graph' if graph else ''}"
+    for name, (source, index) in gathers.items():
+        expected = source.index_select(1, index)
+        if graph:
+            (ours,) = graph_replay(lambda: (triton_kernels.gather_rows(source, index),))
+        else:
+            ours = triton_kernels.gather_rows(source, index)
+        results.append(compare(f"gather_rows {name} {kind}", ours, expected, exact=True))
+    for j in (1, 2):  # keys, then values: rows of 64 that lie 192 apart
+        source, index = qkv[:, :, j].flatten(2), positions(50, 90, unique=True)
+        target = rand(2, 90, 64)
+        expected, ours = target.clone(), target.clone()
+        expected.index_copy_(1, index, source)
+        if graph:
+            graph_replay(lambda: (triton_kernels.scatter_rows(ours, index, source), ours)[1:])
+        else:
+            triton_kernels.scatter_rows(ours, index, source)
+        results.append(compare(f"scatter_rows new {'keys' if j == 1 else 'values'} {kind}", ours, expected,
+                               exact=True))
+    return results
+
+
 def interpreted_results() -> list[Comparison]:
     """Every comparison at the interpreter's shapes and dtypes on the CPU (run with TRITON_INTERPRET=1)."""
     device = torch.device("cpu")
     return [result for dtype in INTERPRETER_DTYPES
             for result in [*(c for shape in INTERPRETER_SHAPES for c in kernel_comparisons(device, dtype, shape)),
-                           model_comparison(device, dtype), *copy_comparisons(device, dtype)]
+                           model_comparison(device, dtype), *copy_comparisons(device, dtype),
+                           *row_comparisons(device, dtype)]
             ] + [flow_comparison(device, torch.float32)]
 
 
@@ -204,6 +253,17 @@ def test_copy_runs_matches_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype) 
         assert_all_match(copy_comparisons(device, dtype))
         with torch.cuda.device(device):
             assert_all_match(copy_comparisons(device, dtype, graph=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_kernels_match_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype) -> None:
+    """On each GPU of the machine with GPU 0 current: the kernels must launch on their tensors' device."""
+    pytest.importorskip("triton")
+    for index in range(gpus):
+        device = torch.device("cuda", index)
+        assert_all_match(row_comparisons(device, dtype))
+        with torch.cuda.device(device):
+            assert_all_match(row_comparisons(device, dtype, graph=True))
 
 
 @torch.inference_mode()
