@@ -244,26 +244,17 @@ def test_an_llm_body_through_the_fused_kernels_matches_the_reference(gpus, dtype
     assert_all_match([model_comparison(torch.device("cuda"), dtype)])
 
 
+@pytest.mark.parametrize("comparisons", [copy_comparisons, row_comparisons], ids=["copy_runs", "rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_copy_runs_matches_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype) -> None:
-    """On each GPU of the machine with GPU 0 current: the kernel must launch on its tensors' device."""
+def test_copy_kernels_match_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype, comparisons) -> None:
+    """`copy_runs`, `gather_rows` and `scatter_rows` on each GPU of the machine with GPU 0 current: a kernel must
+    launch on its tensors' device."""
     pytest.importorskip("triton")
     for index in range(gpus):
         device = torch.device("cuda", index)
-        assert_all_match(copy_comparisons(device, dtype))
+        assert_all_match(comparisons(device, dtype))
         with torch.cuda.device(device):
-            assert_all_match(copy_comparisons(device, dtype, graph=True))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_row_kernels_match_pytorch_eager_and_replayed_on_every_gpu(gpus, dtype) -> None:
-    """On each GPU of the machine with GPU 0 current: the kernels must launch on their tensors' device."""
-    pytest.importorskip("triton")
-    for index in range(gpus):
-        device = torch.device("cuda", index)
-        assert_all_match(row_comparisons(device, dtype))
-        with torch.cuda.device(device):
-            assert_all_match(row_comparisons(device, dtype, graph=True))
+            assert_all_match(comparisons(device, dtype, graph=True))
 
 
 @torch.inference_mode()
