@@ -96,10 +96,11 @@ def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]]
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
     the error goes back as the final response. `cancellable` (the pipeline's entry models; a predicate on the
-    request for a model that is both, `adapters.engine_entry`): a client that leaves cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what they
-    started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a
-    blocking round trip to tritonserver on the event loop, and the engine would ask it for every in-flight LLM
-    sequence and token2wav job every 50 ms.
+    request for a model that is both, `adapters.engine_entry`): a client that leaves cancels the task. The models
+    behind them are never cancelled through tritonserver - their callers stop what they started explicitly (an LLM
+    `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a blocking round trip to
+    tritonserver on the event loop, and the engine would ask it for every in-flight LLM sequence and token2wav job
+    every 50 ms.
 
     Why `execute` is a plain function and the loop is ours, not the stub's: for an `async def execute` of a
     decoupled model the python stub schedules the coroutine on its own loop, then registers a done-callback that
