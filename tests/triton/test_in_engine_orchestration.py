@@ -5,6 +5,8 @@ tritonserver with the tiny random model, against the default (`bls`) pipeline of
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 import tritonclient.grpc.aio as aio
 from tritonclient.utils import InferenceServerException
 
+from tests.gateway.audio_checks import decode
 from tests.triton.conftest import (
     SAMPLES_PER_TOKEN,
     Pipeline,
@@ -118,3 +121,24 @@ async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(
             await stream(client, synthesis_inputs("A voice never sent.", voice="never-sent", by_id=True))
         chunks = await stream(client, synthesis_inputs("Still serving.", seed=2))  # and the model serves on
     assert chunks[-1][3]
+
+
+async def test_the_openai_sdk_streams_through_the_gateway_and_the_in_engine_pipeline(in_engine, gateway_factory):
+    """The gateway's SSE stream (the OpenAI SDK) over a pipeline whose streaming model is the engine: several audio
+    deltas, whole speech tokens, the usage the pipeline counted; the second request finds its voice in the engine
+    process's prompt cache."""
+    gateway = gateway_factory(in_engine.server.grpc_url)
+    before = await settled_metrics(in_engine)
+    for attempt in range(2):
+        with gateway.client().audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input=f"Through the gateway, request {attempt}.", response_format="pcm",
+            stream_format="sse",
+        ) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+        done = events[-1]
+        assert done["type"] == "speech.audio.done" and len(events) >= 3
+        samples, _ = decode(b"".join(base64.b64decode(e["audio"]) for e in events[:-1]), "pcm")
+        assert samples.size == done["usage"]["output_tokens"] * SAMPLES_PER_TOKEN > 0
+    after = await settled_metrics(in_engine)
+    hits = ("voice_cache_hits_total", STREAM)
+    assert after.get(hits, 0) >= before.get(hits, 0) + 1
