@@ -89,18 +89,16 @@ def error_response(exc: BaseException) -> Any:
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(str(exc) or type(exc).__name__))
 
 
-def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *,
-          cancellable: bool | Callable[[Any], bool]) -> None:
+def serve(requests: Sequence[Any], handle: Callable[[Any, Any], Awaitable[None]], *, cancellable: bool) -> None:
     """A model's `execute`: hands each request to this process's serving loop as a task of its own (the requests
     run concurrently, no head-of-line blocking) and returns at once, before any of them is answered.
 
     `handle(request, sender)` sends the request's responses, the last with the FINAL flag; if it fails
-    the error goes back as the final response. `cancellable` (the pipeline's entry models; a predicate on the
-    request for a model that is both, `adapters.engine_entry`): a client that leaves cancels the task. The models
-    behind them are never cancelled through tritonserver - their callers stop what they started explicitly (an LLM
-    `stop` request, a token2wav close) - so they are not asked: each `is_cancelled()` is a blocking round trip to
-    tritonserver on the event loop, and the engine would ask it for every in-flight LLM sequence and token2wav job
-    every 50 ms.
+    the error goes back as the final response. `cancellable` (the pipeline's entry models): a client that leaves
+    cancels the task. The models behind them are never cancelled through tritonserver - their callers stop what
+    they started explicitly (an LLM `stop` request, a token2wav close) - so they are not asked: each
+    `is_cancelled()` is a blocking round trip to tritonserver on the event loop, and the engine would ask it for
+    every in-flight LLM sequence and token2wav job every 50 ms.
 
     Why `execute` is a plain function and the loop is ours, not the stub's: for an `async def execute` of a
     decoupled model the python stub schedules the coroutine on its own loop, then registers a done-callback that
@@ -127,12 +125,10 @@ def serving_loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
-def _start_all(requests: list[Any], handle: Callable[[Any, Any], Awaitable[None]],
-               cancellable: bool | Callable[[Any], bool]) -> None:
+def _start_all(requests: list[Any], handle: Callable[[Any, Any], Awaitable[None]], cancellable: bool) -> None:
     loop = asyncio.get_running_loop()
     for request in requests:
-        task = loop.create_task(_serve_one(request, handle, cancellable(request) if callable(cancellable)
-                                           else cancellable))
+        task = loop.create_task(_serve_one(request, handle, cancellable))
         _IN_FLIGHT.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(_IN_FLIGHT.discard)
 

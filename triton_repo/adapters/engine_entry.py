@@ -91,13 +91,13 @@ class TritonPythonModel(PipelineEntryModel):
 
     def execute(self, requests: list[Any]) -> None:
         # a client's request is cancelled when the client leaves; the engine's are stopped by their callers
-        serve(requests, self._route, cancellable=is_client_request)
-
-    async def _route(self, request: Any, sender: Any) -> None:
-        if is_client_request(request):
-            await self._handle(request, sender)
-        else:
-            await self.engine.handle(request, sender)
+        kinds: dict[bool, list[Any]] = {True: [], False: []}
+        for request in requests:
+            kinds[is_client_request(request)].append(request)
+        if kinds[True]:
+            serve(kinds[True], self._handle, cancellable=True)
+        if kinds[False]:
+            serve(kinds[False], self.engine.handle, cancellable=False)
 
     def finalize(self) -> None:
         super().finalize()
