@@ -137,34 +137,38 @@ def _rows_kernel(dst_ptr, src_ptr, index_ptr, width, dst_outer, dst_row, src_out
     tl.store(dst_ptr + outer * dst_outer + dst_at * dst_row + cols, values, mask=mask)
 
 
-def _rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, gather: bool) -> bool:
-    """Launch the row kernel; False where it does not apply (a last dimension that is not contiguous, other
-    dtypes or devices, an empty index)."""
-    if (dst.dim() != 3 or src.dim() != 3 or dst.stride(2) != 1 or src.stride(2) != 1 or dst.dtype != src.dtype
-            or dst.device != src.device or index.device != dst.device or index.numel() == 0 or index.dim() != 1):
-        return False
+def _rows_fit(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether the row kernel takes these tensors: 3-D, last dimensions contiguous, one dtype and device, a
+    non-empty 1-D index, and a grid within CUDA's limits."""
+    return (dst.dim() == 3 and src.dim() == 3 and dst.stride(2) == 1 and src.stride(2) == 1
+            and dst.dtype == src.dtype and dst.device == src.device == index.device and index.dim() == 1
+            and index.numel() > 0 and dst.shape[0] <= 65535
+            and triton.cdiv(dst.shape[2], _ROWS_BLOCK) <= 65535)  # fmt: skip
+
+
+def _launch_rows(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor, gather: bool) -> None:
     width = dst.shape[2]
     block = min(triton.next_power_of_2(width), _ROWS_BLOCK)
-    if dst.shape[0] > 65535 or triton.cdiv(width, block) > 65535:
-        return False
     with on_device(dst.device):
         _rows_kernel[(index.numel(), dst.shape[0], triton.cdiv(width, block))](
             dst, src, index, width, dst.stride(0), dst.stride(1), src.stride(0), src.stride(1), GATHER=gather,
             BLOCK=block)
-    return True
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    out = src.new_empty(src.shape[0], index.numel(), src.shape[2])
-    if not _rows(out, src, index, gather=True):
+    if not _rows_fit(src, src, index):  # the new output is contiguous, like src's dtype and device: src decides
         return src.index_select(1, index)
+    out = src.new_empty(src.shape[0], index.numel(), src.shape[2])
+    _launch_rows(out, src, index, gather=True)
     return out
 
 
 def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     if src.shape != (dst.shape[0], index.numel(), dst.shape[2]):
         raise ValueError(f"scatter_rows: a source of {tuple(src.shape)} for {index.numel()} rows of {tuple(dst.shape)}")
-    if not _rows(dst, src, index, gather=False):
+    if _rows_fit(dst, src, index):
+        _launch_rows(dst, src, index, gather=False)
+    else:
         dst.index_copy_(1, index, src)
 
 
