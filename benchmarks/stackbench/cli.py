@@ -742,8 +742,8 @@ def per_gpu(value: float | None, gpus: int) -> str:
 
 def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
                      pipeline: str | None = None, open_loop: dict[str, Any] | None = None, *, replicas: int = 1,
-                     gpus: int = 1, balance: str = "round-robin") -> str:  # fmt: skip
-    """The summary: what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
+                     gpus: int = 1, balance: str = "round-robin", setting: str | None = None) -> str:  # fmt: skip
+    """The summary (``setting``: the line naming the setting of a `--variant` invocation): what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
     vocoder) on how many tritonservers (``replicas``, their requests spread by ``balance``) and ``gpus``, then one table row per scenario and
     concurrency, each cell all runs' values and their spread (the machine's figures: every replica together); with
     several GPUs sampled each one's busy share; the real-time streams per machine and per GPU; with ``open_loop``
@@ -757,7 +757,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int |
     spread = "one round-robin target" if balance == "round-robin" else f"one target, {balance} (tts-bench's pick)"
     servers = (f"{replicas} tritonserver replicas (colocated, one per GPU) behind {spread}"
                if replicas > 1 else "one tritonserver")  # fmt: skip
-    lines = [f"# {title}", "", measured, "", f"replicas: **{replicas}** ({servers}); GPUs used: **{gpus}**", "",
+    lines = [f"# {title}", "", *([setting, ""] if setting else []), measured, "",
+             f"replicas: **{replicas}** ({servers}); GPUs used: **{gpus}**", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for (scenario, concurrency), runs in groups.items():
         runs = sorted(runs, key=lambda r: r["run"])
@@ -1152,6 +1153,11 @@ class Weights:
     cosyvoice3_dir: Path | None = None
 
 
+def token2wav_label(args: argparse.Namespace, weights: Weights) -> str:
+    """The token2wav as the summary names it (the DiT with its directory)."""
+    return args.token2wav if weights.dit_dir is None else f"{args.token2wav} ({weights.dit_dir})"
+
+
 class StackUnderTest:
     """One rendered repository on its tritonserver(s) (and gateway, when a scenario needs it), with the timeline of
     their metrics and, with `--stacks-when-slow`, the stack dumps of their processes. Variants that differ only in
@@ -1218,6 +1224,7 @@ class VariantRun:
         self.levels_dir = out_dir / "levels"
         self.levels_dir.mkdir()
         self.pipeline = selected_pipeline(args)
+        self.token2wav = token2wav_label(args, weights)
         self.scenarios = [balanced(s, variant.balance) for s in SCENARIOS
                           if not args.only or s.name in args.only.split(",")]
         self.search = search
@@ -1260,7 +1267,7 @@ class VariantRun:
     def loaded(self) -> list[Scenario]:
         return self.scenarios + ([self.open_loop_scenario] if self.search is not None else [])
 
-    def started(self) -> None:
+    def record_start(self) -> None:
         self.document["grpc_target"] = self.stack.bench.grpc_target  # the ports are chosen as the servers start
         self.document["server_ready_s"] = self.stages["server_ready_s"] = self.stack.ready_s
         self.document["gpu_sampler"] = self.sampler.source
@@ -1294,7 +1301,7 @@ class VariantRun:
                 row = level_row(scenario, concurrency, run, level, self.sampler.busy_share(window), self.stages[name],
                                 self.sampler.busy_per_gpu(window))  # fmt: skip
                 row["replica_requests"] = replica_requests(before, after)
-                if self.variant.name != BASE_VARIANT or args.variant:
+                if args.variant:
                     row["variant"] = self.variant.name
                 self.rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "stages"}), flush=True)
@@ -1329,15 +1336,14 @@ class VariantRun:
                                           "stalled_streams": 0, "errors": 0, "in_every_run": True}  # fmt: skip
         self.write_results()
         (self.out_dir / "stages.json").write_text(json.dumps(self.stages, indent=1))
-        token2wav = self.args.token2wav if self.document["dit_dir"] is None else \
-            f"{self.args.token2wav} ({self.document['dit_dir']})"
-        title = (f"stack-bench {self.out_dir.parent.name}/{self.out_dir.name}" if self.args.variant
-                 else f"stack-bench {self.out_dir.name}")
-        summary = summary_markdown(self.rows, title, realtime, token2wav, self.pipeline, self.document.get("open_loop"),
-                                   replicas=self.args.replicas, gpus=self.gpus, balance=self.variant.balance)
+        title, setting = f"stack-bench {self.out_dir.name}", None
         if self.args.variant:
-            summary = summary.replace("\n\n", f"\n\nvariant: **{self.variant.name}** (render args: "
-                                      f"{' '.join(self.variant.render_args) or 'none'})\n\n", 1)
+            title = f"stack-bench {self.out_dir.parent.name}/{self.out_dir.name}"
+            setting = (f"variant: **{self.variant.name}** (render args: "
+                       f"{' '.join(self.variant.render_args) or 'none'})")
+        summary = summary_markdown(self.rows, title, realtime, self.token2wav, self.pipeline,
+                                   self.document.get("open_loop"), replicas=self.args.replicas, gpus=self.gpus,
+                                   balance=self.variant.balance, setting=setting)
         (self.out_dir / "summary.md").write_text(summary)
         print("\n" + summary, flush=True)
         print(f"real-time streams per machine: {NA if realtime is None else realtime}, per GPU ({self.gpus} used): "
@@ -1391,9 +1397,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         spark_dir=ensure_spark_dir(args.work, args.spark_dir) if args.spark else None,
         cosyvoice3_dir=ensure_cosyvoice3_dir(args.work, args.cosyvoice3_dir, args.device) if args.cosyvoice3 else None,
     )
-    token2wav = args.token2wav if weights.dit_dir is None else f"{args.token2wav} ({weights.dit_dir})"
     print(f"pipeline: {pipeline} ({weights.spark_dir or weights.cosyvoice3_dir})" if pipeline
-          else f"token2wav: {token2wav}", flush=True)  # fmt: skip
+          else f"token2wav: {token2wav_label(args, weights)}", flush=True)  # fmt: skip
 
     gpus = list(range(args.replicas))  # as this process numbers them: one per tritonserver
     sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
@@ -1418,7 +1423,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             stack.start(any(s.target == "gateway" for r in runs if r.stack is stack for s in r.loaded))
         warmed: set[int] = set()
         for variant_run in runs:
-            variant_run.started()
+            variant_run.record_start()
             if args.server_warmup and id(variant_run.stack) not in warmed:
                 warmed.add(id(variant_run.stack))
                 variant_run.warm_up()
