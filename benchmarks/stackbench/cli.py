@@ -44,11 +44,15 @@ and every level in results.json has the requests each replica took (`replica_req
 With `--variant 'FIELD=VALUE ...'` (repeatable) one invocation measures several settings against each other: the
 command line's own ("base") and each variant, whose render items go on top of the `--render-arg`s (`balance=...`
 sets its `--balance`; variants that differ only in that share one stack). Every setting's stack is rendered into a
-work directory of its own (WORK/variants/<i>) and started before the first level, with its own warm-up; then run 1
-of every setting's levels, then run 2 of every setting, ...: interleaved runs of one machine state, not one setting
-after another. Each setting writes its usual documents into RESULTS/<i>-<setting>/, and RESULTS/summary.md puts the
-settings side by side, level by level (each cell every run and the spread). The stacks that are not being measured
-sit idle meanwhile, holding their GPU memory.
+work directory of its own (WORK/variants/<i>); before the first level the stacks are started and warmed up one at a
+time; then run 1 of every setting's levels, then run 2 of every setting, ...: interleaved runs of one machine state,
+not one setting after another. Each setting writes its usual documents into RESULTS/<i>-<setting>/, and
+RESULTS/summary.md puts the settings side by side, level by level (each cell every run and the spread). The stacks
+that are not being measured sit idle meanwhile, holding their GPU memory: each stack's footprint (what its start and
+warm-up added to the memory in use, per GPU it uses: `gpu_memory_footprint_bytes`) is read, and the next stack only
+starts where the largest footprint so far, times a margin (FIT_MARGIN), is free on each of its GPUs; else the invocation
+stops before it starts (and before any measured level), saying how many stacks fit. A warm-up level with any error
+stops it too, naming the setting and whether its server log says the GPU ran out of memory.
 
 With `--spark` the same levels load the Spark-TTS pipeline instead (`spark_tts` / `spark_tts_stream` through
 `tts-bench --pipeline spark-tts`, the gateway's `model="spark-tts"`): the stack is rendered with `--spark-dir`
@@ -176,6 +180,15 @@ COSYVOICE3_PIPELINE = "cosyvoice3"
 PIPELINE_MODELS = {SPARK_PIPELINE: "Spark-TTS", COSYVOICE3_PIPELINE: "CosyVoice3"}
 #: The open-loop rule: the first audio within this p95 for requests arriving at random, no stall, no error.
 OPEN_LOOP_BOUND = ListenerBound(first_chunk_p95=0.5)
+#: The next stack starts only where the largest footprint so far (start and warm-up), times this, is free on each GPU
+#: it uses: its warm-up may reach a little further than the one measured (other shapes, the allocator's rounding).
+FIT_MARGIN = 1.1
+#: What a server log says when a model ran out of GPU memory (PyTorch's message, its exception's name).
+OUT_OF_MEMORY_MARKS = ("CUDA out of memory", "OutOfMemoryError")
+#: The way out of a GPU too small for every setting's stack at once.
+FEWER_STACKS = ("measure fewer --variant settings per invocation, or fewer levels or a lower concurrency (the "
+                "warm-up runs at the largest level's)")
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -483,23 +496,27 @@ class GpuSampler:
 
 
 class GpuMemory:
-    """Memory in use (bytes) on each visible GPU, read when asked: NVML through `pynvml` when it imports and
-    initializes, else one `nvidia-smi` call per reading; with neither (or a reading that fails), ``source`` is
-    None and ``used`` returns None. Used memory counts every process on the GPU, as `nvidia-smi` shows it."""
+    """Memory in use and in all (bytes) on each visible GPU, read when asked: NVML through `pynvml` when it imports
+    and initializes, else one `nvidia-smi` call per reading; with neither (or a reading that fails), ``source`` is
+    None and ``used`` and ``total`` return None. Used memory counts every process on the GPU, as `nvidia-smi` shows
+    it. ``indices``: the GPUs to read (default: those CUDA_VISIBLE_DEVICES names, or all)."""
 
-    def __init__(self, environ: dict[str, str] | None = None) -> None:
-        self.indices = visible_gpu_indices(dict(os.environ) if environ is None else environ)
+    def __init__(self, environ: dict[str, str] | None = None, indices: Sequence[int] | None = None) -> None:
+        self.indices = list(indices) if indices is not None else visible_gpu_indices(
+            dict(os.environ) if environ is None else environ)
         self.source: str | None = None
-        self._read: Callable[[], list[int]] | None = None
+        self._read: Callable[[str], list[int]] | None = None  # "used" or "total": NVML's and nvidia-smi's name
         nvml = nvml_handles(self.indices)
         if nvml is not None:
             pynvml, handles = nvml
-            self.source, self._read = "nvml", lambda: [int(pynvml.nvmlDeviceGetMemoryInfo(h).used) for h in handles]
+            self.source = "nvml"
+            self._read = lambda what: [int(getattr(pynvml.nvmlDeviceGetMemoryInfo(h), what)) for h in handles]
         elif (smi := shutil.which("nvidia-smi")) is not None:
-            command = [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+            command = [smi, "--format=csv,noheader,nounits"]
             if self.indices is not None:
                 command.append(f"--id={','.join(map(str, self.indices))}")
-            self.source, self._read = "nvidia-smi", lambda: self._smi(command)
+            self.source = "nvidia-smi"
+            self._read = lambda what: self._smi([*command, f"--query-gpu=memory.{what}"])
         if self.source is not None and self.used() is None:  # e.g. nvidia-smi without a driver
             self.source, self._read = None, None
 
@@ -508,14 +525,78 @@ class GpuMemory:
         out = subprocess.run(command, capture_output=True, text=True, timeout=10, check=True).stdout  # noqa: S603
         return [int(float(line)) * 2**20 for line in out.split()]  # MiB
 
-    def used(self) -> list[int] | None:
+    def _reading(self, what: str) -> list[int] | None:
         if self._read is None:
             return None
         try:
-            values = self._read()
+            values = self._read(what)
         except Exception:  # noqa: BLE001 - a failed read is a missing sample, which the caller reports
             return None
         return values or None
+
+    def used(self) -> list[int] | None:
+        return self._reading("used")
+
+    def total(self) -> list[int] | None:
+        return self._reading("total")
+
+
+def gib(values: Iterable[int]) -> str:
+    """Byte counts as GiB, e.g. "52.0, 51.6 GiB"."""
+    return ", ".join(f"{value / GIB:.1f}" for value in values) + " GiB"
+
+
+class StackFit:
+    """Whether one more stack fits on the GPUs it uses: each stack's footprint (what its start and warm-up added to
+    the memory in use on each GPU read) from a reading before it starts and one after its warm-up, and a refusal
+    before a stack starts where the largest footprint so far, times ``margin``, is not free on a GPU. Without
+    readings nothing is checked: stacks start as they come."""
+
+    def __init__(self, memory: GpuMemory, margin: float = FIT_MARGIN) -> None:
+        self.memory, self.margin = memory, margin
+        self.totals = memory.total()
+        self.footprints: list[list[int]] = []  # per stack measured, bytes per GPU read
+
+    def gpu_name(self, position: int) -> str:
+        return f"GPU {position if self.memory.indices is None else self.memory.indices[position]}"
+
+    def check(self, setting: str) -> list[int] | None:
+        """The memory in use now, before ``setting``'s stack starts (None: not read). SystemExit where the stack
+        would not fit."""
+        used = self.memory.used()
+        if used is None or self.totals is None or not self.footprints:
+            return used
+        for position, (total, in_use) in enumerate(zip(self.totals, used)):
+            largest = max(footprint[position] for footprint in self.footprints)
+            free, needed = total - in_use, largest * self.margin
+            if free < needed:
+                up = len(self.footprints)
+                raise SystemExit(
+                    f"stack-bench: the stack of {setting} would not fit on {self.gpu_name(position)}: "
+                    f"{free / GIB:.1f} GiB of {total / GIB:.1f} GiB free, and the {up} stack(s) up took "
+                    f"{gib(f[position] for f in self.footprints)} there (each its start and warm-up; one more needs "
+                    f"{needed / GIB:.1f} GiB, the largest x {self.margin}). {up} stack(s) fit: {FEWER_STACKS} "
+                    "(variants that differ only in balance= share their render's stack)")
+        return used
+
+    def footprint(self, before: list[int] | None) -> list[int] | None:
+        """What the stack started since the reading ``before`` added on each GPU (bytes); None without readings."""
+        after = self.memory.used()
+        if before is None or after is None or len(after) != len(before):
+            return None
+        grown = [max(0, a - b) for a, b in zip(after, before)]
+        self.footprints.append(grown)
+        return grown
+
+
+def ran_out_of_memory(logs: Iterable[Path]) -> bool:
+    """Whether one of these server logs says a model ran out of GPU memory."""
+    for log in logs:
+        if log.exists():
+            text = log.read_text(errors="replace")
+            if any(mark in text for mark in OUT_OF_MEMORY_MARKS):
+                return True
+    return False
 
 
 def busy_share(samples: Sequence[tuple[float, float]], window: Sequence[float] | None) -> float | None:
@@ -869,7 +950,8 @@ def variants_markdown(runs: Sequence[VariantRun], title: str, gpus: int = 1) -> 
 
     header = ["scenario", "c", "variant", "requests (errors)", *(t for t, *_ in VARIANT_COLUMNS)]
     lines = [f"# {title}", "", f"{len(runs)} settings, their runs interleaved (run k of every setting before run k+1 "
-             "of any), every stack started before the first level; each setting's own summary is in its directory.",
+             "of any), every stack started and warmed up, one at a time, before the first level; each setting's own "
+             "summary is in its directory.",
              "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     levels: list[tuple[str, int]] = []
     for variant_run in runs:
@@ -1068,8 +1150,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "step passes MS ms, at most every 20 s (needs py-spy on PATH)")
     parser.add_argument("--variant", action="append", default=[], metavar="'FIELD=VALUE ...'",
                         help="another setting measured beside the command's own (repeatable): render FIELD=VALUE "
-                             "items on top of the --render-args, balance=... for its --balance; every setting's stack "
-                             "starts before the first level and their runs interleave (results per setting in "
+                             "items on top of the --render-args, balance=... for its --balance; the settings' stacks "
+                             "start and warm up one at a time before the first level (one that would not fit in GPU "
+                             "memory is refused) and their runs interleave (results per setting in "
                              "RESULTS/<i>-<setting>/, side by side in RESULTS/summary.md)")
     parser.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                         help="an extra tritonserver argument (repeatable), e.g. "
@@ -1246,6 +1329,8 @@ class VariantRun:
             "balance": variant.balance,  # how tts-bench spread the Triton scenarios' requests over the replicas
             "replica_devices": devices,  # each tritonserver's CUDA_VISIBLE_DEVICES (none: one server)
             "gpus_used": gpus,
+            # what its stack's start and warm-up added to the memory in use, bytes per GPU it uses (None: not read)
+            "gpu_memory_footprint_bytes": None,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "levels": [],
         }
@@ -1282,8 +1367,15 @@ class VariantRun:
         print(f"\n## server warm-up: {args.server_warmup} streaming + offline requests, {concurrency} at a "
               "time", flush=True)
         for warm in WARMUP:
-            run_level(balanced(warm, self.variant.balance), concurrency, self.stack.bench.grpc_target,
-                      self.levels_dir / f"{warm.name}.json", args.server_warmup, args.timeout, 0, self.pipeline)
+            level = run_level(balanced(warm, self.variant.balance), concurrency, self.stack.bench.grpc_target,
+                              self.levels_dir / f"{warm.name}.json", args.server_warmup, args.timeout, 0,
+                              self.pipeline)  # fmt: skip
+            if level["errors"]:  # the measured levels would fail the same way, minutes later
+                cause = (f"; its server log says the GPU ran out of memory: {FEWER_STACKS}"
+                         if ran_out_of_memory(self.stack.bench.server_logs) else "")
+                raise SystemExit(f"stack-bench: setting {self.variant.name!r}: {level['errors']} of "
+                                 f"{level['requests']} {warm.name} requests failed{cause}; stopping before the "
+                                 "measured levels (server log tail saved)")
 
     def measure(self, run: int) -> None:
         """Run ``run`` of every level, then (with `--open-loop`) its rate search."""
@@ -1401,10 +1493,12 @@ def run(argv: Sequence[str] | None = None) -> int:
           else f"token2wav: {token2wav_label(args, weights)}", flush=True)  # fmt: skip
 
     gpus = list(range(args.replicas))  # as this process numbers them: one per tritonserver
-    sampler = GpuSampler(indices=sampled_gpu_indices(gpus, dict(os.environ)))
+    gpu_indices = sampled_gpu_indices(gpus, dict(os.environ))
+    sampler = GpuSampler(indices=gpu_indices)
     # One invocation, one setting: its stack in WORK and its results in the results directory itself. With
     # --variant every setting gets a directory of its own under it (and each render a work directory of its own),
-    # every stack is started before the first level, and run k of every variant comes before run k+1 of any.
+    # every stack is started and warmed up before the first level, and run k of every variant comes before run k+1
+    # of any.
     stacks: dict[tuple[tuple[str, Any], ...], StackUnderTest] = {}  # by the render they serve
     runs: list[VariantRun] = []
     for index, variant in enumerate(measured):
@@ -1418,15 +1512,28 @@ def run(argv: Sequence[str] | None = None) -> int:
             stack = stacks[render] = StackUnderTest(args, variant.render_args, work, weights, devices,
                                                                  variant_out / "stacks")
         runs.append(VariantRun(variant, stack, variant_out, args, sampler, len(gpus), weights, devices, search))
+    # One stack at a time, started and warmed up (by its first variant: the warm-up is the stack's), so that each
+    # one's footprint is known before the next starts: a stack that would not fit stops the invocation before it
+    # starts, not minutes later in its warm-up or levels.
+    fit = StackFit(GpuMemory(indices=gpu_indices))
+    if fit.memory.source is None:
+        print("no NVML and no nvidia-smi: not checking that every setting's stack fits in GPU memory", flush=True)
     try:
         for stack in stacks.values():
-            stack.start(any(s.target == "gateway" for r in runs if r.stack is stack for s in r.loaded))
-        warmed: set[int] = set()
-        for variant_run in runs:
-            variant_run.record_start()
-            if args.server_warmup and id(variant_run.stack) not in warmed:
-                warmed.add(id(variant_run.stack))
-                variant_run.warm_up()
+            its_runs = [r for r in runs if r.stack is stack]
+            setting = " / ".join(repr(r.variant.name) for r in its_runs)
+            before = fit.check(setting)
+            stack.start(any(s.target == "gateway" for r in its_runs for s in r.loaded))
+            for variant_run in its_runs:
+                variant_run.record_start()
+            if args.server_warmup:
+                its_runs[0].warm_up()
+            footprint = fit.footprint(before)
+            for variant_run in its_runs:
+                variant_run.document["gpu_memory_footprint_bytes"] = footprint
+            if footprint is not None:
+                print(f"GPU memory footprint of the stack of {setting} (its start and warm-up): {gib(footprint)}",
+                      flush=True)
         sampler.start()
         for stack in stacks.values():
             stack.watch()
@@ -1440,7 +1547,7 @@ def run(argv: Sequence[str] | None = None) -> int:
                     print(f"\n# run {run_number}, variant {variant_run.variant.name}", flush=True)
                 variant_run.measure(run_number)
     except BaseException:
-        for stack in stacks.values():
+        for stack in (stack for stack in stacks.values() if stack.started):
             for server in stack.servers:
                 print(server.log_tail(80), flush=True)
         raise
@@ -1459,7 +1566,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             (out_dir / "results.json").write_text(json.dumps({
                 "variants": [{"name": r.variant.name, "render_args": list(r.variant.render_args),
                               "balance": r.variant.balance, "results": r.out_dir.name,
-                              "realtime_streams": r.realtime} for r in runs],
+                              "realtime_streams": r.realtime,
+                              "gpu_memory_footprint_bytes": r.document["gpu_memory_footprint_bytes"]}
+                             for r in runs],
                 "repeat": args.repeat,
             }, indent=1))  # fmt: skip
             print("\n" + summary, flush=True)

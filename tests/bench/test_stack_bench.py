@@ -222,7 +222,7 @@ def test_gpu_sampler_reads_nvidia_smi(monkeypatch, tmp_path):
 def test_gpu_memory_without_a_gpu_is_none(monkeypatch, tmp_path):
     _only_path(monkeypatch, tmp_path)
     memory = sb.GpuMemory()
-    assert memory.source is None and memory.used() is None
+    assert memory.source is None and memory.used() is None and memory.total() is None
 
 
 def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
@@ -230,7 +230,10 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     log = tmp_path / "args"
     used = tmp_path / "used"  # MiB per GPU, one line each: the fake prints what the test wrote last
     used.write_text("1000\n2500\n")
-    fake.write_text(f"#!/bin/sh\nPATH=/usr/bin:/bin\necho \"$@\" > {log}\ncat {used}\n")
+    total = tmp_path / "total"
+    total.write_text("143771\n81559\n")
+    fake.write_text(f"#!/bin/sh\nPATH=/usr/bin:/bin\necho \"$@\" > {log}\n"
+                    f'case "$*" in *memory.total*) cat {total};; *) cat {used};; esac\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     _only_path(monkeypatch, tmp_path)
     memory = sb.GpuMemory(environ={"CUDA_VISIBLE_DEVICES": "0,1"})
@@ -240,6 +243,10 @@ def test_gpu_memory_reads_nvidia_smi_in_bytes(monkeypatch, tmp_path):
     assert memory.used() == [1200 * 2**20, 2500 * 2**20]
     args = log.read_text().split()
     assert "--query-gpu=memory.used" in args and "--format=csv,noheader,nounits" in args and "--id=0,1" in args
+    assert memory.total() == [143771 * 2**20, 81559 * 2**20]
+    assert "--query-gpu=memory.total" in log.read_text().split() and "--id=0,1" in log.read_text().split()
+    assert sb.GpuMemory(indices=[1]).used() == [1200 * 2**20, 2500 * 2**20]  # what the fake prints, whatever asked
+    assert "--id=1" in log.read_text().split()  # the GPUs asked for, not CUDA_VISIBLE_DEVICES'
     used.write_text("[N/A]\n")
     assert memory.used() is None  # a failed reading is a missing sample, never a made-up one
 
