@@ -30,7 +30,7 @@ Arrays = Mapping[str, "np.ndarray | None"]
 COSYVOICE3_VOICE_PROMPT_MODEL = "cosyvoice3_voice_prompt"
 COSYVOICE3_AUDIO_TOKENIZER_MODEL = "cosyvoice3_audio_tokenizer"  # speech_tokenizer_v3.onnx
 COSYVOICE3_SPEAKER_EMBEDDING_MODEL = "cosyvoice3_speaker_embedding"  # CosyVoice3's campplus.onnx
-COSYVOICE3_ENGINE_MODEL = "cosyvoice3_engine"  # LLM + token2wav in one process, as CosyVoice2's `engine`
+COSYVOICE3_ENGINE_MODEL = "cosyvoice3_engine"  # LLM + token2wav in one process (CosyVoice2's: adapters.engine)
 #: with `--cosyvoice3-engine-dir`: the LLM on the tensorrtllm backend, CosyVoice2's `llm` tensors (the engine
 #: then runs token2wav only)
 COSYVOICE3_LLM_MODEL = "cosyvoice3_llm"

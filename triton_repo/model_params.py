@@ -232,7 +232,7 @@ class Token2WavParams(_TorchModelParams):
 
 @dataclass(frozen=True)
 class EngineParams(ModelParams):
-    """The colocated `engine` (`adapters.engine`): the LLM's and token2wav's parameters in one map."""
+    """The colocated layout's engine (`adapters.engine`): the LLM's and token2wav's parameters in one map."""
 
     llm: LLMParams
     token2wav: Token2WavParams
@@ -240,8 +240,8 @@ class EngineParams(ModelParams):
 
 @dataclass(frozen=True)
 class EngineEntryParams(ModelParams):
-    """`cosyvoice2_stream` hosting the engine (`adapters.engine_entry`, render option `orchestration=in_engine`):
-    the streaming orchestrator's parameters and the engine's in one map."""
+    """`cosyvoice2_stream` hosting the engine (`adapters.engine_entry`, colocated layout): the streaming
+    orchestrator's parameters and the engine's in one map."""
 
     orchestrator: OrchestratorParams
     engine: EngineParams

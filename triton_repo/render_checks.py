@@ -50,13 +50,10 @@ def check_options(opts: RenderOptions) -> None:
         )
     if opts.llm_yield != "off" and opts.layout != "colocated":
         errors.append(f"--llm-yield {opts.llm_yield} needs --layout colocated (the LLM and token2wav in one process)")
-    if opts.orchestration == "in_engine":
-        if opts.layout != "colocated":
-            errors.append("--orchestration in_engine needs --layout colocated (the streaming entry model becomes "
-                          "the process that holds the LLM and token2wav)")
-        if opts.instances_of(contract.STREAMING_MODEL) != 1:
-            errors.append(f"--orchestration in_engine: {contract.STREAMING_MODEL} holds the engine, one instance "
-                          f"(got --instances {contract.STREAMING_MODEL}={opts.instances_of(contract.STREAMING_MODEL)})")
+    if opts.layout == "colocated" and opts.instances_of(contract.STREAMING_MODEL) != 1:
+        errors.append(f"--layout colocated: {contract.STREAMING_MODEL} holds the engine (the LLM sequences and "
+                      f"token2wav streams live in it), one instance (got --instances "
+                      f"{contract.STREAMING_MODEL}={opts.instances_of(contract.STREAMING_MODEL)})")
     if opts.llm_delivery == "chunk" and opts.llm_backend == "tensorrt_llm":
         errors.append("--llm-delivery chunk needs --llm-backend pytorch: TensorRT-LLM streams one response per token")
     if opts.token2wav == "dit":
@@ -79,7 +76,7 @@ def check_options(opts: RenderOptions) -> None:
         if model not in SCALABLE:
             errors.append(
                 f"--instances {model}={count}: only {', '.join(SCALABLE)} may have several instances "
-                "(llm, token2wav and engine hold per-request state in their process)"
+                "(llm, token2wav and the engines hold per-request state in their process)"
             )
         elif count < 1:
             errors.append(f"--instances {model}={count}: the count must be >= 1")

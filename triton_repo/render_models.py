@@ -35,10 +35,9 @@ from triton_repo.render_templates import ModelSpec, entry_specs, model_files, wi
 from triton_repo.render_trtllm import trtllm_parameters
 
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
-ENGINE_MODEL = "engine"
 TOKEN2WAV_MODEL = "token2wav"
 #: Models that must run as exactly one instance (per-request state in their process).
-SINGLE_INSTANCE = ("llm", TOKEN2WAV_MODEL, ENGINE_MODEL, *spark_render.SINGLE_INSTANCE,
+SINGLE_INSTANCE = ("llm", TOKEN2WAV_MODEL, *spark_render.SINGLE_INSTANCE,
                    *cosyvoice3_render.SINGLE_INSTANCE)
 
 
@@ -52,13 +51,13 @@ def render_files(opts: RenderOptions) -> dict[str, str]:
 
 def model_specs(opts: RenderOptions) -> list[ModelSpec]:
     """CosyVoice2's models: both pipeline models, the voice front-end, then the LLM and token2wav of the layout
-    (with `orchestration=in_engine`, the streaming pipeline model is the engine's process)."""
+    (colocated: the streaming pipeline model is the engine's process)."""
     specs = entry_specs(
         opts, orchestrator_params(opts), ("orchestrator", "TritonPythonModel"),
         (contract.OFFLINE_MODEL, "Offline pipeline: one response with the whole waveform of one segment."),
         (contract.STREAMING_MODEL, "Streaming pipeline: waveform chunks; FINAL rides on the last one."),
     )
-    if opts.orchestration == "in_engine":
+    if opts.layout == "colocated":
         specs = [spec for spec in specs if spec.name != contract.STREAMING_MODEL]
     specs.append(ModelSpec("voice_prompt", "voice_prompt.pbtxt", io.VOICE_PROMPT_INPUTS, io.VOICE_PROMPT_OUTPUTS,
                            VoicePromptParams(cache_capacity=opts.voice_cache), ("voice_prompt", "TritonPythonModel"),
@@ -73,14 +72,10 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
             ("speaker_embedding", io.XVECTOR, "SpeakerEmbeddingModel", "CAM++ x-vector (ONNX) of 16 kHz audio."),
         )
     ]  # fmt: skip
-    if opts.layout == "colocated" and opts.orchestration == "in_engine":
+    if opts.layout == "colocated":
         specs.append(ModelSpec(contract.STREAMING_MODEL, "engine_entry.pbtxt", *engine_entry_tensors(),
                                EngineEntryParams(orchestrator_params(opts), engine_params(opts)),
                                ("engine_entry", "TritonPythonModel")))
-        return specs
-    if opts.layout == "colocated":
-        specs.append(ModelSpec(ENGINE_MODEL, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
-                               ("engine", "TritonPythonModel")))
         return specs
     specs.append(_llm_spec(opts))
     specs.append(ModelSpec(TOKEN2WAV_MODEL, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,),
@@ -120,9 +115,7 @@ def _llm_spec(opts: RenderOptions) -> ModelSpec:
 
 
 def expected_models(opts: RenderOptions) -> set[str]:
-    internal = {ENGINE_MODEL} if opts.layout == "colocated" else {"llm", TOKEN2WAV_MODEL}
-    if opts.orchestration == "in_engine":
-        internal = set()  # the streaming entry model is the engine
+    internal = set() if opts.layout == "colocated" else {"llm", TOKEN2WAV_MODEL}  # colocated: the entry model
     frontend = {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding"}
     return frontend | internal | spark_render.models(opts) | cosyvoice3_render.models(opts)
 
@@ -130,10 +123,9 @@ def expected_models(opts: RenderOptions) -> set[str]:
 def internal_models(opts: RenderOptions) -> InternalModels:
     """The orchestrator's targets for its LLM and token2wav calls."""
     colocated = opts.layout == "colocated"
-    engine = contract.STREAMING_MODEL if opts.orchestration == "in_engine" else ENGINE_MODEL
     return InternalModels(
-        llm_model=engine if colocated else "llm",
-        token2wav_model=engine if colocated else TOKEN2WAV_MODEL,
+        llm_model=contract.STREAMING_MODEL if colocated else "llm",
+        token2wav_model=contract.STREAMING_MODEL if colocated else TOKEN2WAV_MODEL,
         token2wav_decoupled=colocated,
         llm_deliver_at=opts.llm_delivery == "chunk",
     )
@@ -175,7 +167,7 @@ def llm_params(opts: RenderOptions) -> LLMParams:
 
 
 def token2wav_params(opts: RenderOptions) -> Token2WavParams:
-    """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`, also hosted by the colocated `engine`):
+    """Parameters of token2wav (`adapters.token2wav.Token2WavHandler`, also hosted by the colocated engine):
     dtype, token2wav and flow_cache* as rendered."""
     return with_options(
         Token2WavParams, opts,

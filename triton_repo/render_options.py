@@ -38,16 +38,13 @@ class RenderError(ValueError):
 LLM_BACKENDS = {"pytorch": "pytorch", "torch": "pytorch", "tensorrt_llm": "tensorrt_llm", "trtllm": "tensorrt_llm"}
 DTYPES = ("fp32", "fp16", "bf16")
 DEVICES = ("cpu", "cuda")
-#: colocated: the PyTorch LLM and token2wav in one model (`engine`, one process: concurrent CUDA streams);
-#: single: separate `llm` and `token2wav` models on one device. Several GPUs are served by one whole repository
+#: colocated: the PyTorch LLM, token2wav and the streaming orchestrator in one process, the streaming entry model
+#: itself (its orchestrator calls the LLM's scheduler and token2wav's service directly, no BLS hop per chunk; the
+#: offline entry model reaches that engine over BLS; concurrent CUDA streams). single: separate `llm` and `token2wav`
+#: models on one device, both entry models orchestrating over BLS. Several GPUs are served by one whole repository
 #: per GPU (replicas behind one gRPC target, docs/deploy.md "Several GPUs").
 LAYOUTS = ("colocated", "single")
 DEFAULT_LAYOUT = {"pytorch": "colocated", "tensorrt_llm": "single"}
-#: Where the streaming pipeline is orchestrated in the colocated layout: `bls` = in the entry model's own processes,
-#: calling the `engine` over BLS for every LLM hand-over and token2wav chunk; `in_engine` = the streaming entry model
-#: is the engine's process itself (its orchestrator calls the LLM's scheduler and token2wav's service directly; the
-#: offline entry model reaches that engine over BLS).
-ORCHESTRATIONS = ("bls", "in_engine")
 #: How the LLM hands its tokens to a streaming orchestrator: `chunk` = one response per chunk boundary of the
 #: streaming schedule (the PyTorch LLM's `deliver_at`), `token` = one response per token (all TensorRT-LLM can).
 LLM_DELIVERIES = ("chunk", "token")
@@ -57,8 +54,8 @@ TOKEN2WAVS = ("unet", "dit")
 #: CosyVoice3's streaming flow: cached (per-stream flow caches, the same audio up to float rounding) or recompute
 #: (every chunk re-runs the flow over the prompt and all tokens: the reference path).
 COSYVOICE3_FLOW_CACHES = ("cached", "recompute")
-#: Models whose instance count may be chosen; llm, token2wav and engine keep per-request state in-process (and
-#: so do `spark_engine` and `cosyvoice3_engine`).
+#: Models whose instance count may be chosen; llm, token2wav, `spark_engine` and `cosyvoice3_engine` keep
+#: per-request state in-process (and so does `cosyvoice2_stream` in the colocated layout: `render_checks`).
 SCALABLE = (
     contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "voice_prompt", "audio_tokenizer", "speaker_embedding",
     contract.SPARK_OFFLINE_MODEL, contract.SPARK_STREAMING_MODEL, spark_io.VOICE_PROMPT_MODEL,
@@ -280,12 +277,6 @@ class RenderOptions(_Options):
     # None: DEFAULT_LAYOUT of the LLM backend
     layout: str | None = option(None, choices=LAYOUTS, help="default: colocated for the pytorch LLM (LLM + token2wav "
                                 "in one process), single for tensorrt_llm")
-    # Off until measured in the served stack against bls (three interleaved runs, `stack-bench --variant
-    # orchestration=in_engine`): every chunk of a stream crossed four python-backend IPC hops (the LLM's hand-over,
-    # the token2wav request and its answer, the client's chunk), the first three through BLS.
-    orchestration: str = option("bls", choices=ORCHESTRATIONS,
-                                help="colocated layout: the streaming entry model calls the engine over BLS (bls) "
-                                     "or is the engine's own process (in_engine)")
     # None: DEFAULT_LLM_DELIVERY of the LLM backend
     llm_delivery: str | None = option(None, choices=LLM_DELIVERIES, help="tokens to the streaming orchestrator per "
                                       "chunk boundary (default for pytorch) or per token (tensorrt_llm)")

@@ -16,6 +16,7 @@ from cosyvoice_build import cli, dit_weights, weights
 from cosyvoice_build.pipeline import StageError, run_stages
 from cosyvoice_build.settings import BuildSettings
 from cosyvoice_build.stages import STAGES
+import pipeline_contract as contract
 
 RELEASED = ("flow.yaml", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v2_25hz.onnx")
 
@@ -125,10 +126,10 @@ def test_the_render_stage_serves_the_downloaded_dit_token2wav(fake_repo: Path, m
     settings = BuildSettings(work_dir=tmp_path, model_source="local", model_dir=micro_model_dir, llm_backend="torch",
                              triton_layout="colocated", token2wav="dit")
     assert [r.outcome for r in run_stages(stages, settings)] == ["done", "done"]
-    config = (settings.triton_repo_dir / "engine" / "config.pbtxt").read_text()
+    config = (settings.triton_repo_dir / contract.STREAMING_MODEL / "config.pbtxt").read_text()  # the engine's
     assert 'key: "token2wav" value: { string_value: "dit" }' in config
     assert f'key: "dit_dir" value: {{ string_value: "{settings.dit_dir.resolve()}" }}' in config
     unet = BuildSettings(work_dir=tmp_path / "unet", model_source="local", model_dir=micro_model_dir,
                          llm_backend="torch", triton_layout="colocated")
     assert [r.outcome for r in run_stages(stages, unet)] == ["done", "done"]
-    assert 'string_value: "unet"' in (unet.triton_repo_dir / "engine" / "config.pbtxt").read_text()
+    assert 'string_value: "unet"' in (unet.triton_repo_dir / contract.STREAMING_MODEL / "config.pbtxt").read_text()

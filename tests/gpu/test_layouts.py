@@ -46,7 +46,6 @@ def layouts(dit_dir) -> dict[str, dict]:
         "colocated": dict(layout="colocated"),
         "single": dict(layout="single"),
         "colocated-dit": dict(layout="colocated", token2wav="dit", dit_dir=dit_dir),
-        "colocated-in-engine": dict(layout="colocated", orchestration="in_engine"),
     }
 
 
@@ -65,7 +64,7 @@ async def serve_round(target: str, servers: int) -> None:
         assert result.as_numpy(contract.WAVEFORM.name).size == tokens * SAMPLES_PER_TOKEN
 
 
-@pytest.mark.parametrize("name", ["colocated", "single", "colocated-dit", "colocated-in-engine"])
+@pytest.mark.parametrize("name", ["colocated", "single", "colocated-dit"])
 async def test_one_tritonserver_per_gpu_serves_on_its_own_gpu(name, gpus, tiny_model_dir, dit_dir, tmp_path,
                                                              triton_server_factory) -> None:
     options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", device="cuda", max_batch=8,
@@ -81,8 +80,7 @@ async def test_one_tritonserver_per_gpu_serves_on_its_own_gpu(name, gpus, tiny_m
                               {"CUDA_VISIBLE_DEVICES": pin, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
         for pin in pins
     ]  # fmt: skip
-    model = ("engine" if options.orchestration == "bls" else contract.STREAMING_MODEL) \
-        if options.layout == "colocated" else None
+    model = contract.STREAMING_MODEL if options.layout == "colocated" else None  # the engine's process
     pipelines = [Pipeline(server=s, repo=repo, llm_model=model or "llm", token2wav_model=model or "token2wav")
                  for s in servers]  # fmt: skip
     try:

@@ -32,12 +32,13 @@ async def test_one_tritonserver_on_a_gpu_serves_streams_and_offline_requests_at_
                             max_seq_len=2048, first_hop=FIRST_HOP, layout="colocated")
     repo = write_repository(options)
     server = triton_server_factory(repo, ready_timeout=300)
-    pipeline = Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    pipeline = Pipeline(server=server, repo=repo, llm_model=contract.STREAMING_MODEL,
+                        token2wav_model=contract.STREAMING_MODEL)
     try:
         for _ in range(ROUNDS):
             await serve_round(contract.grpc_target([server.grpc_url]), LOAD)
         metrics = await settled_metrics(pipeline)
-        assert metrics.get(("token2wav_failed_total", "engine"), 0) == 0
+        assert metrics.get(("token2wav_failed_total", contract.STREAMING_MODEL), 0) == 0
     except BaseException:
         print(f"--- tritonserver, last lines of its log:\n{server.log_tail(80)}")
         raise

@@ -18,6 +18,7 @@ import pytest
 
 from tests.reliability.soak import PCM_BYTES_PER_TOKEN
 from tests.reliability.stack_rig import http_status
+import pipeline_contract as contract
 
 #: Each test may wait for a restarted stack (RECOVERY_TIMEOUT_S) or start the shared one (START_TIMEOUT_S).
 pytestmark = [pytest.mark.triton, pytest.mark.timeout(1200)]
@@ -130,7 +131,7 @@ def test_tritonserver_killed_mid_stream(tiny_stack):
 def test_a_model_stub_killed_mid_stream(tiny_stack):
     sse = _start(tiny_stack.url, stream_format="sse")
     killed_at = time.monotonic()
-    os.kill(tiny_stack.stub_pid("engine"), signal.SIGKILL)
+    os.kill(tiny_stack.stub_pid(contract.STREAMING_MODEL), signal.SIGKILL)  # the engine's process
     _assert_sse_ended_with_an_error(sse)
     served_after = _wait_served(tiny_stack.url, RECOVERY_TIMEOUT_S)
     assert served_after is not None, tiny_stack.log_tail()

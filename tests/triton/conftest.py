@@ -69,7 +69,7 @@ def colocated_pipeline(model_dir: Path, out: Path, server_factory, **options) ->
         RenderOptions(model_dir=model_dir, out=out, max_batch=8, max_seq_len=2048, first_hop=FIRST_HOP, **options)
     )
     server = server_factory(repo, ready_timeout=240)
-    return Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    return Pipeline(server=server, repo=repo, llm_model=contract.STREAMING_MODEL, token2wav_model=contract.STREAMING_MODEL)
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def _python(code: str, *args: str) -> str:
 def test_no_model_execute_is_a_coroutine_function():
     found = json.loads(_python(_PROBE, *ADAPTERS))
     assert {"common.PipelineEntryModel", "voice_prompt.TritonPythonModel"} <= found.keys(), found  # it saw the models
-    assert any(name.startswith("engine.") for name in found), found
+    assert any(name.startswith("engine_entry.") for name in found), found  # and the engine's process
     assert [name for name, is_coroutine in found.items() if is_coroutine] == []
 
 
@@ -141,9 +141,9 @@ asyncio.run(main())
 
 
 def test_an_engine_part_that_goes_silent_fails_the_request_instead_of_hanging_it():
-    """In the engine's process (`orchestration=in_engine`) the orchestrator's calls keep the deadline its BLS calls
-    have: an LLM that stops handing over tokens, or a token2wav call that never ends, becomes an error (and the
-    LLM's sequence is let go)."""
+    """In the engine's process (the colocated layout's streaming entry model) the orchestrator's calls keep the
+    deadline its BLS calls have: an LLM that stops handing over tokens, or a token2wav call that never ends, becomes
+    an error (and the LLM's sequence is let go)."""
     out = json.loads(_python(_STALL))
     assert out["got"] == [[7, 8]]
     assert len(out["errors"]) == 2 and all("sent no response" in e for e in out["errors"]), out["errors"]

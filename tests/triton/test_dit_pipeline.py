@@ -32,7 +32,8 @@ def dit_server(tiny_model_dir, dit_dir, tmp_path_factory, triton_server_factory)
         max_seq_len=2048, first_hop=FIRST_HOP, token2wav="dit", dit_dir=dit_dir,
     ))
     server = triton_server_factory(repo, ready_timeout=240)
-    yield Pipeline(server=server, repo=repo, llm_model="engine", token2wav_model="engine")
+    yield Pipeline(server=server, repo=repo, llm_model=contract.STREAMING_MODEL,
+                   token2wav_model=contract.STREAMING_MODEL)
     server.cleanup()
 
 
@@ -72,8 +73,8 @@ async def test_streaming_dit_chunks_add_up_to_960_samples_per_token(dit_server):
         assert counts == sorted(counts) and counts[0] < counts[-1]  # audio left before the LLM had finished
         audio = np.concatenate([w for w, *_ in chunks])
         assert audio.size == counts[-1] * SAMPLES_PER_TOKEN and np.isfinite(audio).all()
-    metrics = await wait_metrics(dit_server, lambda m: m[("token2wav_active_streams", "engine")] == 0)
-    assert metrics[("token2wav_active_streams", "engine")] == 0
+    metrics = await wait_metrics(dit_server, lambda m: m[("token2wav_active_streams", contract.STREAMING_MODEL)] == 0)
+    assert metrics[("token2wav_active_streams", contract.STREAMING_MODEL)] == 0
 
 
 @pytest.mark.parametrize("response_format", ["wav", "flac", "mp3"])

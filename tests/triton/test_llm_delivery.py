@@ -39,7 +39,7 @@ def llm_request(tiny_model_dir, vocab: SpeechVocabLayout, deliver_at: tuple[int,
 
 
 async def engine_responses(pipeline: Pipeline, request: LLMRequest, vocab, request_id: str) -> list[list[int]]:
-    """The token ids of every data response of one streaming LLM request sent straight to `engine`."""
+    """The token ids of every data response of one streaming LLM request sent straight to the engine."""
     specs = {spec.name: spec for spec in io.ENGINE_INPUTS}
     inputs = []
     for name, value in io.llm_request_tensors(request, vocab, None, deliver_at=True).items():
@@ -48,7 +48,7 @@ async def engine_responses(pipeline: Pipeline, request: LLMRequest, vocab, reque
         inputs.append(tensor)
 
     async def requests():
-        yield {"model_name": "engine", "inputs": inputs, "request_id": request_id}
+        yield {"model_name": pipeline.llm_model, "inputs": inputs, "request_id": request_id}
 
     out = []
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
@@ -101,7 +101,8 @@ async def test_chunk_delivery_streams_the_same_audio_as_per_token_delivery_with_
         np.testing.assert_array_equal(audio, expected)
     tokens = chunked[-1][2]
     assert len(chunked) >= 3 and tokens > 2 * len(chunked)
-    # one LLM response per non-final chunk + the end (+ a flag-only final when a stop id came right after
-    # a boundary); per token, about one per token
+    # one LLM hand-over per non-final chunk + the end (+ a flag-only final when a stop id came right after a
+    # boundary); per token, one per token merged with the others that came while the orchestrator was busy (in the
+    # engine's process it takes them between its token2wav calls), so at least as many
     assert len(chunked) <= chunked_responses <= len(chunked) + 1
-    assert per_token_responses > chunked_responses
+    assert per_token_responses >= chunked_responses

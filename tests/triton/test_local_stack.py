@@ -14,6 +14,7 @@ import pytest
 from cosyvoice2.layout import REQUIRED_FILES, model_dir_problems
 from tests.reliability.stack_rig import StackProcess
 from triton_repo.server import REPO_ROOT
+import pipeline_contract as contract
 from cosyvoice3.layout import released_dir_problems
 from triton_repo.local_stack import (
     DEMO_COSYVOICE3_SUBDIR,
@@ -145,7 +146,8 @@ def test_stack_serves_the_gateway_and_stops_cleanly_on_sigint(tiny_model_dir, tm
         assert "[stack] stopping" in stack.log_path.read_text()
         # tritonserver unloaded every model before it exited (its log beside the stack's repository)
         triton_log = (tmp_path / "tritonserver.log").read_text(errors="replace").split("Signal (15) received.")[-1]
-        assert "Exit timeout expired" not in triton_log and "successfully unloaded 'engine'" in triton_log
+        assert "Exit timeout expired" not in triton_log
+        assert f"successfully unloaded '{contract.STREAMING_MODEL}'" in triton_log  # the engine's process
     finally:
         stack.stop()
     with pytest.raises(OSError):

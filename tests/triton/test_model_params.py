@@ -13,6 +13,7 @@ from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import StreamScheduleParams
 from triton_repo import render_models
 from triton_repo.model_params import (
+    EngineEntryParams,
     AudioModelParams,
     BenchmarkMode,
     CosyVoice3EngineParams,
@@ -42,7 +43,6 @@ ADAPTER_PARAMS = {
     "voice_prompt": VoicePromptParams,
     "audio_tokenizer": AudioModelParams,
     "speaker_embedding": AudioModelParams,
-    "engine": EngineParams,
     "llm": LLMParams,
     "token2wav": Token2WavParams,
     contract.SPARK_OFFLINE_MODEL: SparkOrchestratorParams,
@@ -53,12 +53,21 @@ ADAPTER_PARAMS = {
 }
 
 
+def _hosts_engine(opts: RenderOptions, model: str) -> bool:
+    """Whether `model` is the colocated layout's streaming entry model, the engine's process."""
+    return model == contract.STREAMING_MODEL and opts.layout in (None, "colocated")
+
+
+def _params_class(opts: RenderOptions, model: str) -> type:
+    return EngineEntryParams if _hosts_engine(opts, model) else ADAPTER_PARAMS[model]
+
+
 def _expected(opts: RenderOptions, model: str) -> object:
     """What render meant to give `model`, as the typed object."""
+    if _hosts_engine(opts, model):
+        return EngineEntryParams(render_models.orchestrator_params(opts), render_models.engine_params(opts))
     if model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
         return render_models.orchestrator_params(opts)
-    if model == "engine":
-        return EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts))
     if model == "llm":
         return render_models.llm_params(opts)
     if model == "token2wav":
@@ -84,19 +93,20 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", **options)
     configs = parsed_configs(write_repository(opts))
     for name, config in configs.items():
-        read = ADAPTER_PARAMS[name].from_parameters(parameters(config), name)
+        read = _params_class(opts, name).from_parameters(parameters(config), name)
         assert read == _expected(opts, name), name
-    engine_or_llm = configs.get("engine") or configs["llm"]
-    benchmark = ADAPTER_PARAMS[engine_or_llm.name].from_parameters(parameters(engine_or_llm))
-    llm = benchmark.llm if isinstance(benchmark, EngineParams) else benchmark
+    engine_or_llm = configs.get("llm") or configs[contract.STREAMING_MODEL]
+    benchmark = _params_class(opts, engine_or_llm.name).from_parameters(parameters(engine_or_llm))
+    llm = benchmark.engine.llm if isinstance(benchmark, EngineEntryParams) else benchmark
     ratio = options.get("benchmark_speech_ratio")
     assert llm.benchmark == (BenchmarkMode(ratio) if ratio else None)  # one option, in the LLM and the orchestrators
-    orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.STREAMING_MODEL]))
+    orchestrator = OrchestratorParams.from_parameters(parameters(configs[contract.OFFLINE_MODEL]))
     assert orchestrator.benchmark == llm.benchmark
     assert orchestrator.schedule == StreamScheduleParams(opts.first_hop, opts.chunk_growth, opts.align_first_hop,
                                                          min(opts.lone_first_hop, opts.first_hop), opts.busy_streams)
-    # the orchestrators address the token2wav model rendered, the colocated engine's when there is none
-    assert orchestrator.models.token2wav_model == ("token2wav" if "token2wav" in configs else "engine")
+    # the orchestrators address the token2wav model rendered, the colocated engine's (the streaming entry model's)
+    # when there is none
+    assert orchestrator.models.token2wav_model == ("token2wav" if "token2wav" in configs else contract.STREAMING_MODEL)
     # every torch and ONNX model runs on the rendered device: cuda:0, the first GPU its tritonserver sees
     devices = {read.device for read in (AudioModelParams.from_parameters(parameters(configs[name]))
                                         for name in ("audio_tokenizer", "speaker_embedding"))}  # fmt: skip

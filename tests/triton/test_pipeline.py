@@ -190,22 +190,24 @@ def infer_input(name: str, value: np.ndarray, triton_dtype: str) -> grpcclient.I
 
 
 @pytest.mark.parametrize(
-    "inputs",
+    ("inputs", "message"),
     [
         pytest.param(  # half an LLM request, half a token2wav request
             [("input_ids", np.array([[1, 2, 3]], np.int32), "INT32"), ("stream_id", np.array([b"s1"], object), "BYTES")],
-            id="mixed",
+            "[invalid_input] engine: inputs", id="mixed",
         ),
-        pytest.param([("seed", np.array([3], np.uint64), "UINT64")], id="neither"),
+        # no engine tensor: a client's request, refused by the contract's codec
+        pytest.param([("seed", np.array([3], np.uint64), "UINT64")], contract.TARGET_TEXT.name, id="neither"),
     ],
 )
-async def test_a_malformed_engine_request_is_invalid_input(pipeline, inputs):
+async def test_a_malformed_engine_request_is_invalid_input(pipeline, inputs, message):
     async def requests():
-        yield {"model_name": "engine", "inputs": [infer_input(*spec) for spec in inputs], "request_id": "malformed"}
+        yield {"model_name": pipeline.llm_model, "inputs": [infer_input(*spec) for spec in inputs],
+               "request_id": "malformed"}
 
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         errors = [str(error) async for _, error in client.stream_infer(requests()) if error is not None]
-    assert len(errors) == 1 and "[invalid_input] engine: inputs" in errors[0]
+    assert len(errors) == 1 and message in errors[0]
 
 
 async def test_instruct_and_cross_lingual_modes_run_and_count_the_text_they_read(pipeline, tiny_model_dir):

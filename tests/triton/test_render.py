@@ -38,11 +38,11 @@ def test_render_is_idempotent_and_rerender_replaces_the_old_repository(tiny_mode
     options = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", first_hop=10)
     first = tree(write_repository(options))
     assert tree(write_repository(options)) == first  # same options, byte-identical
-    assert {name.split("/")[0] for name in first} >= {contract.OFFLINE_MODEL, contract.STREAMING_MODEL, "engine"}
-    write_repository(replace(options, first_hop=20, instances={contract.STREAMING_MODEL: 3}))
+    assert {name.split("/")[0] for name in first} >= {contract.OFFLINE_MODEL, contract.STREAMING_MODEL}
+    write_repository(replace(options, first_hop=20, instances={contract.OFFLINE_MODEL: 3}))
     changed = tree(tmp_path / "repo")
-    assert changed != first and b'string_value: "20"' in changed["engine/config.pbtxt"]
-    assert b"count: 3" in changed[f"{contract.STREAMING_MODEL}/config.pbtxt"]
+    assert changed != first and b'string_value: "20"' in changed[f"{contract.STREAMING_MODEL}/config.pbtxt"]
+    assert b"count: 3" in changed[f"{contract.OFFLINE_MODEL}/config.pbtxt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["repo"]  # no staging or backup left behind
 
 
@@ -152,23 +152,24 @@ def parameters(config: model_config_pb2.ModelConfig) -> dict[str, str]:
     return {key: value.string_value for key, value in config.parameters.items()}
 
 
-def test_the_default_layout_hosts_llm_and_token2wav_in_one_engine_model(tiny_model_dir, tmp_path):
+def test_the_default_layout_hosts_llm_and_token2wav_in_the_streaming_entry_model(tiny_model_dir, tmp_path):
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", max_batch=4))
     configs = parsed_configs(repo)
-    assert "engine" in configs and not {"llm", "token2wav"} & configs.keys()
-    engine = configs["engine"]
+    assert not {"engine", "llm", "token2wav"} & configs.keys()
+    engine = configs[contract.STREAMING_MODEL]
     assert engine.backend == "python" and engine.model_transaction_policy.decoupled
     assert engine.max_batch_size == 0 and [g.count for g in engine.instance_group] == [1]
     inputs = {t.name: t for t in engine.input}
-    expected = [s.name for s in io.PYTORCH_LLM_INPUTS] + [s.name for s in io.TOKEN2WAV_INPUTS]
-    assert list(inputs) == expected and all(t.optional for t in inputs.values())
+    contract_inputs = [s.name for s in contract.INPUTS]
+    engine_inputs = [s.name for s in (*io.PYTORCH_LLM_INPUTS, *io.TOKEN2WAV_INPUTS) if s.name not in contract_inputs]
+    assert list(inputs) == contract_inputs + engine_inputs and all(t.optional for t in inputs.values())
     assert list(inputs["input_ids"].dims) == [-1, -1]  # the LLM's batch dimension is explicit
-    assert {t.name for t in engine.output} == {"output_ids", "sequence_length", "waveform"}
+    assert {t.name for t in engine.output} >= {"output_ids", "sequence_length", "waveform"}
     params = parameters(engine)
     assert params["max_batch"] == "4" and params["first_hop"] == "25" and params["device"] == "cpu"
     for pipeline_model in (contract.OFFLINE_MODEL, contract.STREAMING_MODEL):
         orchestrator = parameters(configs[pipeline_model])
-        assert (orchestrator["llm_model"], orchestrator["token2wav_model"]) == ("engine", "engine")
+        assert (orchestrator["llm_model"], orchestrator["token2wav_model"]) == ((contract.STREAMING_MODEL,) * 2)
         assert orchestrator["token2wav_decoupled"] == "true"
     assert json.loads((repo / MARKER).read_text())["layout"] == "colocated"
 
@@ -197,7 +198,7 @@ def test_tensorrt_llm_defaults_to_the_single_layout(tiny_model_dir, tmp_path):
     assert parameters(configs[contract.STREAMING_MODEL])["llm_deliver_at"] == "false"
 
 
-@pytest.mark.parametrize(("layout", "llm_model"), [("colocated", "engine"), ("single", "llm")])
+@pytest.mark.parametrize(("layout", "llm_model"), [("colocated", contract.STREAMING_MODEL), ("single", "llm")])
 @pytest.mark.parametrize(("delivery", "sent"), [(None, "true"), ("chunk", "true"), ("token", "false")])
 def test_the_pytorch_llm_takes_a_delivery_schedule_and_the_orchestrator_sends_it_unless_told_not_to(
     tiny_model_dir, tmp_path, layout, llm_model, delivery, sent
@@ -241,10 +242,10 @@ def test_the_dit_token2wav_is_selected_by_option_and_needs_its_files(tiny_model_
     dit_dir = write_dit_model(tmp_path / "dit")
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", token2wav="dit",
                                           dit_dir=dit_dir))
-    params = parameters(parsed_configs(repo)["engine"])
+    params = parameters(parsed_configs(repo)[contract.STREAMING_MODEL])
     assert (params["token2wav"], params["dit_dir"]) == ("dit", str(dit_dir.resolve()))
     unet = parameters(parsed_configs(write_repository(RenderOptions(model_dir=tiny_model_dir,
-                                                                    out=tmp_path / "unet")))["engine"])
+                                                                    out=tmp_path / "unet")))[contract.STREAMING_MODEL])
     assert (unet["token2wav"], unet.get("dit_dir")) == ("unet", None)  # an unset optional parameter is left out
     (dit_dir / "hift.pt").unlink()
     assert main(["--model-dir", str(tiny_model_dir), "--out", str(tmp_path / "r"), "--token2wav", "dit",

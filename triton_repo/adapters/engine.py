@@ -1,4 +1,4 @@
-"""`engine` (colocated layout): the PyTorch LLM and token2wav in ONE process, one decoupled model.
+"""The colocated layout's engine: the PyTorch LLM and token2wav in ONE process (`engine_entry` hosts it).
 
 Two models would be two processes, two CUDA contexts that the GPU time-slices; in one process the
 LLM scheduler's and token2wav's worker threads run their kernels concurrently on their own CUDA
@@ -13,7 +13,6 @@ from typing import Any
 
 from speech_serving.gpu_yield import Token2WavCalls
 from triton_repo import internal_io as io
-from triton_repo.adapters.common import handler_model
 from triton_repo.adapters.llm import LLMHandler
 from triton_repo.adapters.token2wav import Token2WavHandler
 from triton_repo.model_params import EngineParams
@@ -44,5 +43,3 @@ class EngineHandler:
         self.llm.close()
         self.token2wav.close()
 
-
-TritonPythonModel = handler_model(EngineParams, EngineHandler.from_params)

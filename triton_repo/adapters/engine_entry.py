@@ -1,14 +1,14 @@
-"""`cosyvoice2_stream` as the engine's own process (render option `orchestration=in_engine`, colocated layout).
+"""`cosyvoice2_stream` (colocated layout): the streaming entry model is the engine's own process.
 
-With `bls` orchestration every chunk of a stream crosses python-backend IPC four times: the LLM's hand-over of its
-tokens to the streaming entry model, that model's token2wav request and the audio's way back (all three BLS, each a
-message through tritonserver that wakes the other process's stub), then the chunk to the client. Here the streaming
-orchestrator lives beside the LLM scheduler and token2wav service it drives and calls them directly: the client's
-chunk is the one IPC message left, and no response of this process waits for another stub to take it in (the
-path the four-replica freeze was caught in, docs/experiments/2026-11-28-replica-freeze-cause.md). The voice prompt
-stays a BLS call (once per voice: the orchestrator caches it), and the offline entry model reaches this engine as
-it reaches `engine` in the `bls` orchestration: requests carrying the LLM's or token2wav's tensors are answered
-exactly as `engine` answers them.
+The streaming orchestrator lives beside the LLM scheduler and token2wav service it drives (`adapters.engine`) and
+calls them directly, so a chunk crosses python-backend IPC once, to the client. Orchestrating from a process of its
+own cost three BLS messages more per chunk (the LLM's hand-over of its tokens, the token2wav request, the audio's
+way back), each waking the other process's stub, and a response that waits for another stub to take it in (the
+path the four-replica freeze was caught in, docs/experiments/2026-11-28-replica-freeze-cause.md); on one H200 that
+layout kept 16 real-time streams where this one keeps 32 (docs/experiments/2026-12-01-h200-in-engine.md). The
+voice prompt stays a BLS call (once per voice: the orchestrator caches it), and the offline entry model reaches
+this engine over BLS: requests carrying the LLM's or token2wav's tensors are answered as the separate `llm` /
+`token2wav` models answer them.
 """
 
 from __future__ import annotations

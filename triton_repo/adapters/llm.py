@@ -87,9 +87,6 @@ class LLMHandler:
                     sender.send(response(io.llm_response_tensors(ids)), flags=FINAL if last else 0)
                 elif last:  # the end came without a token (a stop id): nothing but the flag
                     sender.send(flags=FINAL)
-                else:
-                    continue
-                self.stats.add("llm_responses_total")
 
     async def deliveries(self, request_id: str, llm_request: LLMRequest) -> AsyncIterator[tuple[list[int], bool]]:
         """(vocabulary ids, last) per hand-over of one sequence: what an LLM response carries, for the model's own
@@ -108,6 +105,8 @@ class LLMHandler:
                 tokens = delivery.tokens if keep is None else [t for t in delivery.tokens if keep(t)]
                 # the decoder counts speech tokens; the LLM's responses are vocabulary ids
                 ids = self.vocab.to_vocab_ids(np.asarray(tokens, dtype=np.int64)).tolist() if tokens else []
+                if ids or delivery.last:  # a hand-over: a response (`handle`) or an orchestrator's delivery here
+                    self.stats.add("llm_responses_total")
                 yield ids, delivery.last
         finally:
             stream.cancel()  # no-op once finished; frees the slot when the caller went away

@@ -1,6 +1,7 @@
-"""`orchestration=in_engine`: the streaming entry model is the engine's process, its orchestrator calling the LLM's
+"""The colocated layout: the streaming entry model is the engine's process, its orchestrator calling the LLM's
 scheduler and token2wav's service directly; the offline entry model reaches that engine over BLS. A real
-tritonserver with the tiny random model, against the default (`bls`) pipeline of the session."""
+tritonserver with the tiny random model (the session's default pipeline), against the single layout, whose entry
+models orchestrate over BLS."""
 
 from __future__ import annotations
 
@@ -35,15 +36,16 @@ STREAM = contract.STREAMING_MODEL
 
 
 @pytest.fixture(scope="module")
-def in_engine(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
-    pipeline = colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("in_engine") / "repo",
-                                  triton_server_factory, orchestration="in_engine")
-    yield Pipeline(server=pipeline.server, repo=pipeline.repo, llm_model=STREAM, token2wav_model=STREAM)
+def bls_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Iterator[Pipeline]:
+    """The single layout with the default pipeline's settings: the same engines, orchestrated over BLS."""
+    pipeline = colocated_pipeline(tiny_model_dir, tmp_path_factory.mktemp("bls") / "repo", triton_server_factory,
+                                  layout="single")
+    yield Pipeline(server=pipeline.server, repo=pipeline.repo, llm_model="llm", token2wav_model="token2wav")
     pipeline.server.cleanup()
 
 
 def test_the_streaming_entry_model_is_the_engine(tiny_model_dir, tmp_path):
-    files = render_files(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, orchestration="in_engine"))
+    files = render_files(RenderOptions(model_dir=tiny_model_dir, out=tmp_path))
     models = {path.split("/")[0] for path in files if "/" in path}
     assert "engine" not in models and {contract.OFFLINE_MODEL, STREAM} <= models
     assert "engine_entry" in files[f"{STREAM}/1/model.py"] and "count: 1" in files[f"{STREAM}/config.pbtxt"]
@@ -52,22 +54,19 @@ def test_the_streaming_entry_model_is_the_engine(tiny_model_dir, tmp_path):
     assert f'key: "token2wav_model" value: {{ string_value: "{STREAM}" }}' in offline
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    (dict(layout="single"), "--orchestration in_engine needs --layout colocated"),
-    (dict(instances={STREAM: 2}), f"{STREAM} holds the engine, one instance"),
-])
-def test_in_engine_refuses_what_it_cannot_serve(tiny_model_dir, tmp_path, options, message):
-    with pytest.raises(RenderError, match=message):
-        check_options(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, orchestration="in_engine", **options))
+def test_the_engine_entry_model_runs_as_one_instance(tiny_model_dir, tmp_path):
+    with pytest.raises(RenderError, match=f"{STREAM} holds the engine .*one instance"):
+        check_options(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, instances={STREAM: 2}))
+    check_options(RenderOptions(model_dir=tiny_model_dir, out=tmp_path, layout="single", instances={STREAM: 2}))
 
 
-async def test_streams_are_the_bls_pipelines_streams(in_engine, pipeline):
-    """The same request, seeded, makes the same chunks whether the orchestrator calls the engine over BLS or in
-    its own process."""
+async def test_streams_are_the_bls_pipelines_streams(pipeline, bls_pipeline):
+    """The same request, seeded, makes the same chunks whether the orchestrator calls the LLM and token2wav over
+    BLS or in their own process."""
     inputs = dict(text="The same words through both orchestrations.", seed=11)
-    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
-        here = await stream(client, synthesis_inputs(**inputs))
     async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        here = await stream(client, synthesis_inputs(**inputs))
+    async with aio.InferenceServerClient(bls_pipeline.server.grpc_url) as client:
         there = await stream(client, synthesis_inputs(**inputs))
     assert len(here) >= 3 and [c[1:] for c in here] == [c[1:] for c in there]  # tokens and flags, chunk by chunk
     for (mine, *_), (theirs, *_) in zip(here, there):
@@ -75,24 +74,24 @@ async def test_streams_are_the_bls_pipelines_streams(in_engine, pipeline):
     assert sum(w.size for w, *_ in here) == here[-1][2] * SAMPLES_PER_TOKEN
 
 
-async def test_offline_requests_reach_the_engine_over_bls(in_engine):
-    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
-        before = await settled_metrics(in_engine)
+async def test_offline_requests_reach_the_engine_over_bls(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        before = await settled_metrics(pipeline)
         result = await client.infer(contract.OFFLINE_MODEL, synthesis_inputs("An offline request.", seed=5))
     tokens = int(result.as_numpy(contract.OUTPUT_TOKENS.name)[0])
     assert tokens > 0 and result.as_numpy(contract.WAVEFORM.name).size == tokens * SAMPLES_PER_TOKEN
-    after = await settled_metrics(in_engine)
+    after = await settled_metrics(pipeline)
     # the LLM and token2wav that answered are the streaming model's; the offline model orchestrated
     assert after[("llm_finished_total", STREAM)] == before.get(("llm_finished_total", STREAM), 0) + 1
     key = ("orchestrator_requests_total", contract.OFFLINE_MODEL)
     assert after[key] == before.get(key, 0) + 1
 
 
-async def test_concurrent_streams_and_a_cancelled_one_leave_nothing_behind(in_engine):
+async def test_concurrent_streams_and_a_cancelled_one_leave_nothing_behind(pipeline):
     texts = [f"Stream number {i} speaks beside the others." for i in range(6)]
     long_text = " ".join(["This sentence keeps the language model busy for a long while."] * 4)
-    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
-        before = await settled_metrics(in_engine)
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
+        before = await settled_metrics(pipeline)
         *results, cut = await asyncio.gather(*(stream(client, synthesis_inputs(t, seed=i)) for i, t in enumerate(texts)),
                                              stream(client, synthesis_inputs(long_text, seed=9), cancel_after=1))
     for chunks in results:
@@ -105,13 +104,14 @@ async def test_concurrent_streams_and_a_cancelled_one_leave_nothing_behind(in_en
                 and m.get(("orchestrator_cancelled_total", STREAM), 0) >= before.get(("orchestrator_cancelled_total",
                                                                                        STREAM), 0) + 1)
 
-    metrics = await wait_metrics(in_engine, released)
-    assert released(metrics)
+    metrics = await wait_metrics(pipeline, released)
+    assert released(metrics), ({k: v for k, v in before.items() if k[1] == STREAM and ("cancel" in k[0] or "failed" in k[0])},
+                               {k: v for k, v in metrics.items() if k[1] == STREAM and ("active" in k[0] or "cancel" in k[0] or "failed" in k[0] or "closed" in k[0])})
     assert metrics[("llm_cancelled_total", STREAM)] >= before.get(("llm_cancelled_total", STREAM), 0) + 1
 
 
-async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(in_engine):
-    async with aio.InferenceServerClient(in_engine.server.grpc_url) as client:
+async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(pipeline):
+    async with aio.InferenceServerClient(pipeline.server.grpc_url) as client:
         with pytest.raises(InferenceServerException, match="reference_wav_len"):
             await stream(client, synthesis_inputs("Too short a reference.", seconds=0.05))
         no_text = [i for i in synthesis_inputs("Missing its text.") if i.name() != contract.TARGET_TEXT.name]
@@ -123,12 +123,12 @@ async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(
     assert chunks[-1][3]
 
 
-async def test_the_openai_sdk_streams_through_the_gateway_and_the_in_engine_pipeline(in_engine, gateway_factory):
+async def test_the_openai_sdk_streams_through_the_gateway_and_the_engine_entry(pipeline, gateway_factory):
     """The gateway's SSE stream (the OpenAI SDK) over a pipeline whose streaming model is the engine: several audio
     deltas, whole speech tokens, the usage the pipeline counted; the second request finds its voice in the engine
     process's prompt cache."""
-    gateway = gateway_factory(in_engine.server.grpc_url)
-    before = await settled_metrics(in_engine)
+    gateway = gateway_factory(pipeline.server.grpc_url)
+    before = await settled_metrics(pipeline)
     for attempt in range(2):
         with gateway.client().audio.speech.with_streaming_response.create(
             model="tts-1", voice="alloy", input=f"Through the gateway, request {attempt}.", response_format="pcm",
@@ -139,6 +139,6 @@ async def test_the_openai_sdk_streams_through_the_gateway_and_the_in_engine_pipe
         assert done["type"] == "speech.audio.done" and len(events) >= 3
         samples, _ = decode(b"".join(base64.b64decode(e["audio"]) for e in events[:-1]), "pcm")
         assert samples.size == done["usage"]["output_tokens"] * SAMPLES_PER_TOKEN > 0
-    after = await settled_metrics(in_engine)
+    after = await settled_metrics(pipeline)
     hits = ("voice_cache_hits_total", STREAM)
     assert after.get(hits, 0) >= before.get(hits, 0) + 1
