@@ -25,11 +25,16 @@ LLM_YIELD_MODES = ("off", "lone")
 
 class Token2WavCalls:
     """The token2wav worker's calls as the LLM scheduler of the same process sees them: the worker marks each
-    call (`running`), the scheduler waits for the running one to end (`wait_while_running`)."""
+    call (`running`), the scheduler waits for the running one to end (`wait_while_running`) and counts its steps
+    that ran beside one (`busy` at a step's start, or `started` changed during it)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._running = False
+        #: Calls started so far. A step that sees it change ran beside a call that started during it, even one
+        #: that also ended there (which `busy`, read at the step's ends, would miss). A reader takes `started`
+        #: before `busy`: a call that starts between the two reads is then seen by one or the other.
+        self.started = 0
 
     @property
     def busy(self) -> bool:
@@ -39,6 +44,7 @@ class Token2WavCalls:
     @contextmanager
     def running(self) -> Iterator[None]:
         with self._cond:
+            self.started += 1
             self._running = True
         try:
             yield

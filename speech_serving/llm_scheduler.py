@@ -64,7 +64,7 @@ LLM_STATS = (
     "llm_yield_seconds_total",  # waits for a running token2wav call before a step (`gpu_yield`, llm_yield=lone)
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
-    "llm_responses_total",  # responses the LLM model sent (streaming with `deliver_at`: one per chunk boundary + end)
+    "llm_responses_total",  # token hand-overs, responses or in-process (`deliver_at`: one per boundary + end)
 )
 
 #: Summed over the first chunks of streaming requests (docs/PERFORMANCE.md#what-is-measured): a request's first chunk
@@ -79,6 +79,16 @@ FIRST_CHUNK_STATS = (
     "llm_first_chunk_steps_total",  # decoder steps in that span
 )
 LLM_STATS += FIRST_CHUNK_STATS
+
+#: The steps that ran beside a token2wav call of this process (one was running at the step's start, or one started
+#: during it), and their part of `llm_step_seconds_total` and `llm_step_sync_seconds_total`: the rest ran with
+#: token2wav idle. Kept only where the scheduler sees token2wav's calls (`Token2WavCalls`: the colocated layout);
+#: elsewhere the names are absent, so that 0 says no step ran beside a call, never that none was seen.
+BESIDE_TOKEN2WAV_STATS = (
+    "llm_steps_beside_token2wav_total",
+    "llm_step_beside_token2wav_seconds_total",
+    "llm_step_beside_token2wav_sync_seconds_total",
+)
 
 
 @dataclass(frozen=True)
@@ -248,12 +258,16 @@ class ContinuousBatchingScheduler(Generic[R]):
     def __init__(self, decoder: SlotDecoder[R], max_waiting: int, stats: Stats | None = None,
                  yield_to: Token2WavCalls | None = None, max_yield_s: float = 0.25) -> None:
         """`yield_to`: the token2wav calls of this process to wait for while the LLM decodes one stream past its
-        first chunk (`gpu_yield`, at most `max_yield_s` a step); None: never wait."""
+        first chunk (`gpu_yield`, at most `max_yield_s` a step); the steps beside them are counted too
+        (`observe_token2wav`). None: never wait."""
         self.decoder = decoder
         self.yield_to = yield_to
         self.max_yield_s = max_yield_s
         self.max_waiting = max_waiting
         self.stats = stats or Stats(LLM_STATS)
+        self._token2wav_calls: Token2WavCalls | None = None  # read by the worker before and after each step
+        if yield_to is not None:
+            self.observe_token2wav(yield_to)
         self._lock = threading.Condition()
         self._waiting: deque[_Job[R]] = deque()
         self._jobs: dict[str, _Job[R]] = {}  # waiting and active, by request id
@@ -265,6 +279,9 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._published_steps = 0
         self._unpublished_seconds = 0.0
         self._unpublished_sync_seconds = 0.0
+        self._unpublished_beside_steps = 0  # worker thread only: of the unpublished steps, those beside token2wav
+        self._unpublished_beside_seconds = 0.0
+        self._unpublished_beside_sync_seconds = 0.0
         self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)  # worker thread only
         self._publish_at = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-scheduler", daemon=True)
@@ -313,6 +330,12 @@ class ContinuousBatchingScheduler(Generic[R]):
     def active_request_ids(self) -> set[str]:
         with self._lock:
             return set(self._jobs)
+
+    def observe_token2wav(self, calls: Token2WavCalls) -> None:
+        """Count the steps that run beside `calls` (`BESIDE_TOKEN2WAV_STATS`), without waiting for them (`yield_to`
+        waits, and observes its calls itself). Before the stats are exported: it declares their names."""
+        self.stats.declare(BESIDE_TOKEN2WAV_STATS)
+        self._token2wav_calls = calls
 
     def close(self) -> None:
         with self._lock:
@@ -403,6 +426,10 @@ class ContinuousBatchingScheduler(Generic[R]):
             return exc
 
     def _step(self) -> None:
+        calls = self._token2wav_calls
+        # `started` before `busy` (`Token2WavCalls.started`): plain reads, no lock
+        calls_started = -1 if calls is None else calls.started
+        beside = calls is not None and calls.busy
         started = time.perf_counter()
         try:
             outputs = self.decoder.step()
@@ -412,9 +439,14 @@ class ContinuousBatchingScheduler(Generic[R]):
                     self._release(job, "llm_failed_total", exc)
             return
         ended = time.perf_counter()
+        sync = self.decoder.last_step_sync_seconds
         self._steps += 1
         self._unpublished_seconds += ended - started
-        self._unpublished_sync_seconds += self.decoder.last_step_sync_seconds
+        self._unpublished_sync_seconds += sync
+        if calls is not None and (beside or calls.started != calls_started):
+            self._unpublished_beside_steps += 1
+            self._unpublished_beside_seconds += ended - started
+            self._unpublished_beside_sync_seconds += sync
         active, outbox = self._active, self._outbox
         finished: list[_Job[R]] = []
         # Only the worker thread changes `_active` and a job's token buffer, so the tokens are sorted out
@@ -447,9 +479,16 @@ class ContinuousBatchingScheduler(Generic[R]):
 
     def _publish_step_stats(self) -> None:
         if self._steps != self._published_steps:
-            self.stats.add_all({"llm_steps_total": self._steps - self._published_steps,
-                                "llm_step_seconds_total": self._unpublished_seconds,
-                                "llm_step_sync_seconds_total": self._unpublished_sync_seconds})
+            steps = {"llm_steps_total": self._steps - self._published_steps,
+                     "llm_step_seconds_total": self._unpublished_seconds,
+                     "llm_step_sync_seconds_total": self._unpublished_sync_seconds}
+            if self._unpublished_beside_steps:  # with the steps they are part of: a scrape sees both or neither
+                steps.update({"llm_steps_beside_token2wav_total": self._unpublished_beside_steps,
+                              "llm_step_beside_token2wav_seconds_total": self._unpublished_beside_seconds,
+                              "llm_step_beside_token2wav_sync_seconds_total": self._unpublished_beside_sync_seconds})
+                self._unpublished_beside_steps = 0
+                self._unpublished_beside_seconds = self._unpublished_beside_sync_seconds = 0.0
+            self.stats.add_all(steps)
             self._published_steps, self._unpublished_seconds, self._unpublished_sync_seconds = self._steps, 0.0, 0.0
         first_chunks = self._unpublished_first_chunks
         if first_chunks["llm_first_chunks_total"]:

@@ -28,6 +28,15 @@ class Stats:
         for name, value in current.items():
             listener(name, value)
 
+    def declare(self, names: tuple[str, ...]) -> None:
+        """Add `names` (at 0) that are not there yet: stats a component keeps only in some set-ups. Before any
+        listener: an exporter makes its metrics from the names it sees when it attaches."""
+        with self._lock:
+            if self._listeners and not self._values.keys() >= set(names):
+                raise RuntimeError(f"stats declared after a listener attached: {sorted(names)}")
+            for name in names:
+                self._values.setdefault(name, 0.0)
+
     def add(self, name: str, delta: float = 1.0) -> None:
         self._update(name, lambda value: value + delta)
 

@@ -15,9 +15,11 @@ DiT directory once (`cosyvoice2.testing.dit`, WORK/dit). Random weights are writ
 directory that is renamed when complete, so an interrupted write is redone, never taken for a model.
 
 Each level (scenario x concurrency x run) is one `tts-bench` run; around it the Triton metrics are read (after it
-once they stop changing; their deltas give the per-stage breakdown: LLM prefill and step, token2wav call; and for
-streaming levels the mean first chunk stage by stage: voice prompt, LLM queue, prefill and decode, token2wav queue
-and call, send, and the other time they leave of the pipeline's first-chunk time) and the GPU's utilization is
+once they stop changing; their deltas give the per-stage breakdown: LLM prefill and step (where the LLM sees its
+process's token2wav calls, the colocated layout, also the step with token2wav idle and beside a call, and the share
+of steps beside one), token2wav call; and for streaming levels the mean first chunk stage by stage: voice prompt,
+LLM queue, prefill and decode, token2wav queue and call, send, and the other time they leave of the pipeline's
+first-chunk time) and the GPU's utilization is
 sampled every 200 ms (NVML through `pynvml` when importable, else `nvidia-smi`; n/a without a GPU). Per level it reports first chunk p50/p90/p99,
 playback stalls, audio seconds per wall second and the GPU busy share; at the end the real-time streams (per
 machine, and per GPU: divided by the GPUs used): the highest `triton-stream` concurrency whose first chunk p90 is
@@ -336,8 +338,33 @@ def padded_share(d: dict[str, float], needed: str, computed: str) -> float | Non
     return 100.0 * (1.0 - d.get(needed, 0.0) / d[computed]) if d.get(computed) else None
 
 
+def beside_token2wav_breakdown(d: dict[str, float]) -> dict[str, float | None]:
+    """The LLM steps split by whether a token2wav call ran beside them (`llm_scheduler.BESIDE_TOKEN2WAV_STATS`:
+    the colocated engine's LLM sees its process's token2wav calls), from counter deltas: the mean step and its GPU
+    wait with token2wav idle and beside a call, and the share of steps beside one (%). None where the counters are
+    absent (no token2wav calls seen: the single layout, TensorRT-LLM) or a mean has no step."""
+    seen = "llm_steps_beside_token2wav_total" in d
+    steps, beside_steps = d.get("llm_steps_total", 0.0), d.get("llm_steps_beside_token2wav_total", 0.0)
+    beside_s = d.get("llm_step_beside_token2wav_seconds_total", 0.0)
+    beside_sync_s = d.get("llm_step_beside_token2wav_sync_seconds_total", 0.0)
+
+    def per_step_ms(seconds: float, count: float) -> float | None:
+        return 1000.0 * seconds / count if seen and count else None
+
+    return {
+        "llm_step_token2wav_idle_ms": per_step_ms(d.get("llm_step_seconds_total", 0.0) - beside_s,
+                                                  steps - beside_steps),
+        "llm_step_token2wav_idle_sync_ms": per_step_ms(d.get("llm_step_sync_seconds_total", 0.0) - beside_sync_s,
+                                                       steps - beside_steps),
+        "llm_step_beside_token2wav_ms": per_step_ms(beside_s, beside_steps),
+        "llm_step_beside_token2wav_sync_ms": per_step_ms(beside_sync_s, beside_steps),
+        "llm_steps_beside_token2wav_pct": 100.0 * beside_steps / steps if seen and steps else None,
+    }
+
+
 def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
-    """Per-stage means over one level, from the counters' deltas (the first chunks': `first_chunk_breakdown`)."""
+    """Per-stage means over one level, from the counters' deltas (the first chunks': `first_chunk_breakdown`; the
+    LLM steps beside token2wav calls: `beside_token2wav_breakdown`)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
 
     def ratio(num: str, den: str, scale: float = 1000.0) -> float | None:
@@ -351,6 +378,7 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         # the waits for a running token2wav call before a step (llm_yield=lone), per step
         "llm_yield_ms_per_step": ratio("llm_yield_seconds_total", "llm_steps_total"),
         "llm_steps": d.get("llm_steps_total"),
+        **beside_token2wav_breakdown(d),
         "token2wav_call_ms": ratio("token2wav_engine_seconds_total", "token2wav_engine_calls_total"),
         "token2wav_chunks_per_call": ratio("token2wav_call_jobs_total", "token2wav_engine_calls_total", 1.0),
         "token2wav_calls": d.get("token2wav_engine_calls_total"),
@@ -779,6 +807,9 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("LLM prefill (ms)", "llm_prefill_ms_per_request", "{:.1f}"),
     ("LLM step (ms)", "llm_step_ms", "{:.2f}"),
     ("of it, GPU wait (ms)", "llm_step_sync_ms", "{:.2f}"),
+    ("LLM step, token2wav idle (ms)", "llm_step_token2wav_idle_ms", "{:.2f}"),
+    ("LLM step beside token2wav (ms)", "llm_step_beside_token2wav_ms", "{:.2f}"),
+    ("steps beside token2wav (%)", "llm_steps_beside_token2wav_pct", "{:.0f}"),
     ("token2wav call (ms)", "token2wav_call_ms", "{:.0f}"),
     ("token2wav jobs per call", "token2wav_chunks_per_call", "{:.1f}"),
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),

@@ -667,6 +667,77 @@ def test_the_flow_padding_share_comes_from_the_frame_counters():
     assert sb.stage_breakdown({}, {})["token2wav_padded_share_pct"] is None  # an engine that does not count
 
 
+#: A colocated level's LLM steps (the engine's counters): 400 steps in 1.0 s (0.6 s of it GPU waits), 100 of them
+#: beside a token2wav call in 0.4 s (0.3 s of waits).
+BESIDE_LEVEL = {("llm_steps_total", "cosyvoice2_stream"): 400, ("llm_step_seconds_total", "cosyvoice2_stream"): 1.0,
+                ("llm_step_sync_seconds_total", "cosyvoice2_stream"): 0.6,
+                ("llm_yield_seconds_total", "cosyvoice2_stream"): 0.0,
+                ("llm_steps_beside_token2wav_total", "cosyvoice2_stream"): 100,
+                ("llm_step_beside_token2wav_seconds_total", "cosyvoice2_stream"): 0.4,
+                ("llm_step_beside_token2wav_sync_seconds_total", "cosyvoice2_stream"): 0.3}
+#: What the stack had counted before the level.
+BESIDE_BEFORE = {key: value / 2 for key, value in BESIDE_LEVEL.items()}
+
+
+def test_the_llm_step_is_split_by_whether_a_token2wav_call_ran_beside_it():
+    before = sb.parse_metrics(_scrape(BESIDE_BEFORE))
+    stages = sb.stage_breakdown(before, sb.parse_metrics(_scrape(_after(BESIDE_LEVEL, BESIDE_BEFORE))))
+    assert stages["llm_step_ms"] == pytest.approx(2.5)
+    assert stages["llm_step_token2wav_idle_ms"] == pytest.approx(2.0)  # 0.6 s / 300 steps
+    assert stages["llm_step_token2wav_idle_sync_ms"] == pytest.approx(1.0)  # 0.3 s / 300 steps
+    assert stages["llm_step_beside_token2wav_ms"] == pytest.approx(4.0)  # 0.4 s / 100 steps
+    assert stages["llm_step_beside_token2wav_sync_ms"] == pytest.approx(3.0)
+    assert stages["llm_steps_beside_token2wav_pct"] == pytest.approx(25.0)
+    from speech_serving.llm_scheduler import BESIDE_TOKEN2WAV_STATS
+
+    assert {stat for stat, _ in BESIDE_LEVEL if "beside" in stat} == set(BESIDE_TOKEN2WAV_STATS)  # the LLM's names
+
+
+SPLIT_KEYS = ("llm_step_token2wav_idle_ms", "llm_step_token2wav_idle_sync_ms", "llm_step_beside_token2wav_ms",
+              "llm_step_beside_token2wav_sync_ms", "llm_steps_beside_token2wav_pct")
+
+
+def test_the_split_is_na_without_its_counters_or_without_steps_on_a_side():
+    # the single layout: the LLM does not see token2wav's calls, so nothing is split (not: every step idle)
+    single = {key: value for key, value in BESIDE_LEVEL.items() if "beside" not in key[0]}
+    stages = sb.stage_breakdown({}, sb.parse_metrics(_scrape(single)))
+    assert stages["llm_step_ms"] == pytest.approx(2.5)
+    assert all(stages[key] is None for key in SPLIT_KEYS)
+    # no step beside a call: the idle mean is the step's, the beside means n/a
+    none_beside = sb.stage_breakdown({}, sb.parse_metrics(_scrape({
+        **single, ("llm_steps_beside_token2wav_total", "cosyvoice2_stream"): 0,
+        ("llm_step_beside_token2wav_seconds_total", "cosyvoice2_stream"): 0,
+        ("llm_step_beside_token2wav_sync_seconds_total", "cosyvoice2_stream"): 0})))
+    assert none_beside["llm_step_token2wav_idle_ms"] == pytest.approx(2.5)
+    assert none_beside["llm_step_beside_token2wav_ms"] is None and none_beside["llm_steps_beside_token2wav_pct"] == 0
+    # every step beside a call: no idle mean
+    all_beside = sb.stage_breakdown({}, {"llm_steps_total": 10.0, "llm_step_seconds_total": 0.03,
+                                         "llm_step_sync_seconds_total": 0.0, "llm_yield_seconds_total": 0.0,
+                                         "llm_steps_beside_token2wav_total": 10.0,
+                                         "llm_step_beside_token2wav_seconds_total": 0.03})  # fmt: skip
+    assert all_beside["llm_step_token2wav_idle_ms"] is None
+    assert all_beside["llm_step_beside_token2wav_ms"] == pytest.approx(3.0)
+    assert all_beside["llm_steps_beside_token2wav_pct"] == pytest.approx(100.0)
+    # a level without LLM steps (none counted at all)
+    assert all(sb.stage_breakdown({}, {})[key] is None for key in SPLIT_KEYS)
+
+
+def test_the_stage_table_shows_the_split_and_na_where_there_is_none():
+    split = sb.stage_breakdown({}, sb.parse_metrics(_scrape(BESIDE_LEVEL)))
+    single = sb.stage_breakdown({}, {"llm_steps_total": 400.0, "llm_step_seconds_total": 1.0,
+                                     "llm_step_sync_seconds_total": 0.6, "llm_yield_seconds_total": 0.0})
+    measures = dict.fromkeys((key for _, key, *_ in sb.SUMMARY_COLUMNS), 0.5)
+    rows = [_row(1, run=1, stages=split, **measures), _row(1, run=2, stages=single, **measures)]
+    text = sb.summary_markdown(rows, "title", None, "unet")
+    table = text.split("Per stage", 1)[1]
+    header = next(line for line in table.splitlines() if line.startswith("| scenario")).split(" | ")
+    titles = ("LLM step (ms)", "LLM step, token2wav idle (ms)", "LLM step beside token2wav (ms)",
+              "steps beside token2wav (%)")
+    cells = next(line for line in table.splitlines() if line.startswith("| triton-stream | 1 |")).split(" | ")
+    assert [cells[header.index(title)] for title in titles] == [
+        "2.50 / 2.50 (2.50–2.50)", "2.00 / n/a (2.00–2.00)", "4.00 / n/a (4.00–4.00)", "25 / n/a (25–25)"]
+
+
 def test_each_replica_server_sees_its_own_device_and_all_are_started_and_stopped(tmp_path, monkeypatch):
     """The servers are replaced by recorders of what each was started with."""
     events: list[tuple[str, str]] = []
