@@ -331,6 +331,11 @@ class ContinuousBatchingScheduler(Generic[R]):
         with self._lock:
             return set(self._jobs)
 
+    @property
+    def observed_token2wav(self) -> Token2WavCalls | None:
+        """The token2wav calls whose overlap with the steps is counted (None: not counted)."""
+        return self._token2wav_calls
+
     def observe_token2wav(self, calls: Token2WavCalls) -> None:
         """Count the steps that run beside `calls` (`BESIDE_TOKEN2WAV_STATS`), without waiting for them (`yield_to`
         waits, and observes its calls itself). Before the stats are exported: it declares their names."""
