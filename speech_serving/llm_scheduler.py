@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Generic, Protocol, Sequence, TypeVar
+from typing import AsyncIterator, Generic, Protocol, Sequence, TypeVar
 
 from speech_serving.errors import Overloaded
 from speech_serving.gpu_yield import Token2WavCalls

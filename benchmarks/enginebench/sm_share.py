@@ -190,7 +190,7 @@ def main() -> int:
         measure([llm_loop, t2w_loop], args.seconds)
         results.append((label, llm_loop, t2w_loop))
 
-    print(f"\n| case | LLM step p50 / p90 (ms) | steps/s | token2wav call p50 / p90 (ms) | calls/s |")
+    print("\n| case | LLM step p50 / p90 (ms) | steps/s | token2wav call p50 / p90 (ms) | calls/s |")
     print("|---|---|---|---|---|")
     for label, llm_loop, t2w_loop in results:
         cells = []

@@ -3,7 +3,6 @@ process that CUDA starts on GPU 0): their CUDA graphs capture and replay there, 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

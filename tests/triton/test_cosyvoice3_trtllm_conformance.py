@@ -9,7 +9,6 @@ id, the other 199 special ids as stop words, the checkpoint's logits bias."""
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
