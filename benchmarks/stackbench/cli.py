@@ -855,7 +855,8 @@ def per_gpu(value: float | None, gpus: int) -> str:
 def summary_markdown(rows: Sequence[dict[str, Any]], title: str, realtime: int | None, token2wav: str | None,
                      pipeline: str | None = None, open_loop: dict[str, Any] | None = None, *, replicas: int = 1,
                      gpus: int = 1, balance: str = "round-robin", setting: str | None = None) -> str:  # fmt: skip
-    """The summary (``setting``: the line naming the setting of a `--variant` invocation): what it measured (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
+    """The summary (``setting``: the line naming the setting of a `--variant` invocation): what it measured
+    (CosyVoice2's token2wav, or the other ``pipeline``, which has its own
     vocoder) on how many tritonservers (``replicas``, their requests spread by ``balance``) and ``gpus``, then one table row per scenario and
     concurrency, each cell all runs' values and their spread (the machine's figures: every replica together); with
     several GPUs sampled each one's busy share; the real-time streams per machine and per GPU; with ``open_loop``

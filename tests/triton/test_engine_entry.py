@@ -26,7 +26,7 @@ from tests.triton.conftest import (
     wait_metrics,
 )
 import pipeline_contract as contract
-from triton_repo.render import RenderOptions, render_files
+from triton_repo.render import RenderOptions
 from triton_repo.render_checks import check_options
 from triton_repo.render_options import RenderError
 
@@ -44,16 +44,6 @@ def bls_pipeline(tiny_model_dir, tmp_path_factory, triton_server_factory) -> Ite
                                   layout="single")
     yield Pipeline(server=pipeline.server, repo=pipeline.repo, llm_model="llm", token2wav_model="token2wav")
     pipeline.server.cleanup()
-
-
-def test_the_streaming_entry_model_is_the_engine(tiny_model_dir, tmp_path):
-    files = render_files(RenderOptions(model_dir=tiny_model_dir, out=tmp_path))
-    models = {path.split("/")[0] for path in files if "/" in path}
-    assert "engine" not in models and {contract.OFFLINE_MODEL, STREAM} <= models
-    assert "engine_entry" in files[f"{STREAM}/1/model.py"] and "count: 1" in files[f"{STREAM}/config.pbtxt"]
-    offline = files[f"{contract.OFFLINE_MODEL}/config.pbtxt"]
-    assert f'key: "llm_model" value: {{ string_value: "{STREAM}" }}' in offline  # the offline pipeline's engine
-    assert f'key: "token2wav_model" value: {{ string_value: "{STREAM}" }}' in offline
 
 
 def test_the_engine_entry_model_runs_as_one_instance(tiny_model_dir, tmp_path):

@@ -93,7 +93,7 @@ async def test_chunk_delivery_streams_the_same_audio_as_per_token_delivery_with_
 ):
     text = "Chunk boundaries decide when the orchestrator hears from the language model."
     chunked, chunked_responses = await streamed(pipeline, text, seed=21)
-    per_token, per_token_responses = await streamed(per_token_pipeline, text, seed=21)
+    per_token, _ = await streamed(per_token_pipeline, text, seed=21)
     # (a chunk's cumulative `output_tokens` says how many tokens existed when it ran: with per-token delivery
     # that may exceed its boundary, so only the totals are compared)
     assert [(c[1], c[3]) for c in chunked] == [(c[1], c[3]) for c in per_token] and chunked[-1][2] == per_token[-1][2]
@@ -102,7 +102,7 @@ async def test_chunk_delivery_streams_the_same_audio_as_per_token_delivery_with_
     tokens = chunked[-1][2]
     assert len(chunked) >= 3 and tokens > 2 * len(chunked)
     # one LLM hand-over per non-final chunk + the end (+ a flag-only final when a stop id came right after a
-    # boundary). Per token there is no fixed count: in the engine's process the orchestrator takes, between its
-    # token2wav calls, every token that came meanwhile as one hand-over (tests above count per-token responses)
+    # boundary). Per token there is no fixed count to compare: in the engine's process the orchestrator takes,
+    # between its token2wav calls, every token that came meanwhile as one hand-over (the test above counts
+    # per-token responses of the engine's own requests)
     assert len(chunked) <= chunked_responses <= len(chunked) + 1
-    assert per_token_responses >= 1

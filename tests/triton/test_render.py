@@ -157,6 +157,7 @@ def test_the_default_layout_hosts_llm_and_token2wav_in_the_streaming_entry_model
     configs = parsed_configs(repo)
     assert not {"engine", "llm", "token2wav"} & configs.keys()
     engine = configs[contract.STREAMING_MODEL]
+    assert "engine_entry" in (repo / contract.STREAMING_MODEL / "1" / "model.py").read_text()  # the adapter hosting it
     assert engine.backend == "python" and engine.model_transaction_policy.decoupled
     assert engine.max_batch_size == 0 and [g.count for g in engine.instance_group] == [1]
     inputs = {t.name: t for t in engine.input}
