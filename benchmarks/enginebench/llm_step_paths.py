@@ -1,0 +1,177 @@
+"""The LLM decode step of one stream along the served path, layer by layer, in one process (no Triton).
+
+    python -m enginebench.llm_step_paths [--requests 8] [--tokens 250] [--with-token2wav]
+
+The served stack's step at one stream is slower than the step alone (`enginebench.microbench`: 1.45 ms on an H200
+against 2.08-2.13 ms in the stack, ~2.0 of it the wait for the device, with token2wav idle). This adds the served
+path's layers one at a time to a full-size random LLM (bf16, 64 slots, 2048 positions, the stack's decoder) and
+times the same requests through each, so the layer that costs the time shows:
+
+- `bare`: `BatchedDecoder.step` in a loop on the default stream (the microbench's step);
+- `stream`: the same through `StreamDecoder` on the LLM worker's prioritised stream (`speech_serving.cuda_streams`);
+- `scheduler`: through `ContinuousBatchingScheduler` (its thread, the hand-over at the streaming schedule's chunk
+  boundaries to an asyncio consumer), what the serving process runs; its step time is the scheduler's own counter.
+
+Each request is a stream of one voice at a time, as stack-bench's c=1: a 6 s voice (150 prompt speech tokens), a
+sentence of text, `--tokens` decoded tokens (benchmark mode: no stop token), then the next request. With
+`--with-token2wav` the full-size flow and HiFT are loaded and their CUDA graphs captured first (token2wav stays idle):
+whether merely sharing the process and its graph pools with them slows the LLM's replays.
+The table gives p50/p90 of the step (wall) and of its wait for the tokens (`last_step_sync_seconds`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from cosyvoice2.config import EngineConfig
+from cosyvoice2.llm import CosyVoice2LM, LLMConfig
+from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from cosyvoice2.streaming import ChunkSchedule
+from speech_lm.decode import BatchedDecoder, DecodeRequest
+from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
+from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
+from speech_serving.stats import Stats
+
+PROMPT_TOKENS = 150  # a 6 s voice, as the stack's reference voices
+PROMPT_TEXT_TOKENS = 20
+TEXT_TOKENS = 24
+
+
+def stream_request(index: int, tokens: int, config: LLMConfig) -> DecodeRequest:
+    text = [(1000 + index + i) % config.qwen.vocab_size for i in range(TEXT_TOKENS + PROMPT_TEXT_TOKENS)]
+    speech = [(7 * index + 13 * i) % config.speech_token_size for i in range(PROMPT_TOKENS)]
+    sampling = CosyVoice2Sampling(seed=index, min_tokens=tokens, max_tokens=tokens)
+    return cosyvoice2_request(text[PROMPT_TEXT_TOKENS:], text[:PROMPT_TEXT_TOKENS], speech, sampling)
+
+
+class Timings:
+    """Per step: its wall time and its wait for the tokens, request by request (`per_request` holds where each
+    request's steps start: the first request is the warm-up, `measured` drops it)."""
+
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+        self.syncs: list[float] = []
+        self.per_request: list[int] = []
+
+    def next_request(self) -> None:
+        self.per_request.append(len(self.walls))
+
+    def measured(self) -> Timings:
+        out = Timings()
+        skip = self.per_request[1] if len(self.per_request) > 1 else 0
+        out.walls, out.syncs = self.walls[skip:], self.syncs[skip:]
+        return out
+
+    def row(self, name: str) -> str:
+        def pct(values: list[float], q: float) -> float:
+            return statistics.quantiles(values, n=100)[q - 1] * 1e3 if len(values) > 1 else values[0] * 1e3
+        return (f"| {name} | {len(self.walls)} | {pct(self.walls, 50):.3f} | {pct(self.walls, 90):.3f} "
+                f"| {pct(self.syncs, 50):.3f} | {pct(self.syncs, 90):.3f} |")
+
+
+def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest], sync_of: Callable[[], float]
+           ) -> Timings:
+    timings = Timings()
+    for request in requests:
+        timings.next_request()
+        decoder.add(request)
+        while True:
+            started = time.perf_counter()
+            outputs = decoder.step()
+            timings.walls.append(time.perf_counter() - started)
+            timings.syncs.append(sync_of())
+            if all(out.finished for out in outputs.values()):
+                break
+    return timings
+
+
+async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], tokens: int) -> Timings:
+    """Through the scheduler: its per-step counters, read per request (steps, seconds, sync seconds)."""
+    stats = Stats(LLM_STATS)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=0, stats=stats)
+    boundaries = ChunkSchedule(prompt_tokens=PROMPT_TOKENS).boundaries(tokens)
+    timings = Timings()
+    try:
+        for index, request in enumerate(requests):
+            timings.next_request()
+            before = stats.snapshot()
+            async for _ in scheduler.submit(f"r{index}", request, boundaries, streaming=True).deliveries():
+                pass
+            await asyncio.sleep(0.05)  # the scheduler publishes its counters a little after the last step
+            after = stats.snapshot()
+            steps = after["llm_steps_total"] - before["llm_steps_total"]
+            seconds = after["llm_step_seconds_total"] - before["llm_step_seconds_total"]
+            sync = after["llm_step_sync_seconds_total"] - before["llm_step_sync_seconds_total"]
+            # one mean per request (the counters are sums); each request weighs as its steps
+            timings.walls += [seconds / steps] * int(steps)
+            timings.syncs += [sync / steps] * int(steps)
+    finally:
+        scheduler.close()
+    return timings
+
+
+def load_token2wav(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> object:
+    """The full-size flow and HiFT with the served schedules' CUDA graphs captured, as the serving process holds
+    them (after the LLM's, as there)."""
+    from enginebench.microbench import random_flow, random_hift  # noqa: PLC0415 - only with --with-token2wav
+    from speech_serving.engines import BatchedToken2Wav  # noqa: PLC0415
+    from speech_serving.schedule import StreamScheduleParams  # noqa: PLC0415
+
+    params = StreamScheduleParams(lone_first_hop=12)
+    engine = BatchedToken2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
+                              params.schedule(config), "chunked", 32.0, schedules=params.schedules(config))
+    graphs, seconds = engine.capture_graphs()
+    print(f"token2wav: {graphs} CUDA graphs captured in {seconds:.1f} s", flush=True)
+    return engine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=8, help="streams, one after the other (the first warms up)")
+    parser.add_argument("--tokens", type=int, default=250, help="decoded tokens per stream")
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=2048)
+    parser.add_argument("--with-token2wav", action="store_true", help="load token2wav and capture its graphs first")
+    parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (a smoke run of this script)")
+    args = parser.parse_args()
+    if args.tiny:
+        from cosyvoice2.testing import tiny_config  # noqa: PLC0415
+
+        device, dtype, engine_config = torch.device("cpu"), torch.float32, tiny_config()
+        print(f"tiny model on the CPU, torch {torch.__version__}", flush=True)
+    else:
+        device, dtype, engine_config = torch.device("cuda"), torch.bfloat16, EngineConfig()
+        print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    config = engine_config.llm
+    with torch.device(device):
+        llm = CosyVoice2LM(config).to(dtype).eval()
+    decoder = BatchedDecoder(llm, num_slots=args.slots, max_seq_len=args.max_seq_len)
+    keep = load_token2wav(engine_config, device, dtype) if args.with_token2wav else None
+    on_stream = StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY))
+
+    def requests() -> list[DecodeRequest]:
+        return [stream_request(i, args.tokens, config) for i in range(args.requests)]
+
+    def sync() -> float:
+        return decoder.last_step_sync_seconds
+
+    rows = []
+    with torch.inference_mode():
+        rows.append(direct(decoder, requests(), sync).measured().row("bare"))
+        rows.append(direct(on_stream, requests(), sync).measured().row("stream"))
+    rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens)).measured().row("scheduler"))
+    print(f"\nOne stream at a time, {args.tokens} tokens each, {args.slots} slots"
+          f"{', token2wav loaded (idle)' if keep is not None else ''}:")
+    print("| path | steps | step p50 ms | step p90 ms | token wait p50 ms | token wait p90 ms |\n|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
