@@ -45,11 +45,6 @@ class StreamScheduleParams:
     #: and 41-60 % of the streams stalled, against 0 % and 5-21 % padded). The count is the streaming
     #: orchestrator's own requests (one instance by default).
     busy_streams: int = 24
-    #: The second hop of a stream on the light schedule (None: `first_hop` x `chunk_growth`, everyone's). Its first
-    #: chunk is unpadded, so it plays only `first_hop` - 4 tokens (0.84 s with 25): under open-loop load the next
-    #: 50 tokens plus their token2wav call took longer than that and the listener heard a gap, where 25 need half
-    #: the decode rate. Busy streams (padded first chunk, 1.3 s on average) and a lone one keep everyone's.
-    light_second_hop: int | None = None
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
@@ -58,12 +53,6 @@ class StreamScheduleParams:
             raise ValueError(f"lone_first_hop must be at least 1 token, got {self.lone_first_hop}")
         if self.busy_streams < 2:
             raise ValueError(f"busy_streams must be at least 2 (a lone stream is never busy), got {self.busy_streams}")
-        if self.light_second_hop is not None:
-            if self.light_second_hop < 4:
-                raise ValueError(f"light_second_hop must be at least 4 tokens, got {self.light_second_hop}")
-            if self.align_first_hop != "busy":
-                raise ValueError("light_second_hop needs align_first_hop='busy' (only then is there a light schedule), "
-                                 f"got {self.align_first_hop!r}")
 
     def schedule(self, engine: EngineConfig) -> ChunkSchedule:
         """The engine's schedule with this first hop and growth; `prompt_tokens` is set per stream (`for_prompt`)."""
@@ -75,10 +64,7 @@ class StreamScheduleParams:
         differs from `schedule` (under "busy": the first hop unpadded)."""
         if self.align_first_hop != "busy" or self.busy_streams <= 2:
             return None
-        light = unaligned(self.schedule(engine))
-        if self.light_second_hop is not None:
-            light = replace(light, second_hop=self.light_second_hop, max_hop=max(light.max_hop, self.light_second_hop))
-        return light
+        return unaligned(self.schedule(engine))
 
     def lone_schedule(self, engine: EngineConfig) -> ChunkSchedule | None:
         """The schedule of a stream that starts while no other stream runs, where it differs from `schedule`."""

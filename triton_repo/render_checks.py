@@ -68,9 +68,6 @@ def check_options(opts: RenderOptions) -> None:
                 errors += _dit_fit_errors(opts.model_dir, opts.dit_dir)
     elif opts.dit_dir is not None and opts.token2wav in TOKEN2WAVS:
         errors.append("--dit-dir is only used with --token2wav dit")
-    if opts.light_second_hop is not None and opts.align_first_hop != "busy":
-        errors.append(f"--light-second-hop needs --align-first-hop busy (got {opts.align_first_hop}): only then do "
-                      "streams that start beside few others get an unpadded first hop")
     if not opts.repetition_penalty > 0:
         errors.append(f"--repetition-penalty must be > 0 (1 = off), got {opts.repetition_penalty}")
     if opts.benchmark_speech_ratio is not None and not opts.benchmark_speech_ratio > 0:

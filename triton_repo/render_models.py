@@ -138,7 +138,6 @@ def _benchmark(opts: RenderOptions) -> BenchmarkMode | None:
 def _schedule(opts: RenderOptions) -> StreamScheduleParams:
     return StreamScheduleParams(first_hop=opts.first_hop, chunk_growth=opts.chunk_growth,
                                 align_first_hop=opts.align_first_hop, busy_streams=opts.busy_streams,
-                                light_second_hop=opts.light_second_hop,
                                 lone_first_hop=None if opts.lone_first_hop is None else min(opts.lone_first_hop,
                                                                                             opts.first_hop))
 

@@ -245,9 +245,6 @@ class RenderOptions(_Options):
     # docs/experiments/2026-11-28-four-h100s-lease.md); never longer than --first-hop
     lone_first_hop: int | None = option(12, minimum=4, help="tokens in the first chunk of a stream that starts "
                                         "while no other stream runs (at most --first-hop)")
-    light_second_hop: int | None = option(StreamScheduleParams.light_second_hop, minimum=4,
-                                          help="align_first_hop=busy: tokens in the second chunk of a stream whose "
-                                               "first hop was not padded (default: first hop x chunk growth)")
     # Streaming flow caches (cosyvoice2.streaming.FLOW_CACHE_MODES) and the memory they may hold for live
     # streams (voice prefixes not counted); a stream over the budget recomputes from then on. The server runs
     # "chunked" (cheapest final chunk, measured in docs/PERFORMANCE.md); "exact" equals upstream's final chunk.

@@ -113,9 +113,8 @@ def test_buckets_are_rounded_up_and_ordered_largest_first() -> None:
 @pytest.mark.parametrize("schedule_params", [{"align_first_hop": "always"}, {"align_first_hop": "never"},
                                              {"align_first_hop": "busy"},
                                              {"first_hop": 15, "align_first_hop": "never"},
-                                             {"align_first_hop": "busy", "lone_first_hop": 12},
-                                             {"align_first_hop": "busy", "light_second_hop": 25}],
-                         ids=["upstream", "unaligned", "busy", "unaligned-15", "busy-lone-12", "busy-light-25"])
+                                             {"align_first_hop": "busy", "lone_first_hop": 12}],
+                         ids=["upstream", "unaligned", "busy", "unaligned-15", "busy-lone-12"])
 def test_buckets_cover_every_call_of_the_served_schedules(tiny_model_dir, schedule_params) -> None:
     """Every HiFT call the token2wav service can form - up to `max_rows` streams' chunks of any of the schedules the
     orchestrator cuts by, for every alignment of the voice prompt, streams of 1 to 300 tokens - fits a bucket of the

@@ -117,33 +117,6 @@ def test_busy_alignment_pads_only_from_busy_streams_on(busy_streams: int) -> Non
         StreamScheduleParams(busy_streams=1)
 
 
-@pytest.mark.parametrize("light_second_hop", [25, 10])
-def test_light_second_hop_changes_only_the_light_schedule(light_second_hop: int) -> None:
-    """`light_second_hop`: a stream on the light schedule (unpadded first hop) gets hops first, light_second_hop,
-    then growth from it; the busy (padded) and the lone schedules keep everyone's second hop. Only "busy" has a
-    light schedule, so any other alignment is refused."""
-    from cosyvoice2.config import EngineConfig
-    from speech_serving.schedule import StreamScheduleParams, for_prompt
-
-    engine = EngineConfig()
-    params = StreamScheduleParams(25, align_first_hop="busy", lone_first_hop=12, light_second_hop=light_second_hop)
-    plain = StreamScheduleParams(25, align_first_hop="busy", lone_first_hop=12)
-    light = for_prompt(params.light_schedule(engine), 7)
-    hops = [light.hop(i) for i in range(5)]
-    grown = [light_second_hop * 2**i for i in range(4)]
-    assert hops == [25, *(min(h, light.max_hop) for h in grown)]
-    assert [c.stop - c.start for c in light.chunks(400)][:3] == hops[:3]
-    assert params.schedule(engine) == plain.schedule(engine)
-    assert params.lone_schedule(engine) == plain.lone_schedule(engine)
-    assert params.light_schedule(engine) != plain.light_schedule(engine)
-    assert len(params.schedules(engine)) == 3  # token2wav's graph buckets see the new schedule
-    for align in ("always", "never"):
-        with pytest.raises(ValueError, match="light_second_hop"):
-            StreamScheduleParams(25, align_first_hop=align, light_second_hop=light_second_hop)
-    with pytest.raises(ValueError, match="light_second_hop"):
-        StreamScheduleParams(25, align_first_hop="busy", light_second_hop=3)
-
-
 def test_chunks_of_a_finished_stream() -> None:
     # P = 40: hops 35, 50, 100; 300 tokens -> 35 (needs 38), 50 (needs 88), 100 (needs 188);
     # the next 100-hop needs 288 <= 300 so it runs too (ends at 285); the 15 left form the final chunk.
