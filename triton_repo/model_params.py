@@ -221,6 +221,8 @@ class Token2WavParams(_TorchModelParams):
     flow_cache: str
     flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
     flow_norm_kernels: str = "off"  # "on": the flow's fused LayerNorm kernels inside its CUDA graphs
+    # call times of buffered audio below which a stream's chunk goes first (`SchedulePolicy.starving_calls`)
+    starving_calls: float = 1.0
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
 

@@ -80,3 +80,49 @@ def test_while_first_chunks_wait_a_call_holds_only_them_and_the_starving():
 def test_bad_settings_are_refused(max_rows, max_defer_s, message):
     with pytest.raises(ValueError, match=message):
         SchedulePolicy(max_rows=max_rows, max_defer_s=max_defer_s)
+
+
+def test_starving_calls_2_lets_a_later_chunk_into_the_last_call_that_is_on_time():
+    """While first chunks wait, a call holds only them and the starving. A later chunk due in 1.5 calls: with
+    `starving_calls` 1 it is held back from this call (it could still make it) and so misses its deadline in the
+    next; with 2 it goes into this one, ahead of the first chunks' remainder."""
+    later = PendingJob(queued_at=99.0, first_chunk=False, runs_dry_at=NOW + 1.5 * CALL_S)
+    firsts = [PendingJob(queued_at=99.5 + i / 100, first_chunk=True) for i in range(3)]
+    jobs = [*firsts, later]
+    strict, early = SchedulePolicy(max_rows=2), SchedulePolicy(max_rows=2, starving_calls=2.0)
+    assert strict.urgency(later, NOW, CALL_S) == Urgency.SCHEDULED
+    assert strict.next_call(jobs, NOW, CALL_S) == [0, 1]
+    assert early.urgency(later, NOW, CALL_S) == Urgency.STARVING
+    assert early.next_call(jobs, NOW, CALL_S) == [3, 0]
+    # one call later the strict policy takes it, but that call ends after its listener ran dry
+    assert strict.urgency(later, NOW + CALL_S, CALL_S) == Urgency.STARVING
+    assert NOW + 2 * CALL_S > later.runs_dry_at > NOW + CALL_S
+
+
+def _first_late_call(policy: SchedulePolicy, calls: int, call_s: float) -> float | None:
+    """Back-to-back calls of `call_s` under a steady stream of first chunks (two new ones per call, a call holds
+    two jobs), and one playing stream whose next chunk is queued at t=0 with 0.84 s of audio left: how late its
+    chunk's call ends after its listener ran dry (None: on time)."""
+    later = PendingJob(queued_at=0.0, first_chunk=False, runs_dry_at=0.84)
+    waiting = [PendingJob(queued_at=-0.01, first_chunk=True), PendingJob(queued_at=-0.005, first_chunk=True)]
+    now = 0.0
+    for call in range(calls):
+        jobs = [*waiting, later]
+        chosen = policy.next_call(jobs, now, call_s)
+        now += call_s
+        if len(jobs) - 1 in chosen:
+            return max(0.0, now - later.runs_dry_at) or None
+        waiting = [job for i, job in enumerate(waiting) if i not in chosen]
+        waiting += [PendingJob(queued_at=now - 0.01, first_chunk=True), PendingJob(queued_at=now, first_chunk=True)]
+    raise AssertionError("the later chunk never ran")
+
+
+@pytest.mark.parametrize("call_s", [0.12, 0.15, 0.2, 0.25])
+def test_under_steady_first_chunks_a_later_chunk_is_late_with_1_and_on_time_with_2(call_s):
+    assert _first_late_call(SchedulePolicy(max_rows=2), 20, call_s) is not None
+    assert _first_late_call(SchedulePolicy(max_rows=2, starving_calls=2.0), 20, call_s) is None
+
+
+def test_starving_calls_below_one_is_refused():
+    with pytest.raises(ValueError, match="starving_calls"):
+        SchedulePolicy(starving_calls=0.5)
