@@ -252,6 +252,12 @@ class BatchedDecoder:
         self._slots: dict[int, _SlotState] = {}
         #: of the last `step`, the host's wait for its tokens (the device's work its launch did not cover)
         self.last_step_sync_seconds = 0.0
+        #: of the last `step`, the span of its kernels on the device: CUDA events on the step's stream just before
+        #: and after its launch, so kernels of other streams that slow it count and a late start does not (0.0 off
+        #: CUDA). Against `last_step_sync_seconds` it says whether the device ran the step slowly or began it late.
+        self.last_step_device_seconds = 0.0
+        self._step_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                             if self.device.type == "cuda" else None)
         self.prefill_buckets = sorted({min(b, max_seq_len) for b in prefill_buckets})  # no prefix is longer
         self.prefill_rows = sorted(set(prefill_rows) | {1})
         #: the (requests, prefix length) buckets of a padded prefill
@@ -406,13 +412,19 @@ class BatchedDecoder:
         if self._slots:
             rows = self._bucket(self.buckets, max(self._slots) + 1)
             kv_len = self._bucket(self.length_buckets, max(s.next_position for s in self._slots.values()) + 1)
+            if self._step_events is not None:
+                self._step_events[0].record()
             if self._graphs is not None:
                 self._graphs.replay((rows, kv_len))
             else:
                 self._advance(rows, kv_len)
+            if self._step_events is not None:
+                self._step_events[1].record()
             launched = time.perf_counter()
             tokens = self._tokens[:rows].tolist()  # the step's one host sync
             self.last_step_sync_seconds = time.perf_counter() - launched
+            if self._step_events is not None:  # both have run: the tokens are read after the step's last kernel
+                self.last_step_device_seconds = self._step_events[0].elapsed_time(self._step_events[1]) / 1000.0
             for slot, state in list(self._slots.items()):
                 outputs[slot] = self._report(slot, state, tokens[slot])
         return dict(sorted(outputs.items()))

@@ -61,6 +61,7 @@ LLM_STATS = (
     "llm_steps_total",
     "llm_step_seconds_total",  # wall time inside decoder steps (divide by llm_steps_total for the mean)
     "llm_step_sync_seconds_total",  # of it, the waits for the steps' tokens (the device); the rest is host work
+    "llm_step_device_seconds_total",  # the steps' kernels' spans on the device (against the waits: a late start)
     "llm_yield_seconds_total",  # waits for a running token2wav call before a step (`gpu_yield`, llm_yield=lone)
     "llm_prefill_seconds_total",
     "llm_prefill_calls_total",  # prefill forwards (several waiting requests share one)
@@ -105,6 +106,8 @@ class SlotDecoder(Protocol[R]):
     #: Of the last `step`, the seconds the host waited for its tokens: the device's work that the host's launch
     #: did not cover (the rest of the step is host work). 0 where the step has no such wait (a CPU, a stub).
     last_step_sync_seconds: float
+    #: Of the last `step`, the span of its kernels on the device (0 where there is none: a CPU, a stub).
+    last_step_device_seconds: float
 
     @property
     def num_slots(self) -> int: ...
@@ -279,6 +282,7 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._published_steps = 0
         self._unpublished_seconds = 0.0
         self._unpublished_sync_seconds = 0.0
+        self._unpublished_device_seconds = 0.0
         self._unpublished_beside_steps = 0  # worker thread only: of the unpublished steps, those beside token2wav
         self._unpublished_beside_seconds = 0.0
         self._unpublished_beside_sync_seconds = 0.0
@@ -448,6 +452,7 @@ class ContinuousBatchingScheduler(Generic[R]):
         self._steps += 1
         self._unpublished_seconds += ended - started
         self._unpublished_sync_seconds += sync
+        self._unpublished_device_seconds += self.decoder.last_step_device_seconds
         if calls is not None and (beside or calls.started != calls_started):
             self._unpublished_beside_steps += 1
             self._unpublished_beside_seconds += ended - started
@@ -486,7 +491,8 @@ class ContinuousBatchingScheduler(Generic[R]):
         if self._steps != self._published_steps:
             steps = {"llm_steps_total": self._steps - self._published_steps,
                      "llm_step_seconds_total": self._unpublished_seconds,
-                     "llm_step_sync_seconds_total": self._unpublished_sync_seconds}
+                     "llm_step_sync_seconds_total": self._unpublished_sync_seconds,
+                     "llm_step_device_seconds_total": self._unpublished_device_seconds}
             if self._unpublished_beside_steps:  # with the steps they are part of: a scrape sees both or neither
                 steps.update({"llm_steps_beside_token2wav_total": self._unpublished_beside_steps,
                               "llm_step_beside_token2wav_seconds_total": self._unpublished_beside_seconds,
@@ -495,6 +501,7 @@ class ContinuousBatchingScheduler(Generic[R]):
                 self._unpublished_beside_seconds = self._unpublished_beside_sync_seconds = 0.0
             self.stats.add_all(steps)
             self._published_steps, self._unpublished_seconds, self._unpublished_sync_seconds = self._steps, 0.0, 0.0
+            self._unpublished_device_seconds = 0.0
         first_chunks = self._unpublished_first_chunks
         if first_chunks["llm_first_chunks_total"]:
             self._unpublished_first_chunks = dict.fromkeys(FIRST_CHUNK_STATS, 0.0)

@@ -39,6 +39,7 @@ class StubDecoder:
     """`SlotDecoder` with a trivial step: every slot emits a token; all finish together at `steps`."""
 
     last_step_sync_seconds = 0.0  # no device
+    last_step_device_seconds = 0.0
 
     def __init__(self, num_slots: int, steps: int, step_s: float) -> None:
         self.num_slots = num_slots

@@ -367,14 +367,16 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
     LLM steps beside token2wav calls: `beside_token2wav_breakdown`)."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
 
-    def ratio(num: str, den: str, scale: float = 1000.0) -> float | None:
-        return scale * d[num] / d[den] if d.get(den) else None
+    def ratio(num: str, den: str, scale: float = 1000.0) -> float | None:  # None: no count, or a server without num
+        return scale * d[num] / d[den] if d.get(den) and num in d else None
 
     return {
         "llm_prefill_ms_per_request": ratio("llm_prefill_seconds_total", "llm_finished_total"),
         "llm_step_ms": ratio("llm_step_seconds_total", "llm_steps_total"),
         # of the step, the host's wait for its tokens (the GPU's part; the rest is host work)
         "llm_step_sync_ms": ratio("llm_step_sync_seconds_total", "llm_steps_total"),
+        # of that wait, the span of the step's kernels on the GPU (the rest: the step began late)
+        "llm_step_device_ms": ratio("llm_step_device_seconds_total", "llm_steps_total"),
         # the waits for a running token2wav call before a step (llm_yield=lone), per step
         "llm_yield_ms_per_step": ratio("llm_yield_seconds_total", "llm_steps_total"),
         "llm_steps": d.get("llm_steps_total"),
@@ -807,6 +809,7 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("LLM prefill (ms)", "llm_prefill_ms_per_request", "{:.1f}"),
     ("LLM step (ms)", "llm_step_ms", "{:.2f}"),
     ("of it, GPU wait (ms)", "llm_step_sync_ms", "{:.2f}"),
+    ("step's kernels on the GPU (ms)", "llm_step_device_ms", "{:.2f}"),
     ("LLM step, token2wav idle (ms)", "llm_step_token2wav_idle_ms", "{:.2f}"),
     ("LLM step beside token2wav (ms)", "llm_step_beside_token2wav_ms", "{:.2f}"),
     ("steps beside token2wav (%)", "llm_steps_beside_token2wav_pct", "{:.0f}"),

@@ -572,17 +572,20 @@ def test_replica_metrics_add_up_and_the_stage_means_weigh_every_request():
     all their steps, not the mean of the two replicas' means."""
     one = _scrape({("llm_steps_total", "engine"): 100, ("llm_step_seconds_total", "engine"): 1.0,
                    ("llm_step_sync_seconds_total", "engine"): 0.8, ("llm_yield_seconds_total", "engine"): 0.2,
+                   ("llm_step_device_seconds_total", "engine"): 0.6,
                    ("llm_finished_total", "engine"): 1, ("llm_prefill_seconds_total", "engine"): 0.05})
     other = _scrape({("llm_steps_total", "engine"): 300, ("llm_step_seconds_total", "engine"): 0.6,
-                     ("llm_step_sync_seconds_total", "engine"): 0.3,
+                     ("llm_step_sync_seconds_total", "engine"): 0.3, ("llm_step_device_seconds_total", "engine"): 0.24,
                      ("llm_finished_total", "engine"): 3, ("llm_prefill_seconds_total", "engine"): 0.03})
     machine = sb.sum_metrics([sb.parse_metrics(one), sb.parse_metrics(other)])
     assert machine == {"llm_steps_total": 400, "llm_step_seconds_total": pytest.approx(1.6),
                        "llm_step_sync_seconds_total": pytest.approx(1.1), "llm_yield_seconds_total": pytest.approx(0.2),
+                       "llm_step_device_seconds_total": pytest.approx(0.84),
                        "llm_finished_total": 4, "llm_prefill_seconds_total": pytest.approx(0.08)}
     stages = sb.stage_breakdown({}, machine)
     assert stages["llm_step_ms"] == pytest.approx(4.0)  # 1.6 s / 400 steps; the replicas' means: 10 and 2 ms
     assert stages["llm_step_sync_ms"] == pytest.approx(2.75)  # of it, 1.1 s of waits for the tokens
+    assert stages["llm_step_device_ms"] == pytest.approx(2.1)  # of those, 0.84 s of the steps' kernels
     assert stages["llm_yield_ms_per_step"] == pytest.approx(0.5)  # 0.2 s of waits for token2wav calls
     assert stages["llm_prefill_ms_per_request"] == pytest.approx(20.0)  # 80 ms / 4 requests
     assert stages["llm_steps"] == 400

@@ -27,6 +27,7 @@ class ScriptedDecoder:
     """Records the batch of every step, so tests can see which sequences ran together."""
 
     last_step_sync_seconds = 0.001  # as if each step had waited 1 ms for its tokens
+    last_step_device_seconds = 0.0008  # of which its kernels ran 0.8 ms
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -95,6 +96,7 @@ async def test_each_request_gets_its_own_tokens_in_order_and_slots_are_freed():
         assert stats["llm_steps_total"] == len(decoder.batches) and stats["llm_step_seconds_total"] > 0
         # each step's wait for its tokens, as the decoder reports it
         assert stats["llm_step_sync_seconds_total"] == pytest.approx(0.001 * len(decoder.batches))
+        assert stats["llm_step_device_seconds_total"] == pytest.approx(0.0008 * len(decoder.batches))
 
 
 async def test_a_new_request_joins_the_running_batch():

@@ -42,6 +42,7 @@ class RecordingDecoder:
     """A `SlotDecoder` that notes the stream current at each call."""
 
     last_step_sync_seconds = 0.0
+    last_step_device_seconds = 0.0
 
     num_slots = 3
 
