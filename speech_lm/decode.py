@@ -252,9 +252,10 @@ class BatchedDecoder:
         self._slots: dict[int, _SlotState] = {}
         #: of the last `step`, the host's wait for its tokens (the device's work its launch did not cover)
         self.last_step_sync_seconds = 0.0
-        #: of the last `step`, the span of its kernels on the device: CUDA events on the step's stream just before
-        #: and after its launch, so kernels of other streams that slow it count and a late start does not (0.0 off
-        #: CUDA). Against `last_step_sync_seconds` it says whether the device ran the step slowly or began it late.
+        #: of the last `step`, its span on the device: CUDA events on the step's stream just before and after its
+        #: launch, so the launch and the kernels count, with any slowdown by other streams' kernels, and earlier work
+        #: of its own stream does not (0.0 off CUDA). Against `last_step_sync_seconds` and the microbenchmark's step
+        #: it says whether the device ran the step slowly or began it late.
         self.last_step_device_seconds = 0.0
         self._step_events = ((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                              if self.device.type == "cuda" else None)
