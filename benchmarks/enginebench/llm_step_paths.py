@@ -16,7 +16,8 @@ Each request is a stream of one voice at a time, as stack-bench's c=1: a 6 s voi
 sentence of text, `--tokens` decoded tokens (benchmark mode: no stop token), then the next request. With
 `--with-token2wav` the full-size flow and HiFT are loaded and their CUDA graphs captured first (token2wav stays idle):
 whether merely sharing the process and its graph pools with them slows the LLM's replays.
-The table gives p50/p90 of the step (wall) and of its wait for the tokens (`last_step_sync_seconds`).
+The table gives p50/p90 of the step (wall) and of its wait for the tokens (`last_step_sync_seconds`), and the p50 of
+its span on the GPU (`last_step_device_seconds`; under the scheduler: per-request means of its counters).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class Timings:
     def __init__(self) -> None:
         self.walls: list[float] = []
         self.syncs: list[float] = []
+        self.devices: list[float] = []
         self.per_request: list[int] = []
 
     def next_request(self) -> None:
@@ -65,18 +67,18 @@ class Timings:
     def measured(self) -> Timings:
         out = Timings()
         skip = self.per_request[1] if len(self.per_request) > 1 else 0
-        out.walls, out.syncs = self.walls[skip:], self.syncs[skip:]
+        out.walls, out.syncs, out.devices = self.walls[skip:], self.syncs[skip:], self.devices[skip:]
         return out
 
     def row(self, name: str) -> str:
         def pct(values: list[float], q: float) -> float:
             return statistics.quantiles(values, n=100)[q - 1] * 1e3 if len(values) > 1 else values[0] * 1e3
         return (f"| {name} | {len(self.walls)} | {pct(self.walls, 50):.3f} | {pct(self.walls, 90):.3f} "
-                f"| {pct(self.syncs, 50):.3f} | {pct(self.syncs, 90):.3f} |")
+                f"| {pct(self.syncs, 50):.3f} | {pct(self.syncs, 90):.3f} | {pct(self.devices, 50):.3f} |")
 
 
-def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest], sync_of: Callable[[], float]
-           ) -> Timings:
+def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest],
+           last: Callable[[], tuple[float, float]]) -> Timings:
     timings = Timings()
     for request in requests:
         timings.next_request()
@@ -85,7 +87,9 @@ def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest
             started = time.perf_counter()
             outputs = decoder.step()
             timings.walls.append(time.perf_counter() - started)
-            timings.syncs.append(sync_of())
+            sync, device = last()
+            timings.syncs.append(sync)
+            timings.devices.append(device)
             if all(out.finished for out in outputs.values()):
                 break
     return timings
@@ -108,9 +112,11 @@ async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], token
             steps = after["llm_steps_total"] - before["llm_steps_total"]
             seconds = after["llm_step_seconds_total"] - before["llm_step_seconds_total"]
             sync = after["llm_step_sync_seconds_total"] - before["llm_step_sync_seconds_total"]
+            device = after["llm_step_device_seconds_total"] - before["llm_step_device_seconds_total"]
             # one mean per request (the counters are sums); each request weighs as its steps
             timings.walls += [seconds / steps] * int(steps)
             timings.syncs += [sync / steps] * int(steps)
+            timings.devices += [device / steps] * int(steps)
     finally:
         scheduler.close()
     return timings
@@ -158,17 +164,18 @@ def main() -> int:
     def requests() -> list[DecodeRequest]:
         return [stream_request(i, args.tokens, config) for i in range(args.requests)]
 
-    def sync() -> float:
-        return decoder.last_step_sync_seconds
+    def last() -> tuple[float, float]:
+        return decoder.last_step_sync_seconds, decoder.last_step_device_seconds
 
     rows = []
     with torch.inference_mode():
-        rows.append(direct(decoder, requests(), sync).measured().row("bare"))
-        rows.append(direct(on_stream, requests(), sync).measured().row("stream"))
+        rows.append(direct(decoder, requests(), last).measured().row("bare"))
+        rows.append(direct(on_stream, requests(), last).measured().row("stream"))
     rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens)).measured().row("scheduler"))
     print(f"\nOne stream at a time, {args.tokens} tokens each, {args.slots} slots"
           f"{', token2wav loaded (idle)' if keep is not None else ''}:")
-    print("| path | steps | step p50 ms | step p90 ms | token wait p50 ms | token wait p90 ms |\n|---|---|---|---|---|---|")
+    print("| path | steps | step p50 ms | step p90 ms | token wait p50 ms | token wait p90 ms | on the GPU p50 ms |\n"
+          "|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
 
