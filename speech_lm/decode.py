@@ -413,14 +413,15 @@ class BatchedDecoder:
         if self._slots:
             rows = self._bucket(self.buckets, max(self._slots) + 1)
             kv_len = self._bucket(self.length_buckets, max(s.next_position for s in self._slots.values()) + 1)
-            if self._step_events is not None:
-                self._step_events[0].record()
+            if self._step_events is not None:  # on the model's GPU's current stream, whichever GPU is current
+                step_stream = torch.cuda.current_stream(self.device)
+                self._step_events[0].record(step_stream)
             if self._graphs is not None:
                 self._graphs.replay((rows, kv_len))
             else:
                 self._advance(rows, kv_len)
             if self._step_events is not None:
-                self._step_events[1].record()
+                self._step_events[1].record(step_stream)
             launched = time.perf_counter()
             tokens = self._tokens[:rows].tolist()  # the step's one host sync
             self.last_step_sync_seconds = time.perf_counter() - launched

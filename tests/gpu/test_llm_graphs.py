@@ -1,6 +1,7 @@
 """The LLM decoder's CUDA graphs (`speech_lm.decode.BatchedDecoder`: the step and the padded prefill, one request or
 a group at a time) replay what the eager passes compute: the same tokens and the same pending log-probs at every step, for requests
-with different sampling settings in one batch, also with the model on a GPU that is not the current one. The small
+with different sampling settings in one batch, also with the model on a GPU that is not the current one; each step's span
+on the GPU is timed there. The small
 model checks the logic; the released-size body (marked slow) the real shapes. tests/engine/test_perf_decode.py
 checks the eager passes themselves against row-by-row decoding on the CPU."""
 
@@ -24,11 +25,15 @@ def decode(model: CosyVoice2LM, requests: list[DecodeRequest], graphs: bool, tog
     slots = decoder.add_many(requests) if together else [decoder.add(r) for r in requests]
     tokens: dict[int, list[int]] = {s: [] for s in slots}
     logps = []
+    spans = []
     while decoder.active_slots:
         logps.append(decoder.logp.clone())
         for slot, out in decoder.step().items():
             if out.token is not None:
                 tokens[slot].append(out.token)
+        spans.append(decoder.last_step_device_seconds)
+    # every step's span on the GPU was timed by events on the model's GPU (a step's tokens are read after its end)
+    assert all(0 < span < 1 for span in spans[:-1]), spans
     return tokens, logps
 
 
