@@ -406,6 +406,7 @@ class BatchedDecoder:
     def step(self) -> dict[int, SlotOutput]:
         """Sample one token for every active slot, free finished slots, then feed the new tokens back."""
         outputs: dict[int, SlotOutput] = {}
+        self.last_step_sync_seconds = self.last_step_device_seconds = 0.0  # a step that only frees slots: none
         for slot, state in list(self._slots.items()):
             if state.emitted >= state.max_len:  # max_len 0: finished before drawing anything
                 outputs[slot] = SlotOutput(token=None, finished=True, reason="length")
