@@ -174,7 +174,7 @@ class Token2WavService(Generic[S]):
         max_defer_s: float = 0.25,
         max_rows: int | None = None,
         calls: Token2WavCalls | None = None,
-        starving_calls: float = 1.0,
+        starving_calls: float = SchedulePolicy.starving_calls,
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
         `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks

@@ -24,6 +24,7 @@ from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
+from speech_serving.token2wav_policy import SchedulePolicy
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -257,7 +258,7 @@ class RenderOptions(_Options):
     # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
     # 1 until measured against 2 (three interleaved runs, the open-loop search with them): under open-loop load a
     # later chunk went into a call only once it could no longer be on time (docs/experiments/2026-12-02-h200-open-loop.md)
-    starving_calls: float = option(1.0, minimum=1,
+    starving_calls: float = option(SchedulePolicy.starving_calls, minimum=1,
                                    help="token2wav: a stream whose buffered audio lasts fewer than this many expected "
                                         "calls goes ahead of first chunks (1: only once it would run dry even if it ran "
                                         "now; 2: once it cannot wait for the next call)")

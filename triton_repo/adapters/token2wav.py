@@ -22,6 +22,7 @@ from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.stats import Stats
 from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavEngine, Token2WavService
+from speech_serving.token2wav_policy import SchedulePolicy
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import ParameterError, Token2WavParams
@@ -35,7 +36,7 @@ class Token2WavHandler:
     (`adapters.cosyvoice3`)."""
 
     def __init__(self, engine: Token2WavEngine, device: torch.device, calls: Token2WavCalls | None = None,
-                 starving_calls: float = 1.0) -> None:
+                 starving_calls: float = SchedulePolicy.starving_calls) -> None:
         """`calls`: marks each engine call for the LLM scheduler of the same process (`gpu_yield`);
         `starving_calls`: the deadline order's (`SchedulePolicy.starving_calls`)."""
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
