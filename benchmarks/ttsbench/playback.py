@@ -9,8 +9,9 @@ header, an encoder still filling its first frame) neither start playback nor end
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ttsbench.stats import percentile
 
@@ -21,6 +22,9 @@ class StreamStalls:
 
     count: int
     seconds: float
+    #: For each stall, the audio piece that came too late, numbered from 1 among the pieces that carry audio (2: the
+    #: second chunk arrived after the first had played): where in the stream the server fell behind.
+    late_pieces: tuple[int, ...] = ()
 
 
 def stream_stalls(arrivals: Sequence[float], durations: Sequence[float]) -> StreamStalls:
@@ -32,18 +36,20 @@ def stream_stalls(arrivals: Sequence[float], durations: Sequence[float]) -> Stre
     if any(later < earlier for earlier, later in zip(arrivals, arrivals[1:])):
         raise ValueError("arrival times must not decrease")
     played_until: float | None = None  # when the audio received so far ends; None before any audio
-    count, total = 0, 0.0
+    count, total, piece, late = 0, 0.0, 0, []
     for arrival, duration in zip(arrivals, durations, strict=True):
         if duration == 0:
             continue
+        piece += 1
         if played_until is None:
             played_until = arrival
         elif arrival > played_until:
             count += 1
             total += arrival - played_until
+            late.append(piece)
             played_until = arrival
         played_until += duration
-    return StreamStalls(count, total)
+    return StreamStalls(count, total, tuple(late))
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,21 @@ class StallSummary:
     p50: float
     p90: float
     max: float
+    #: Stall events by the audio piece that came too late (`StreamStalls.late_pieces`), ascending by piece.
+    by_piece: dict[int, int] = field(default_factory=dict)
 
     @property
     def stalled_share(self) -> float:
         return self.stalled / self.streams if self.streams else 0.0
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "stalled_share": self.stalled_share}
+
+    def describe_pieces(self) -> str:
+        """Where the stalls fall, e.g. "at chunk 2: 3, chunk 4: 1" ("" without stalls)."""
+        if not self.by_piece:
+            return ""
+        return "at " + ", ".join(f"chunk {piece}: {events}" for piece, events in self.by_piece.items())
 
 
 def summarize_stalls(streams: Sequence[StreamStalls]) -> StallSummary | None:
@@ -82,4 +96,5 @@ def summarize_stalls(streams: Sequence[StreamStalls]) -> StallSummary | None:
         p50=percentile(seconds, 50),
         p90=percentile(seconds, 90),
         max=max(seconds),
+        by_piece=dict(sorted(Counter(piece for s in streams for piece in s.late_pieces).items())),
     )

@@ -41,7 +41,8 @@ class ListenerBound:
         if summary.errors:
             reasons.append(f"{summary.errors} error(s)")
         if summary.stalls is not None and summary.stalls.stalled:
-            reasons.append(f"{summary.stalls.stalled} stalled stream(s)")
+            where = summary.stalls.describe_pieces()
+            reasons.append(f"{summary.stalls.stalled} stalled stream(s)" + (f" ({where})" if where else ""))
         if summary.first_chunk is None:
             reasons.append("no first chunk measured")
         elif summary.first_chunk.p95 > self.first_chunk_p95:

@@ -20,6 +20,7 @@ def test_several_stalls_add_up_and_playback_resumes_from_the_late_arrival():
     # 0.0 .. 0.2 | stall 0.3 | 0.5 .. 0.7 | stall 0.1 | 0.8 .. 1.8 | 1.0 fits | stall 0.2 (buffer ended 2.8)
     stalls = stream_stalls([0.0, 0.5, 0.8, 1.0, 3.0], [0.2, 0.2, 1.0, 1.0, 0.4])
     assert stalls.count == 3 and stalls.seconds == pytest.approx(0.3 + 0.1 + 0.2)
+    assert stalls.late_pieces == (2, 3, 5)  # the pieces that came after the audio before them had played
 
 
 def test_a_single_chunk_cannot_stall():
@@ -33,6 +34,7 @@ def test_pieces_without_audio_neither_start_playback_nor_end_a_stall():
     # a silent piece at 0.8 does not end the stall that started at 0.6; the audio at 1.0 does
     stalls = stream_stalls([0.4, 0.8, 1.0], [0.2, 0.0, 0.5])
     assert stalls.count == 1 and stalls.seconds == pytest.approx(0.4)
+    assert stalls.late_pieces == (2,)  # counted among the pieces with audio: the silent one is not a chunk
 
 
 @pytest.mark.parametrize(
@@ -44,7 +46,7 @@ def test_inconsistent_inputs_are_refused(arrivals, durations):
 
 
 def test_summary_over_streams():
-    streams = [StreamStalls(0, 0.0), StreamStalls(2, 0.3), StreamStalls(0, 0.0), StreamStalls(1, 0.1)]
+    streams = [StreamStalls(0, 0.0), StreamStalls(2, 0.3, (2, 4)), StreamStalls(0, 0.0), StreamStalls(1, 0.1, (2,))]
     s = summarize_stalls(streams)
     assert (s.streams, s.stalled, s.events) == (4, 2, 3)
     assert s.stalled_share == 0.5
@@ -53,4 +55,6 @@ def test_summary_over_streams():
     assert s.p90 == pytest.approx(0.24)  # 0.1 + 0.7 x (0.3 - 0.1)
     assert s.max == pytest.approx(0.3)
     assert s.to_dict()["stalled_share"] == 0.5
+    assert s.by_piece == {2: 2, 4: 1} and s.describe_pieces() == "at chunk 2: 2, chunk 4: 1"
+    assert summarize_stalls(streams[:1]).describe_pieces() == ""
     assert summarize_stalls([]) is None

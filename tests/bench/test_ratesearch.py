@@ -83,7 +83,7 @@ async def test_stalls_and_errors_fail_a_rate_whatever_its_first_chunk():
     stalling = KneeService(knee=100.0, stall_above=5.0)
     search = await search_rate(stalling, SearchSettings(start=1.0, low=0.25, high=64.0, max_steps=12))
     assert search.sustained < 5.0 <= search.failed_above
-    assert any(step["misses"] == ["1 stalled stream(s)"] for step in search.to_dict()["steps"])
+    assert any(step["misses"] == ["1 stalled stream(s) (at chunk 2: 1)"] for step in search.to_dict()["steps"])
     failing = KneeService(knee=100.0, error_above=3.0)
     search = await search_rate(failing, SearchSettings(start=1.0, low=0.25, high=64.0, max_steps=12))
     assert search.sustained < 3.0 <= search.failed_above
@@ -143,6 +143,6 @@ def test_the_bound_says_why_a_rate_misses_it():
     bound = ListenerBound(0.5)
     assert bound.misses(_summary(1.0, 0.4)) == []
     assert bound.misses(_summary(1.0, 0.7, stalled=2, errors=1)) == [
-        "1 error(s)", "2 stalled stream(s)", "first chunk p95 665 ms > 500 ms"]  # fmt: skip
+        "1 error(s)", "2 stalled stream(s) (at chunk 2: 2)", "first chunk p95 665 ms > 500 ms"]  # fmt: skip
     every_request_failed = _summary(1.0, 0.1, errors=STREAMS)
     assert bound.misses(every_request_failed) == [f"{STREAMS} error(s)", "no first chunk measured"]

@@ -535,7 +535,7 @@ async def test_rate_rows_take_each_search_step_from_the_tts_bench_document():
     rows = sb.rate_rows(document, 2, lambda window: None if window is None else window[0] / 1000)
     assert [(r["rate"], r["met"]) for r in rows] == [(1.0, True), (2.0, True), (4.0, False), (3.0, True)]
     four = rows[2]
-    assert four["misses"] == ["1 stalled stream(s)", "first chunk p95 860 ms > 500 ms"]
+    assert four["misses"] == ["1 stalled stream(s) (at chunk 2: 1)", "first chunk p95 860 ms > 500 ms"]
     assert (four["run"], four["requests"], four["errors"], four["streams"], four["stalled_streams"]) == (2, 2, 0, 2, 1)
     assert four["first_chunk_p95"] == pytest.approx(0.86) and four["achieved_rate"] == pytest.approx(4.0)
     assert four["gpu_busy"] == pytest.approx(0.104) and four["max_in_flight"] == 2
