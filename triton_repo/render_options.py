@@ -256,8 +256,9 @@ class RenderOptions(_Options):
     # Off until measured in the served stack against off (three interleaved runs): inside the flow's CUDA graphs
     # they made an estimator step ~9 % faster on an H200 (padded rows then;
     # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
-    # 1 until measured against 2 (three interleaved runs, the open-loop search with them): under open-loop load a
-    # later chunk went into a call only once it could no longer be on time (docs/experiments/2026-12-02-h200-open-loop.md)
+    # 1 until measured against 3 (three interleaved runs, the open-loop search with them): under open-loop load a
+    # later chunk went into a call only once it could no longer be on time; `enginebench.t2w_policy_sim` favours 3-4
+    # (docs/experiments/2026-12-02-h200-open-loop.md)
     starving_calls: float = option(SchedulePolicy.starving_calls, minimum=1,
                                    help="token2wav: a stream whose buffered audio lasts fewer than this many expected "
                                         "calls goes ahead of first chunks (1: only once it would run dry even if it ran "

@@ -37,3 +37,16 @@ def test_llm_step_paths_times_every_layer_of_the_served_path():
     for path in ("bare", "stream", "scheduler"):
         steps, p50 = int(rows[path][0]), float(rows[path][1])
         assert steps >= 2 * 12 and p50 > 0, (path, rows[path])
+
+
+def test_the_token2wav_policy_model_compares_settings_under_the_same_arrivals():
+    """A row per (rate, starving_calls), every setting offered the same streams; at a rate this low nothing stalls."""
+    out = subprocess.run(
+        [sys.executable, "-m", "enginebench.t2w_policy_sim", "--rates", "4", "--seconds", "10", "--seeds", "2",
+         "--starving-calls", "1", "3"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 4 | ")]
+    assert [row[1] for row in rows] == ["1", "3"]
+    assert rows[0][2] == rows[1][2] and int(rows[0][2].split(" / ")[0]) > 20  # the same streams for both
+    assert all(row[3] == "0 / 0" for row in rows)
