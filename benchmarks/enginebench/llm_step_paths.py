@@ -35,9 +35,12 @@ from cosyvoice2.llm import CosyVoice2LM, LLMConfig
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import ChunkSchedule
 from speech_lm.decode import BatchedDecoder, DecodeRequest
-from speech_serving.cuda_streams import LLM_STREAM_PRIORITY, StreamDecoder, worker_stream
+from speech_serving.cuda_streams import (LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder,
+                                         StreamToken2Wav, worker_stream)
+from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
+from speech_serving.token2wav import Token2WavService
 
 PROMPT_TOKENS = 150  # a 6 s voice, as the stack's reference voices
 PROMPT_TEXT_TOKENS = 20
@@ -95,10 +98,12 @@ def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest
     return timings
 
 
-async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], tokens: int) -> Timings:
-    """Through the scheduler: its per-step counters, read per request (steps, seconds, sync seconds)."""
+async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], tokens: int,
+                    calls: Token2WavCalls | None = None) -> Timings:
+    """Through the scheduler: its per-step counters, read per request (steps, seconds, sync seconds). `calls`: a
+    token2wav service's calls in this process, which the scheduler watches and yields to as the engine's does."""
     stats = Stats(LLM_STATS)
-    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=0, stats=stats)
+    scheduler = ContinuousBatchingScheduler(decoder, max_waiting=0, stats=stats, yield_to=calls)
     boundaries = ChunkSchedule(prompt_tokens=PROMPT_TOKENS).boundaries(tokens)
     timings = Timings()
     try:
@@ -122,9 +127,10 @@ async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], token
     return timings
 
 
-def load_token2wav(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> object:
-    """The full-size flow and HiFT with the served schedules' CUDA graphs captured, as the serving process holds
-    them (after the LLM's, as there)."""
+def load_token2wav(config: EngineConfig, device: torch.device, dtype: torch.dtype
+                   ) -> tuple[Token2WavService, Token2WavCalls]:
+    """The full-size flow and HiFT with the served schedules' CUDA graphs captured, behind the token2wav service on
+    its worker's stream, as the serving process holds them (after the LLM's, as there); idle."""
     from enginebench.microbench import random_flow, random_hift  # noqa: PLC0415 - only with --with-token2wav
     from speech_serving.engines import BatchedToken2Wav  # noqa: PLC0415
     from speech_serving.schedule import StreamScheduleParams  # noqa: PLC0415
@@ -134,7 +140,9 @@ def load_token2wav(config: EngineConfig, device: torch.device, dtype: torch.dtyp
                               params.schedule(config), "chunked", 32.0, schedules=params.schedules(config))
     graphs, seconds = engine.capture_graphs()
     print(f"token2wav: {graphs} CUDA graphs captured in {seconds:.1f} s", flush=True)
-    return engine
+    calls = Token2WavCalls()
+    service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)), calls=calls)
+    return service, calls
 
 
 def main() -> int:
@@ -158,7 +166,7 @@ def main() -> int:
     with torch.device(device):
         llm = CosyVoice2LM(config).to(dtype).eval()
     decoder = BatchedDecoder(llm, num_slots=args.slots, max_seq_len=args.max_seq_len)
-    keep = load_token2wav(engine_config, device, dtype) if args.with_token2wav else None
+    token2wav = load_token2wav(engine_config, device, dtype) if args.with_token2wav else None
     on_stream = StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY))
 
     def requests() -> list[DecodeRequest]:
@@ -171,9 +179,12 @@ def main() -> int:
     with torch.inference_mode():
         rows.append(direct(decoder, requests(), last).measured().row("bare"))
         rows.append(direct(on_stream, requests(), last).measured().row("stream"))
-    rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens)).measured().row("scheduler"))
+    calls = None if token2wav is None else token2wav[1]
+    rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens, calls)).measured().row("scheduler"))
+    if token2wav is not None:
+        token2wav[0].shutdown()
     print(f"\nOne stream at a time, {args.tokens} tokens each, {args.slots} slots"
-          f"{', token2wav loaded (idle)' if keep is not None else ''}:")
+          f"{', token2wav loaded (idle; the scheduler watches its calls)' if token2wav is not None else ''}:")
     print("| path | steps | step p50 ms | step p90 ms | token wait p50 ms | token wait p90 ms | on the GPU p50 ms |\n"
           "|---|---|---|---|---|---|---|")
     print("\n".join(rows))
