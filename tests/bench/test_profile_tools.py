@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 
 def test_cosyvoice3_token2wav_profile_lists_calls_and_operators():
     out = subprocess.run(
@@ -26,11 +28,12 @@ def test_sm_share_says_it_needs_a_gpu():
     assert done.returncode != 0 and "needs a CUDA device" in done.stderr
 
 
-def test_llm_step_paths_times_every_layer_of_the_served_path():
+@pytest.mark.parametrize("extra", [[], ["--with-token2wav"]], ids=["llm", "beside-token2wav"])
+def test_llm_step_paths_times_every_layer_of_the_served_path(extra):
     """One row per layer (bare decoder, on the worker's stream, under the scheduler), each with the measured steps of
-    every request but the first (warm-up): 2 x 12 decoded tokens."""
+    every request but the first (warm-up): 2 x 12 decoded tokens; also beside an idle token2wav service."""
     out = subprocess.run(
-        [sys.executable, "-m", "enginebench.llm_step_paths", "--tiny", "--requests", "3", "--tokens", "12"],
+        [sys.executable, "-m", "enginebench.llm_step_paths", "--tiny", "--requests", "3", "--tokens", "12", *extra],
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| ")}
