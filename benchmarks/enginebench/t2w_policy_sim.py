@@ -1,6 +1,6 @@
 """Token2wav's call order under open-loop arrivals, simulated: stalls and first chunks per policy setting, no GPU.
 
-    python -m enginebench.t2w_policy_sim [--rates 8 12 16 20 24] [--seconds 60] [--starving-calls 1 2]
+    python -m enginebench.t2w_policy_sim [--rates 8 12 16 20 24 | --closed 16 32 64] [--seconds 60] [--starving-calls 1 2]
 
 A discrete-event model of one colocated engine: Poisson arrivals of streams (`--tokens` speech tokens each), an
 LLM that decodes every active stream by one token per step (a step takes `--step-ms` + `--step-ms-per-stream` x
@@ -61,97 +61,112 @@ class Model:
         return self.t2w_scale * ms / 1000.0
 
 
-def simulate(rate: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0
-             ) -> dict[str, float]:
+def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0,
+             closed: bool = False) -> dict[str, float]:
+    """One run: open loop, `load` Poisson arrivals per second for `seconds`; closed loop (`closed`), `load` clients
+    that each start a new stream when their last one's final chunk is answered, until `seconds`. The LLM and the
+    token2wav worker each keep their own clock; whichever is behind moves next."""
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while (t := t + rng.expovariate(rate)) < seconds:
-        arrivals.append(t)
+    arrivals: list[float] = []  # open loop: all of them now; closed loop: appended as streams end
+    if closed:  # the clients start within the first second (a level's ramp)
+        arrivals = sorted(rng.uniform(0.0, 1.0) for _ in range(int(load)))
+    else:
+        t = 0.0
+        while (t := t + rng.expovariate(load)) < seconds:
+            arrivals.append(t)
     streams: list[Stream] = []
-    llm_free, worker_free, call_mean = 0.0, 0.0, INITIAL_CALL_S
-    queue: list[tuple[float, int, int]] = []  # (ready time, stream, chunk index): token2wav jobs
     active: list[int] = []
-    next_arrival = 0
-    now = 0.0
-    # The LLM: steps in a loop; between steps it admits arrived streams (one prefill each).
-    while next_arrival < len(arrivals) or active:
-        while next_arrival < len(arrivals) and arrivals[next_arrival] <= max(now, llm_free):
-            index = next_arrival
-            running = len(active) + 1
+    queue: list[tuple[float, int, int]] = []  # (ready time, stream, chunk index): jobs not yet in a call
+    answered: dict[int, float] = {}  # stream -> when its audio runs dry (the service's view)
+    firsts: list[float] = []
+    llm_t = worker_t = 0.0
+    call_mean = INITIAL_CALL_S
+    admitted = llm_late = 0
+
+    def llm_step() -> None:
+        nonlocal llm_t, admitted
+        while admitted < len(arrivals) and arrivals[admitted] <= llm_t:  # admit arrived streams: a prefill each
             prompt = rng.randrange(100, 250)
-            base = ChunkSchedule(prompt_tokens=prompt)
-            schedule = base if running >= BUSY_STREAMS else ChunkSchedule(prompt_tokens=prompt, grid=1)
-            streams.append(Stream(arrivals[index], schedule, tokens, chunks=[
-                (c.start, c.stop, c.final) for c in schedule.chunks(tokens)]))
-            llm_free = max(llm_free, arrivals[index]) + model.prefill_ms / 1000.0
-            active.append(index)
-            next_arrival += 1
+            padded = len(active) + 1 >= BUSY_STREAMS
+            schedule = ChunkSchedule(prompt_tokens=prompt, grid=25 if padded else 1)
+            length = rng.randint(int(0.4 * tokens), int(1.6 * tokens))  # sentences of 0.4-1.6x the mean length
+            streams.append(Stream(arrivals[admitted], schedule, length,
+                                  chunks=[(c.start, c.stop, c.final) for c in schedule.chunks(length)]))
+            active.append(len(streams) - 1)
+            llm_t += model.prefill_ms / 1000.0
+            admitted += 1
         if not active:
-            now = llm_free = arrivals[next_arrival]
-            continue
-        llm_free += (model.step_ms + model.step_ms_per_stream * len(active)) / 1000.0
-        now = llm_free
+            llm_t = max(llm_t, arrivals[admitted])
+            return
+        llm_t += (model.step_ms + model.step_ms_per_stream * len(active)) / 1000.0
         for index in list(active):
             stream = streams[index]
             stream.decoded += 1
             while stream.next_chunk < len(stream.chunks):
-                start, stop, final = stream.chunks[stream.next_chunk]
-                need = stream.tokens if final else min(stream.tokens, stop + stream.schedule.lookahead)
-                if stream.decoded < need:
+                _, stop, final = stream.chunks[stream.next_chunk]
+                if stream.decoded < (stream.tokens if final else min(stream.tokens, stop + stream.schedule.lookahead)):
                     break
-                queue.append((now, index, stream.next_chunk))
+                queue.append((llm_t, index, stream.next_chunk))
                 stream.next_chunk += 1
             if stream.decoded >= stream.tokens:
                 active.remove(index)
-    # Token2wav: one worker, calls formed by the policy from each stream's oldest ready job.
-    queue.sort()
-    pending: list[tuple[float, int, int]] = []
-    cursor = 0
-    answered: dict[int, float] = {}  # stream -> when its audio runs dry (service view)
-    firsts: list[float] = []
-    llm_late = 0
-    while cursor < len(queue) or pending:
-        if not pending:
-            worker_free = max(worker_free, queue[cursor][0])
-        while cursor < len(queue) and queue[cursor][0] <= worker_free:
-            pending.append(queue[cursor])
-            cursor += 1
+
+    def token2wav_call() -> None:
+        nonlocal worker_t, call_mean, llm_late
+        worker_t = max(worker_t, min(job[0] for job in queue))
         heads: dict[int, tuple[float, int, int]] = {}
-        for job in pending:
-            heads.setdefault(job[1], job)
+        for job in queue:
+            if job[0] <= worker_t:
+                heads.setdefault(job[1], job)
         jobs = list(heads.values())
         views = [PendingJob(job[0], job[2] == 0, answered.get(job[1])) for job in jobs]
-        chosen = [jobs[i] for i in policy.next_call(views, worker_free, call_mean)]
+        chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_mean)]
         new_tokens = [streams[j[1]].chunks[j[2]][1] - streams[j[1]].chunks[j[2]][0] for j in chosen]
         took = model.call_s(new_tokens)
-        worker_free += took
+        worker_t += took
         call_mean = (1.0 - CALL_MEAN_WEIGHT) * call_mean + CALL_MEAN_WEIGHT * took
         for job in chosen:
-            pending.remove(job)
-            runs_dry = answered.get(job[1])
-            if runs_dry is not None and worker_free > runs_dry and runs_dry - job[0] < took:
+            queue.remove(job)
+            stream, runs_dry = streams[job[1]], answered.get(job[1])
+            if runs_dry is not None and worker_t > runs_dry and runs_dry - job[0] < took:
                 llm_late += 1  # its tokens came with less audio left than this call took: no order saves it
-            stream = streams[job[1]]
             start, stop, final = stream.chunks[job[2]]
-            audio = (stop - start + (HIFT_HOLD if job[2] > 0 else 0) - (0 if final else HIFT_HOLD)) * TOKEN_S
-            stream.arrivals.append(worker_free)
-            stream.durations.append(max(audio, 0.0))
+            audio = max(0.0, (stop - start + (HIFT_HOLD if job[2] > 0 else 0) - (0 if final else HIFT_HOLD)) * TOKEN_S)
+            stream.arrivals.append(worker_t)
+            stream.durations.append(audio)
             if job[2] == 0:
-                firsts.append(worker_free - stream.arrival)
-                answered[job[1]] = worker_free
-            answered[job[1]] = answered.get(job[1], worker_free) + max(audio, 0.0)
+                firsts.append(worker_t - stream.arrival)
+            answered[job[1]] = answered.get(job[1], worker_t) + audio
+            if final and closed and worker_t < seconds:  # the client's next request
+                arrivals.append(worker_t)
+                arrivals.sort()
+
+    while True:
+        llm_has_work = bool(active) or admitted < len(arrivals)
+        if llm_has_work and (llm_t <= worker_t or not queue):
+            llm_step()
+        elif queue:
+            token2wav_call()
+        else:
+            break
     stalls = [stream_stalls(s.arrivals, s.durations) for s in streams if s.arrivals]
     firsts.sort()
     return {"streams": len(streams), "stalled": sum(1 for s in stalls if s.count),
-            "first_p50_ms": 1000 * statistics.median(firsts), "first_p95_ms": 1000 * firsts[int(0.95 * (len(firsts) - 1))],
+            "first_p50_ms": 1000 * statistics.median(firsts),
+            "first_p90_ms": 1000 * firsts[int(0.90 * (len(firsts) - 1))],
+            "first_p95_ms": 1000 * firsts[int(0.95 * (len(firsts) - 1))],
             "late_second": sum(1 for s in stalls if 2 in s.late_pieces), "llm_late": llm_late}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", type=float, nargs="+", default=[8, 12, 16, 20, 24])
+    parser.add_argument("--rates", type=float, nargs="+", default=[8, 12, 16, 20, 24],
+                        help="open loop: Poisson arrivals per second")
+    parser.add_argument("--closed", type=int, nargs="+", metavar="CLIENTS",
+                        help="closed loop instead: this many clients, each starting a stream when its last one ends")
     parser.add_argument("--seconds", type=float, default=60.0, help="arrivals offered per rate")
-    parser.add_argument("--tokens", type=int, default=125, help="speech tokens per stream (5 s of audio)")
+    parser.add_argument("--tokens", type=int, default=125,
+                        help="mean speech tokens per stream (5 s of audio; each 0.4-1.6x that)")
     parser.add_argument("--starving-calls", type=float, nargs="+", default=[1.0, 2.0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=3.5)
@@ -164,15 +179,17 @@ def main() -> int:
     args = parser.parse_args()
     model = Model(args.step_ms, args.step_ms_per_stream, args.prefill_ms, args.call_ms, args.row_ms, args.token_ms,
                   args.t2w_scale)
-    print("| rate (req/s) | starving_calls | streams | stalled streams | of them at chunk 2 | late chunks whose tokens "
-          "came too late | first chunk p50 (ms) | first chunk p95 (ms) |\n|---|---|---|---|---|---|---|---|")
-    for rate in args.rates:
+    closed = args.closed is not None
+    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | streams | stalled streams | of them at "
+          "chunk 2 | late chunks whose tokens came too late | first chunk p50 (ms) | p90 | p95 |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for load in args.closed if closed else args.rates:
         for calls in args.starving_calls:
-            runs = [simulate(rate, args.seconds, args.tokens, SchedulePolicy(max_rows=16, starving_calls=calls), model,
-                             seed) for seed in range(args.seeds)]
-            cells = [" / ".join(f"{run[key]:.0f}" for run in runs)
-                     for key in ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p95_ms")]
-            print(f"| {rate:g} | {calls:g} | " + " | ".join(cells) + " |")
+            runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=16, starving_calls=calls), model,
+                             seed, closed) for seed in range(args.seeds)]
+            cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
+                     ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms", "first_p95_ms")]
+            print(f"| {load:g} | {calls:g} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -53,3 +53,15 @@ def test_the_token2wav_policy_model_compares_settings_under_the_same_arrivals():
     assert [row[1] for row in rows] == ["1", "3"]
     assert rows[0][2] == rows[1][2] and int(rows[0][2].split(" / ")[0]) > 20  # the same streams for both
     assert all(row[3] == "0 / 0" for row in rows)
+
+
+def test_the_token2wav_policy_model_runs_closed_loop_clients_too():
+    """Closed loop: each of 4 clients starts its next stream when its last one ends, so a 10 s run holds several
+    streams per client, every one answered."""
+    out = subprocess.run(
+        [sys.executable, "-m", "enginebench.t2w_policy_sim", "--closed", "4", "--seconds", "10", "--seeds", "1",
+         "--starving-calls", "1"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 4 | ")]
+    assert len(rows) == 1 and int(rows[0][2]) > 2 * 4 and float(rows[0][6]) > 0
