@@ -725,6 +725,8 @@ def level_row(scenario: Scenario, concurrency: int, run: int, level: dict[str, A
         "stall_p50": stalls["p50"] if stalls else None,
         "stall_p90": stalls["p90"] if stalls else None,
         "stall_max": stalls["max"] if stalls else None,
+        # stall events by the chunk that came too late (tts-bench's `by_piece`; absent from older documents: {})
+        "stalls_by_chunk": {int(k): v for k, v in (stalls.get("by_piece") or {}).items()} if stalls else None,
         "audio_seconds_per_second": level["audio_seconds_per_second"],
         "aggregate_rtf": level.get("aggregate_rtf"),
         "gpu_busy": gpu_busy,

@@ -62,13 +62,14 @@ def test_realtime_streams_is_the_highest_level_that_meets_the_rule_in_every_run(
 def test_level_row_takes_the_measures_from_the_tts_bench_level():
     level = {"requests": 8, "errors": 1, "first_chunk": {"p50": 0.2, "p90": 0.3, "p99": 0.4}, "total": {"p50": 1.0},
              "stalls": {"streams": 7, "stalled": 2, "stalled_share": 2 / 7, "total": 0.5, "p50": 0.0, "p90": 0.2,
-                        "max": 0.3, "events": 3},
+                        "max": 0.3, "events": 3, "by_piece": {"2": 2, "4": 1}},
              "audio_seconds_per_second": 12.5, "aggregate_rtf": 0.08}
     scenario = sb.SCENARIOS[0]
     row = sb.level_row(scenario, 16, 2, level, 0.75, {"llm_step_ms": 2.0})
     assert (row["scenario"], row["concurrency"], row["run"]) == ("triton-stream", 16, 2)
     assert (row["first_chunk_p50"], row["first_chunk_p90"], row["first_chunk_p99"]) == (0.2, 0.3, 0.4)
     assert (row["stalled_streams"], row["stall_p90"], row["stall_max"]) == (2, 0.2, 0.3)
+    assert row["stalls_by_chunk"] == {2: 2, 4: 1}  # the JSON document's keys as chunk numbers
     assert row["gpu_busy"] == 0.75 and row["audio_seconds_per_second"] == 12.5
     offline = sb.level_row(sb.SCENARIOS[1], 32, 1, {**level, "stalls": None}, None, {})  # one piece: the whole file
     assert offline["total_p50"] == 1.0 and offline["first_chunk_p50"] is None and offline["first_chunk_p90"] is None and offline["stalled_streams"] is None and offline["gpu_busy"] is None
