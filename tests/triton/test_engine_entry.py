@@ -95,9 +95,11 @@ async def test_concurrent_streams_and_a_cancelled_one_leave_nothing_behind(pipel
 
     metrics = await wait_metrics(pipeline, released)
     assert released(metrics), {name: metrics[(name, STREAM)] for name in RELEASED}
-    # the cut stream's LLM sequence was let go before its end (how the orchestrator counted its end, cancelled or
-    # failed by the send that found the client gone, depends on which came first; test_pipeline counts one alone)
-    assert metrics[("llm_cancelled_total", STREAM)] >= before.get(("llm_cancelled_total", STREAM), 0) + 1
+    # every LLM sequence ended exactly once: the cut stream's cancelled, or finished when its few hundred tokens were
+    # decoded before the cancel arrived (the tiny model on a busy CPU; test_pipeline counts a cancel alone)
+    ends = ("llm_finished_total", "llm_cancelled_total", "llm_failed_total")
+    ended = sum(metrics.get((name, STREAM), 0) - before.get((name, STREAM), 0) for name in ends)
+    assert ended == len(texts) + 1, {name: metrics.get((name, STREAM), 0) for name in ends}
 
 
 async def test_bad_requests_are_refused_in_the_contracts_words_before_any_audio(pipeline):
