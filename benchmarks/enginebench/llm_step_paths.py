@@ -9,6 +9,9 @@ times the same requests through each, so the layer that costs the time shows:
 
 - `bare`: `BatchedDecoder.step` in a loop on the default stream (the microbench's step);
 - `stream`: the same through `StreamDecoder` on the LLM worker's prioritised stream (`speech_serving.cuda_streams`);
+- `thread`: `stream` from a plain worker thread (the scheduler's thread without the scheduler). On a CPU a step
+  from any thread but the main one is slower when torch runs several intra-op threads (OpenMP: tiny model, 2 threads,
+  1.39 -> 2.19 ms; the same with one); on a GPU the step replays graphs and the host only launches and waits;
 - `scheduler`: through `ContinuousBatchingScheduler` (its thread, the hand-over at the streaming schedule's chunk
   boundaries to an asyncio consumer), what the serving process runs; its step time is the scheduler's own counter.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -98,6 +102,20 @@ def direct(decoder: BatchedDecoder | StreamDecoder, requests: list[DecodeRequest
     return timings
 
 
+def in_thread(decoder: StreamDecoder, requests: list[DecodeRequest], last: Callable[[], tuple[float, float]]
+              ) -> Timings:
+    result: list[Timings] = []
+
+    def run() -> None:
+        with torch.inference_mode():
+            result.append(direct(decoder, requests, last))
+
+    worker = threading.Thread(target=run, name="llm-step-paths")
+    worker.start()
+    worker.join()
+    return result[0]
+
+
 async def scheduled(decoder: StreamDecoder, requests: list[DecodeRequest], tokens: int,
                     calls: Token2WavCalls | None = None) -> Timings:
     """Through the scheduler: its per-step counters, read per request (steps, seconds, sync seconds). `calls`: a
@@ -157,7 +175,8 @@ def main() -> int:
         from cosyvoice2.testing import tiny_config  # noqa: PLC0415
 
         device, dtype, engine_config = torch.device("cpu"), torch.float32, tiny_config()
-        print(f"tiny model on the CPU, torch {torch.__version__}", flush=True)
+        print(f"tiny model on the CPU ({torch.get_num_threads()} intra-op threads), torch {torch.__version__}",
+              flush=True)
     else:
         device, dtype, engine_config = torch.device("cuda"), torch.bfloat16, EngineConfig()
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
@@ -178,6 +197,7 @@ def main() -> int:
     with torch.inference_mode():
         rows.append(direct(decoder, requests(), last).measured().row("bare"))
         rows.append(direct(on_stream, requests(), last).measured().row("stream"))
+    rows.append(in_thread(on_stream, requests(), last).measured().row("thread"))
     calls = None if token2wav is None else token2wav[1]
     rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens, calls)).measured().row("scheduler"))
     if token2wav is not None:
