@@ -52,7 +52,7 @@ TOKEN2WAV_STATS = (
     "token2wav_engine_calls_total",
     "token2wav_max_jobs_per_call",
     "token2wav_call_jobs_total",
-    "token2wav_starving_jobs_total",  # jobs whose stream ran dry before their call could end (ranked first)
+    "token2wav_starving_jobs_total",  # jobs ranked first: their stream runs dry within `starving_calls` calls
     "token2wav_capped_calls_total",  # calls that left pending jobs for the next one (more than `max_rows`)
     "token2wav_failed_total",
     "token2wav_closed_total",
@@ -174,16 +174,14 @@ class Token2WavService(Generic[S]):
         max_defer_s: float = 0.25,
         max_rows: int | None = None,
         calls: Token2WavCalls | None = None,
-        starving_calls: float = SchedulePolicy.starving_calls,
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
         `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks
-        each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`).
-        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`)."""
+        each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`)."""
         self.engine = engine
         self.calls = calls
         self.policy = SchedulePolicy(max_rows if max_rows is not None else getattr(engine, "max_rows", None),
-                                     max_defer_s, starving_calls)
+                                     max_defer_s)
         self.stats = stats or Stats(TOKEN2WAV_STATS)
         # A stream whose orchestrator vanished (crashed process) would never be closed: expire idle ones.
         self.idle_timeout_s = idle_timeout_s

@@ -4,10 +4,10 @@ The token2wav service runs one call at a time; when it forms the next call, each
 job (a stream's chunks stay in order) and this policy ranks them:
 
 1. **Starving**: a stream whose listener runs out of buffered audio within `starving_calls` expected call times
-   (its deadline lies before now + starving_calls x the expected call time). With 1, that is a stream that runs dry
-   before even this call could finish: a gap is then certain, and every later call would only make it longer. With
-   2, a stream that cannot wait for the next call: this call is its last chance to be on time, because the next one
-   forms only when this one ends. A job with nothing playing that is not a first chunk (an offline utterance)
+   (its deadline lies before now + starving_calls x the expected call time). With 1, that would be a stream that
+   runs dry before even this call could finish: a gap is then certain. With 2, a stream that cannot wait for the
+   next call (the next one forms only when this one ends). The served default is 3: the margin covers a call that
+   takes longer than the running mean (more rows, the GPU shared with the LLM). A job with nothing playing that is not a first chunk (an offline utterance)
    counts as starving once its deadline has passed, so a stream of first chunks cannot hold it back for ever.
 2. **First chunks**: a new stream's listener hears nothing until its first chunk is answered, while a stream
    past its first chunk is already playing and has slack; so a first chunk goes into the very next call, ahead
@@ -55,8 +55,11 @@ class SchedulePolicy:
     max_defer_s: float = 0.25  # how long a job with nothing playing may wait behind playing streams
     #: Expected call times of buffered audio below which a playing stream is starving (module docstring). Under
     #: open-loop load first chunks wait almost always, so a later chunk goes into a call only once starving: with
-    #: 1 it then arrives just after its listener ran dry (every stall one H200 showed at 12-24 requests/s).
-    starving_calls: float = 1.0
+    #: 1 it then arrived just after its listener ran dry (every stall one H200 showed at 12-24 requests/s). 3 against
+    #: 1 on one H200, two interleaved runs: sustained open-loop rate 17.5 / >= 14 against 14 / 12.25 requests/s,
+    #: stalled streams at 28 requests/s 20 / 28 against 238, at 21 requests/s 11 / 10 against 16; c=16, c=32 unchanged
+    #: (docs/experiments/2026-12-02-h200-open-loop.md).
+    starving_calls: float = 3.0
 
     def __post_init__(self) -> None:
         if self.max_rows is not None and self.max_rows < 1:

@@ -24,7 +24,6 @@ from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
-from speech_serving.token2wav_policy import SchedulePolicy
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -256,13 +255,6 @@ class RenderOptions(_Options):
     # Off until measured in the served stack against off (three interleaved runs): inside the flow's CUDA graphs
     # they made an estimator step ~9 % faster on an H200 (padded rows then;
     # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
-    # 1 until measured against 3 (three interleaved runs, the open-loop search with them): under open-loop load a
-    # later chunk went into a call only once it could no longer be on time; `enginebench.t2w_policy_sim` favours 3-4
-    # (docs/experiments/2026-12-02-h200-open-loop.md)
-    starving_calls: float = option(SchedulePolicy.starving_calls, minimum=1,
-                                   help="token2wav: a stream whose buffered audio lasts fewer than this many expected "
-                                        "calls goes ahead of first chunks (1: only once it would run dry even if it ran "
-                                        "now; 2: once it cannot wait for the next call)")
     flow_norm_kernels: str = option("off", choices=("off", "on"),
                                     help="UNet flow: the causal blocks' LayerNorm+Mish+mask and the transformer "
                                          "blocks' add+LayerNorm as one Triton kernel each, inside the CUDA graphs")

@@ -30,12 +30,17 @@ def test_starving_streams_then_first_chunks_then_the_earliest_deadline():
     assert policy.order(jobs, NOW, CALL_S) == [5, 7, 2, 4, 1, 6, 3, 0]
 
 
-def test_a_stream_is_starving_only_when_its_audio_runs_out_before_the_call_could_end():
-    policy = SchedulePolicy()
+def test_a_stream_is_starving_once_its_audio_runs_out_within_starving_calls_expected_calls():
     job = PendingJob(queued_at=99.0, first_chunk=False, runs_dry_at=NOW + 0.5)
-    assert policy.urgency(job, NOW, call_s=0.4) == Urgency.SCHEDULED
-    assert policy.urgency(job, NOW, call_s=0.6) == Urgency.STARVING
-    assert policy.urgency(job, NOW + 0.2, call_s=0.4) == Urgency.STARVING  # later, the same call would be too late
+    strict = SchedulePolicy(starving_calls=1.0)  # only once this very call would end too late
+    assert strict.urgency(job, NOW, call_s=0.4) == Urgency.SCHEDULED
+    assert strict.urgency(job, NOW, call_s=0.6) == Urgency.STARVING
+    assert strict.urgency(job, NOW + 0.2, call_s=0.4) == Urgency.STARVING  # later, the same call would be too late
+    served = SchedulePolicy()  # the served default: three expected calls ahead
+    assert served.starving_calls == 3.0
+    assert served.urgency(job, NOW, call_s=0.16) == Urgency.SCHEDULED  # 0.48 s of calls fit in 0.5 s of audio
+    assert served.urgency(job, NOW, call_s=0.17) == Urgency.STARVING
+    assert served.urgency(job, NOW + 0.2, call_s=0.12) == Urgency.STARVING
 
 
 def test_a_first_chunk_never_counts_as_overdue_and_an_offline_job_does_once_past_its_deadline():
@@ -89,7 +94,7 @@ def test_starving_calls_2_lets_a_later_chunk_into_the_last_call_that_is_on_time(
     later = PendingJob(queued_at=99.0, first_chunk=False, runs_dry_at=NOW + 1.5 * CALL_S)
     firsts = [PendingJob(queued_at=99.5 + i / 100, first_chunk=True) for i in range(3)]
     jobs = [*firsts, later]
-    strict, early = SchedulePolicy(max_rows=2), SchedulePolicy(max_rows=2, starving_calls=2.0)
+    strict, early = SchedulePolicy(max_rows=2, starving_calls=1.0), SchedulePolicy(max_rows=2, starving_calls=2.0)
     assert strict.urgency(later, NOW, CALL_S) == Urgency.SCHEDULED
     assert strict.next_call(jobs, NOW, CALL_S) == [0, 1]
     assert early.urgency(later, NOW, CALL_S) == Urgency.STARVING
@@ -118,9 +123,10 @@ def _first_late_call(policy: SchedulePolicy, calls: int, call_s: float) -> float
 
 
 @pytest.mark.parametrize("call_s", [0.12, 0.15, 0.2, 0.25])
-def test_under_steady_first_chunks_a_later_chunk_is_late_with_1_and_on_time_with_2(call_s):
-    assert _first_late_call(SchedulePolicy(max_rows=2), 20, call_s) is not None
+def test_under_steady_first_chunks_a_later_chunk_is_late_with_1_and_on_time_with_2_or_the_default(call_s):
+    assert _first_late_call(SchedulePolicy(max_rows=2, starving_calls=1.0), 20, call_s) is not None
     assert _first_late_call(SchedulePolicy(max_rows=2, starving_calls=2.0), 20, call_s) is None
+    assert _first_late_call(SchedulePolicy(max_rows=2), 20, call_s) is None
 
 
 def test_starving_calls_below_one_is_refused():
