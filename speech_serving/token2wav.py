@@ -174,14 +174,16 @@ class Token2WavService(Generic[S]):
         max_defer_s: float = 0.25,
         max_rows: int | None = None,
         calls: Token2WavCalls | None = None,
+        starving_calls: float = SchedulePolicy.starving_calls,
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
         `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks
-        each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`)."""
+        each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`).
+        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`)."""
         self.engine = engine
         self.calls = calls
         self.policy = SchedulePolicy(max_rows if max_rows is not None else getattr(engine, "max_rows", None),
-                                     max_defer_s)
+                                     max_defer_s, starving_calls)
         self.stats = stats or Stats(TOKEN2WAV_STATS)
         # A stream whose orchestrator vanished (crashed process) would never be closed: expire idle ones.
         self.idle_timeout_s = idle_timeout_s

@@ -24,6 +24,7 @@ from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
+from speech_serving.token2wav_policy import SchedulePolicy
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -255,6 +256,13 @@ class RenderOptions(_Options):
     # Off until measured in the served stack against off (three interleaved runs): inside the flow's CUDA graphs
     # they made an estimator step ~9 % faster on an H200 (padded rows then;
     # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
+    # 3 since two interleaved runs against 1 on one H200 (the open-loop rate 17.5 / >= 14 against 14 / 12.25 req/s,
+    # c=16 and c=32 unchanged); the option stays until c=64 and a third run are measured against 1
+    # (docs/experiments/2026-12-02-h200-open-loop.md)
+    starving_calls: float = option(SchedulePolicy.starving_calls, minimum=1,
+                                   help="token2wav: a stream whose buffered audio lasts fewer than this many expected "
+                                        "calls goes ahead of first chunks (1: only once it would run dry even if it ran "
+                                        "now; 2: once it cannot wait for the next call; 3: one call of margin more)")
     flow_norm_kernels: str = option("off", choices=("off", "on"),
                                     help="UNet flow: the causal blocks' LayerNorm+Mish+mask and the transformer "
                                          "blocks' add+LayerNorm as one Triton kernel each, inside the CUDA graphs")
