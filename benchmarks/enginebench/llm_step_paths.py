@@ -1,6 +1,6 @@
 """The LLM decode step of one stream along the served path, layer by layer, in one process (no Triton).
 
-    python -m enginebench.llm_step_paths [--requests 8] [--tokens 250] [--with-token2wav]
+    python -m enginebench.llm_step_paths [--requests 8] [--tokens 250] [--with-token2wav] [--model-dir DIR]
 
 The served stack's step at one stream is slower than the step alone (`enginebench.microbench`: 1.45 ms on an H200
 against 2.08-2.13 ms in the stack, ~2.0 of it the wait for the device, with token2wav idle). This adds the served
@@ -19,6 +19,9 @@ Each request is a stream of one voice at a time, as stack-bench's c=1: a 6 s voi
 sentence of text, `--tokens` decoded tokens (benchmark mode: no stop token), then the next request. With
 `--with-token2wav` the full-size flow and HiFT are loaded and their CUDA graphs captured first (token2wav stays idle):
 whether merely sharing the process and its graph pools with them slows the LLM's replays.
+With `--model-dir` the LLM is loaded from a model directory as the served engine loads it (`load_llm`, and in
+benchmark mode the stop ids disabled: stack-bench's random full-size directory is `var/stackbench/model`), instead
+of a freshly initialised one: whether the served weights (their values, the loading path) make the step slower.
 The table gives p50/p90 of the step (wall) and of its wait for the tokens (`last_step_sync_seconds`), and the p50 of
 its span on the GPU (`last_step_device_seconds`; under the scheduler: per-request means of its counters).
 """
@@ -32,13 +35,18 @@ import threading
 import time
 from typing import Callable
 
+from pathlib import Path
+
 import torch
 
 from cosyvoice2.config import EngineConfig
+from cosyvoice2.layout import LLM_FILE
+from cosyvoice2.loading import load_llm
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
 from cosyvoice2.streaming import ChunkSchedule
 from speech_lm.decode import BatchedDecoder, DecodeRequest
+from speech_serving.engines import disable_stop_tokens
 from speech_serving.cuda_streams import (LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder,
                                          StreamToken2Wav, worker_stream)
 from speech_serving.gpu_yield import Token2WavCalls
@@ -170,6 +178,9 @@ def main() -> int:
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--with-token2wav", action="store_true", help="load token2wav and capture its graphs first")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (a smoke run of this script)")
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="load the LLM from this model directory as the served engine does (stop ids disabled, "
+                             "as in benchmark mode)")
     args = parser.parse_args()
     if args.tiny:
         from cosyvoice2.testing import tiny_config  # noqa: PLC0415
@@ -180,9 +191,15 @@ def main() -> int:
     else:
         device, dtype, engine_config = torch.device("cuda"), torch.bfloat16, EngineConfig()
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}", flush=True)
+    if args.model_dir is not None:
+        engine_config = EngineConfig.for_model_dir(args.model_dir)
+        llm = load_llm(args.model_dir / LLM_FILE, engine_config, device, dtype)
+        disable_stop_tokens(llm)  # the requests run to their length anyway (min_tokens); as the benchmark stack
+        print(f"LLM loaded from {args.model_dir}", flush=True)
+    else:
+        with torch.device(device):
+            llm = CosyVoice2LM(engine_config.llm).to(dtype).eval()
     config = engine_config.llm
-    with torch.device(device):
-        llm = CosyVoice2LM(config).to(dtype).eval()
     decoder = BatchedDecoder(llm, num_slots=args.slots, max_seq_len=args.max_seq_len)
     token2wav = load_token2wav(engine_config, device, dtype) if args.with_token2wav else None
     on_stream = StreamDecoder(decoder, worker_stream(device, LLM_STREAM_PRIORITY))

@@ -37,9 +37,25 @@ def test_llm_step_paths_times_every_layer_of_the_served_path(extra):
         capture_output=True, text=True, timeout=600, check=True,
     ).stdout
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| ")}
-    for path in ("bare", "stream", "scheduler"):
+    for path in ("bare", "stream", "thread", "scheduler"):
         steps, p50 = int(rows[path][0]), float(rows[path][1])
         assert steps >= 2 * 12 and p50 > 0, (path, rows[path])
+
+
+def test_llm_step_paths_loads_the_llm_as_the_served_engine_does(tmp_path):
+    """`--model-dir`: the LLM from a model directory (here the tiny one), its stop ids disabled as in benchmark
+    mode; every request still decodes its tokens."""
+    from cosyvoice2.testing import write_tiny_model  # noqa: PLC0415 - the tiny writer only here
+
+    model_dir = write_tiny_model(tmp_path / "tiny", seed=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "enginebench.llm_step_paths", "--tiny", "--requests", "2", "--tokens", "10",
+         "--model-dir", str(model_dir)],
+        capture_output=True, text=True, timeout=600, check=True,
+    ).stdout
+    assert f"LLM loaded from {model_dir}" in out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in out.splitlines() if line.startswith("| ")}
+    assert int(rows["scheduler"][0]) >= 10, rows
 
 
 def test_the_token2wav_policy_model_compares_settings_under_the_same_arrivals():
