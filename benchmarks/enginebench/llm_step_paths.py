@@ -33,22 +33,26 @@ import asyncio
 import statistics
 import threading
 import time
-from typing import Callable
-
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from cosyvoice2.config import EngineConfig
 from cosyvoice2.layout import LLM_FILE
-from cosyvoice2.loading import load_llm
 from cosyvoice2.llm import CosyVoice2LM, LLMConfig
 from cosyvoice2.llm.request import CosyVoice2Sampling, cosyvoice2_request
+from cosyvoice2.loading import load_llm
 from cosyvoice2.streaming import ChunkSchedule
 from speech_lm.decode import BatchedDecoder, DecodeRequest
+from speech_serving.cuda_streams import (
+    LLM_STREAM_PRIORITY,
+    TOKEN2WAV_STREAM_PRIORITY,
+    StreamDecoder,
+    StreamToken2Wav,
+    worker_stream,
+)
 from speech_serving.engines import disable_stop_tokens
-from speech_serving.cuda_streams import (LLM_STREAM_PRIORITY, TOKEN2WAV_STREAM_PRIORITY, StreamDecoder,
-                                         StreamToken2Wav, worker_stream)
 from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
