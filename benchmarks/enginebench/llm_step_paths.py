@@ -4,8 +4,9 @@
 
 The served stack's step at one stream is slower than the step alone (`enginebench.microbench`: 1.45 ms on an H200
 against 2.08-2.13 ms in the stack, ~2.0 of it the wait for the device, with token2wav idle). This adds the served
-path's layers one at a time to a full-size random LLM (bf16, 64 slots, 2048 positions, the stack's decoder) and
-times the same requests through each, so the layer that costs the time shows:
+path's layers one at a time to a full-size random LLM (bf16; by default the served decoder's 64 slots and 4096
+positions, where the 2026-12-02 lease ran 2048) and times the same requests through each, so the layer that costs
+the time shows:
 
 - `bare`: `BatchedDecoder.step` in a loop on the default stream (the microbench's step);
 - `stream`: the same through `StreamDecoder` on the LLM worker's prioritised stream (`speech_serving.cuda_streams`);
@@ -57,6 +58,7 @@ from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.llm_scheduler import LLM_STATS, ContinuousBatchingScheduler
 from speech_serving.stats import Stats
 from speech_serving.token2wav import Token2WavService
+from triton_repo.render_options import GPU_PYTORCH_MAX_BATCH, RenderOptions
 
 PROMPT_TOKENS = 150  # a 6 s voice, as the stack's reference voices
 PROMPT_TEXT_TOKENS = 20
@@ -178,8 +180,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="streams, one after the other (the first warms up)")
     parser.add_argument("--tokens", type=int, default=250, help="decoded tokens per stream")
-    parser.add_argument("--slots", type=int, default=64)
-    parser.add_argument("--max-seq-len", type=int, default=2048)
+    # the served decoder's sizes by default (a CUDA render without TensorRT-LLM engines)
+    parser.add_argument("--slots", type=int, default=GPU_PYTORCH_MAX_BATCH)
+    parser.add_argument("--max-seq-len", type=int, default=RenderOptions.max_seq_len)
     parser.add_argument("--with-token2wav", action="store_true", help="load token2wav and capture its graphs first")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model on the CPU (a smoke run of this script)")
     parser.add_argument("--model-dir", type=Path, default=None,
@@ -223,7 +226,7 @@ def main() -> int:
     rows.append(asyncio.run(scheduled(on_stream, requests(), args.tokens, calls)).measured().row("scheduler"))
     if token2wav is not None:
         token2wav[0].shutdown()
-    print(f"\nOne stream at a time, {args.tokens} tokens each, {args.slots} slots"
+    print(f"\nOne stream at a time, {args.tokens} tokens each, {args.slots} slots of {args.max_seq_len} positions"
           f"{', token2wav loaded (idle; the scheduler watches its calls)' if token2wav is not None else ''}:")
     print("| path | steps | step p50 ms | step p90 ms | token wait p50 ms | token wait p90 ms | on the GPU p50 ms |\n"
           "|---|---|---|---|---|---|---|")
