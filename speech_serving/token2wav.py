@@ -38,7 +38,7 @@ from speech_serving.errors import InvalidInput
 from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.io_struct import PromptTensors
 from speech_serving.stats import Stats
-from speech_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
+from speech_serving.token2wav_policy import CALL_ESTIMATES, CallTimes, PendingJob, SchedulePolicy, Urgency
 
 S = TypeVar("S")
 
@@ -175,11 +175,15 @@ class Token2WavService(Generic[S]):
         max_rows: int | None = None,
         calls: Token2WavCalls | None = None,
         starving_calls: float = SchedulePolicy.starving_calls,
+        call_estimate: str = CALL_ESTIMATES[0],
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
         `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks
         each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`).
-        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`)."""
+        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`). `call_estimate`: the call time the policy
+        counts in (`CallTimes`): "mean" of every call, or by "rows", those of a call of as many jobs as are pending."""
+        if call_estimate not in CALL_ESTIMATES:
+            raise ValueError(f"call_estimate must be one of {CALL_ESTIMATES}, got {call_estimate!r}")
         self.engine = engine
         self.calls = calls
         self.policy = SchedulePolicy(max_rows if max_rows is not None else getattr(engine, "max_rows", None),
@@ -198,7 +202,7 @@ class Token2WavService(Generic[S]):
         # what the deadline order weighs: the audio each stream has buffered, and how long a call takes
         self.sample_rate: int | None = getattr(engine, "sample_rate", None)
         self._playback: dict[str, _Playback] = {}
-        self._call_s = INITIAL_CALL_S
+        self.call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT, by_rows=call_estimate == "rows")
         self._engine_totals: dict[str, tuple[int, ...]] = {}  # per `ENGINE_TOTALS` hook, its values at the last call
         self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
         self._thread.start()
@@ -264,7 +268,7 @@ class Token2WavService(Generic[S]):
         started = time.monotonic()
         try:
             self._execute(batch)
-            self._call_s = (1.0 - CALL_MEAN_WEIGHT) * self._call_s + CALL_MEAN_WEIGHT * (time.monotonic() - started)
+            self.call_times.observe(len(batch), time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - a dead worker would hang every request: answer and go on
             logger.exception("token2wav batch failed")
             for job in batch:
@@ -282,9 +286,11 @@ class Token2WavService(Generic[S]):
             return []
         now = time.monotonic()
         pending = [self._pending_job(job) for job in jobs]
-        chosen = self.policy.next_call(pending, now, self._call_s)
+        rows = len(jobs) if self.policy.max_rows is None else min(len(jobs), self.policy.max_rows)
+        call_s = self.call_times.expected(rows)  # the call these jobs would fill
+        chosen = self.policy.next_call(pending, now, call_s)
         batch = [jobs[i] for i in chosen]
-        starving = sum(self.policy.urgency(pending[i], now, self._call_s) == Urgency.STARVING for i in chosen)
+        starving = sum(self.policy.urgency(pending[i], now, call_s) == Urgency.STARVING for i in chosen)
         if starving:
             self.stats.add("token2wav_starving_jobs_total", starving)
         if len(chosen) < len(jobs) and len(chosen) == self.policy.max_rows:  # the cap, not the first-chunk rule

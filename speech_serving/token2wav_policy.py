@@ -97,3 +97,46 @@ class SchedulePolicy:
         if Urgency.FIRST_CHUNK in urgencies:
             ranked = [i for i in ranked if urgencies[i] <= Urgency.FIRST_CHUNK]
         return ranked if self.max_rows is None else ranked[: self.max_rows]
+
+
+#: How the service expects the next call's time (`CallTimes`): the running mean of all calls, or by the rows that
+#: the queue would fill the call with.
+CALL_ESTIMATES = ("mean", "rows")
+
+
+class CallTimes:
+    """How long the next engine call will take: running estimates over the calls timed so far (pure: the caller
+    times them). `by_rows` False: the running mean of every call (`weight` for the newest). True: a running
+    least-squares line of seconds against the call's rows (the same forgetting), so that the call a queue of
+    first chunks is about to fill is expected to take what full calls took, not the mean of small and full
+    ones (until calls of at least two sizes were seen it answers the mean)."""
+
+    def __init__(self, initial_s: float, weight: float, by_rows: bool = False) -> None:
+        if not 0.0 < weight <= 1.0:
+            raise ValueError(f"weight must be in (0, 1], got {weight}")
+        self.weight = weight
+        self.by_rows = by_rows
+        self.mean_s = initial_s
+        # decayed sums of 1, rows, rows^2, seconds, rows x seconds (the line's normal equations)
+        self._n = self._x = self._xx = self._y = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        w = self.weight
+        self.mean_s = (1.0 - w) * self.mean_s + w * seconds
+        keep = 1.0 - w
+        self._n = keep * self._n + 1.0
+        self._x = keep * self._x + rows
+        self._xx = keep * self._xx + rows * rows
+        self._y = keep * self._y + seconds
+        self._xy = keep * self._xy + rows * seconds
+
+    def expected(self, rows: int) -> float:
+        """The expected seconds of a call of `rows` jobs."""
+        if not self.by_rows:
+            return self.mean_s
+        spread = self._n * self._xx - self._x * self._x  # n^2 x the variance of the rows seen
+        if spread <= 1e-9 * max(1.0, self._n * self._xx):
+            return self.mean_s
+        slope = max(0.0, (self._n * self._xy - self._x * self._y) / spread)
+        mean_rows, mean_s = self._x / self._n, self._y / self._n
+        return max(0.0, mean_s + slope * (rows - mean_rows))

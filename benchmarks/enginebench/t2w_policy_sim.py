@@ -1,20 +1,21 @@
 """Token2wav's call order under open-loop arrivals, simulated: stalls and first chunks per policy setting, no GPU.
 
     python -m enginebench.t2w_policy_sim [--rates 8 12 16 20 24 | --closed 16 32 64] [--seconds 60] [--starving-calls 1 2]
+        [--call-estimate mean rows]
 
 A discrete-event model of one colocated engine: Poisson arrivals of streams (`--tokens` speech tokens each), an
 LLM that decodes every active stream by one token per step (a step takes `--step-ms` + `--step-ms-per-stream` x
 active streams; a new stream's prefill holds the LLM `--prefill-ms`), the served chunk schedule (a stream that
 starts beside fewer than 24 others: the first hop unpadded; else padded to the 25-token grid for a random prompt
 length; hops grow x2 to 100, 3 lookahead tokens), and one token2wav worker whose calls are formed by the real
-`SchedulePolicy` with the service's running mean of call times. A call takes `--call-ms` plus per row
+`SchedulePolicy` with the service's expected call time (`CallTimes`: the running mean, or by the rows pending). A call takes `--call-ms` plus per row
 `--row-ms` + `--token-ms` x its new tokens (fitted to one H200's token2wav alone: 1, 8 and 16 first chunks in 40,
 72 and 107 ms, 16 second chunks in 136 ms, 16 mixed first and fourth chunks in 199 ms), scaled by `--t2w-scale` for
 the stack's contention. A listener plays from its first audio on; a chunk that arrives after the audio before it has
 played is a stall (`ttsbench.playback`).
 
 It is a model: use it to compare policy settings with each other under the same arrivals, and measure the one that
-wins in the served stack (`stack-bench --open-loop ... --variant starving_calls=2`).
+wins in the served stack (`stack-bench --open-loop ... --variant call_estimate=rows`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice2.streaming import ChunkSchedule
 from speech_serving.token2wav import CALL_MEAN_WEIGHT, INITIAL_CALL_S
-from speech_serving.token2wav_policy import PendingJob, SchedulePolicy
+from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy
 from ttsbench.playback import stream_stalls
 
 TOKEN_S = 0.04  # one speech token is 40 ms of audio
@@ -62,10 +63,11 @@ class Model:
 
 
 def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0,
-             closed: bool = False) -> dict[str, float]:
+             closed: bool = False, by_rows: bool = False) -> dict[str, float]:
     """One run: open loop, `load` Poisson arrivals per second for `seconds`; closed loop (`closed`), `load` clients
     that each start a new stream when their last one's final chunk is answered, until `seconds`. The LLM and the
-    token2wav worker each keep their own clock; whichever is behind moves next."""
+    token2wav worker each keep their own clock; whichever is behind moves next. `by_rows`: the service's
+    expected call time by the rows the queue would fill (`CallTimes`), else its running mean."""
     rng = random.Random(seed)
     arrivals: list[float] = []  # open loop: all of them now; closed loop: appended as streams end
     if closed:  # the clients start within the first second (a level's ramp)
@@ -80,7 +82,7 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
     answered: dict[int, float] = {}  # stream -> when its audio runs dry (the service's view)
     firsts: list[float] = []
     llm_t = worker_t = 0.0
-    call_mean = INITIAL_CALL_S
+    call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT, by_rows)
     admitted = llm_late = 0
 
     def llm_step() -> None:
@@ -112,7 +114,7 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
                 active.remove(index)
 
     def token2wav_call() -> None:
-        nonlocal worker_t, call_mean, llm_late
+        nonlocal worker_t, llm_late
         worker_t = max(worker_t, min(job[0] for job in queue))
         heads: dict[int, tuple[float, int, int]] = {}
         for job in queue:
@@ -120,11 +122,12 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
                 heads.setdefault(job[1], job)
         jobs = list(heads.values())
         views = [PendingJob(job[0], job[2] == 0, answered.get(job[1])) for job in jobs]
-        chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_mean)]
+        rows = len(jobs) if policy.max_rows is None else min(len(jobs), policy.max_rows)
+        chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_times.expected(rows))]
         new_tokens = [streams[j[1]].chunks[j[2]][1] - streams[j[1]].chunks[j[2]][0] for j in chosen]
         took = model.call_s(new_tokens)
         worker_t += took
-        call_mean = (1.0 - CALL_MEAN_WEIGHT) * call_mean + CALL_MEAN_WEIGHT * took
+        call_times.observe(len(chosen), took)
         for job in chosen:
             queue.remove(job)
             stream, runs_dry = streams[job[1]], answered.get(job[1])
@@ -168,6 +171,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=125,
                         help="mean speech tokens per stream (5 s of audio; each 0.4-1.6x that)")
     parser.add_argument("--starving-calls", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument("--call-estimate", nargs="+", choices=("mean", "rows"), default=["mean"],
+                        help="the expected call time the policy is given: the running mean, or by the rows the queue "
+                             "would fill (each a row of the table)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, default=3.5)
     parser.add_argument("--step-ms-per-stream", type=float, default=0.03)
@@ -180,16 +186,18 @@ def main() -> int:
     model = Model(args.step_ms, args.step_ms_per_stream, args.prefill_ms, args.call_ms, args.row_ms, args.token_ms,
                   args.t2w_scale)
     closed = args.closed is not None
-    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | streams | stalled streams | of them at "
-          "chunk 2 | late chunks whose tokens came too late | first chunk p50 (ms) | p90 | p95 |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | call estimate | streams | stalled streams "
+          "| of them at chunk 2 | late chunks whose tokens came too late | first chunk p50 (ms) | p90 | p95 |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for load in args.closed if closed else args.rates:
         for calls in args.starving_calls:
-            runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=16, starving_calls=calls), model,
-                             seed, closed) for seed in range(args.seeds)]
-            cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
-                     ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms", "first_p95_ms")]
-            print(f"| {load:g} | {calls:g} | " + " | ".join(cells) + " |")
+            for estimate in args.call_estimate:
+                runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=16, starving_calls=calls),
+                                 model, seed, closed, by_rows=estimate == "rows") for seed in range(args.seeds)]
+                cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
+                         ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",
+                          "first_p95_ms")]
+                print(f"| {load:g} | {calls:g} | {estimate} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from speech_serving.token2wav_policy import PendingJob, SchedulePolicy, Urgency
+from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy, Urgency
 
 NOW, CALL_S = 100.0, 0.2
 
@@ -132,3 +132,59 @@ def test_under_steady_first_chunks_a_later_chunk_is_late_with_1_and_on_time_with
 def test_starving_calls_below_one_is_refused():
     with pytest.raises(ValueError, match="starving_calls"):
         SchedulePolicy(starving_calls=0.5)
+
+
+def test_call_times_by_default_is_the_running_mean_of_every_call():
+    times = CallTimes(initial_s=0.2, weight=0.5)
+    assert times.expected(1) == times.expected(16) == 0.2
+    times.observe(1, 0.1)
+    times.observe(16, 0.3)
+    assert times.expected(1) == times.expected(16) == pytest.approx(0.5 * (0.5 * 0.2 + 0.5 * 0.1) + 0.5 * 0.3)
+
+
+def test_call_times_by_rows_follows_the_line_of_seconds_against_rows():
+    times = CallTimes(initial_s=0.2, weight=0.1, by_rows=True)
+    for _ in range(5):
+        times.observe(4, 0.05)
+    assert times.expected(16) == pytest.approx(times.mean_s)  # one size seen: no line yet, the mean
+    for rows in [1, 8, 16, 2, 12, 4] * 20:
+        times.observe(rows, 0.04 + 0.005 * rows)
+    assert times.expected(1) == pytest.approx(0.045, abs=1e-6)
+    assert times.expected(16) == pytest.approx(0.12, abs=1e-6)
+    assert times.expected(16) > times.mean_s > times.expected(1)
+
+
+def test_call_times_refuse_a_weight_outside_0_to_1():
+    with pytest.raises(ValueError, match="weight"):
+        CallTimes(initial_s=0.2, weight=0.0)
+
+
+def _late_in_a_burst(by_rows: bool) -> float | None:
+    """Calls of 20 ms + 10 ms a row, at most 8 rows. First small calls (one first chunk each) teach the estimate,
+    then a burst keeps 8 first chunks waiting at every call; one playing stream's next chunk is queued as the burst
+    begins with 0.5 s of audio left. How late its call ends after its listener ran dry (None: on time)."""
+    policy = SchedulePolicy(max_rows=8)  # the served margin, 3 expected calls
+    times = CallTimes(initial_s=0.2, weight=0.2, by_rows=by_rows)
+    now = 0.0
+    for _ in range(30):
+        chosen = policy.next_call([PendingJob(queued_at=now, first_chunk=True)], now, times.expected(1))
+        times.observe(len(chosen), 0.02 + 0.01 * len(chosen))
+        now += 0.03
+    later = PendingJob(queued_at=now, first_chunk=False, runs_dry_at=now + 0.5)
+    for call in range(20):
+        waiting = [PendingJob(queued_at=now - 0.01 * i, first_chunk=True) for i in range(8)]
+        jobs = [*waiting, later]
+        chosen = policy.next_call(jobs, now, times.expected(min(len(jobs), 8)))
+        took = 0.02 + 0.01 * len(chosen)
+        times.observe(len(chosen), took)
+        now += took
+        if len(jobs) - 1 in chosen:
+            return max(0.0, now - later.runs_dry_at) or None
+    raise AssertionError("the later chunk never ran")
+
+
+def test_in_a_burst_of_first_chunks_the_by_rows_estimate_keeps_a_later_chunk_on_time():
+    """The running mean, taught by small calls, expects 30 ms a call while the burst's full calls take 100 ms: the
+    3-call margin (90 ms) lets the later chunk in too late. By rows the margin is three full calls."""
+    assert _late_in_a_burst(by_rows=False) is not None
+    assert _late_in_a_burst(by_rows=True) is None
