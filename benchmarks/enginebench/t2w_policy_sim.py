@@ -8,10 +8,10 @@ LLM that decodes every active stream by one token per step (a step takes `--step
 active streams; a new stream's prefill holds the LLM `--prefill-ms`), the served chunk schedule (a stream that
 starts beside fewer than 24 others: the first hop unpadded; else padded to the 25-token grid for a random prompt
 length; hops grow x2 to 100, 3 lookahead tokens), and one token2wav worker whose calls are formed by the real
-`SchedulePolicy` with the service's expected call time (`CallTimes`: the running mean, or by the rows pending). A call takes `--call-ms` plus per row
-`--row-ms` + `--token-ms` x its new tokens (fitted to one H200's token2wav alone: 1, 8 and 16 first chunks in 40,
-72 and 107 ms, 16 second chunks in 136 ms, 16 mixed first and fourth chunks in 199 ms), scaled by `--t2w-scale` for
-the stack's contention. A listener plays from its first audio on; a chunk that arrives after the audio before it has
+`SchedulePolicy` with the service's expected call time (`CallTimes`: the running mean, or by the rows pending). A
+call takes `--call-ms` plus per row `--row-ms` + `--token-ms` x its new tokens (fitted to one H200's token2wav
+alone: 1, 8 and 16 first chunks in 40, 72 and 107 ms, 16 second chunks in 136 ms, 16 mixed first and fourth chunks
+in 199 ms), scaled by `--t2w-scale` for the stack's contention. A listener plays from its first audio on; a chunk that arrives after the audio before it has
 played is a stall (`ttsbench.playback`).
 
 It is a model: use it to compare policy settings with each other under the same arrivals, and measure the one that
