@@ -84,7 +84,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
          "align_first_hop": "never", "busy_streams": 8, "starving_calls": 2.0,
          "call_estimate": "rows"},
-        {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048},
+        {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048, "llm_yield": "first_chunks"},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
         {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "starving_calls": 1.5},
     ],

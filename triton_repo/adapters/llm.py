@@ -46,10 +46,10 @@ class LLMHandler:
     def __init__(self, llm: torch.nn.Module, vocab: SpeechVocabLayout, params: DecoderParams,
                  sampling: CosyVoice2Sampling | None = None,
                  token_filter: Callable[[], TokenFilter] | None = None,
-                 yield_to: Token2WavCalls | None = None) -> None:
+                 yield_to: Token2WavCalls | None = None, yield_mode: str = "lone") -> None:
         """`sampling`: the sampler each request's values go into (None: CosyVoice2's); `token_filter`: makes one
         request's filter (None: every decoded token is sent); `yield_to`: the token2wav calls of this process the
-        scheduler may wait for (`gpu_yield`)."""
+        scheduler may wait for, and `yield_mode` when (`gpu_yield`)."""
         self.vocab = vocab
         self.sampling = sampling
         self.token_filter = token_filter
@@ -58,7 +58,7 @@ class LLMHandler:
         self.stats = Stats(LLM_STATS)
         self.scheduler = ContinuousBatchingScheduler(
             StreamDecoder(decoder, worker_stream(torch.device(params.device), LLM_STREAM_PRIORITY)),
-            params.max_waiting, self.stats, yield_to=yield_to,
+            params.max_waiting, self.stats, yield_to=yield_to, yield_mode=yield_mode,
         )  # fmt: skip
 
     @classmethod
@@ -70,7 +70,7 @@ class LLMHandler:
         vocab = SpeechVocabLayout(len(CosyVoice2Tokenizer.from_model_dir(model_dir)), config.llm.speech_token_size)
         if params.benchmark:
             disable_stop_tokens(llm)  # benchmark mode: the orchestrator's length limit ends every sequence
-        return cls(llm, vocab, params, yield_to=yield_to)
+        return cls(llm, vocab, params, yield_to=yield_to, yield_mode=params.llm_yield)
 
     async def handle(self, request: Any, sender: Any) -> None:
         request_id = request.request_id()
