@@ -65,9 +65,12 @@ class Model:
 
 
 def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0,
-             closed: bool = False, by_rows: bool = False, llm_yield: str = "off") -> dict[str, float]:
+             closed: bool = False, by_rows: bool = False, llm_yield: str = "off", ramp_s: float = 1.0,
+             per_client: int = 0) -> dict[str, float]:
     """One run: open loop, `load` Poisson arrivals per second for `seconds`; closed loop (`closed`), `load` clients
-    that each start a new stream when their last one's final chunk is answered, until `seconds`. The LLM and the
+    that each start a new stream when their last one's final chunk is answered, until `seconds` (the clients'
+    first streams start within `ramp_s`; 0: all at once, as tts-bench's levels start; `per_client` > 0: each client
+    runs that many streams, as a tts-bench level of `--requests`, and the run ends with them). The LLM and the
     token2wav worker each keep their own clock; whichever is behind moves next. `by_rows`: the service's
     expected call time by the rows the queue would fill (`CallTimes`), else its running mean. `llm_yield`
     "first_chunks": the LLM waits during a call that carries a first chunk while all its streams are past theirs
@@ -75,8 +78,8 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
     takes `step_beside` times its time alone."""
     rng = random.Random(seed)
     arrivals: list[float] = []  # open loop: all of them now; closed loop: appended as streams end
-    if closed:  # the clients start within the first second (a level's ramp)
-        arrivals = sorted(rng.uniform(0.0, 1.0) for _ in range(int(load)))
+    if closed:
+        arrivals = sorted(rng.uniform(0.0, ramp_s) for _ in range(int(load)))
     else:
         t = 0.0
         while (t := t + rng.expovariate(load)) < seconds:
@@ -163,7 +166,8 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
             if job[2] == 0:
                 firsts.append(worker_t - stream.arrival)
             answered[job[1]] = answered.get(job[1], worker_t) + audio
-            if final and closed and worker_t < seconds:  # the client's next request
+            more = len(arrivals) < per_client * int(load) if per_client else worker_t < seconds
+            if final and closed and more:  # the client's next request
                 arrivals.append(worker_t)
                 arrivals.sort()
 
@@ -202,6 +206,11 @@ def main() -> int:
                         help="the expected call time the policy is given: the running mean, or by the rows the queue "
                              "would fill (each a row of the table)")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--ramp", type=float, default=1.0,
+                        help="closed loop: the clients' first streams start within this many seconds (0: at once)")
+    parser.add_argument("--max-rows", type=int, default=16, help="jobs per token2wav call at most (the row cap)")
+    parser.add_argument("--per-client", type=int, default=0,
+                        help="closed loop: streams per client, then the run ends (stack-bench's levels: 2); 0: --seconds")
     parser.add_argument("--step-ms", type=float, default=3.5)
     parser.add_argument("--step-ms-per-stream", type=float, default=0.03)
     parser.add_argument("--prefill-ms", type=float, default=12.0)
@@ -220,8 +229,10 @@ def main() -> int:
         for calls in args.starving_calls:
             for estimate in args.call_estimate:
                 for llm_yield in args.llm_yield:
-                    runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=16, starving_calls=calls),
-                                     model, seed, closed, by_rows=estimate == "rows", llm_yield=llm_yield)
+                    runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=args.max_rows,
+                                                                                    starving_calls=calls),
+                                     model, seed, closed, by_rows=estimate == "rows", llm_yield=llm_yield,
+                                     ramp_s=args.ramp, per_client=args.per_client)
                             for seed in range(args.seeds)]
                     cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
                              ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",

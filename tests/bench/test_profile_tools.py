@@ -84,3 +84,15 @@ def test_the_token2wav_policy_model_runs_closed_loop_clients_too():
     ).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 4 | ")]
     assert len(rows) == 1 and rows[0][2:4] == ["mean", "off"] and int(rows[0][4]) > 2 * 4 and float(rows[0][8]) > 0
+
+
+def test_the_token2wav_policy_model_runs_a_level_like_stack_bench():
+    """`--ramp 0 --per-client 2`: every client starts at once and runs two streams, as a stack-bench level of 2
+    requests per client, whatever `--seconds` says."""
+    out = subprocess.run(
+        [sys.executable, "-m", "enginebench.t2w_policy_sim", "--closed", "8", "--ramp", "0", "--per-client", "2",
+         "--seconds", "1", "--seeds", "2", "--starving-calls", "3", "--max-rows", "4"],
+        capture_output=True, text=True, timeout=300, check=True,
+    ).stdout
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 | ")]
+    assert len(rows) == 1 and rows[0][4] == "16 / 16", rows
