@@ -6,9 +6,11 @@ job (a stream's chunks stay in order) and this policy ranks them:
 1. **Starving**: a stream whose listener runs out of buffered audio within `starving_calls` expected call times
    (its deadline lies before now + starving_calls x the expected call time). With 1, that would be a stream that
    runs dry before even this call could finish: a gap is then certain. With 2, a stream that cannot wait for the
-   next call (the next one forms only when this one ends). The served default is 3: the margin covers a call that
-   takes longer than the running mean (more rows, the GPU shared with the LLM). A job with nothing playing that is not a first chunk (an offline utterance)
-   counts as starving once its deadline has passed, so a stream of first chunks cannot hold it back for ever.
+   next call (the next one forms only when this one ends). The served default is 3: the margin covers calls that
+   take longer than expected (more rows, the GPU shared with the LLM); the expected call time is the service's
+   (`CallTimes`: a running mean, or by the rows pending). A job with nothing playing that is not a first chunk (an
+   offline utterance) counts as starving once its deadline has passed, so a stream of first chunks cannot hold it
+   back for ever.
 2. **First chunks**: a new stream's listener hears nothing until its first chunk is answered, while a stream
    past its first chunk is already playing and has slack; so a first chunk goes into the very next call, ahead
    of any later chunk that still has audio buffered.
