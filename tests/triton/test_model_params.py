@@ -265,10 +265,11 @@ def test_the_llm_yields_by_default_only_where_it_shares_a_process_with_token2wav
     assert rendered(device="cuda", llm_yield="off") == "off"
 
 
-@pytest.mark.parametrize("llm_yield", ["off", "lone"])
+@pytest.mark.parametrize("llm_yield", ["off", "lone", "first_chunks"])
 def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm(tiny_model_dir, adapters, llm_yield):
     """The engine's LLM scheduler counts its steps beside the very calls its token2wav service marks
-    (`speech_serving.gpu_yield`), and with `llm_yield=lone` it waits on them; `off`: it never waits."""
+    (`speech_serving.gpu_yield`), and with `llm_yield` lone or first_chunks it waits on them as that mode says;
+    `off`: it never waits."""
     EngineHandler = adapters("engine").EngineHandler  # noqa: N806 - a class
     opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), llm_yield=llm_yield)
     params = EngineParams(render_models.llm_params(opts), render_models.token2wav_params(opts))
@@ -276,6 +277,7 @@ def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm(tiny_model_di
     try:
         calls = handler.token2wav.service.calls
         assert calls is not None and handler.llm.scheduler.observed_token2wav is calls
-        assert handler.llm.scheduler.yield_to is (calls if llm_yield == "lone" else None)
+        assert handler.llm.scheduler.yield_to is (calls if llm_yield != "off" else None)
+        assert handler.llm.scheduler.yield_mode == llm_yield
     finally:
         handler.close()
