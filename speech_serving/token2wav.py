@@ -286,8 +286,7 @@ class Token2WavService(Generic[S]):
             return []
         now = time.monotonic()
         pending = [self._pending_job(job) for job in jobs]
-        rows = len(jobs) if self.policy.max_rows is None else min(len(jobs), self.policy.max_rows)
-        call_s = self.call_times.expected(rows)  # the call these jobs would fill
+        call_s = self.call_times.expected(self.policy.call_rows(len(jobs)))  # the call these jobs would fill
         chosen = self.policy.next_call(pending, now, call_s)
         batch = [jobs[i] for i in chosen]
         starving = sum(self.policy.urgency(pending[i], now, call_s) == Urgency.STARVING for i in chosen)

@@ -90,6 +90,10 @@ class SchedulePolicy:
         keys = [(self.urgency(job, now, call_s), self.deadline(job)) for job in jobs]
         return sorted(range(len(jobs)), key=keys.__getitem__)
 
+    def call_rows(self, pending: int) -> int:
+        """The jobs a call of `pending` pending jobs would hold at most (the row cap)."""
+        return pending if self.max_rows is None else min(pending, self.max_rows)
+
     def next_call(self, jobs: Sequence[PendingJob], now: float, call_s: float) -> list[int]:
         """Indices of the jobs the next call runs, in `order`, at most `max_rows` of them. While first chunks wait,
         the call runs only them and the starving jobs: a later chunk with audio to spare would make the call, and

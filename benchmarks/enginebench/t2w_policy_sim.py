@@ -144,8 +144,7 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
                 heads.setdefault(job[1], job)
         jobs = list(heads.values())
         views = [PendingJob(job[0], job[2] == 0, answered.get(job[1])) for job in jobs]
-        rows = len(jobs) if policy.max_rows is None else min(len(jobs), policy.max_rows)
-        chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_times.expected(rows))]
+        chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_times.expected(policy.call_rows(len(jobs))))]
         new_tokens = [streams[j[1]].chunks[j[2]][1] - streams[j[1]].chunks[j[2]][0] for j in chosen]
         waits = (llm_yield == "first_chunks" and any(j[2] == 0 for j in chosen) and bool(active)
                  and all(streams[i].next_chunk > 0 for i in active)
@@ -210,7 +209,8 @@ def main() -> int:
                         help="closed loop: the clients' first streams start within this many seconds (0: at once)")
     parser.add_argument("--max-rows", type=int, default=16, help="jobs per token2wav call at most (the row cap)")
     parser.add_argument("--per-client", type=int, default=0,
-                        help="closed loop: streams per client, then the run ends (stack-bench's levels: 2); 0: --seconds")
+                        help="closed loop: streams per client, then the run ends (stack-bench's levels: 2); "
+                             "0: until --seconds")
     parser.add_argument("--step-ms", type=float, default=3.5)
     parser.add_argument("--step-ms-per-stream", type=float, default=0.03)
     parser.add_argument("--prefill-ms", type=float, default=12.0)

@@ -69,6 +69,8 @@ def test_the_next_call_takes_the_most_urgent_jobs_up_to_the_row_cap():
     assert SchedulePolicy(max_rows=1).next_call(jobs, NOW, CALL_S) == [4]
     assert SchedulePolicy().next_call(jobs, NOW, CALL_S) == [4, 3, 2, 1, 0]  # no cap
     assert SchedulePolicy(max_rows=3).next_call([], NOW, CALL_S) == []
+    assert [SchedulePolicy(max_rows=3).call_rows(n) for n in (1, 3, 7)] == [1, 3, 3]
+    assert SchedulePolicy().call_rows(7) == 7
 
 
 def test_while_first_chunks_wait_a_call_holds_only_them_and_the_starving():
@@ -174,7 +176,7 @@ def _late_in_a_burst(by_rows: bool) -> float | None:
     for call in range(20):
         waiting = [PendingJob(queued_at=now - 0.01 * i, first_chunk=True) for i in range(8)]
         jobs = [*waiting, later]
-        chosen = policy.next_call(jobs, now, times.expected(min(len(jobs), 8)))
+        chosen = policy.next_call(jobs, now, times.expected(policy.call_rows(len(jobs))))
         took = 0.02 + 0.01 * len(chosen)
         times.observe(len(chosen), took)
         now += took

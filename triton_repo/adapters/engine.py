@@ -31,9 +31,8 @@ class EngineHandler:
         """CosyVoice2's LLM and token2wav (CosyVoice3's: `adapters.cosyvoice3`). The LLM first: its CUDA graphs are
         captured while no other thread uses the GPU yet."""
         calls = Token2WavCalls()  # `gpu_yield`: the LLM counts its steps beside token2wav's calls, and waits for a
-        # running one unless llm_yield is off
-        llm = LLMHandler.from_params(params.llm, yield_to=calls if params.llm.llm_yield != "off" else None)
-        llm.scheduler.observe_token2wav(calls)
+        # running one as llm_yield says (off: never)
+        llm = LLMHandler.from_params(params.llm, yield_to=calls)
         return cls(llm, Token2WavHandler.from_params(params.token2wav, calls))
 
     async def handle(self, request: Any, sender: Any) -> None:
