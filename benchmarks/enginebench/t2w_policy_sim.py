@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice2.streaming import ChunkSchedule
 from speech_serving.token2wav import CALL_MEAN_WEIGHT, INITIAL_CALL_S
-from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy
+from speech_serving.token2wav_policy import CALL_ESTIMATES, CallTimes, PendingJob, SchedulePolicy
 from ttsbench.playback import stream_stalls
 
 TOKEN_S = 0.04  # one speech token is 40 ms of audio
@@ -201,7 +201,7 @@ def main() -> int:
                         help="whether the LLM waits during calls with first chunks (each a row of the table)")
     parser.add_argument("--step-beside", type=float, default=1.0,
                         help="an LLM step during a token2wav call against alone (H200, c=32: 4.9 / 3.05 ms)")
-    parser.add_argument("--call-estimate", nargs="+", choices=("mean", "rows"), default=["mean"],
+    parser.add_argument("--call-estimate", nargs="+", choices=CALL_ESTIMATES, default=[CALL_ESTIMATES[0]],
                         help="the expected call time the policy is given: the running mean, or by the rows the queue "
                              "would fill (each a row of the table)")
     parser.add_argument("--seeds", type=int, default=3)
