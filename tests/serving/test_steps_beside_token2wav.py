@@ -137,6 +137,11 @@ async def test_observing_alone_never_waits_and_counts_the_steps_beside_another_t
     assert 0 < stats["llm_step_beside_token2wav_seconds_total"] < stats["llm_step_seconds_total"]
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 async def test_the_steps_beside_are_those_during_the_token2wav_services_call():
     """The token2wav service marks its engine calls (as the colocated engine's does): the LLM steps while its call
     is held are beside it, those after it are not."""
@@ -151,15 +156,13 @@ async def test_the_steps_beside_are_those_during_the_token2wav_services_call():
             await deliveries.__anext__()
             engine.gate.clear()
             audio = asyncio.create_task(service.process("s", np.arange(8), PROMPT, chunk(0, 5), seed=1))
-            while not calls.busy:
-                await asyncio.sleep(0.001)
+            await until(lambda: calls.busy)
             during = await steps_while(decoder, 0.1)
             engine.gate.set()
             await audio
             # the service's worker marks the call's end after the audio is handed over, and with the scripted
             # decoder's thread spinning it may get the GIL late: the steps after the call begin once it has
-            while calls.busy:
-                await asyncio.sleep(0.001)
+            await until(lambda: not calls.busy)
             await asyncio.sleep(0.05)  # the step in flight when the call ended, if any, ends
             after = await steps_while(decoder, 0.1)
             assert scheduler.cancel("lone")
