@@ -224,6 +224,27 @@ def check_stub_env(env_prefix: Path) -> None:
         )
 
 
+def libpython_dir(workdir: Path) -> Path | None:
+    """A directory holding only this interpreter's libpython (a link to it), for the stub's LD_LIBRARY_PATH; None
+    when the interpreter has no shared libpython to point at.
+
+    The python-backend stub links `libpython3.X.so.1.0` and must find ours, not a distribution's. Putting the
+    interpreter's whole LIBDIR on LD_LIBRARY_PATH did that, but LD_LIBRARY_PATH is searched before the RUNPATH of
+    torch's wheels: where LIBDIR is a system directory (/usr/lib/x86_64-linux-gnu, the GPU images' Python), the
+    CUDA libraries installed there (cuDNN's engine libraries among them) shadowed the ones torch ships with, and the
+    LLM's decode step ran 1.92 ms on the GPU instead of 1.40 (H200, `enginebench.llm_step_paths` with the stub's
+    library path). The link puts libpython, and nothing else, ahead."""
+    libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
+    if not libdir or not soname or not (Path(libdir) / soname).exists():
+        return None
+    target = workdir / "libpython"
+    target.mkdir(parents=True, exist_ok=True)
+    link = target / soname
+    if not link.is_symlink():
+        link.symlink_to(Path(libdir) / soname)
+    return target
+
+
 @dataclass
 class TritonServer:
     """One tritonserver process on loopback with free ports.
@@ -341,9 +362,10 @@ class TritonServer:
     def _env(self, ts_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
         libs = [str(ts_dir.parent.parent / "nvidia_pytriton.libs")]
-        pylib = sysconfig.get_config_var("LIBDIR")
-        if pylib:
-            libs.append(pylib)  # the stub links libpython: prefer ours over the distro's
+        assert self._workdir is not None  # made by the start that asks
+        pylib = libpython_dir(self._workdir)
+        if pylib is not None:
+            libs.append(str(pylib))
         if env.get("LD_LIBRARY_PATH"):
             libs.append(env["LD_LIBRARY_PATH"])
         env["LD_LIBRARY_PATH"] = ":".join(libs)

@@ -125,3 +125,28 @@ def test_the_stubs_run_in_the_separate_stub_environment_where_this_one_has_numpy
     assert server.default_stub_env() == stub_env
     monkeypatch.setattr(server, "DEFAULT_STUB_ENV", tmp_path / "absent")
     assert server.default_stub_env() == here  # nothing better: its start then says what to do
+
+
+def test_the_stubs_library_path_puts_libpython_ahead_and_nothing_else_of_its_directory(tmp_path, monkeypatch):
+    """Python's LIBDIR may be a system directory full of CUDA libraries (the GPU images': /usr/lib/x86_64-linux-gnu,
+    with cuDNN): on LD_LIBRARY_PATH they would win over torch's own. Only a link to libpython goes there."""
+    import triton_repo.server as server
+
+    system = tmp_path / "usr-lib"
+    system.mkdir()
+    for name in ("libpython3.99.so.1.0", "libcudnn_engines_precompiled.so.9", "libcublas.so.13"):
+        (system / name).write_bytes(b"")
+    config = {"LIBDIR": str(system), "INSTSONAME": "libpython3.99.so.1.0"}
+    monkeypatch.setattr(server.sysconfig, "get_config_var", lambda key: config.get(key))
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/opt/inherited")
+    ts = server.TritonServer(model_repository=tmp_path / "repo", env_prefix=Path(sys.prefix))
+    ts._workdir = tmp_path / "work"  # what a start makes first
+    paths = ts._env(tmp_path / "pytriton" / "tritonserver")["LD_LIBRARY_PATH"].split(":")
+    assert str(system) not in paths
+    assert paths[-1] == "/opt/inherited"  # what the caller had comes last, as before
+    linked = [Path(p) for p in paths if (Path(p) / "libpython3.99.so.1.0").exists()]
+    assert len(linked) == 1 and [c.name for c in linked[0].iterdir()] == ["libpython3.99.so.1.0"]
+    assert (linked[0] / "libpython3.99.so.1.0").resolve() == system / "libpython3.99.so.1.0"
+    config["INSTSONAME"] = None  # a static build: nothing to link
+    assert server.libpython_dir(tmp_path / "again") is None
+
