@@ -38,7 +38,7 @@ from speech_serving.errors import InvalidInput
 from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.io_struct import PromptTensors
 from speech_serving.stats import Stats
-from speech_serving.token2wav_policy import CALL_ESTIMATES, CallTimes, PendingJob, SchedulePolicy, Urgency
+from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy, Urgency
 
 S = TypeVar("S")
 
@@ -175,15 +175,11 @@ class Token2WavService(Generic[S]):
         max_rows: int | None = None,
         calls: Token2WavCalls | None = None,
         starving_calls: float = SchedulePolicy.starving_calls,
-        call_estimate: str = CALL_ESTIMATES[0],
     ) -> None:
         """`max_rows`: jobs per call at most (default: the engine's `max_rows`, if it has one; else no cap).
         `max_defer_s`: how long a job with nothing playing (offline) may wait behind playing streams. `calls`: marks
         each engine call for an LLM scheduler of the same process that may wait for it (`gpu_yield`).
-        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`). `call_estimate`: the call time the policy
-        counts in (`CallTimes`): "mean" of every call, or by "rows", those of a call of as many jobs as are pending."""
-        if call_estimate not in CALL_ESTIMATES:
-            raise ValueError(f"call_estimate must be one of {CALL_ESTIMATES}, got {call_estimate!r}")
+        `starving_calls`: the policy's (`SchedulePolicy.starving_calls`)."""
         self.engine = engine
         self.calls = calls
         self.policy = SchedulePolicy(max_rows if max_rows is not None else getattr(engine, "max_rows", None),
@@ -202,7 +198,7 @@ class Token2WavService(Generic[S]):
         # what the deadline order weighs: the audio each stream has buffered, and how long a call takes
         self.sample_rate: int | None = getattr(engine, "sample_rate", None)
         self._playback: dict[str, _Playback] = {}
-        self.call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT, by_rows=call_estimate == "rows")
+        self.call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT)
         self._engine_totals: dict[str, tuple[int, ...]] = {}  # per `ENGINE_TOTALS` hook, its values at the last call
         self._thread = threading.Thread(target=self._run, name="token2wav", daemon=True)
         self._thread.start()

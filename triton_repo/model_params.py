@@ -25,7 +25,6 @@ from typing import Any, Mapping, TypeVar
 
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import StreamScheduleParams
-from speech_serving.token2wav_policy import CALL_ESTIMATES, SchedulePolicy
 from spark_tts.streaming import ChunkSchedule
 
 
@@ -222,9 +221,6 @@ class Token2WavParams(_TorchModelParams):
     flow_cache: str
     flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
     flow_norm_kernels: str = "off"  # "on": the flow's fused LayerNorm kernels inside its CUDA graphs
-    # call times of buffered audio below which a stream's chunk goes first (`SchedulePolicy.starving_calls`)
-    starving_calls: float = SchedulePolicy.starving_calls
-    call_estimate: str = CALL_ESTIMATES[0]  # the call time that margin is counted in (`CallTimes`)
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
 

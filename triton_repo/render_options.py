@@ -24,7 +24,6 @@ from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.gpu_yield import LLM_YIELD_MODES
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import FIRST_HOP_ALIGNMENTS, StreamScheduleParams
-from speech_serving.token2wav_policy import CALL_ESTIMATES, SchedulePolicy
 from spark_tts.llm import SparkSampling
 from spark_tts.streaming import ChunkSchedule
 import pipeline_contract as contract
@@ -256,18 +255,6 @@ class RenderOptions(_Options):
     # Off until measured in the served stack against off (three interleaved runs): inside the flow's CUDA graphs
     # they made an estimator step ~9 % faster on an H200 (padded rows then;
     # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
-    # 3 since two interleaved runs against 1 on one H200 (the open-loop rate 17.5 / >= 14 against 14 / 12.25 req/s,
-    # c=16 and c=32 unchanged); the option stays until c=64 and a third run are measured against 1
-    # (docs/experiments/2026-12-02-h200-open-loop.md)
-    starving_calls: float = option(SchedulePolicy.starving_calls, minimum=1,
-                                   help="token2wav: a stream whose buffered audio lasts fewer than this many expected "
-                                        "calls goes ahead of first chunks (1: only once it would run dry even if it ran "
-                                        "now; 2: once it cannot wait for the next call; 3: one call of margin more)")
-    # mean until measured against rows in the stack: in `enginebench.t2w_policy_sim` rows (with starving_calls 3) had
-    # no stalled stream up to 26 req/s where the mean stalled 1-5 at 14-22 (docs/experiments/2026-12-02-h200-open-loop.md)
-    call_estimate: str = option(CALL_ESTIMATES[0], choices=CALL_ESTIMATES,
-                                help="token2wav: the call time starving_calls counts in: the running mean of all calls, "
-                                     "or by rows, what calls of as many jobs as are pending took")
     flow_norm_kernels: str = option("off", choices=("off", "on"),
                                     help="UNet flow: the causal blocks' LayerNorm+Mish+mask and the transformer "
                                          "blocks' add+LayerNorm as one Triton kernel each, inside the CUDA graphs")

@@ -1,21 +1,20 @@
 """Token2wav's call order under open-loop arrivals, simulated: stalls and first chunks per policy setting, no GPU.
 
     python -m enginebench.t2w_policy_sim [--rates 8 12 16 20 24 | --closed 16 32 64] [--seconds 60] [--starving-calls 1 2]
-        [--call-estimate mean rows]
 
 A discrete-event model of one colocated engine: Poisson arrivals of streams (`--tokens` speech tokens each), an
 LLM that decodes every active stream by one token per step (a step takes `--step-ms` + `--step-ms-per-stream` x
 active streams; a new stream's prefill holds the LLM `--prefill-ms`), the served chunk schedule (a stream that
 starts beside fewer than 24 others: the first hop unpadded; else padded to the 25-token grid for a random prompt
 length; hops grow x2 to 100, 3 lookahead tokens), and one token2wav worker whose calls are formed by the real
-`SchedulePolicy` with the service's expected call time (`CallTimes`: the running mean, or by the rows pending). A
+`SchedulePolicy` with the service's expected call time (`CallTimes`, by the rows pending). A
 call takes `--call-ms` plus per row `--row-ms` + `--token-ms` x its new tokens (fitted to one H200's token2wav
 alone: 1, 8 and 16 first chunks in 40, 72 and 107 ms, 16 second chunks in 136 ms, 16 mixed first and fourth chunks
 in 199 ms), scaled by `--t2w-scale` for the stack's contention. A listener plays from its first audio on; a chunk that arrives after the audio before it has
 played is a stall (`ttsbench.playback`).
 
 It is a model: use it to compare policy settings with each other under the same arrivals, and measure the one that
-wins in the served stack (`stack-bench --open-loop ... --variant call_estimate=rows`).
+wins in the served stack (`stack-bench --open-loop ...` against the render of the setting it suggests).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 
 from cosyvoice2.streaming import ChunkSchedule
 from speech_serving.token2wav import CALL_MEAN_WEIGHT, INITIAL_CALL_S
-from speech_serving.token2wav_policy import CALL_ESTIMATES, CallTimes, PendingJob, SchedulePolicy
+from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy
 from ttsbench.playback import stream_stalls
 
 TOKEN_S = 0.04  # one speech token is 40 ms of audio
@@ -65,14 +64,13 @@ class Model:
 
 
 def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0,
-             closed: bool = False, by_rows: bool = False, llm_yield: str = "off", ramp_s: float = 1.0,
+             closed: bool = False, llm_yield: str = "off", ramp_s: float = 1.0,
              per_client: int = 0) -> dict[str, float]:
     """One run: open loop, `load` Poisson arrivals per second for `seconds`; closed loop (`closed`), `load` clients
     that each start a new stream when their last one's final chunk is answered, until `seconds` (the clients'
     first streams start within `ramp_s`; 0: all at once, as tts-bench's levels start; `per_client` > 0: each client
     runs that many streams, as a tts-bench level of `--requests`, and the run ends with them). The LLM and the
-    token2wav worker each keep their own clock; whichever is behind moves next. `by_rows`: the service's
-    expected call time by the rows the queue would fill (`CallTimes`), else its running mean. `llm_yield`
+    token2wav worker each keep their own clock; whichever is behind moves next. `llm_yield`
     "first_chunks": the LLM waits during a call that carries a first chunk while all its streams are past theirs
     (`gpu_yield`; a new arrival ends the wait), and that call runs as if alone; an LLM step during any other call
     takes `step_beside` times its time alone."""
@@ -90,7 +88,7 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
     answered: dict[int, float] = {}  # stream -> when its audio runs dry (the service's view)
     firsts: list[float] = []
     llm_t = worker_t = 0.0
-    call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT, by_rows)
+    call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT)
     admitted = llm_late = 0
     calls: list[tuple[float, float, bool]] = []  # (start, end, the LLM waits) of every call, in order
     seen_call = 0  # calls[:seen_call] ended before the LLM's clock
@@ -201,9 +199,6 @@ def main() -> int:
                         help="whether the LLM waits during calls with first chunks (each a row of the table)")
     parser.add_argument("--step-beside", type=float, default=1.0,
                         help="an LLM step during a token2wav call against alone (H200, c=32: 4.9 / 3.05 ms)")
-    parser.add_argument("--call-estimate", nargs="+", choices=CALL_ESTIMATES, default=[CALL_ESTIMATES[0]],
-                        help="the expected call time the policy is given: the running mean, or by the rows the queue "
-                             "would fill (each a row of the table)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ramp", type=float, default=1.0,
                         help="closed loop: the clients' first streams start within this many seconds (0: at once)")
@@ -222,22 +217,21 @@ def main() -> int:
     model = Model(args.step_ms, args.step_ms_per_stream, args.prefill_ms, args.call_ms, args.row_ms, args.token_ms,
                   args.t2w_scale, args.step_beside)
     closed = args.closed is not None
-    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | call estimate | llm_yield | streams "
+    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | llm_yield | streams "
           "| stalled streams | of them at chunk 2 | late chunks whose tokens came too late | first chunk p50 (ms) | p90 "
-          "| p95 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| p95 |\n|---|---|---|---|---|---|---|---|---|---|")
     for load in args.closed if closed else args.rates:
         for calls in args.starving_calls:
-            for estimate in args.call_estimate:
-                for llm_yield in args.llm_yield:
-                    runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=args.max_rows,
-                                                                                    starving_calls=calls),
-                                     model, seed, closed, by_rows=estimate == "rows", llm_yield=llm_yield,
-                                     ramp_s=args.ramp, per_client=args.per_client)
-                            for seed in range(args.seeds)]
-                    cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
-                             ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",
-                              "first_p95_ms")]
-                    print(f"| {load:g} | {calls:g} | {estimate} | {llm_yield} | " + " | ".join(cells) + " |")
+            for llm_yield in args.llm_yield:
+                runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=args.max_rows,
+                                                                                starving_calls=calls),
+                                 model, seed, closed, llm_yield=llm_yield, ramp_s=args.ramp,
+                                 per_client=args.per_client)
+                        for seed in range(args.seeds)]
+                cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
+                         ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",
+                          "first_p95_ms")]
+                print(f"| {load:g} | {calls:g} | {llm_yield} | " + " | ".join(cells) + " |")
     return 0
 
 

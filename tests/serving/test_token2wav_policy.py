@@ -3,6 +3,8 @@ chunks, then earliest deadline; ties keep their arrival order; a call holds at m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from speech_serving.token2wav_policy import CallTimes, PendingJob, SchedulePolicy, Urgency
@@ -136,16 +138,16 @@ def test_starving_calls_below_one_is_refused():
         SchedulePolicy(starving_calls=0.5)
 
 
-def test_call_times_by_default_is_the_running_mean_of_every_call():
+def test_call_times_answer_the_running_mean_until_calls_of_two_sizes_were_seen():
     times = CallTimes(initial_s=0.2, weight=0.5)
     assert times.expected(1) == times.expected(16) == 0.2
-    times.observe(1, 0.1)
-    times.observe(16, 0.3)
+    times.observe(4, 0.1)
+    times.observe(4, 0.3)
     assert times.expected(1) == times.expected(16) == pytest.approx(0.5 * (0.5 * 0.2 + 0.5 * 0.1) + 0.5 * 0.3)
 
 
-def test_call_times_by_rows_follows_the_line_of_seconds_against_rows():
-    times = CallTimes(initial_s=0.2, weight=0.1, by_rows=True)
+def test_call_times_follow_the_line_of_seconds_against_rows():
+    times = CallTimes(initial_s=0.2, weight=0.1)
     for _ in range(5):
         times.observe(4, 0.05)
     assert times.expected(16) == pytest.approx(times.mean_s)  # one size seen: no line yet, the mean
@@ -161,22 +163,23 @@ def test_call_times_refuse_a_weight_outside_0_to_1():
         CallTimes(initial_s=0.2, weight=0.0)
 
 
-def _late_in_a_burst(by_rows: bool) -> float | None:
+def _late_in_a_burst(expect: Callable[[CallTimes, int], float]) -> float | None:
     """Calls of 20 ms + 10 ms a row, at most 8 rows. First small calls (one first chunk each) teach the estimate,
     then a burst keeps 8 first chunks waiting at every call; one playing stream's next chunk is queued as the burst
-    begins with 0.5 s of audio left. How late its call ends after its listener ran dry (None: on time)."""
+    begins with 0.5 s of audio left. How late its call ends after its listener ran dry (None: on time). `expect`:
+    the seconds the policy is told a call of that many rows takes."""
     policy = SchedulePolicy(max_rows=8)  # the served margin, 3 expected calls
-    times = CallTimes(initial_s=0.2, weight=0.2, by_rows=by_rows)
+    times = CallTimes(initial_s=0.2, weight=0.2)
     now = 0.0
     for _ in range(30):
-        chosen = policy.next_call([PendingJob(queued_at=now, first_chunk=True)], now, times.expected(1))
+        chosen = policy.next_call([PendingJob(queued_at=now, first_chunk=True)], now, expect(times, 1))
         times.observe(len(chosen), 0.02 + 0.01 * len(chosen))
         now += 0.03
     later = PendingJob(queued_at=now, first_chunk=False, runs_dry_at=now + 0.5)
     for call in range(20):
         waiting = [PendingJob(queued_at=now - 0.01 * i, first_chunk=True) for i in range(8)]
         jobs = [*waiting, later]
-        chosen = policy.next_call(jobs, now, times.expected(policy.call_rows(len(jobs))))
+        chosen = policy.next_call(jobs, now, expect(times, policy.call_rows(len(jobs))))
         took = 0.02 + 0.01 * len(chosen)
         times.observe(len(chosen), took)
         now += took
@@ -185,8 +188,8 @@ def _late_in_a_burst(by_rows: bool) -> float | None:
     raise AssertionError("the later chunk never ran")
 
 
-def test_in_a_burst_of_first_chunks_the_by_rows_estimate_keeps_a_later_chunk_on_time():
-    """The running mean, taught by small calls, expects 30 ms a call while the burst's full calls take 100 ms: the
-    3-call margin (90 ms) lets the later chunk in too late. By rows the margin is three full calls."""
-    assert _late_in_a_burst(by_rows=False) is not None
-    assert _late_in_a_burst(by_rows=True) is None
+def test_in_a_burst_of_first_chunks_the_estimate_by_rows_keeps_a_later_chunk_on_time():
+    """The running mean of all calls, taught by small calls, expects 30 ms a call while the burst's full calls take
+    100 ms: the 3-call margin (90 ms) lets the later chunk in too late. By rows the margin is three full calls."""
+    assert _late_in_a_burst(lambda times, rows: times.mean_s) is not None
+    assert _late_in_a_burst(CallTimes.expected) is None

@@ -259,25 +259,21 @@ async def test_a_call_never_holds_more_jobs_than_the_row_cap():
         service.shutdown()
 
 
-async def test_the_call_time_the_policy_counts_in_is_the_rows_estimate_when_asked():
-    """`call_estimate="rows"`: the service times its calls against their rows (`CallTimes` by rows) and asks it for
-    a call of as many jobs as are pending; the default is the running mean."""
+async def test_the_service_times_its_calls_against_their_rows():
+    """The service tells `CallTimes` each call's rows and seconds, and asks it for a call of as many jobs as are
+    pending: after calls of 1, 4 and 2 rows a line through them, none timed at 0."""
     engine = TimedEngine(sample_rate=24000, max_rows=4)
-    by_rows, by_mean = Token2WavService(engine, call_estimate="rows"), Token2WavService(engine)
+    service = Token2WavService(engine)
     try:
-        assert by_rows.call_times.by_rows and not by_mean.call_times.by_rows
-        blocker = await hold_the_worker(by_rows, engine)
-        streams = [asyncio.create_task(by_rows.process(f"s{i}", np.arange(8), PROMPT, chunk(0, 5))) for i in range(6)]
+        blocker = await hold_the_worker(service, engine)
+        streams = [asyncio.create_task(service.process(f"s{i}", np.arange(8), PROMPT, chunk(0, 5))) for i in range(6)]
         await asyncio.sleep(0.05)
         engine.gate.set()
         await asyncio.gather(blocker, *streams)
-        # calls of 1 (the blocker), then 4 and 2: a line through them, none of them timed at 0
-        assert by_rows.call_times.expected(4) >= by_rows.call_times.expected(1) > 0
+        assert sorted(map(len, engine.calls)) == [1, 2, 4]
+        assert service.call_times.expected(4) >= service.call_times.expected(1) > 0
     finally:
-        by_rows.shutdown()
-        by_mean.shutdown()
-    with pytest.raises(ValueError, match="call_estimate"):
-        Token2WavService(engine, call_estimate="median")
+        service.shutdown()
 
 
 def test_the_row_cap_is_the_engines_unless_given():

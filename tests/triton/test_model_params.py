@@ -82,11 +82,10 @@ def _expected(opts: RenderOptions, model: str) -> object:
     [
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
-         "align_first_hop": "never", "busy_streams": 8, "starving_calls": 2.0,
-         "call_estimate": "rows"},
+         "align_first_hop": "never", "busy_streams": 8},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048, "llm_yield": "first_chunks"},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
-        {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "starving_calls": 1.5},
+        {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "flow_cache_gb": 4.5},
     ],
     ids=["colocated", "single", "benchmark", "single-cuda", "colocated-cuda"],
 )
@@ -99,8 +98,8 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     token2wav = configs.get("token2wav") or configs[contract.STREAMING_MODEL]
     read_token2wav = _params_class(opts, token2wav.name).from_parameters(parameters(token2wav))
     read_token2wav = read_token2wav.engine.token2wav if isinstance(read_token2wav, EngineEntryParams) else read_token2wav
-    assert read_token2wav.starving_calls == opts.starving_calls  # the options reach token2wav's deadline order
-    assert read_token2wav.call_estimate == opts.call_estimate
+    # the options reach token2wav, through the engine's entry model where it is colocated
+    assert (read_token2wav.flow_cache, read_token2wav.flow_cache_gb) == (opts.flow_cache, opts.flow_cache_gb)
     engine_or_llm = configs.get("llm") or configs[contract.STREAMING_MODEL]
     benchmark = _params_class(opts, engine_or_llm.name).from_parameters(parameters(engine_or_llm))
     llm = benchmark.engine.llm if isinstance(benchmark, EngineEntryParams) else benchmark

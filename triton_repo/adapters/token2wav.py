@@ -22,7 +22,6 @@ from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
 from speech_serving.gpu_yield import Token2WavCalls
 from speech_serving.stats import Stats
 from speech_serving.token2wav import TOKEN2WAV_STATS, Token2WavEngine, Token2WavService
-from speech_serving.token2wav_policy import CALL_ESTIMATES, SchedulePolicy
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import FINAL, handler_model, read_inputs, response
 from triton_repo.model_params import ParameterError, Token2WavParams
@@ -35,18 +34,14 @@ class Token2WavHandler:
     request. CosyVoice2's engines come from the model's parameters (`from_params`); CosyVoice3's from its own
     (`adapters.cosyvoice3`)."""
 
-    def __init__(self, engine: Token2WavEngine, device: torch.device, calls: Token2WavCalls | None = None,
-                 starving_calls: float = SchedulePolicy.starving_calls,
-                 call_estimate: str = CALL_ESTIMATES[0]) -> None:
-        """`calls`: marks each engine call for the LLM scheduler of the same process (`gpu_yield`);
-        `starving_calls`, `call_estimate`: the deadline order's (`Token2WavService`)."""
+    def __init__(self, engine: Token2WavEngine, device: torch.device, calls: Token2WavCalls | None = None) -> None:
+        """`calls`: marks each engine call for the LLM scheduler of the same process (`gpu_yield`)."""
         graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
         if graphs:
             logger.info("token2wav: captured %d CUDA graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
         self.service = Token2WavService(StreamToken2Wav(engine, worker_stream(device, TOKEN2WAV_STREAM_PRIORITY)),
-                                        self.stats, calls=calls, starving_calls=starving_calls,
-                                        call_estimate=call_estimate)
+                                        self.stats, calls=calls)
         logger.info("token2wav: whole calls of at most %s jobs, deadline order", self.service.policy.max_rows)
 
     @classmethod
@@ -70,7 +65,7 @@ class Token2WavHandler:
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb,
                 schedules=params.schedule.schedules(config), fused_norms=params.flow_norm_kernels == "on",
             )
-        return cls(engine, device, calls, params.starving_calls, params.call_estimate)
+        return cls(engine, device, calls)
 
     async def handle(self, request: Any, sender: Any) -> None:
         stream_id, tokens, prompt, chunk, seed, close = io.parse_token2wav(read_inputs(request, io.TOKEN2WAV_INPUTS))
