@@ -26,6 +26,7 @@ from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
 from speech_serving.stats import Stats
 import pipeline_contract as contract
 from pipeline_contract import SpeechChunk, SpeechRequest, TensorSpec
+from triton_repo.cuda_libraries import check_cuda_libraries
 from triton_repo.model_params import ModelParams
 
 logger = logging.getLogger("cosyvoice2.triton")
@@ -329,6 +330,7 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any]) 
         def initialize(self, args: dict[str, str]) -> None:
             params = params_class.from_parameters(model_params(args), args["model_name"])
             self.handler = self.build(params)
+            check_cuda_libraries(logger)  # once the engines are loaded: their libraries are mapped by now
             stats = self.handler.stats
             self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 

@@ -27,11 +27,13 @@ from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
     MetricsExporter,
     PipelineEntryModel,
+    logger,
     model_params,
     serve,
     within_stall_timeout,
 )
 from triton_repo.adapters.engine import EngineHandler
+from triton_repo.cuda_libraries import check_cuda_libraries
 from triton_repo.adapters.orchestrator import TritonClients, cosyvoice2_orchestrator
 from triton_repo.model_params import EngineEntryParams, InternalModels
 
@@ -83,6 +85,7 @@ class TritonPythonModel(PipelineEntryModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = EngineEntryParams.from_parameters(model_params(args), args["model_name"])
         self.engine = EngineHandler.from_params(params.engine)
+        check_cuda_libraries(logger)  # once the engine is loaded and its graphs captured
         self.streaming = True
         self.orchestrator = cosyvoice2_orchestrator(
             params.orchestrator, lambda vocab, _: EngineClients(self.engine, vocab, params.orchestrator.models))
