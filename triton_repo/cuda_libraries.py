@@ -26,6 +26,8 @@ FAMILIES = ("cudnn", "cublas", "cudart", "nccl", "nvrtc", "nvJitLink", "cusparse
 _LIBRARY = re.compile(rf"^lib({'|'.join(FAMILIES)})[A-Za-z0-9_]*(?:-[0-9a-f]{{8}})?\.so\.(\d+)")
 
 MAPS = Path("/proc/self/maps")
+#: What the warning says, for the tools that read server logs (`stack-bench` puts it in its results).
+SHADOWED_MARK = "shadows part of torch's own CUDA libraries"
 
 
 def library_dirs(maps: str) -> dict[tuple[str, int], set[str]]:
@@ -57,7 +59,7 @@ def check_cuda_libraries(logger: logging.Logger, maps_path: Path = MAPS) -> dict
     mixed = mixed_libraries(maps)
     for (family, major), found in mixed.items():
         logger.warning(
-            "lib%s (version %d) is loaded from %d directories: %s. A directory on LD_LIBRARY_PATH shadows part of "
-            "torch's own CUDA libraries and the GPU may run slower kernels: remove it from LD_LIBRARY_PATH "
-            "(docs/triton.md, \"The stubs' library path\")", family, major, len(found), ", ".join(found))
+            "lib%s (version %d) is loaded from %d directories: %s. A directory on LD_LIBRARY_PATH %s and the GPU "
+            "may run slower kernels: remove it from LD_LIBRARY_PATH (docs/triton.md, \"The stubs' library path\")",
+            family, major, len(found), ", ".join(found), SHADOWED_MARK)
     return mixed

@@ -151,6 +151,7 @@ from stackbench.launch import (
     render_fields,
     render_stack,
 )
+from triton_repo.cuda_libraries import SHADOWED_MARK
 from triton_repo.render import TOKEN2WAVS
 from stackbench.stacks import SlowStacks
 from stackbench.timeline import MetricsTimeline
@@ -617,6 +618,16 @@ class StackFit:
         grown = [max(0, a - b) for a, b in zip(after, before)]
         self.footprints.append(grown)
         return grown
+
+
+def shadowed_library_warnings(logs: Iterable[Path]) -> list[str]:
+    """The lines of these server logs that say a model process runs a mix of two builds of a CUDA library
+    (`triton_repo.cuda_libraries`): figures measured so are not the stack's."""
+    lines: list[str] = []
+    for log in logs:
+        if log.exists():
+            lines += [line.strip() for line in log.read_text(errors="replace").splitlines() if SHADOWED_MARK in line]
+    return lines
 
 
 def ran_out_of_memory(logs: Iterable[Path]) -> bool:
@@ -1566,8 +1577,12 @@ def run(argv: Sequence[str] | None = None) -> int:
             if args.server_warmup:
                 its_runs[0].warm_up()
             footprint = fit.footprint(before)
+            shadowed = shadowed_library_warnings(stack.bench.server_logs)
             for variant_run in its_runs:
                 variant_run.document["gpu_memory_footprint_bytes"] = footprint
+                variant_run.document["shadowed_cuda_libraries"] = shadowed
+            for line in shadowed:
+                print(f"WARNING: the stack of {setting} runs mixed CUDA library builds: {line}", flush=True)
             if footprint is not None:
                 print(f"GPU memory footprint of the stack of {setting} (its start and warm-up): {gib(footprint)}",
                       flush=True)

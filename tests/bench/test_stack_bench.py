@@ -777,3 +777,29 @@ def test_variants_put_their_items_on_top_of_the_command_line():
         Variant("balance=least-busy", ("first_hop=5",), "least-busy"),  # the base's render: one stack for both
     ]
     assert variants(_variant_args()) == [Variant("base", (), "round-robin")]
+
+
+def test_a_server_log_that_says_a_model_runs_mixed_cuda_libraries_reaches_the_results(tmp_path):
+    """The model processes' warning (`triton_repo.cuda_libraries`), as it lands in a tritonserver log, is what
+    stack-bench puts beside its figures; a clean log gives none."""
+    import logging
+
+    from triton_repo.cuda_libraries import check_cuda_libraries
+
+    wheel, system = "/opt/venv/site-packages/nvidia/cudnn/lib", "/usr/lib/x86_64-linux-gnu"
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f00-7f01 r-xp 00000000 fd:01 1 {wheel}/libcudnn.so.9\n"
+                    f"7f02-7f03 r-xp 00000000 fd:01 2 {system}/libcudnn_graph.so.9.14.0\n")
+    log, clean = tmp_path / "tritonserver.log", tmp_path / "clean.log"
+    clean.write_text("I1202 model loaded\n")
+    logger = logging.getLogger("test-stack-bench-shadowed")
+    handler = logging.FileHandler(log)
+    logger.addHandler(handler)
+    try:
+        check_cuda_libraries(logger, maps)
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    found = sb.shadowed_library_warnings([log, clean, tmp_path / "absent.log"])
+    assert len(found) == 1 and "libcudnn (version 9)" in found[0] and system in found[0]
+    assert sb.shadowed_library_warnings([clean]) == []
