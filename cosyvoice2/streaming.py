@@ -329,14 +329,13 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
-                 fused_norms: bool = False) -> None:
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
         from cosyvoice2.flow.cached import CachedFlowRunner
 
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
         self.flow_cache = flow_cache
-        self.cached = CachedFlowRunner(flow, fused_norms=fused_norms)
+        self.cached = CachedFlowRunner(flow)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,

@@ -220,7 +220,6 @@ class Token2WavParams(_TorchModelParams):
     schedule: StreamScheduleParams
     flow_cache: str
     flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
-    flow_norm_kernels: str = "off"  # "on": the flow's fused LayerNorm kernels inside its CUDA graphs
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
 

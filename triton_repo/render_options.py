@@ -252,12 +252,6 @@ class RenderOptions(_Options):
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
-    # Off until measured in the served stack against off (three interleaved runs): inside the flow's CUDA graphs
-    # they made an estimator step ~9 % faster on an H200 (padded rows then;
-    # docs/experiments/2026-11-24-fused-layernorm-kernels.md).
-    flow_norm_kernels: str = option("off", choices=("off", "on"),
-                                    help="UNet flow: the causal blocks' LayerNorm+Mish+mask and the transformer "
-                                         "blocks' add+LayerNorm as one Triton kernel each, inside the CUDA graphs")
     # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
     # stream's first chunk from 111-113 ms to 100-104 (its token2wav call 64 -> 56 ms) and changed nothing measurable
     # from 4 streams up. first_chunks is not measured in the stack yet.

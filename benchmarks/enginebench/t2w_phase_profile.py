@@ -15,7 +15,7 @@ With `--by-op`, one more call of each case runs with the step and encoder graphs
 the operators that launched the most kernel time are listed with their shapes: a graph replay shows only kernel
 names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
-    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder] [--fused-norms]
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder]
 """
 
 from __future__ import annotations
@@ -106,14 +106,12 @@ def main() -> int:
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
-    parser.add_argument("--fused-norms", action="store_true",
-                        help="capture the flow's graphs with the fused LayerNorm kernels (render flow_norm_kernels=on)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked", fused_norms=args.fused_norms)
+                       flow_cache="chunked")
     start = time.perf_counter()
     graphs = engine.cached.solve_graphs
     count = graphs.capture_all(device, dtype) if graphs is not None and device.type == "cuda" else 0

@@ -1255,7 +1255,7 @@ def variants(args: argparse.Namespace) -> list[Variant]:
     for spec in args.variant:
         items = spec.split()
         if not items:
-            raise SystemExit("stack-bench: --variant needs FIELD=VALUE items, e.g. --variant flow_norm_kernels=on")
+            raise SystemExit("stack-bench: --variant needs FIELD=VALUE items, e.g. --variant busy_streams=8")
         render = [item for item in items if not item.startswith("balance=")]
         check_render_args(render, "--variant")
         balances = [item.partition("=")[2] for item in items if item.startswith("balance=")]

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from speech_lm.graph_buckets import fitting_first
-from speech_lm.kernels import layer_norm
 from .cached_encoder import CachedEncoder, EncoderCache
 from .estimator import CausalBlock1D, CausalResnetBlock1D
 
@@ -129,8 +128,7 @@ def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module, graphs: bool = True, fused_norms: bool = False) -> None:
-        """`fused_norms`: the solve's CUDA graphs are captured with the fused LayerNorm kernels (`network`)."""
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
         self.flow = flow
         # new frames of every call the estimator ran: needed, and computed (the packed frame axis padded up to its
         # CUDA-graph bucket); their ratio is the padding's share of the estimator's work
@@ -143,7 +141,7 @@ class CachedFlowRunner:
         from .packed import PackedFlow  # it builds on this module
 
         # the Euler solve over the call's rows packed on one frame axis, from CUDA graphs where the call fits
-        self.solver = PackedFlow(self, graphs, fused_norms)
+        self.solver = PackedFlow(self, graphs)
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
         self.grid = flow.config.encoder.static_chunk_size
@@ -257,7 +255,7 @@ class CachedFlowRunner:
                                   row.kept_tokens(self.grid) * self.stride))
         return out
 
-    def network(self, x, mask, mu, t, spks, cond, convs, blocks, fused_norms: bool = False) -> torch.Tensor:
+    def network(self, x, mask, mu, t, spks, cond, convs, blocks) -> torch.Tensor:
         """The estimator's layers over time-major activations -> velocity (rows, 80, frames): x, mu, spks, cond
         (rows, 80, frames), mask (rows, 1, frames), t (rows,). What makes it a cached evaluation is passed in:
         `convs` (`conv(module, x)`: causal convs with their left context) and `blocks` (`run(block, x)`:
@@ -266,11 +264,7 @@ class CachedFlowRunner:
         The activations stay time-major, (rows, frames, channels), from the first layer to the last, unlike the
         module's own forward (channels first around every conv, time-major in the transformer blocks): flipping
         between the two made every LayerNorm, Mish, mask and conv input a strided copy, about a fifth of a step's
-        GPU time; time-major, a causal conv is one GEMM over each frame's window of three frames.
-
-        `fused_norms`: each causal block's LayerNorm, Mish and mask as one kernel (`speech_lm.kernels.layer_norm`; the
-        transformer blocks' residual add and LayerNorm are `blocks`' to fuse). For CUDA-graph captures only: a
-        replay costs no launches, an eager call would launch each Triton kernel from Python."""
+        GPU time; time-major, a causal conv is one GEMM over each frame's window of three frames."""
         est = self.flow.decoder.estimator
         temb = est.time_mlp(est.time_embeddings(t).to(t.dtype))
         tembs = iter(self.fused.time_projections(temb))
@@ -278,37 +272,34 @@ class CachedFlowRunner:
         h = torch.cat([x, mu, spks, cond], dim=1).transpose(1, 2)
 
         down = est.down_blocks[0]
-        skip = self._stage(down, h, mask, next(tembs), convs, blocks, fused_norms)
+        skip = self._stage(down, h, mask, next(tembs), convs, blocks)
         h = convs.conv(down[2], skip * mask)
         for stage in est.mid_blocks:
-            h = self._stage(stage, h, mask, next(tembs), convs, blocks, fused_norms)
+            h = self._stage(stage, h, mask, next(tembs), convs, blocks)
         up = est.up_blocks[0]
-        h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), convs, blocks, fused_norms)
+        h = self._stage(up, torch.cat([h, skip], dim=2), mask, next(tembs), convs, blocks)
         h = convs.conv(up[2], h * mask)
-        h = self._block(est.final_block, h * mask, mask, convs, fused_norms)
+        h = self._block(est.final_block, h * mask, mask, convs)
         velocity = _pointwise(est.final_proj, h) * mask  # h is masked: the block's output
         return velocity.transpose(1, 2)
 
-    def _stage(self, stage, x, mask, time_projection, convs, blocks, fused_norms: bool):
+    def _stage(self, stage, x, mask, time_projection, convs, blocks):
         """Resnet then transformer blocks, time-major (2B, N, C_in) -> (2B, N, C); `time_projection` is the
         resnet's `mlp` of the time embedding (`_FusedWeights.time_projections`)."""
         resnet: CausalResnetBlock1D = stage[0]
         masked = x * mask  # read by block1 and the residual conv
-        h = self._block(resnet.block1, masked, mask, convs, fused_norms) + time_projection.unsqueeze(1)
-        h = self._block(resnet.block2, h * mask, mask, convs, fused_norms)
+        h = self._block(resnet.block1, masked, mask, convs) + time_projection.unsqueeze(1)
+        h = self._block(resnet.block2, h * mask, mask, convs)
         h = h + _pointwise(resnet.res_conv, masked)
         for block in stage[1]:
             h = blocks.run(block, h)
         return h
 
     @staticmethod
-    def _block(block: CausalBlock1D, masked, mask, convs, fused_norms: bool) -> torch.Tensor:
+    def _block(block: CausalBlock1D, masked, mask, convs) -> torch.Tensor:
         """Causal conv, LayerNorm, Mish over an input the caller has masked; the output is masked too."""
         conv, _, norm, _, mish = block.block
-        h = convs.conv(conv, masked)
-        if fused_norms:
-            return layer_norm(h, norm.weight, norm.bias, norm.eps, mish=True, mask=mask)
-        return mish(norm(h)) * mask
+        return mish(norm(convs.conv(conv, masked))) * mask
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     @staticmethod

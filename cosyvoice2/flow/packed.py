@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from speech_lm.graph_buckets import GridGraphs
-from speech_lm.kernels import add_layer_norm, copy_runs, gather_rows, scatter_rows
+from speech_lm.kernels import copy_runs, gather_rows, scatter_rows
 
 from .cached import CONV_CONTEXT, CachedFlowRunner, CachedRow, EstimatorCache
 
@@ -233,14 +233,11 @@ class _PackedConvs:
 
 class _PackedBlocks:
     """Transformer blocks over packed frames: each writes its new keys/values into its rows' key slots and attends
-    piece by piece (`piece_attention`). `keys` (blocks, 2 k/v, 2 guidance, key slots, heads, d). `fused_norms`: the
-    residual add after attention and the LayerNorm before the feed-forward as one kernel (`CachedFlowRunner.network`
-    says when)."""
+    piece by piece (`piece_attention`). `keys` (blocks, 2 k/v, 2 guidance, key slots, heads, d)."""
 
     def __init__(self, keys: torch.Tensor, index: PackedIndex, qkv_weights: Sequence[torch.Tensor],
-                 visible: Optional[torch.Tensor], fused_norms: bool = False) -> None:
+                 visible: Optional[torch.Tensor]) -> None:
         self.keys, self.index, self.qkv_weights, self.visible = keys, index, qkv_weights, visible
-        self.fused_norms = fused_norms
         self.block = 0
 
     def run(self, block, x: torch.Tensor) -> torch.Tensor:
@@ -255,13 +252,8 @@ class _PackedBlocks:
         flat = (guidance * self.index.keys, attn.heads, attn.head_dim)
         out = piece_attention(qkv[:, :, 0].reshape(guidance * frames, attn.heads, attn.head_dim),
                               kv[0].view(flat), kv[1].view(flat), self.index, self.visible)
-        out = attn.to_out[0](out.reshape(guidance, frames, attn.heads * attn.head_dim))
-        if self.fused_norms:
-            normed, x = add_layer_norm(out, x, block.norm3.weight, block.norm3.bias, block.norm3.eps)
-        else:
-            x = x + out
-            normed = block.norm3(x)
-        return x + block.ff(normed)
+        x = x + attn.to_out[0](out.reshape(guidance, frames, attn.heads * attn.head_dim))
+        return x + block.ff(block.norm3(x))
 
 
 #: The CUDA-graph buckets of packed calls: one graph per size of the packed frame axis (a call's new frames
@@ -351,18 +343,15 @@ class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor],
     def _pass(self, shape, inputs: _PackedStatics):
         assert self._buffers is not None
         keys, tails = self._buffers
-        # captured: fused kernels cost no launches at replay
-        return lambda: self.packed.evaluate(inputs[:6], keys, tails, self.index_of(inputs), None,
-                                            fused_norms=self.packed.fused_norms)
+        return lambda: self.packed.evaluate(inputs[:6], keys, tails, self.index_of(inputs), None)
 
 
 class PackedFlow:
     """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`), from
     CUDA graphs (`PackedGraphs`) where the call fits one and runs on a GPU."""
 
-    def __init__(self, runner: CachedFlowRunner, graphs: bool = True, fused_norms: bool = False) -> None:
+    def __init__(self, runner: CachedFlowRunner, graphs: bool = True) -> None:
         self.runner = runner
-        self.fused_norms = fused_norms  # the graphs' captures use the fused LayerNorm kernels
         est = runner.flow.decoder.estimator
         # causal conv weights as (out, 3 x in) with the tap major: the gathered windows' (tap, channel) order
         self.conv_weights = {id(m): m.weight.detach().permute(0, 2, 1).reshape(m.out_channels, -1)
@@ -384,14 +373,13 @@ class PackedFlow:
         return self.graphs is not None and self.graphs.bucket(1, new, keys_needed([new], [history])) is not None
 
     def evaluate(self, statics: Sequence[torch.Tensor], keys: torch.Tensor, tails: torch.Tensor, index: PackedIndex,
-                 visible: Optional[torch.Tensor], fused_norms: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 visible: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One estimator evaluation over packed frames: statics (x, mask, mu, t, spks, cond) -> (velocity (2, 80,
-        frames), the new conv tails (2, 2 rows, channels)); the new keys/values land in `keys`' slots.
-        `fused_norms`: with the fused LayerNorm kernels (`CachedFlowRunner.network`; graph captures only)."""
+        frames), the new conv tails (2, 2 rows, channels)); the new keys/values land in `keys`' slots."""
         x, mask, mu, t, spks, cond = statics
         convs = _PackedConvs(tails, index, self.conv_weights)
-        blocks = _PackedBlocks(keys, index, self.runner.fused.qkv, visible, fused_norms)
-        velocity = self.runner.network(x, mask, mu, t, spks, cond, convs, blocks, fused_norms)
+        blocks = _PackedBlocks(keys, index, self.runner.fused.qkv, visible)
+        velocity = self.runner.network(x, mask, mu, t, spks, cond, convs, blocks)
         return velocity, convs.collected()
 
     @torch.inference_mode()

@@ -11,12 +11,7 @@
   ``dst.index_copy_(1, index, src)`` for (outer, rows, width) views whose rows are contiguous, such as the packed
   flow's conv windows and new keys/values. PyTorch runs both element by element (index arithmetic and a 2-byte access
   per bf16 element; the copy's source is moreover a permuted view), ~22 ms of the 113 ms of kernel time of 16 first
-  chunks' token2wav call on an H200; the kernels move whole rows with vectorised accesses;
-- ``layer_norm(x, weight, bias, eps, mish, mask)``: LayerNorm over the last dimension, optionally followed by Mish
-  and a per-row mask, as the flow estimator's causal blocks apply them, and ``add_layer_norm(x, residual, weight,
-  bias, eps) -> (normed, summed)``: the residual add and the LayerNorm after it (its transformer blocks). The flow
-  uses these two only inside its CUDA-graph captures (`cosyvoice2.flow.packed.PackedGraphs`): a Triton launch from
-  Python costs several times a PyTorch op's host time, and eager calls of the estimator launch ~1,000 of them.
+  chunks' token2wav call on an H200; the kernels move whole rows with vectorised accesses.
 
 On CUDA with OpenAI Triton installed they run as one Triton kernel each (``triton_kernels``, graph-capturable:
 no host syncs, shapes fixed per call); elsewhere as the PyTorch compositions in ``reference``, which define the
@@ -76,16 +71,3 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> N
     """``dst.index_copy_(1, index, src)`` for 3-D ``dst`` (outer, rows, width) and ``src`` (outer, len(index),
     width), last dimensions contiguous; where ``index`` repeats a row, one of its sources lands there."""
     _implementation(dst).scatter_rows(dst, index, src)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``layer_norm(x)``, then ``mish`` when asked, then ``* mask`` (one value per row of the last dimension,
-    broadcast over it), each rounded to the input dtype as the separate PyTorch ops round."""
-    return _implementation(x).layer_norm(x, weight, bias, eps, mish, mask)
-
-
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``summed = x + residual`` (rounded to the input dtype) and ``layer_norm(summed)``."""
-    return _implementation(x).add_layer_norm(x, residual, weight, bias, eps)

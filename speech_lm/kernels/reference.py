@@ -28,17 +28,3 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     dst.index_copy_(1, index, src)
-
-
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, mish: bool = False,
-               mask: torch.Tensor | None = None) -> torch.Tensor:
-    out = F.layer_norm(x, weight.shape, weight, bias, eps)
-    if mish:
-        out = F.mish(out)
-    return out if mask is None else out * mask
-
-
-def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    summed = x + residual
-    return F.layer_norm(summed, weight.shape, weight, bias, eps), summed

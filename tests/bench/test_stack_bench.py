@@ -769,11 +769,10 @@ def test_variants_put_their_items_on_top_of_the_command_line():
     from stackbench.cli import Variant, variants
 
     measured = variants(_variant_args("--render-arg", "first_hop=5", "--replicas", "2",
-                                      "--variant", "first_hop=3 flow_norm_kernels=on", "--variant", "balance=least-busy"))
+                                      "--variant", "first_hop=3 busy_streams=8", "--variant", "balance=least-busy"))
     assert measured == [
         Variant("base", ("first_hop=5",), "round-robin"),
-        Variant("first_hop=3 flow_norm_kernels=on", ("first_hop=5", "first_hop=3", "flow_norm_kernels=on"),
-                "round-robin"),
+        Variant("first_hop=3 busy_streams=8", ("first_hop=5", "first_hop=3", "busy_streams=8"), "round-robin"),
         Variant("balance=least-busy", ("first_hop=5",), "least-busy"),  # the base's render: one stack for both
     ]
     assert variants(_variant_args()) == [Variant("base", (), "round-robin")]

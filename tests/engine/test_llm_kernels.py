@@ -28,10 +28,9 @@ def test_interpreted_kernels_match_reference_alone_and_in_the_model() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     results = json.loads(result.stdout.splitlines()[-1])
     assert [r["name"] for r in results if not r["matches"]] == []
-    # fp32, fp16: 2 shapes x 7 outputs (add_rms_norm's norm and sum, silu_mul, layer_norm plain and with Mish and
-    # mask, add_layer_norm's norm and sum) + the model + 7 copy_runs layouts + 6 row layouts; a UNet flow call in
-    # fp32 (its packed rows' gathers and scatters through the row kernels too)
-    assert len(results) == 2 * (2 * 7 + 1 + 7 + 6) + 1
+    # fp32, fp16: 2 shapes x 3 outputs (add_rms_norm's norm and sum, silu_mul) + the model + 7 copy_runs layouts + 6
+    # row layouts; a UNet flow call in fp32 (its packed rows' gathers and scatters through the row kernels)
+    assert len(results) == 2 * (2 * 3 + 1 + 7 + 6) + 1
     assert sum(r["name"].startswith("UNet flow call") for r in results) == 1
     assert sum(r["name"].startswith("LLM body") for r in results) == 2
 
