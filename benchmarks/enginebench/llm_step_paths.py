@@ -2,11 +2,12 @@
 
     python -m enginebench.llm_step_paths [--requests 8] [--tokens 250] [--with-token2wav] [--model-dir DIR]
 
-The served stack's step at one stream is slower than the step alone (`enginebench.microbench`: 1.45 ms on an H200
-against 2.08-2.13 ms in the stack, ~2.0 of it the wait for the device, with token2wav idle). This adds the served
-path's layers one at a time to a full-size random LLM (bf16; by default the served decoder's 64 slots and 4096
-positions, where the 2026-12-02 lease ran 2048) and times the same requests through each, so the layer that costs
-the time shows:
+The served stack's step at one stream was slower than the step alone (1.45 ms on an H200 against 2.12-2.22 ms in
+the stack, with token2wav idle). This adds the served path's layers one at a time to a full-size random LLM (bf16;
+by default the served decoder's 64 slots and 4096 positions; stack-bench renders 2048) and times the same requests
+through each, so a layer that costs the time shows. None did: run in the stub process's environment it was the
+library path (the image's cuDNN ahead of torch's; docs/experiments/2026-12-02-h200-stub-library-path.md), so run it
+in the environment under suspicion too (`LD_LIBRARY_PATH=... python -m enginebench.llm_step_paths`):
 
 - `bare`: `BatchedDecoder.step` in a loop on the default stream (the microbench's step);
 - `stream`: the same through `StreamDecoder` on the LLM worker's prioritised stream (`speech_serving.cuda_streams`);
