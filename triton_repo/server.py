@@ -235,8 +235,8 @@ def libpython_dir(workdir: Path) -> Path | None:
     LLM's decode step ran 1.92 ms on the GPU instead of 1.40 (H200, `enginebench.llm_step_paths` with the stub's
     library path). The link puts libpython, and nothing else, ahead."""
     libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
-    if not libdir or not soname or not (Path(libdir) / soname).exists():
-        return None
+    if not libdir or not soname or ".so" not in soname or not (Path(libdir) / soname).exists():
+        return None  # a static build (INSTSONAME libpython3.X.a) has nothing the stub could link
     target = workdir / "libpython"
     target.mkdir(parents=True, exist_ok=True)
     link = target / soname

@@ -147,6 +147,9 @@ def test_the_stubs_library_path_puts_libpython_ahead_and_nothing_else_of_its_dir
     linked = [Path(p) for p in paths if (Path(p) / "libpython3.99.so.1.0").exists()]
     assert len(linked) == 1 and [c.name for c in linked[0].iterdir()] == ["libpython3.99.so.1.0"]
     assert (linked[0] / "libpython3.99.so.1.0").resolve() == system / "libpython3.99.so.1.0"
-    config["INSTSONAME"] = None  # a static build: nothing to link
+    config["INSTSONAME"] = "libpython3.99.a"  # a static build: nothing to link
+    (system / "libpython3.99.a").write_bytes(b"")
+    assert server.libpython_dir(tmp_path / "again") is None
+    config["INSTSONAME"] = None
     assert server.libpython_dir(tmp_path / "again") is None
 
