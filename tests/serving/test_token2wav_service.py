@@ -261,9 +261,15 @@ async def test_a_call_never_holds_more_jobs_than_the_row_cap():
 
 async def test_the_service_times_its_calls_against_their_rows():
     """The service tells `CallTimes` each call's rows and seconds, and asks it for a call of as many jobs as are
-    pending: after calls of 1, 4 and 2 rows a line through them, none timed at 0."""
+    pending (up to the row cap), not for one row."""
     engine = TimedEngine(sample_rate=24000, max_rows=4)
     service = Token2WavService(engine)
+    observed: list[tuple[int, float]] = []
+    asked: list[int] = []
+    times = service.call_times
+    observe, expected = times.observe, times.expected
+    times.observe = lambda rows, seconds: (observed.append((rows, seconds)), observe(rows, seconds))[1]
+    times.expected = lambda rows: (asked.append(rows), expected(rows))[1]
     try:
         blocker = await hold_the_worker(service, engine)
         streams = [asyncio.create_task(service.process(f"s{i}", np.arange(8), PROMPT, chunk(0, 5))) for i in range(6)]
@@ -271,7 +277,9 @@ async def test_the_service_times_its_calls_against_their_rows():
         engine.gate.set()
         await asyncio.gather(blocker, *streams)
         assert sorted(map(len, engine.calls)) == [1, 2, 4]
-        assert service.call_times.expected(4) >= service.call_times.expected(1) > 0
+        assert sorted(rows for rows, _ in observed) == [1, 2, 4] and all(seconds > 0 for _, seconds in observed)
+        assert observed[0][1] >= 0.05  # the blocker's call, held by the gate for the test's sleep
+        assert 4 in asked  # six jobs pending behind the blocker: a call of the cap's rows, what the policy weighs
     finally:
         service.shutdown()
 

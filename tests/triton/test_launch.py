@@ -152,4 +152,3 @@ def test_the_stubs_library_path_puts_libpython_ahead_and_nothing_else_of_its_dir
     assert server.libpython_dir(tmp_path / "again") is None
     config["INSTSONAME"] = None
     assert server.libpython_dir(tmp_path / "again") is None
-

@@ -33,8 +33,8 @@ from triton_repo.adapters.common import (
     within_stall_timeout,
 )
 from triton_repo.adapters.engine import EngineHandler
-from triton_repo.cuda_libraries import check_cuda_libraries
 from triton_repo.adapters.orchestrator import TritonClients, cosyvoice2_orchestrator
+from triton_repo.cuda_libraries import check_cuda_libraries
 from triton_repo.model_params import EngineEntryParams, InternalModels
 
 #: The engine's inputs that no client request carries (seed is both a client's and token2wav's): one of them makes a
