@@ -535,8 +535,11 @@ class ContinuousBatchingScheduler(Generic[R]):
         sums["llm_first_chunk_steps_total"] += self._steps - steps
 
     def _drop_cancelled(self) -> None:
-        for job in [j for j in self._active.values() if j.cancelled]:
+        active = [j for j in self._active.values() if j.cancelled]
+        for job in active:
             self._release(job, "llm_cancelled_total")
+        if active:  # as for a finished job: the steps it ran are counted before its end is handed over
+            self._publish_step_stats()
         waiting = [j for j in self._waiting if j.cancelled]
         for job in waiting:
             self._waiting.remove(job)

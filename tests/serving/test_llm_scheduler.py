@@ -271,6 +271,29 @@ async def test_a_scheduled_stream_ends_cleanly_on_cancel_and_raises_after_its_to
         assert scheduler.stats.get("llm_failed_total") == 1
 
 
+async def test_the_steps_of_a_stream_are_counted_before_its_end_is_handed_over():
+    """Step stats are published every `STEP_STATS_PERIOD_S` while streams run, and at a stream's end, finished or
+    cancelled: whoever reads the stats after an end sees every step up to it, though another stream keeps the
+    scheduler stepping (thousands of scripted steps a periodic publish would not count yet)."""
+    decoder = ScriptedDecoder(num_slots=2)
+    with scheduling(decoder, max_waiting=4) as scheduler:
+        busy = scheduler.submit("busy", Script(base=1000, count=None), deliver_at=(1,)).deliveries().__aiter__()
+        await busy.__anext__()
+        for base, ending in enumerate(("cancelled", "finished")):
+            script = Script(base=base, count=None if ending == "cancelled" else 3000)
+            it = scheduler.submit(ending, script, deliver_at=(1,)).deliveries().__aiter__()
+            await it.__anext__()
+            await asyncio.sleep(0.02)
+            if ending == "cancelled":
+                assert scheduler.cancel(ending)
+            async for _ in it:
+                pass
+            counted = scheduler.stats.get("llm_steps_total")
+            its_last_step = max(n for n, batch in enumerate(decoder.batches, 1) if base in batch)
+            assert counted >= its_last_step, ending
+        assert scheduler.cancel("busy")
+
+
 @contextmanager
 def token2wav_call(calls: Token2WavCalls, first_chunks: bool = False) -> Iterator[None]:
     """A token2wav call running in another thread (as the token2wav worker's) for the body of the block;
