@@ -280,7 +280,22 @@ class DiTStreamState:
     stream: DiTStream
 
 
-class DiTBatchedToken2Wav(_BatchedStreams):
+class _StepGraphStreams(_BatchedStreams):
+    """The DiT flow's engines (CosyVoice2's DiT token2wav, CosyVoice3's): the flow's step graphs bound a call's
+    rows. Subclasses set `engine` with `sample_rate` and `graphs`."""
+
+    @property
+    def sample_rate(self) -> int:
+        """Samples per second of the audio `run` returns."""
+        return self.engine.sample_rate
+
+    @property
+    def max_rows(self) -> int:
+        """Jobs per call at most (the service's cap): the largest step-graph bucket of rows (more would run eagerly)."""
+        return max(self.engine.graphs.buckets.rows, default=DEFAULT_MAX_ROWS)
+
+
+class DiTBatchedToken2Wav(_StepGraphStreams):
     """`Token2WavEngine` over the DiT token2wav: all jobs of a service batch run as one `DiTToken2Wav.run_chunks`
     call (one batched flow call, one HiFT call); if that call fails, each job runs alone, so only the bad one fails.
 
@@ -319,16 +334,6 @@ class DiTBatchedToken2Wav(_BatchedStreams):
         """HiFT forwards so far: (replayed from a CUDA graph, eager: fitting no captured bucket)."""
         return hift_calls(self.engine)
 
-    @property
-    def sample_rate(self) -> int:
-        """Samples per second of the audio `run` returns."""
-        return self.engine.sample_rate
-
-    @property
-    def max_rows(self) -> int:
-        """Jobs per call at most (the service's cap): the largest step-graph bucket of rows (more would run eagerly)."""
-        return max(self.engine.graphs.buckets.rows, default=DEFAULT_MAX_ROWS)
-
     def open(self, prompt: PromptTensors, seed: int | None) -> DiTStreamState:
         engine = self.engine
         key = prompt_key(prompt.speech_tokens, prompt.mel, prompt.embedding)
@@ -347,7 +352,7 @@ class CosyVoice3StreamState:
     stream: CosyVoice3Stream
 
 
-class CosyVoice3BatchedToken2Wav(_BatchedStreams):
+class CosyVoice3BatchedToken2Wav(_StepGraphStreams):
     """`Token2WavEngine` over CosyVoice3's token2wav (DiT flow + causal HiFT). The orchestrator's chunks drive the
     streams as they are (any hop, 3 lookahead tokens); `cached` streams keep their flow caches per stream and start
     from their voice's prompt cache (computed once per voice, `voice_capacity` voices kept), the others recompute
@@ -362,15 +367,6 @@ class CosyVoice3BatchedToken2Wav(_BatchedStreams):
         self.engine = engine
         self.cached = cached
         self.vocab_size = engine.flow.config.vocab_size
-
-    @property
-    def sample_rate(self) -> int:
-        return self.engine.sample_rate
-
-    @property
-    def max_rows(self) -> int:
-        """Jobs per call at most (the service's cap): the largest step-graph bucket of rows (more would run eagerly)."""
-        return max(self.engine.graphs.buckets.rows, default=DEFAULT_MAX_ROWS)
 
     def capture_graphs(self) -> tuple[int, float]:
         """Capture the flow's step graphs of every bucket now, on the engine's own device (before the server
