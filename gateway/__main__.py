@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import logging
 import socket
 import sys
@@ -128,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=CLOSE_TIMEOUT_S,
     )
     server = DrainingServer(config, app.state.drain, settings.drain_grace_s)
+    # Everything imported and built so far lives as long as the process: out of the collector's reach, a full
+    # collection (which stops the loop that forwards every stream's chunks) walks only what serving made since
+    gc.collect()
+    gc.freeze()
     try:
         server.run()
     except SystemExit:

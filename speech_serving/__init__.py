@@ -12,6 +12,7 @@ The Triton ``model.py`` files in ``triton_repo/templates`` are thin adapters ove
 * `token2wav` - per-request stream registry and a batcher that runs concurrent chunks in one forward.
 * `spark` - the Spark-TTS orchestrator, voice tokens and colocated engine.
 * `stats` - the counters and gauges every component exposes (exported as Triton metrics).
+* `heap` - a serving process's heap frozen once loaded, and its garbage collector's pauses counted.
 
 Nothing here imports tritonclient or triton_python_backend_utils; torch is imported only by the
 engine adapters (`engines`).

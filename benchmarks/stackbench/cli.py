@@ -388,6 +388,10 @@ def stage_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[s
         # streams whose flow caches met the budget in this level (they recompute the frames since then)
         "token2wav_flow_cache_refused": d.get("token2wav_flow_cache_refused_total"),
         "token2wav_cuda_alloc_retries": d.get("token2wav_cuda_alloc_retries_total"),
+        # the model processes' garbage collections in this level, every process added up: each stopped its
+        # process's threads (`speech_serving.heap`)
+        "python_gc_ms": None if "python_gc_seconds_total" not in d else 1000.0 * d["python_gc_seconds_total"],
+        "python_gc_full_collections": d.get("python_gc_full_collections_total"),
         # the share of the flow estimator's frames that were padding (graph buckets); None: not counted
         "token2wav_padded_share_pct": padded_share(d, "token2wav_flow_frames_needed_total",
                                                    "token2wav_flow_frames_computed_total"),
@@ -831,6 +835,8 @@ STAGE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("flow padding (%)", "token2wav_padded_share_pct", "{:.0f}"),
     ("caches over budget", "token2wav_flow_cache_refused", "{:.0f}"),
     ("alloc retries", "token2wav_cuda_alloc_retries", "{:.0f}"),
+    ("GC pauses (ms)", "python_gc_ms", "{:.0f}"),
+    ("full GCs", "python_gc_full_collections", "{:.0f}"),
     # the slowest second of the level (`stackbench.timeline`): a level that slowed down as a whole for a while
     ("LLM step, slowest s (ms)", "llm_step_ms_slowest", "{:.1f}"),
     ("token2wav call, slowest s (ms)", "token2wav_call_ms_slowest", "{:.0f}"),

@@ -27,6 +27,7 @@ TIMELINE_STATS = (
     "token2wav_call_jobs_total",
     "token2wav_flow_cache_refused_total",
     "token2wav_cuda_alloc_retries_total",
+    "python_gc_seconds_total",
     "token2wav_active_streams",
     "orchestrator_active_requests",
 )

@@ -671,6 +671,19 @@ def test_the_flow_padding_share_comes_from_the_frame_counters():
     assert sb.stage_breakdown({}, {})["token2wav_padded_share_pct"] is None  # an engine that does not count
 
 
+def test_the_gc_pauses_of_a_level_add_up_every_model_process():
+    """Each model process counts its own collections (`speech_serving.heap`); the level's are their sum."""
+    before = {("python_gc_seconds_total", "cosyvoice2_stream"): 1.0, ("python_gc_seconds_total", "voice_prompt"): 0.5,
+              ("python_gc_full_collections_total", "cosyvoice2_stream"): 3.0}
+    level = {("python_gc_seconds_total", "cosyvoice2_stream"): 0.25, ("python_gc_seconds_total", "voice_prompt"): 0.05,
+             ("python_gc_full_collections_total", "cosyvoice2_stream"): 2.0}
+    stages = sb.stage_breakdown(sb.parse_metrics(_scrape(before)), sb.parse_metrics(_scrape(_after(level, before))))
+    assert stages["python_gc_ms"] == pytest.approx(300.0)
+    assert stages["python_gc_full_collections"] == 2.0
+    none = sb.stage_breakdown({}, {})  # a server that does not count them
+    assert none["python_gc_ms"] is None and none["python_gc_full_collections"] is None
+
+
 #: A colocated level's LLM steps (the engine's counters): 400 steps in 1.0 s (0.6 s of it GPU waits), 100 of them
 #: beside a token2wav call in 0.4 s (0.3 s of waits).
 BESIDE_LEVEL = {("llm_steps_total", "cosyvoice2_stream"): 400, ("llm_step_seconds_total", "cosyvoice2_stream"): 1.0,

@@ -228,3 +228,16 @@ async def test_instruct_and_cross_lingual_modes_run_and_count_the_text_they_read
             assert output_tokens > 0 and result.as_numpy(contract.WAVEFORM.name).size == output_tokens * SAMPLES_PER_TOKEN
         chunks = await stream(client, synthesis_inputs(TEXT, seed=4, instruction="Whisper."))
     assert chunks[-1][3] and sum(w.size for w, *_ in chunks) == chunks[-1][2] * SAMPLES_PER_TOKEN
+
+
+async def test_every_model_process_froze_its_heap_and_counts_its_collections(pipeline):
+    """Each python model's process freezes what it loaded (`speech_serving.heap`) at the end of `initialize` and
+    exports its collector's counters beside the model's own stats."""
+    models = sorted(path.parent.name for path in pipeline.repo.glob("*/config.pbtxt")
+                    if 'backend: "python"' in path.read_text())
+    assert models
+    metrics = await wait_metrics(pipeline, lambda m: all(m.get(("python_gc_frozen_objects", model)) for model in models))
+    for model in models:
+        assert metrics.get(("python_gc_frozen_objects", model), 0) > 1000, model  # at least the loaded modules
+        for name in ("python_gc_collections_total", "python_gc_full_seconds_total"):
+            assert (name, model) in metrics, (name, model)

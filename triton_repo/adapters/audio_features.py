@@ -20,7 +20,7 @@ from cosyvoice2.frontend.onnx_models import (
 from speech_serving.engines import speaker_xvector, speech_tokens
 import pipeline_contract as contract
 from triton_repo import internal_io as io
-from triton_repo.adapters.common import error_response, model_params, read_inputs, response
+from triton_repo.adapters.common import error_response, model_params, model_ready, read_inputs, response
 from triton_repo.model_params import AudioModelParams
 
 
@@ -60,6 +60,7 @@ class AudioTokenizerModel(_AudioModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         self.model = SpeechTokenizer(params.model_dir / self.tokenizer_file, _providers(params.device))
+        self.metrics = model_ready(args["model_name"])
 
 
 class SpeakerEmbeddingModel(_AudioModel):
@@ -70,3 +71,4 @@ class SpeakerEmbeddingModel(_AudioModel):
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         # CAM++ runs on CPU, as upstream's reference frontend does (it is small and its input is short)
         self.model = SpeakerEncoder(params.model_dir / CAMPPLUS_FILE)
+        self.metrics = model_ready(args["model_name"])

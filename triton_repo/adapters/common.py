@@ -20,6 +20,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from speech_serving.errors import RemoteError, UnknownVoice
+from speech_serving.heap import GcPauses, freeze_heap
 from speech_serving.loop_watchdog import LoopWatchdog
 from speech_serving.orchestrator import FinalResponseGuard, parse_request, run_until_cancelled
 from speech_serving.llm_scheduler import SWITCH_INTERVAL_S
@@ -50,6 +51,8 @@ _WATCHDOG = LoopWatchdog()
 #: No internal model ever goes this long without answering (a decode step is milliseconds, a token2wav call
 #: well under a second): a silent callee fails the request with a clear error instead of hanging it.
 BLS_STALL_TIMEOUT_S = 60.0
+#: This process's garbage collections, counted from its start; exported with its model's stats (`model_ready`).
+_GC_PAUSES = GcPauses().install()
 _IN_FLIGHT: set[asyncio.Task] = set()
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
@@ -64,6 +67,17 @@ def model_params(args: Mapping[str, str]) -> dict[str, str]:
     watchdog learns whose loop it watches (one model per python stub process)."""
     _WATCHDOG.name = args.get("model_name", _WATCHDOG.name)
     return {k: v["string_value"] for k, v in model_config(args).get("parameters", {}).items()}
+
+
+def model_ready(model_name: str, *stats: Stats) -> MetricsExporter:
+    """The end of every model's `initialize`, once the model has loaded what it serves (engines, graphs, caches):
+    warns about a CUDA library loaded from two places, freezes the process's heap (`speech_serving.heap`: a full
+    collection would otherwise walk everything loaded, every thread stopped), and exports `stats` with the
+    process's collector counters as the model's metrics."""
+    check_cuda_libraries(logger)  # the engines' libraries are mapped by now
+    frozen = freeze_heap(_GC_PAUSES.stats)
+    logger.info("%s loaded: %d objects frozen out of the garbage collector's walks", model_name, frozen)
+    return MetricsExporter(model_name, *stats, _GC_PAUSES.stats)
 
 
 def is_decoupled(args: Mapping[str, str]) -> bool:
@@ -330,9 +344,8 @@ def handler_model(params_class: type[ModelParams], build: Callable[[Any], Any]) 
         def initialize(self, args: dict[str, str]) -> None:
             params = params_class.from_parameters(model_params(args), args["model_name"])
             self.handler = self.build(params)
-            check_cuda_libraries(logger)  # once the engines are loaded: their libraries are mapped by now
             stats = self.handler.stats
-            self.metrics = MetricsExporter(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
+            self.metrics = model_ready(args["model_name"], *(stats if isinstance(stats, tuple) else (stats,)))
 
         def execute(self, requests: list[Any]) -> None:
             serve(requests, self.handler.handle, cancellable=False)

@@ -14,7 +14,7 @@ from cosyvoice3.text import CosyVoice3Tokenizer
 from speech_serving.cosyvoice3 import CosyVoice3Orchestrator, cosyvoice3_schedule, cosyvoice3_vocab
 from speech_serving.orchestrator import ORCHESTRATOR_STATS, OrchestratorConfig, SamplingConfig
 from speech_serving.stats import Stats
-from triton_repo.adapters.common import MetricsExporter, PipelineEntryModel, is_decoupled, model_params
+from triton_repo.adapters.common import PipelineEntryModel, is_decoupled, model_params, model_ready
 from triton_repo.adapters.orchestrator import TritonClients, read_logits_bias
 from triton_repo.model_params import CosyVoice3OrchestratorParams
 
@@ -51,4 +51,4 @@ class CosyVoice3OrchestratorModel(PipelineEntryModel):
                                 (lambda: SilentTokenFilter.for_config(config.llm).accept) if trtllm_filter else None)
         tokenizer = CosyVoice3Tokenizer.from_model_dir(params.model_dir)
         self.orchestrator = CosyVoice3Orchestrator(orchestrator_settings, tokenizer, clients, self.stats)
-        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
+        self.metrics = model_ready(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)

@@ -25,16 +25,14 @@ from speech_serving.io_struct import LLMRequest, PromptTensors
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
-    MetricsExporter,
     PipelineEntryModel,
-    logger,
     model_params,
+    model_ready,
     serve,
     within_stall_timeout,
 )
 from triton_repo.adapters.engine import EngineHandler
 from triton_repo.adapters.orchestrator import TritonClients, cosyvoice2_orchestrator
-from triton_repo.cuda_libraries import check_cuda_libraries
 from triton_repo.model_params import EngineEntryParams, InternalModels
 
 #: The engine's inputs that no client request carries (seed is both a client's and token2wav's): one of them makes a
@@ -85,11 +83,10 @@ class TritonPythonModel(PipelineEntryModel):
     def initialize(self, args: dict[str, str]) -> None:
         params = EngineEntryParams.from_parameters(model_params(args), args["model_name"])
         self.engine = EngineHandler.from_params(params.engine)
-        check_cuda_libraries(logger)  # once the engine is loaded and its graphs captured
         self.streaming = True
         self.orchestrator = cosyvoice2_orchestrator(
             params.orchestrator, lambda vocab, _: EngineClients(self.engine, vocab, params.orchestrator.models))
-        self.metrics = MetricsExporter(args["model_name"], self.orchestrator.stats,
+        self.metrics = model_ready(args["model_name"], self.orchestrator.stats,
                                        self.orchestrator.voices.cache.stats, *self.engine.stats)
 
     def execute(self, requests: list[Any]) -> None:

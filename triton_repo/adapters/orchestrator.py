@@ -25,13 +25,13 @@ import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.model_params import InternalModels, OrchestratorParams
 from triton_repo.adapters.common import (
-    MetricsExporter,
     PipelineEntryModel,
     bls,
     bls_one,
     bls_stream,
     is_decoupled,
     model_params,
+    model_ready,
 )
 
 
@@ -134,4 +134,4 @@ class TritonPythonModel(PipelineEntryModel):
         self.streaming = is_decoupled(args)
         self.orchestrator = cosyvoice2_orchestrator(
             params, lambda vocab, bias: TritonClients(vocab, bias, params.models, params.llm_repetition_penalty))
-        self.metrics = MetricsExporter(args["model_name"], self.orchestrator.stats, self.orchestrator.voices.cache.stats)
+        self.metrics = model_ready(args["model_name"], self.orchestrator.stats, self.orchestrator.voices.cache.stats)

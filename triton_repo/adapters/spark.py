@@ -26,7 +26,6 @@ from triton_repo import internal_io
 from triton_repo import spark_io as io
 from triton_repo.adapters.common import (
     FINAL,
-    MetricsExporter,
     PipelineEntryModel,
     bls,
     bls_one,
@@ -35,6 +34,7 @@ from triton_repo.adapters.common import (
     handler_model,
     is_decoupled,
     model_params,
+    model_ready,
     read_inputs,
     response,
     serve,
@@ -130,7 +130,7 @@ class SparkOrchestratorModel(PipelineEntryModel):
         tokenizer = SparkTokenizer.from_model_dir(params.model_dir)
         clients = TritonSparkClients(trtllm_llm(params, tokenizer))
         self.orchestrator = SparkOrchestrator(orchestrator_config(params), tokenizer, clients, self.stats)
-        self.metrics = MetricsExporter(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
+        self.metrics = model_ready(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
 
 
 # -- voice prompt (cache) and audio tokenizer ------------------------------------------------------
@@ -141,8 +141,8 @@ class SparkVoicePromptModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = VoicePromptParams.from_parameters(model_params(args), args["model_name"])
         self.stats = Stats(CACHE_STATS)
-        self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[SparkVoicePrompt] = VoicePromptCache(params.cache_capacity, self.stats)
+        self.metrics = model_ready(args["model_name"], self.stats)
 
     def execute(self, requests: list[Any]) -> None:
         serve(requests, self._handle, cancellable=False)
@@ -172,6 +172,7 @@ class SparkAudioTokenizerModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = AudioModelParams.from_parameters(model_params(args), args["model_name"])
         self.tokenizer = SparkVoiceTokenizer(params.model_dir, params.device)
+        self.metrics = model_ready(args["model_name"])
 
     def execute(self, requests: list[Any]) -> list[Any]:
         wavs: list[np.ndarray | None] = []

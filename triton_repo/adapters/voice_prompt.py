@@ -19,7 +19,7 @@ from speech_serving.voice_cache import CACHE_STATS, VoicePromptCache, unknown_vo
 import pipeline_contract as contract
 from triton_repo import internal_io as io
 from triton_repo.adapters.common import (
-    FINAL, MetricsExporter, bls, model_params, read_inputs, response, serve,
+    FINAL, bls, model_params, model_ready, read_inputs, response, serve,
 )
 from triton_repo.model_params import VoicePromptParams
 
@@ -34,8 +34,8 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         params = VoicePromptParams.from_parameters(model_params(args), args["model_name"])
         self.stats = Stats(CACHE_STATS)
-        self.metrics = MetricsExporter(args["model_name"], self.stats)
         self.cache: VoicePromptCache[PromptTensors] = VoicePromptCache(params.cache_capacity, self.stats)
+        self.metrics = model_ready(args["model_name"], self.stats)
 
     def execute(self, requests: list[Any]) -> None:
         serve(requests, self._handle, cancellable=False)
