@@ -83,7 +83,9 @@ def test_freezing_takes_what_is_loaded_out_of_every_collection():
     loaded = [[i] for i in range(10_000)]  # containers: tracked by the collector
     try:
         frozen = freeze_heap(stats)
-        assert frozen == gc.get_freeze_count() >= len(loaded)
+        # other threads of the test process may free frozen objects (by reference counting) at any moment, so the
+        # permanent generation can only shrink after the freeze: no equality across time
+        assert frozen >= len(loaded) and gc.get_freeze_count() >= len(loaded)
         assert stats.get("python_gc_frozen_objects") == frozen
         tracked = {id(obj) for obj in gc.get_objects()}  # what a full collection walks
         assert not any(id(item) in tracked for item in loaded)
