@@ -3,11 +3,11 @@
 | model | what |
 |---|---|
 | `cosyvoice3` / `cosyvoice3_stream` | the pipeline contract (offline / decoupled), 24 kHz `waveform` + `sample_rate` |
+| `cosyvoice3_stream` (PyTorch LLM) | also the engine's process: the LLM (our batched decoder under the continuous-batching scheduler), token2wav (DiT flow + causal HiFT under the token2wav service) and the streaming orchestrator calling both directly, as CosyVoice2's colocated `cosyvoice2_stream`; `cosyvoice3` reaches the engine here over BLS |
 | `cosyvoice3_voice_prompt` | the voice cache (LRU by voice id) in front of the two audio models |
 | `cosyvoice3_audio_tokenizer` | `speech_tokenizer_v3.onnx`, dynamically batched |
 | `cosyvoice3_speaker_embedding` | CAM++ (`campplus.onnx` of the CosyVoice3 directory), dynamically batched |
-| `cosyvoice3_engine` | the LLM (our batched decoder under the continuous-batching scheduler) and token2wav (DiT flow + causal HiFT under the token2wav service) in one process |
-| `cosyvoice3_llm` | with `--cosyvoice3-engine-dir` only: the LLM on the tensorrtllm backend (`cosyvoice3_engine` then runs token2wav only) |
+| `cosyvoice3_llm`, `cosyvoice3_engine` | with `--cosyvoice3-engine-dir` only: the LLM on the tensorrtllm backend, and token2wav alone in a python model; both entry models then orchestrate over BLS |
 
 Every model is one of CosyVoice2's templates and adapters with CosyVoice3's parameters (the adapter factory
 `ModelSpec` and the tables below). Without `--cosyvoice3-dir` nothing here is rendered and the repository is
@@ -29,13 +29,14 @@ from triton_repo import internal_io as io
 from triton_repo.model_params import (
     AudioModelParams,
     BenchmarkMode,
+    CosyVoice3EngineEntryParams,
     CosyVoice3EngineParams,
     CosyVoice3OrchestratorParams,
     InternalModels,
     VoicePromptParams,
 )
 from triton_repo.render_options import CosyVoice3RenderOptions, RenderOptions
-from triton_repo.render_templates import ModelSpec, entry_specs, with_options
+from triton_repo.render_templates import ModelSpec, engine_entry_spec, entry_specs, with_options
 from triton_repo.render_trtllm import TrtllmFlags, trtllm_input_errors, trtllm_parameters
 
 __all__ = ["CosyVoice3RenderOptions", "check", "model_specs", "models"]
@@ -45,15 +46,16 @@ VOICE_PROMPT = io.COSYVOICE3_VOICE_PROMPT_MODEL
 AUDIO_TOKENIZER = io.COSYVOICE3_AUDIO_TOKENIZER_MODEL
 SPEAKER_EMBEDDING = io.COSYVOICE3_SPEAKER_EMBEDDING_MODEL
 LLM = io.COSYVOICE3_LLM_MODEL  # the TensorRT-LLM engine of the CosyVoice3 LLM (`--cosyvoice3-engine-dir`)
-MODELS = frozenset({contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, VOICE_PROMPT,
-                    AUDIO_TOKENIZER, SPEAKER_EMBEDDING, ENGINE})
-SINGLE_INSTANCE = (ENGINE, LLM)
+STREAM = contract.COSYVOICE3_STREAMING_MODEL  # the engine's process with the PyTorch LLM
+MODELS = frozenset({contract.COSYVOICE3_OFFLINE_MODEL, STREAM, VOICE_PROMPT, AUDIO_TOKENIZER, SPEAKER_EMBEDDING})
+SINGLE_INSTANCE = (ENGINE, LLM)  # and STREAM where it holds the engine (`check`)
 TRTLLM_FLAGS = TrtllmFlags(backend="--cosyvoice3-engine-dir", engine_dir="--cosyvoice3-engine-dir",
                            llm_dir="--cosyvoice3-llm-dir", which="the CosyVoice3 engine")
 #: What a served CosyVoice3 directory must hold (the engine alone could do with fewer: id-level calls only).
 SERVED_FILES = (*ENGINE_FILES, *TOKENIZER_FILES, *FRONTEND_FILES)
-#: The orchestrators' targets: the colocated engine answers both the LLM's and token2wav's calls.
-INTERNAL_MODELS = InternalModels(llm_model=ENGINE, token2wav_model=ENGINE, token2wav_decoupled=True,
+#: The orchestrators' targets: the engine answers both the LLM's and token2wav's calls, in `cosyvoice3_stream`'s
+#: process (the PyTorch LLM; beside TensorRT-LLM `orchestrator_params` names `cosyvoice3_llm` and `cosyvoice3_engine`).
+INTERNAL_MODELS = InternalModels(llm_model=STREAM, token2wav_model=STREAM, token2wav_decoupled=True,
                                  llm_deliver_at=True, voice_prompt_model=VOICE_PROMPT)
 
 
@@ -62,7 +64,13 @@ def models(opts: RenderOptions) -> set[str]:
     rendered repository."""
     if opts.cosyvoice3 is None:
         return set()
-    return set(MODELS) | ({LLM} if opts.cosyvoice3.engine_dir is not None else set())
+    return set(MODELS) | (set() if engine_in_stream(opts) else {LLM, ENGINE})
+
+
+def engine_in_stream(opts: RenderOptions) -> bool:
+    """Whether `cosyvoice3_stream` is the engine's process: with the PyTorch LLM (a TensorRT-LLM engine decodes
+    inside tritonserver itself, beside `cosyvoice3_engine`'s token2wav)."""
+    return opts.cosyvoice3 is not None and opts.cosyvoice3.engine_dir is None
 
 
 def check(opts: RenderOptions) -> list[str]:
@@ -82,6 +90,9 @@ def check(opts: RenderOptions) -> list[str]:
             CosyVoice3Config.from_model_dir(cv3.model_dir)
         except (CosyVoice3Error, ValueError, KeyError, TypeError) as exc:  # a malformed yaml or config.json
             errors.append(f"--cosyvoice3-dir: {exc}")
+    if engine_in_stream(opts) and opts.instances_of(STREAM) != 1:
+        errors.append(f"--instances {STREAM}={opts.instances_of(STREAM)}: {STREAM} holds the engine (the LLM "
+                      "sequences and token2wav streams), so it runs as one instance")
     if cv3.benchmark_ratio is not None and not cv3.benchmark_ratio > 0:
         errors.append(f"--cosyvoice3-benchmark-ratio must be > 0, got {cv3.benchmark_ratio}")
     if cv3.engine_dir is not None:
@@ -139,6 +150,12 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
              "CAM++ x-vector (CosyVoice3's campplus.onnx) of 16 kHz audio."),
         )
     ]  # fmt: skip
+    if engine_in_stream(opts):
+        specs = [spec for spec in specs if spec.name != STREAM]
+        specs.append(engine_entry_spec(STREAM, CosyVoice3EngineEntryParams(orchestrator_params(opts),
+                                                                           engine_params(opts)),
+                                       ("cosyvoice3_engine", "CosyVoice3StreamModel")))
+        return specs
     specs.append(ModelSpec(ENGINE, "engine.pbtxt", io.ENGINE_INPUTS, io.ENGINE_OUTPUTS, engine_params(opts),
                            ("cosyvoice3_engine", "CosyVoice3EngineModel")))
     if cv3.engine_dir is not None:  # CosyVoice2's `llm` tensors and template; the engine stays in engine_dir
@@ -165,8 +182,10 @@ def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
         max_target_text_tokens=opts.max_target_text_tokens,
         first_hop=cv3.first_hop,
         second_hop=cv3.second_hop,
-        # TensorRT-LLM: the LLM calls go to cosyvoice3_llm (one response per token, no delivery schedule)
-        models=replace(INTERNAL_MODELS, llm_model=LLM, llm_deliver_at=False) if trtllm else INTERNAL_MODELS,
+        # TensorRT-LLM: the LLM calls go to cosyvoice3_llm (one response per token, no delivery schedule), token2wav's
+        # to cosyvoice3_engine
+        models=INTERNAL_MODELS if engine_in_stream(opts)
+        else replace(INTERNAL_MODELS, llm_model=LLM, token2wav_model=ENGINE, llm_deliver_at=False),
         voice_cache=opts.voice_cache,
         benchmark=_benchmark(cv3),
         llm_logits_bias=(cv3.llm_dir / LOGITS_BIAS_FILE).resolve() if trtllm else None,
@@ -176,9 +195,9 @@ def orchestrator_params(opts: RenderOptions) -> CosyVoice3OrchestratorParams:
 
 
 def engine_params(opts: RenderOptions) -> CosyVoice3EngineParams:
-    """Parameters of `cosyvoice3_engine` (`adapters.cosyvoice3_engine`): the LLM's capacity and dtype are the
-    render's (`with_options`); `flow_cache` and `flow_cache_gb` are CosyVoice3's own options, not CosyVoice2's of
-    those names."""
+    """Parameters of CosyVoice3's engine (`adapters.cosyvoice3_engine`; in `cosyvoice3_stream` or, beside
+    TensorRT-LLM, `cosyvoice3_engine`): the LLM's capacity and dtype are the render's (`with_options`); `flow_cache`
+    and `flow_cache_gb` are CosyVoice3's own options, not CosyVoice2's of those names."""
     cv3 = opts.cosyvoice3
     assert cv3 is not None
     return with_options(CosyVoice3EngineParams, opts, model_dir=cv3.model_dir.resolve(), device=opts.model_device,

@@ -308,7 +308,8 @@ class CosyVoice3OrchestratorParams(ModelParams):
 
 @dataclass(frozen=True)
 class CosyVoice3EngineParams(DecoderParams):
-    """`cosyvoice3_engine` (`adapters.cosyvoice3`): CosyVoice3's LLM and token2wav in one process."""
+    """CosyVoice3's engine (`adapters.cosyvoice3_engine`): its LLM and token2wav in `cosyvoice3_stream`'s process, or
+    token2wav alone in `cosyvoice3_engine` beside a TensorRT-LLM engine."""
 
     flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
     flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
@@ -324,3 +325,12 @@ class CosyVoice3EngineParams(DecoderParams):
     def flow_cache_budget_bytes(self) -> int | None:
         """The streams' flow-cache budget in bytes; None: no limit."""
         return int(self.flow_cache_gb * 2**30) if self.flow_cache_gb else None
+
+
+@dataclass(frozen=True)
+class CosyVoice3EngineEntryParams(ModelParams):
+    """`cosyvoice3_stream` hosting the engine (`adapters.cosyvoice3_engine.CosyVoice3StreamModel`, the PyTorch
+    LLM): the streaming orchestrator's parameters and the engine's in one map, as CosyVoice2's `EngineEntryParams`."""
+
+    orchestrator: CosyVoice3OrchestratorParams
+    engine: CosyVoice3EngineParams

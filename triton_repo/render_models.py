@@ -9,14 +9,12 @@ the options (`MARKER`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
-from typing import Sequence
 
 from cosyvoice2.vocab import LOGITS_BIAS_FILE
 from speech_serving.schedule import StreamScheduleParams
 import pipeline_contract as contract
-from pipeline_contract import TensorSpec
 from triton_repo import internal_io as io
 from triton_repo import cosyvoice3_render, spark_render
 from triton_repo.model_params import (
@@ -30,8 +28,8 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
-from triton_repo.render_options import RenderError, RenderOptions
-from triton_repo.render_templates import ModelSpec, entry_specs, model_files, with_options
+from triton_repo.render_options import RenderOptions
+from triton_repo.render_templates import ModelSpec, engine_entry_spec, entry_specs, model_files, with_options
 from triton_repo.render_trtllm import trtllm_parameters
 
 MARKER = ".cosyvoice2-render.json"  # options of the render; also marks the directory as ours
@@ -73,31 +71,14 @@ def model_specs(opts: RenderOptions) -> list[ModelSpec]:
         )
     ]  # fmt: skip
     if opts.layout == "colocated":
-        specs.append(ModelSpec(contract.STREAMING_MODEL, "engine_entry.pbtxt", *engine_entry_tensors(),
-                               EngineEntryParams(orchestrator_params(opts), engine_params(opts)),
-                               ("engine_entry", "TritonPythonModel")))
+        specs.append(engine_entry_spec(contract.STREAMING_MODEL,
+                                       EngineEntryParams(orchestrator_params(opts), engine_params(opts)),
+                                       ("engine_entry", "TritonPythonModel")))
         return specs
     specs.append(_llm_spec(opts))
     specs.append(ModelSpec(TOKEN2WAV_MODEL, "token2wav.pbtxt", io.TOKEN2WAV_INPUTS, (io.WAVEFORM,),
                            token2wav_params(opts), ("token2wav", "TritonPythonModel")))
     return specs
-
-
-def engine_entry_tensors() -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
-    """(inputs, outputs) of the streaming entry model that hosts the engine: the contract's and the engine's, every
-    input optional (a request carries one set); a tensor both name (seed, waveform) is the same tensor once."""
-
-    def union(*groups: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
-        merged: dict[str, TensorSpec] = {}
-        for spec in (s for group in groups for s in group):
-            if spec.name in merged and (merged[spec.name].triton_dtype, merged[spec.name].dims) != (
-                    spec.triton_dtype, spec.dims):
-                raise RenderError(f"{spec.name}: the contract's and the engine's tensors differ")
-            merged.setdefault(spec.name, spec)
-        return tuple(merged.values())
-
-    inputs = union((replace(spec, optional=True) for spec in contract.INPUTS), io.ENGINE_INPUTS)
-    return inputs, union(contract.OUTPUTS, io.ENGINE_OUTPUTS)
 
 
 def engine_params(opts: RenderOptions) -> EngineParams:

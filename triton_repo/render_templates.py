@@ -3,19 +3,21 @@ parameters, adapter and the template's other placeholders); `model_files` turns 
 
 Every template (`templates/*.pbtxt`) has `${name}`, `${inputs}`, `${outputs}` and `${parameters}`; the rest of a
 template's placeholders come from the spec's `values`. A placeholder left unfilled is an error. Shared by
-CosyVoice2's models (`triton_repo.render_models`) and Spark-TTS's (`triton_repo.spark_render`).
+CosyVoice2's models (`triton_repo.render_models`), Spark-TTS's (`triton_repo.spark_render`) and CosyVoice3's
+(`triton_repo.cosyvoice3_render`).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from string import Template
 from typing import Mapping, Sequence, TypeVar
 
 import pipeline_contract as contract
 from pipeline_contract import TensorSpec
+from triton_repo import internal_io as io
 from triton_repo.model_params import ModelParams
 from triton_repo.render_options import RenderError, RenderOptions
 
@@ -69,6 +71,29 @@ def entry_specs(opts: RenderOptions, params: ModelParams, adapter: tuple[str, st
                   dict(description=description, decoupled=decoupled, instances=opts.instances_of(name)))
         for (name, description), decoupled in ((offline, "false"), (streaming, "true"))
     ]
+
+
+def engine_entry_spec(name: str, params: ModelParams, adapter: tuple[str, str]) -> ModelSpec:
+    """A streaming entry model that hosts its pipeline's engine (`adapters.engine_entry`): the contract's tensors
+    and the engine's (`engine_entry_tensors`), one instance."""
+    return ModelSpec(name, "engine_entry.pbtxt", *engine_entry_tensors(), params, adapter)
+
+
+def engine_entry_tensors() -> tuple[tuple[TensorSpec, ...], tuple[TensorSpec, ...]]:
+    """(inputs, outputs) of the streaming entry model that hosts the engine: the contract's and the engine's, every
+    input optional (a request carries one set); a tensor both name (seed, waveform) is the same tensor once."""
+
+    def union(*groups: Sequence[TensorSpec]) -> tuple[TensorSpec, ...]:
+        merged: dict[str, TensorSpec] = {}
+        for spec in (s for group in groups for s in group):
+            if spec.name in merged and (merged[spec.name].triton_dtype, merged[spec.name].dims) != (
+                    spec.triton_dtype, spec.dims):
+                raise RenderError(f"{spec.name}: the contract's and the engine's tensors differ")
+            merged.setdefault(spec.name, spec)
+        return tuple(merged.values())
+
+    inputs = union((replace(spec, optional=True) for spec in contract.INPUTS), io.ENGINE_INPUTS)
+    return inputs, union(contract.OUTPUTS, io.ENGINE_OUTPUTS)
 
 
 def with_options(params: type[_P], opts: RenderOptions, **given: object) -> _P:

@@ -178,9 +178,10 @@ async def test_concurrent_streams_and_the_engines_metrics(both_server):
     import urllib.request  # noqa: PLC0415
 
     text = urllib.request.urlopen(both_server.metrics_url).read().decode()
-    # the shared LLM scheduler and token2wav service run inside cosyvoice3_engine, exported under its name
+    # the LLM scheduler and token2wav service run inside cosyvoice3_stream (the engine's process, its streaming
+    # orchestrator beside them), exported under its name
     for stat in ("llm_finished_total", "token2wav_chunks_total", "orchestrator_requests_total"):
-        assert re.search(rf'^cosyvoice2_{stat}\{{model="cosyvoice3(_engine|_stream)"\}} [1-9]', text, re.M), stat
+        assert re.search(rf'^cosyvoice2_{stat}\{{model="cosyvoice3_stream"\}} [1-9]', text, re.M), stat
 
 
 def test_render_without_cosyvoice3_dir_renders_no_cosyvoice3_model(tiny_model_dir, tmp_path):
@@ -198,6 +199,19 @@ def test_render_refuses_an_incomplete_cosyvoice3_dir(tiny_model_dir, cosyvoice3_
         _render(tiny_model_dir, broken, tmp_path / "repo")
     with pytest.raises(RenderError, match="--cosyvoice3-flow-cache must be one of cached, recompute"):
         _render(tiny_model_dir, cosyvoice3_dir, tmp_path / "repo", flow_cache="sometimes")
+
+
+def test_render_keeps_the_stream_that_holds_the_engine_one_instance(tiny_model_dir, cosyvoice3_dir, tmp_path):
+    with pytest.raises(RenderError, match=r"--instances cosyvoice3_stream=2: cosyvoice3_stream holds the engine"):
+        write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo",
+                                       instances={contract.COSYVOICE3_STREAMING_MODEL: 2},
+                                       cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir, **COSYVOICE3)))
+    # the offline entry model orchestrates over BLS, so it may have several
+    repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo2",
+                                          instances={contract.COSYVOICE3_OFFLINE_MODEL: 2},
+                                          cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir, **COSYVOICE3)))
+    assert "count: 2" in (repo / contract.COSYVOICE3_OFFLINE_MODEL / "config.pbtxt").read_text()
+    assert not (repo / "cosyvoice3_engine").exists()
     assert not (tmp_path / "repo").exists()
 
 

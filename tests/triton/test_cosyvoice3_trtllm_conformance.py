@@ -27,7 +27,7 @@ from tests.triton.test_trtllm_conformance import ROLES, parse, recorded
 from tests.triton.trtllm_fakes import fake_trtllm_inputs
 from triton_repo import trtllm_backend_facts as facts
 from triton_repo.cosyvoice3_render import ENGINE, LLM
-from triton_repo.model_params import CosyVoice3EngineParams, CosyVoice3OrchestratorParams
+from triton_repo.model_params import CosyVoice3EngineEntryParams, CosyVoice3EngineParams, CosyVoice3OrchestratorParams
 from triton_repo.render import CosyVoice3RenderOptions, RenderError, RenderOptions, check_trtllm_config, write_repository
 
 MAX_SEQ_LEN = 1024
@@ -79,11 +79,15 @@ def test_rendered_cosyvoice3_llm_config_meets_the_pinned_backend(tiny_model_dir,
 def test_without_an_engine_cosyvoice3_keeps_its_pytorch_llm(tiny_model_dir, cosyvoice3_dir, tmp_path):
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo",
                                           cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir)))
-    assert not (repo / LLM).exists()
-    assert CosyVoice3EngineParams.from_parameters(parameters(parse(repo / ENGINE / "config.pbtxt")), ENGINE).llm
+    assert not (repo / LLM).exists() and not (repo / ENGINE).exists()
+    # the streaming entry model is the engine's process, and the offline one calls the engine there
+    stream = contract.COSYVOICE3_STREAMING_MODEL
+    hosted = CosyVoice3EngineEntryParams.from_parameters(parameters(parse(repo / stream / "config.pbtxt")), stream)
+    assert hosted.engine.llm and hosted.orchestrator.models.llm_model == stream
     read = CosyVoice3OrchestratorParams.from_parameters(
         parameters(parse(repo / contract.COSYVOICE3_OFFLINE_MODEL / "config.pbtxt")), contract.COSYVOICE3_OFFLINE_MODEL)
-    assert read.llm_logits_bias is None and read.loop_guard is None and read.models.llm_model == ENGINE
+    assert read.llm_logits_bias is None and read.loop_guard is None
+    assert read.models.llm_model == read.models.token2wav_model == stream
 
 
 @pytest.mark.parametrize(
@@ -120,8 +124,12 @@ def recording_stack(tiny_model_dir, cosyvoice3_dir, llm_dir, tmp_path_factory, t
     trt_repo = render_cv3_trtllm(tiny_model_dir, cosyvoice3_dir, llm_dir, root / "trt")
     repo = write_repository(RenderOptions(model_dir=tiny_model_dir, out=root / "repo", max_batch=4,
                                           max_seq_len=MAX_SEQ_LEN, cosyvoice3=CosyVoice3RenderOptions(cosyvoice3_dir, **CV3)))
-    for name in (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL):  # as the TRT render has them
-        shutil.copy(trt_repo / name / "config.pbtxt", repo / name / "config.pbtxt")
+    # the entry models and the token2wav-only engine as the TRT render has them (the engine on the CPU here)
+    for name in (contract.COSYVOICE3_OFFLINE_MODEL, contract.COSYVOICE3_STREAMING_MODEL, ENGINE):
+        shutil.rmtree(repo / name, ignore_errors=True)
+        shutil.copytree(trt_repo / name, repo / name)
+    engine_config = repo / ENGINE / "config.pbtxt"
+    engine_config.write_text(engine_config.read_text().replace('string_value: "cuda:0"', 'string_value: "cpu"'))
     record_dir = root / "requests"
     record_dir.mkdir()
     config = (trt_repo / LLM / "config.pbtxt").read_text().replace('backend: "tensorrtllm"', 'backend: "python"', 1)

@@ -16,7 +16,7 @@ from triton_repo.model_params import (
     EngineEntryParams,
     AudioModelParams,
     BenchmarkMode,
-    CosyVoice3EngineParams,
+    CosyVoice3EngineEntryParams,
     EngineParams,
     LLMParams,
     OrchestratorParams,
@@ -129,12 +129,14 @@ def test_the_flow_cache_budget_reaches_token2wav(tiny_model_dir, tmp_path):
                                               ({"flow_cache_gb": 0.0}, None)], ids=["default", "set", "no-limit"])
 def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp_path, given, budget):
     """CosyVoice3's own `flow_cache_gb`, not CosyVoice2's option of that name (set apart here), reaches the
-    `cosyvoice3_engine` parameters; 0 means no limit."""
+    engine's parameters (in `cosyvoice3_stream`, the engine's process); 0 means no limit."""
     cv3_dir = write_tiny_cosyvoice3(tmp_path / "cv3", seed=3)
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", flow_cache_gb=7.0,
                          cosyvoice3=CosyVoice3RenderOptions(cv3_dir, **given))
     configs = parsed_configs(write_repository(opts))
-    read = CosyVoice3EngineParams.from_parameters(parameters(configs[cosyvoice3_render.ENGINE]))
+    hosted = CosyVoice3EngineEntryParams.from_parameters(parameters(configs[cosyvoice3_render.STREAM]))
+    assert hosted.orchestrator == cosyvoice3_render.orchestrator_params(opts)
+    read = hosted.engine
     assert read == cosyvoice3_render.engine_params(opts)
     assert read.flow_cache_gb == given.get("flow_cache_gb", 16.0) and read.flow_cache_budget_bytes == budget
 

@@ -1,18 +1,23 @@
-"""`cosyvoice3` / `cosyvoice3_stream`: CosyVoice3's pipeline entry models (one code, decoupled or not by config).
+"""`cosyvoice3` (and `cosyvoice3_stream` beside a TensorRT-LLM engine): CosyVoice3's orchestrating entry models
+(one code, decoupled or not by config).
 
 CosyVoice2's orchestrator machinery (`TritonClients`, `PipelineEntryModel`) with `CosyVoice3Orchestrator`: its BLS
-calls go to CosyVoice3's own internal models (`cosyvoice3_voice_prompt`, `cosyvoice3_engine`), named in the
-rendered `InternalModels`. Torch-free, like CosyVoice2's entry models: the internal models are in
-`adapters.cosyvoice3_engine`.
+calls go to CosyVoice3's internal models (`cosyvoice3_voice_prompt`, and the LLM and token2wav where the rendered
+`InternalModels` name them: `cosyvoice3_stream`, the engine's process, or `cosyvoice3_engine` and
+`cosyvoice3_llm` beside TensorRT-LLM). Torch-free, like CosyVoice2's entry models: the models that hold the engine
+are in `adapters.cosyvoice3_engine`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+from cosyvoice2.vocab import SpeechVocabLayout
 from cosyvoice3.config import CosyVoice3Config
 from cosyvoice3.silence import SilentTokenFilter
 from cosyvoice3.text import CosyVoice3Tokenizer
 from speech_serving.cosyvoice3 import CosyVoice3Orchestrator, cosyvoice3_schedule, cosyvoice3_vocab
-from speech_serving.orchestrator import ORCHESTRATOR_STATS, OrchestratorConfig, SamplingConfig
+from speech_serving.orchestrator import ORCHESTRATOR_STATS, OrchestratorConfig, PipelineClients, SamplingConfig
 from speech_serving.stats import Stats
 from triton_repo.adapters.common import PipelineEntryModel, is_decoupled, model_params, model_ready
 from triton_repo.adapters.orchestrator import TritonClients, read_logits_bias
@@ -35,20 +40,36 @@ def orchestrator_config(params: CosyVoice3OrchestratorParams, config: CosyVoice3
     )  # fmt: skip
 
 
+def cosyvoice3_orchestrator(
+    params: CosyVoice3OrchestratorParams,
+    clients: Callable[[SpeechVocabLayout], PipelineClients] | None = None,
+) -> CosyVoice3Orchestrator:
+    """CosyVoice3's orchestrator of a pipeline entry model as its parameters say; `clients(vocab)` makes what it
+    calls (`adapters.engine_entry.EngineClients`: the engine in the same process), by default `TritonClients`
+    (BLS to the rendered internal models)."""
+    config = CosyVoice3Config.from_model_dir(params.model_dir)
+    settings = orchestrator_config(params, config)
+    vocab = settings.vocab
+    if clients is None:
+        logits_bias = read_logits_bias(params.llm_logits_bias, vocab, params.benchmark is not None)
+        # TensorRT-LLM: the silent-token filter the PyTorch LLM's handler applies runs here (not in benchmark
+        # mode, where every generated token counts)
+        trtllm_filter = logits_bias is not None and params.benchmark is None
+        made: PipelineClients = TritonClients(
+            vocab, logits_bias, params.models, params.llm_repetition_penalty,
+            (lambda: SilentTokenFilter.for_config(config.llm).accept) if trtllm_filter else None)
+    else:
+        made = clients(vocab)
+    tokenizer = CosyVoice3Tokenizer.from_model_dir(params.model_dir)
+    return CosyVoice3Orchestrator(settings, tokenizer, made, Stats(ORCHESTRATOR_STATS))
+
+
 class CosyVoice3OrchestratorModel(PipelineEntryModel):
+    """`cosyvoice3`, and `cosyvoice3_stream` where a TensorRT-LLM engine decodes (with the PyTorch LLM the
+    streaming entry model is the engine's process: `adapters.cosyvoice3_engine.CosyVoice3StreamModel`)."""
+
     def initialize(self, args: dict[str, str]) -> None:
         params = CosyVoice3OrchestratorParams.from_parameters(model_params(args), args["model_name"])
-        config = CosyVoice3Config.from_model_dir(params.model_dir)
-        orchestrator_settings = orchestrator_config(params, config)
         self.streaming = is_decoupled(args)
-        self.stats = Stats(ORCHESTRATOR_STATS)
-        vocab = orchestrator_settings.vocab
-        logits_bias = read_logits_bias(params.llm_logits_bias, vocab, params.benchmark is not None)
-        # TensorRT-LLM: the silent-token filter the PyTorch LLM's handler applies runs here (not in benchmark mode,
-        # where every generated token counts)
-        trtllm_filter = logits_bias is not None and params.benchmark is None
-        clients = TritonClients(vocab, logits_bias, params.models, params.llm_repetition_penalty,
-                                (lambda: SilentTokenFilter.for_config(config.llm).accept) if trtllm_filter else None)
-        tokenizer = CosyVoice3Tokenizer.from_model_dir(params.model_dir)
-        self.orchestrator = CosyVoice3Orchestrator(orchestrator_settings, tokenizer, clients, self.stats)
-        self.metrics = model_ready(args["model_name"], self.stats, self.orchestrator.voices.cache.stats)
+        self.orchestrator = cosyvoice3_orchestrator(params)
+        self.metrics = model_ready(args["model_name"], self.orchestrator.stats, self.orchestrator.voices.cache.stats)

@@ -1,4 +1,5 @@
-"""`cosyvoice2_stream` (colocated layout): the streaming entry model is the engine's own process.
+"""`cosyvoice2_stream` (colocated layout) and `cosyvoice3_stream`: the streaming entry model is the engine's own
+process.
 
 The streaming orchestrator lives beside the LLM scheduler and token2wav service it drives (`adapters.engine`) and
 calls them directly, so a chunk crosses python-backend IPC once, to the client. Orchestrating from a process of its
@@ -79,15 +80,21 @@ class EngineClients(TritonClients):
         self.engine.token2wav.service.close_stream(request_id)
 
 
-class TritonPythonModel(PipelineEntryModel):
+class EngineEntryModel(PipelineEntryModel):
+    """A streaming entry model that hosts its pipeline's engine (CosyVoice2's colocated `cosyvoice2_stream`,
+    CosyVoice3's `cosyvoice3_stream`): a client's request is orchestrated here over `EngineClients`, a request
+    carrying the LLM's or token2wav's tensors (the offline entry model's BLS calls) is answered by the engine.
+    A subclass's `load` builds the engine and the orchestrator from the model's arguments."""
+
+    streaming = True
+
+    def load(self, args: dict[str, str]) -> tuple[EngineHandler, Any]:
+        raise NotImplementedError
+
     def initialize(self, args: dict[str, str]) -> None:
-        params = EngineEntryParams.from_parameters(model_params(args), args["model_name"])
-        self.engine = EngineHandler.from_params(params.engine)
-        self.streaming = True
-        self.orchestrator = cosyvoice2_orchestrator(
-            params.orchestrator, lambda vocab, _: EngineClients(self.engine, vocab, params.orchestrator.models))
+        self.engine, self.orchestrator = self.load(args)
         self.metrics = model_ready(args["model_name"], self.orchestrator.stats,
-                                       self.orchestrator.voices.cache.stats, *self.engine.stats)
+                                   self.orchestrator.voices.cache.stats, *self.engine.stats)
 
     def execute(self, requests: list[Any]) -> None:
         # a client's request is cancelled when the client leaves; the engine's are stopped by their callers
@@ -102,3 +109,14 @@ class TritonPythonModel(PipelineEntryModel):
     def finalize(self) -> None:
         super().finalize()
         self.engine.close()
+
+
+class TritonPythonModel(EngineEntryModel):
+    """CosyVoice2's `cosyvoice2_stream` in the colocated layout."""
+
+    def load(self, args: dict[str, str]) -> tuple[EngineHandler, Any]:
+        params = EngineEntryParams.from_parameters(model_params(args), args["model_name"])
+        engine = EngineHandler.from_params(params.engine)
+        orchestrator = cosyvoice2_orchestrator(
+            params.orchestrator, lambda vocab, _: EngineClients(engine, vocab, params.orchestrator.models))
+        return engine, orchestrator
