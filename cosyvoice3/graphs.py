@@ -55,17 +55,20 @@ MAX_FRAMES = 1024  # the longest chunk (new frames) a bucket is made for
 
 
 def chunk_frame_limits(schedule: HopSchedule, token_mel_ratio: int, chunk: int, max_frames: int = MAX_FRAMES,
-                       max_chunks: int = 64) -> list[int]:
-    """Per chunk index, the most new frames a non-final cached chunk there solves, while at most `max_frames`.
+                       max_chunks: int = 64, final_chunks: bool = False) -> list[int]:
+    """Per chunk index, the most new frames a non-final cached chunk there solves (with `final_chunks`, a final
+    one too), while at most `max_frames`.
 
     A chunk of hop h adds ratio x h frames to the stream and starts at its cache's last complete `chunk`-frame
     boundary, at most chunk - 1 frames before its earlier frames' end; the first chunk also computes the frames of
     the prompt's last `lookahead` tokens (the voice's cache stops before them: their features read the stream's
-    first tokens)."""
+    first tokens). A final chunk holds the tokens left when the stream ends, fewer than a non-final chunk there
+    would need (h + lookahead): up to lookahead - 1 tokens more than h."""
     limits = []
+    extra = schedule.lookahead - 1 if final_chunks else 0
     for index in range(max_chunks):
         hop = schedule.hop(index)
-        limit = token_mel_ratio * (hop + (schedule.lookahead if index == 0 else 0)) + chunk - 1
+        limit = token_mel_ratio * (hop + extra + (schedule.lookahead if index == 0 else 0)) + chunk - 1
         if limit > max_frames or (index >= 2 and hop == schedule.hop(index - 1)):
             break
         limits.append(limit)
@@ -81,12 +84,14 @@ class FlowGraphBuckets:
     @classmethod
     def covering(cls, schedules: Iterable[HopSchedule], token_mel_ratio: int, chunk: int,
                  rows: Sequence[int] = ROW_BUCKETS, history: Sequence[int] = HISTORY_BUCKETS,
-                 max_frames: int = MAX_FRAMES) -> "FlowGraphBuckets":
-        """Buckets for every non-final chunk the schedules form, up to `max_frames` new frames: per chunk index the
-        largest chunk over the schedules, rounded up (fewer graphs, at the price of padding smaller chunks)."""
+                 max_frames: int = MAX_FRAMES, final_chunks: bool = False) -> "FlowGraphBuckets":
+        """Buckets for every non-final chunk the schedules form (with `final_chunks`, every final chunk that
+        continues a flow cache too), up to `max_frames` new frames: per chunk index the largest chunk over the
+        schedules, rounded up (fewer graphs, at the price of padding smaller chunks)."""
         per_index: dict[int, int] = {}
         for schedule in schedules:
-            for index, limit in enumerate(chunk_frame_limits(schedule, token_mel_ratio, chunk, max_frames)):
+            for index, limit in enumerate(chunk_frame_limits(schedule, token_mel_ratio, chunk, max_frames,
+                                                             final_chunks=final_chunks)):
                 per_index[index] = max(per_index.get(index, 0), limit)
         frames = sorted({round_up(limit, FRAME_STEP) for limit in per_index.values()})
         return cls(tuple(sorted(rows)), tuple(frames), tuple(sorted(history)))

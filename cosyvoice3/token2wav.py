@@ -17,7 +17,11 @@ Two flow paths, the same numbers up to float rounding:
   a complete 50-frame chunk are kept, with the ODE state of the frames the conv position embedding still needs.
   Under the chunk mask such frames never see a later frame, and their inputs (tokens with their real lookahead,
   prompt mel, noise) never change, so their values are final: a chunk only computes the frames from the last
-  complete chunk on. The final chunk (full attention) is always recomputed, as in the reference. The live streams'
+  complete chunk on. The final chunk (full attention) is recomputed, as in the reference; with
+  `final_over_cache` (render option `--cosyvoice3-flow-cache chunked`) it continues the cache under the chunk mask
+  like the others: its new frames only, within the step graphs' buckets, where the reference's whole call over the
+  prompt and every token runs eagerly (its frames then differ from the reference's by what full attention lets
+  earlier frames see of later ones; a final chunk that is the stream's first stays a whole call). The live streams'
   own caches share an optional memory budget (`cache_budget_bytes`): a stream whose next cache would pass it
   drops its cache and recomputes from then on (`CosyVoice3Stream`).
 
@@ -262,16 +266,20 @@ class CosyVoice3Token2Wav:
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
                  voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None,
-                 windowed_vocoder: bool = True) -> None:
+                 windowed_vocoder: bool = True, final_over_cache: bool = False) -> None:
         """voice_capacity: voices whose prompt flow cache (`prompt_flow_cache`) is kept for cached streams, least
         recently used dropped first (each holds its committed prompt frames' keys/values: see docs).
         cache_budget_bytes: what the live cached streams' own flow caches may hold together (None: no limit; the
         voices' prompt caches, bounded by `voice_capacity`, are not counted); a stream whose next cache would pass
         it drops its cache and recomputes from then on (`CosyVoice3Stream.commit`).
         windowed_vocoder: a chunk vocodes a bounded window of its stream's mel (`CausalHiFT.stream_chunks`);
-        False: the whole accumulated mel, as the reference does (the same samples up to float rounding)."""
+        False: the whole accumulated mel, as the reference does (the same samples up to float rounding).
+        final_over_cache: a cached stream's final chunk also continues its flow cache under the chunk mask (only
+        its new frames computed, within the step graphs' buckets); False: it recomputes the prompt and every token
+        with full attention, as the reference (a whole call, outside the buckets: run eagerly)."""
         self.flow = flow
         self.windowed_vocoder = windowed_vocoder
+        self.final_over_cache = final_over_cache
         self.hift = hift
         self.voice_caches = VoiceCaches(voice_capacity)
         self.budget = CacheBudget(cache_budget_bytes)
@@ -283,9 +291,11 @@ class CosyVoice3Token2Wav:
         self.hift_device = hift.stft_window.device
 
     def graph_buckets(self, schedules: Sequence[HopSchedule]) -> FlowGraphBuckets:
-        """Step-graph buckets covering the non-final chunks of `schedules` (`cosyvoice3.graphs`)."""
+        """Step-graph buckets covering the non-final chunks of `schedules` (`cosyvoice3.graphs`), and their final
+        chunks where those continue the flow caches (`final_over_cache`)."""
         return FlowGraphBuckets.covering(schedules, self.flow.config.token_mel_ratio,
-                                         self.flow.estimator.config.static_chunk_size)
+                                         self.flow.estimator.config.static_chunk_size,
+                                         final_chunks=self.final_over_cache)
 
     def use_graph_buckets(self, buckets: FlowGraphBuckets) -> None:
         """Replace the step graphs by an empty set with these buckets (before capturing them)."""
@@ -470,9 +480,11 @@ class CosyVoice3Stream(ChunkedStream):
 
     def flow_row(self, chunk: Chunk) -> FlowRow:
         """This chunk's row of a batched flow solve (cached streams): a non-final chunk continues the stream's
-        flow cache under the chunk mask; the final chunk (full attention: nothing carries over) is a whole call."""
+        flow cache under the chunk mask; the final chunk is a whole call with full attention (nothing carries
+        over), unless the engine's `final_over_cache` continues the cache for it too (a final chunk that is the
+        stream's first, an offline job among them, stays a whole call: it has no cache of its own to continue)."""
         inputs = self.engine.flow_inputs(self.tokens[: chunk.feed], self.prompt, finalize=chunk.final)
-        if chunk.final:
+        if chunk.final and not (self.engine.final_over_cache and chunk.start > 0):
             return FlowRow(inputs, FlowCache(), streaming=False)
         if self.flow_cache is None:
             raise RuntimeError("a stream without a flow cache runs the reference path (`chunk_mel`)")

@@ -311,7 +311,9 @@ class CosyVoice3EngineParams(DecoderParams):
     """CosyVoice3's engine (`adapters.cosyvoice3_engine`): its LLM and token2wav in `cosyvoice3_stream`'s process, or
     token2wav alone in `cosyvoice3_engine` beside a TensorRT-LLM engine."""
 
-    flow_cache: str  # cached: streams keep their flow caches; recompute: every chunk re-runs the flow (the reference)
+    # cached: streams keep their flow caches; chunked: the final chunk continues them too (the chunk mask); recompute:
+    # every chunk re-runs the flow (the reference)
+    flow_cache: str
     flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
     flow_cache_gb: float  # the live cached streams' own flow caches together (voices not counted); 0: no limit
     # the orchestrators' streaming schedule (tokens of the first chunk, then second_hop doubling per chunk): the

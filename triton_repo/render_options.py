@@ -51,9 +51,11 @@ LLM_DELIVERIES = ("chunk", "token")
 DEFAULT_LLM_DELIVERY = {"pytorch": "chunk", "tensorrt_llm": "token"}
 #: unet: CosyVoice2's own flow (`--model-dir`); dit: the DiT flow of Step-Audio-2-mini (`--dit-dir`, docs/engine.md).
 TOKEN2WAVS = ("unet", "dit")
-#: CosyVoice3's streaming flow: cached (per-stream flow caches, the same audio up to float rounding) or recompute
-#: (every chunk re-runs the flow over the prompt and all tokens: the reference path).
-COSYVOICE3_FLOW_CACHES = ("cached", "recompute")
+#: CosyVoice3's streaming flow: cached (per-stream flow caches, the same audio up to float rounding), chunked
+#: (cached, and the final chunk too continues the caches under the chunk mask instead of recomputing the whole
+#: utterance with full attention) or recompute (every chunk re-runs the flow over the prompt and all tokens: the
+#: reference path). As CosyVoice2's flow_cache modes exact / chunked / off.
+COSYVOICE3_FLOW_CACHES = ("cached", "chunked", "recompute")
 #: Models whose instance count may be chosen; llm, token2wav, `spark_engine` and `cosyvoice3_engine` keep
 #: per-request state in-process (and so does `cosyvoice2_stream` in the colocated layout: `render_checks`).
 SCALABLE = (
@@ -184,8 +186,9 @@ class CosyVoice3RenderOptions(_Options):
     # the released layout (Fun-CosyVoice3-0.5B-2512)
     model_dir: Path = option(help="a CosyVoice3 model directory: render the cosyvoice3 models too", flag="dir")
     flow_cache: str = option("cached", choices=COSYVOICE3_FLOW_CACHES,
-                             help="CosyVoice3 streaming flow: cached (per-stream flow caches) or recompute (every "
-                                  "chunk from scratch, the reference)")
+                             help="CosyVoice3 streaming flow: cached (per-stream flow caches, the final chunk "
+                                  "recomputed with full attention as the reference), chunked (the final chunk over "
+                                  "the caches too) or recompute (every chunk from scratch, the reference)")
     # Each kept voice holds its prompt's keys and values per Euler step and DiT block: ~3.6 MB per prompt frame in
     # fp32 at the released size, ~1.8 GB for a 10 s prompt (docs/cosyvoice3.md, "Token2wav and streaming").
     flow_voices: int = option(8, minimum=1, help="CosyVoice3 cached streaming: voices whose prompt flow caches are "

@@ -197,7 +197,7 @@ def test_render_refuses_an_incomplete_cosyvoice3_dir(tiny_model_dir, cosyvoice3_
     (broken / "speech_tokenizer_v3.onnx").unlink()
     with pytest.raises(RenderError, match=r"--cosyvoice3-dir .* lacks speech_tokenizer_v3\.onnx"):
         _render(tiny_model_dir, broken, tmp_path / "repo")
-    with pytest.raises(RenderError, match="--cosyvoice3-flow-cache must be one of cached, recompute"):
+    with pytest.raises(RenderError, match="--cosyvoice3-flow-cache must be one of cached, chunked, recompute"):
         _render(tiny_model_dir, cosyvoice3_dir, tmp_path / "repo", flow_cache="sometimes")
 
 

@@ -67,8 +67,10 @@ def _token2wav(params: CosyVoice3EngineParams, config: CosyVoice3Config, device:
     # the orchestrators' schedule: the flow's step-graph buckets cover its chunks (captured by Token2WavHandler)
     schedule = runtime_schedule(params.first_hop, params.second_hop, lookahead=config.flow.pre_lookahead_len)
     engine = CosyVoice3Token2Wav(flow, hift, schedule, voice_capacity=params.flow_voices,
-                                 cache_budget_bytes=params.flow_cache_budget_bytes)
-    return Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=params.flow_cache == "cached"), device, calls)
+                                 cache_budget_bytes=params.flow_cache_budget_bytes,
+                                 final_over_cache=params.flow_cache == "chunked")
+    cached = params.flow_cache != "recompute"
+    return Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=cached), device, calls)
 
 
 CosyVoice3EngineModel = handler_model(CosyVoice3EngineParams, engine_handler)
