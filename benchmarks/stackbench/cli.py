@@ -87,7 +87,8 @@ Options:
   --max-seq-len N               LLM sequence limit (default 2048)
   --benchmark-speech-ratio R    speech tokens per text token (0 = off, for real weights)
   --timeout S                   deadline of one request (default 120)
-  --render-arg FIELD=VALUE      extra RenderOptions field, repeatable (first_hop=15, layout=single)
+  --render-arg FIELD=VALUE      extra RenderOptions field, repeatable (first_hop=15, layout=single; with --spark or
+                                --cosyvoice3 their own as PART.FIELD: cosyvoice3.flow_cache=chunked)
   --requests N                  measured requests per level (at least 2 per worker)
   --only NAMES                  comma-separated scenarios (default: all)
   --stream-levels LIST          triton-stream concurrencies (default 1,4,16,32,64)
@@ -174,7 +175,10 @@ LOG_TAIL_LINES = 400
 #: RenderOptions fields that have options of their own (they name the results): not accepted as --render-arg.
 OWN_OPTIONS = {"token2wav": "--token2wav", "dit_dir": "--dit-dir", "spark": "--spark", "cosyvoice3": "--cosyvoice3",
                "max_batch": "--max-batch", "max_seq_len": "--max-seq-len", "device": "--device", "dtype": "--dtype",
-               "model_dir": "--model-dir", "out": "--work", "benchmark_speech_ratio": "--benchmark-speech-ratio"}
+               "model_dir": "--model-dir", "out": "--work", "benchmark_speech_ratio": "--benchmark-speech-ratio",
+               "spark.model_dir": "--spark-dir", "spark.benchmark_ratio": "--spark-benchmark-ratio",
+               "cosyvoice3.model_dir": "--cosyvoice3-dir",
+               "cosyvoice3.benchmark_ratio": "--cosyvoice3-benchmark-ratio"}
 #: The pipeline `--spark` loads: tts-bench's `--pipeline` for Triton, the gateway's model name.
 SPARK_PIPELINE = "spark-tts"
 #: The pipeline `--cosyvoice3` loads (the same two names).
@@ -1140,7 +1144,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "model's tokenizer (~15 characters per second of English speech)")
     parser.add_argument("--timeout", type=float, default=120.0, help="deadline of one request, seconds")
     parser.add_argument("--render-arg", action="append", default=[], metavar="FIELD=VALUE",
-                        help="extra RenderOptions field, e.g. first_hop=15 or layout=single")
+                        help="extra RenderOptions field, e.g. first_hop=15 or layout=single; the --spark / "
+                             "--cosyvoice3 pipeline's own as PART.FIELD, e.g. cosyvoice3.flow_cache=chunked")
     parser.add_argument("--requests", type=int, help="measured requests per level (tts-bench default otherwise)")
     parser.add_argument("--only", help="comma-separated scenario names (default: all): "
                         + ", ".join(s.name for s in SCENARIOS))

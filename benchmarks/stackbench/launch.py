@@ -134,13 +134,34 @@ def ensure_cosyvoice3_dir(work: Path, cosyvoice3_dir: Path | None, device: str) 
     return random_weights(work / "cosyvoice3-tiny", write_tiny_cosyvoice3, "tiny CosyVoice3")
 
 
+#: The optional pipelines' own render options, set by ``PART.FIELD=VALUE`` items (cosyvoice3.flow_cache=chunked).
+NESTED_OPTIONS = {"spark": SparkRenderOptions, "cosyvoice3": CosyVoice3RenderOptions}
+
+
 def render_fields(items: Sequence[str]) -> dict[str, Any]:
-    """``FIELD=VALUE`` items (--render-arg) as RenderOptions keyword arguments (integers as int)."""
+    """``FIELD=VALUE`` items (--render-arg) as RenderOptions keyword arguments (integers as int); a
+    ``PART.FIELD=VALUE`` item (PART one of `NESTED_OPTIONS`) keeps its dotted key (`nested_fields`)."""
     extra: dict[str, Any] = {}
     for item in items:
         key, _, value = item.partition("=")
         extra[key] = int(value) if value.lstrip("-").isdigit() else value
     return extra
+
+
+def nested_fields(fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """`render_fields`' keywords split into RenderOptions' own and, per optional pipeline, its options'."""
+    own: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {part: {} for part in NESTED_OPTIONS}
+    for key, value in fields.items():
+        part, dot, name = key.partition(".")
+        if not dot:
+            own[key] = value
+        elif part in nested and name:
+            nested[part][name] = value
+        else:
+            raise SystemExit(f"stack-bench: render item {key}: only {', '.join(NESTED_OPTIONS)} have options of "
+                             "their own (PART.FIELD=VALUE)")
+    return own, nested
 
 
 def benchmark_ratio(given: float | None, realistic: Callable[[], float], announce: str) -> float | None:
@@ -161,6 +182,10 @@ def render_stack(
     """Render WORK/repo, with Spark-TTS beside CosyVoice2 when ``spark_dir`` is given, CosyVoice3 when
     ``cosyvoice3_dir`` is. A benchmark ratio of None picks the realistic one for that model's tokenizer; 0 turns
     benchmark mode off (real weights stop by themselves)."""
+    own, nested = nested_fields(render_fields(render_args))
+    for part, given in nested.items():
+        if given and {"spark": spark_dir, "cosyvoice3": cosyvoice3_dir}[part] is None:
+            raise SystemExit(f"stack-bench: render items {', '.join(f'{part}.{k}' for k in given)} need --{part}")
     ratio = benchmark_speech_ratio
     if ratio is None:
         ratio = realistic_ratio(model_dir)
@@ -169,16 +194,17 @@ def render_stack(
     if spark_dir is not None:
         spark_ratio = benchmark_ratio(spark_benchmark_ratio, lambda: realistic_spark_ratio(spark_dir),
                                       "Spark benchmark mode: {} semantic tokens per text token")
-        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio)
+        spark = SparkRenderOptions(model_dir=spark_dir, benchmark_ratio=spark_ratio, **nested["spark"])
     if cosyvoice3_dir is not None:
         cosyvoice3_ratio = benchmark_ratio(cosyvoice3_benchmark_ratio,
                                            lambda: realistic_cosyvoice3_ratio(cosyvoice3_dir), "CosyVoice3 benchmark mode: {} speech tokens per text token")
-        cosyvoice3 = CosyVoice3RenderOptions(model_dir=cosyvoice3_dir, benchmark_ratio=cosyvoice3_ratio)
+        cosyvoice3 = CosyVoice3RenderOptions(model_dir=cosyvoice3_dir, benchmark_ratio=cosyvoice3_ratio,
+                                             **nested["cosyvoice3"])
     options = RenderOptions(
         model_dir=model_dir, out=work / "repo", device=device, dtype=dtype, max_batch=max_batch,
         max_seq_len=max_seq_len, benchmark_speech_ratio=ratio or None, token2wav=token2wav, dit_dir=dit_dir,
         spark=spark, cosyvoice3=cosyvoice3,
-        **render_fields(render_args),
+        **own,
     )  # fmt: skip
     return options, write_repository(options)
 

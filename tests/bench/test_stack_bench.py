@@ -815,3 +815,26 @@ def test_a_server_log_that_says_a_model_runs_mixed_cuda_libraries_reaches_the_re
     found = sb.shadowed_library_warnings([log, clean, tmp_path / "absent.log"])
     assert len(found) == 1 and "libcudnn (version 9)" in found[0] and system in found[0]
     assert sb.shadowed_library_warnings([clean]) == []
+
+
+def test_render_items_set_the_cosyvoice3_and_spark_options_as_part_dot_field(tmp_path):
+    from cosyvoice2.testing import write_tiny_model
+
+    work = tmp_path / "work"
+    common = {"work": work, "model_dir": write_tiny_model(tmp_path / "tiny"), "device": "cpu", "dtype": "fp32",
+              "max_batch": 4, "max_seq_len": 512, "benchmark_speech_ratio": 0}  # fmt: skip
+    cv3 = launch.ensure_cosyvoice3_dir(work, None, "cpu")
+    options, _ = launch.render_stack(**common, cosyvoice3_dir=cv3, cosyvoice3_benchmark_ratio=1.0,
+                                     render_args=("cosyvoice3.flow_cache=chunked", "cosyvoice3.first_hop=10",
+                                                  "first_hop=20"))
+    assert options.cosyvoice3.flow_cache == "chunked" and options.cosyvoice3.first_hop == 10
+    assert options.first_hop == 20 and options.cosyvoice3.model_dir == cv3
+    with pytest.raises(SystemExit, match=r"cosyvoice3\.flow_cache need --cosyvoice3"):
+        launch.render_stack(**common, render_args=("cosyvoice3.flow_cache=chunked",))
+    with pytest.raises(SystemExit, match=r"render item gateway\.port: only spark, cosyvoice3"):
+        launch.render_stack(**common, render_args=("gateway.port=1",))
+    # what has an option of its own is refused as a render item, nested or not
+    for item, option in (("cosyvoice3.model_dir=/x", "--cosyvoice3-dir"), ("spark.benchmark_ratio=2",
+                                                                          "--spark-benchmark-ratio")):
+        with pytest.raises(SystemExit, match=option):
+            sb.check_render_args([item], "--render-arg")
