@@ -115,8 +115,18 @@ class FlowRow:
         return self.inputs.frames - self.cache.committed
 
 
-def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow],
-                  graphs: Optional[FlowStepGraphs] = None) -> list[tuple[torch.Tensor, FlowCache]]:
+@dataclass
+class FrameCounts:
+    """The flow estimator's new frames over the solves counted: `needed` (the rows' own) and `computed` (the rows
+    and frames each solve ran, padded to its longest row and to its graph bucket), per conditional/unconditional
+    pair. Their difference is the padding the served stage table shows (`token2wav_flow_frames_*`)."""
+
+    needed: int = 0
+    computed: int = 0
+
+
+def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow], graphs: Optional[FlowStepGraphs] = None,
+                  counts: Optional[FrameCounts] = None) -> list[tuple[torch.Tensor, FlowCache]]:
     """Euler solves of several calls in lock step, one estimator pass per step for all rows (conditional and
     unconditional rows stacked): per row, the mel of frames [start, T) (1, 80, T - start) float32 and its cache
     extended to every complete chunk of the call (for a chunk-mask row; a full-attention row's has nothing to keep).
@@ -126,7 +136,8 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow],
     so a row's numbers equal its solve alone up to float summation order. Every tensor of a step has a shape fixed
     by (rows, N, P, R) and the step has no host syncs. `graphs`: when the call fits one of their buckets it is
     padded further, to the bucket (padded rows: full attention over their own zero frames), and every step's
-    estimator pass is replayed from the bucket's CUDA graph (or, emulated, run on its static buffers)."""
+    estimator pass is replayed from the bucket's CUDA graph (or, emulated, run on its static buffers). `counts`:
+    what the solve needed and computed is added to it."""
     cfm = flow.decoder
     for row in rows:
         if row.new_frames <= 0 or (row.start and not row.streaming):
@@ -139,6 +150,10 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow],
     like = rows[0].inputs.mu
     shape = None if graphs is None else graphs.bucket(len(rows), max(row.new_frames for row in rows), max(starts),
                                                       like)
+    if counts is not None:
+        counts.needed += sum(row.new_frames for row in rows)
+        counts.computed += (len(rows) * max(row.new_frames for row in rows) if shape is None
+                            else shape[0] * shape[1])
     if graphs is None or shape is None:
         return _solve(flow, rows, None, None)
     with graphs.lock:
@@ -280,6 +295,7 @@ class CosyVoice3Token2Wav:
         self.flow = flow
         self.windowed_vocoder = windowed_vocoder
         self.final_over_cache = final_over_cache
+        self.frame_counts = FrameCounts()  # the streams' and offline jobs' batched solves (not the voices' caches)
         self.hift = hift
         self.voice_caches = VoiceCaches(voice_capacity)
         self.budget = CacheBudget(cache_budget_bytes)
@@ -399,7 +415,8 @@ class CosyVoice3Token2Wav:
         for streaming in (True, False):
             group = [i for i in batched if rows[i].streaming == streaming]
             for part in fitting_first(group, lambda i: self.fits_graphs(rows[i])):
-                solved.update(zip(part, batched_solve(self.flow, [rows[i] for i in part], self.graphs)))
+                solved.update(zip(part, batched_solve(self.flow, [rows[i] for i in part], self.graphs,
+                                                      self.frame_counts)))
         mels: list[tuple[Optional[torch.Tensor], Optional[FlowCache]]] = []
         for i, (stream, chunk) in enumerate(work):
             if i in solved:
@@ -500,7 +517,7 @@ class CosyVoice3Stream(ChunkedStream):
         flow cache after it (None without one, or after the final chunk). Changes nothing in the stream."""
         if self.cached:
             row = self.flow_row(chunk)
-            mel, cache = batched_solve(self.engine.flow, [row], self.engine.graphs)[0]
+            mel, cache = batched_solve(self.engine.flow, [row], self.engine.graphs, self.engine.frame_counts)[0]
             return self.own_frames(chunk, row, mel), None if chunk.final else cache
         ratio = self.engine.flow.config.token_mel_ratio
         mel = self.engine.mel(self.tokens[: chunk.feed], self.prompt, streaming=not chunk.final,

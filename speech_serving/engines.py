@@ -368,6 +368,12 @@ class CosyVoice3BatchedToken2Wav(_StepGraphStreams):
         self.cached = cached
         self.vocab_size = engine.flow.config.vocab_size
 
+    def frame_counts(self) -> tuple[int, int]:
+        """(needed, computed) new frames of the flow estimator so far in the batched solves of cached streams and
+        offline jobs; computed includes the padding of each solve to its longest row and its graph bucket."""
+        counts = self.engine.frame_counts
+        return counts.needed, counts.computed
+
     def capture_graphs(self) -> tuple[int, float]:
         """Capture the flow's step graphs of every bucket now, on the engine's own device (before the server
         reports ready): (graphs, seconds). A capture that fails is logged and leaves the flow eager."""

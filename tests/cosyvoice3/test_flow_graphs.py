@@ -6,6 +6,7 @@ replays captured graphs on CUDA. CPU, fp32, the tiny random model."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,6 +72,7 @@ def test_emulated_buckets_give_the_eager_mel_caches_and_audio(token2wav: CosyVoi
         graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
         graphs.emulate = True
         calls = recording(graphs)
+        counted = dataclasses.replace(token2wav.frame_counts)
         padded = run_plans(token2wav, plans, graphs)
     finally:
         token2wav.graphs = saved
@@ -78,6 +80,11 @@ def test_emulated_buckets_give_the_eager_mel_caches_and_audio(token2wav: CosyVoi
     assert any(shape is None for _, shape in calls) or name == "one stream"
     for (rows, frames, history), shape in calls:
         assert shape is None or (shape[0] >= rows and shape[1] >= frames and shape[2] >= history)
+    # the frames counted (the served flow-padding share): each solve's rows x new frames, padded to its bucket
+    computed = token2wav.frame_counts.computed - counted.computed
+    needed = token2wav.frame_counts.needed - counted.needed
+    assert computed == sum(shape[0] * shape[1] if shape else rows * frames for (rows, frames, _), shape in calls)
+    assert 0 < needed < computed  # every mix pads some solve to a bucket
     for stream in range(len(plans)):
         for a, b in zip(eager.mels[stream], padded.mels[stream], strict=True):
             assert a.shape == b.shape

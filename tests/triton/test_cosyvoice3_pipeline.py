@@ -180,7 +180,8 @@ async def test_concurrent_streams_and_the_engines_metrics(both_server):
     text = urllib.request.urlopen(both_server.metrics_url).read().decode()
     # the LLM scheduler and token2wav service run inside cosyvoice3_stream (the engine's process, its streaming
     # orchestrator beside them), exported under its name
-    for stat in ("llm_finished_total", "token2wav_chunks_total", "orchestrator_requests_total"):
+    for stat in ("llm_finished_total", "token2wav_chunks_total", "orchestrator_requests_total",
+                 "token2wav_flow_frames_needed_total", "token2wav_flow_frames_computed_total"):
         assert re.search(rf'^cosyvoice2_{stat}\{{model="cosyvoice3_stream"\}} [1-9]', text, re.M), stat
 
 
