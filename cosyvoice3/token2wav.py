@@ -100,11 +100,14 @@ class FlowCache:
 class FlowRow:
     """One row of a batched flow solve: a call's inputs, the cache its frames before `cache.committed` come from
     (an empty cache: the whole call), and its attention: the chunk mask (`streaming`) or full attention (only
-    from an empty cache: no frame of a full-attention call is final before the call)."""
+    from an empty cache: no frame of a full-attention call is final before the call). `extend`: a chunk-mask
+    row's solve extends its cache to the call's complete chunks; False for a stream's last call (a final chunk
+    over the cache), whose cache nothing reads again (no copy of its history per step)."""
 
     inputs: FlowInputs
     cache: FlowCache
     streaming: bool
+    extend: bool = True
 
     @property
     def start(self) -> int:
@@ -243,14 +246,14 @@ class _RowCache:
         """batch: the solve's (padded) rows; width: its context frames R."""
         self.row, self.i, self.batch = row, i, batch
         start = row.start
-        commit = max(start, row.inputs.frames // chunk * chunk) if row.streaming else 0
-        self.keep, self.kept = commit - start, min(commit, receptive)
+        commit = max(start, row.inputs.frames // chunk * chunk) if row.streaming and row.extend else 0
+        self.keep, self.kept = max(commit - start, 0), min(commit, receptive)
         self.offset = width - context + commit - self.kept - (start - context)  # the kept context in a window
         self.cache = FlowCache(commit)
 
     def add_step(self, step: int, window: torch.Tensor, own: torch.Tensor) -> None:
         """own: the step's keys/values of every row's new frames (depth, 2, 2B, H, N, dim_head)."""
-        if not self.row.streaming:
+        if not (self.row.streaming and self.row.extend):
             return
         past = self.row.cache.kv[step] if self.row.cache.kv else None
         # the conditional rows then the unconditional ones: row i's pair is [i, batch + i]
@@ -505,7 +508,7 @@ class CosyVoice3Stream(ChunkedStream):
             return FlowRow(inputs, FlowCache(), streaming=False)
         if self.flow_cache is None:
             raise RuntimeError("a stream without a flow cache runs the reference path (`chunk_mel`)")
-        return FlowRow(inputs, self.flow_cache, streaming=True)
+        return FlowRow(inputs, self.flow_cache, streaming=True, extend=not chunk.final)
 
     def own_frames(self, chunk: Chunk, row: FlowRow, mel: torch.Tensor) -> torch.Tensor:
         """The frames of tokens [start, stop) (final: [start, end)) among a solve's frames [row.start, T)."""

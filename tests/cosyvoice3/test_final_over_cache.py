@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cosyvoice3.graphs import FlowStepGraphs
-from cosyvoice3.token2wav import CosyVoice3Token2Wav, runtime_schedule
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, FlowCache, batched_solve, runtime_schedule
 from tests.cosyvoice3.conftest import AUDIO_OF_SCALE, MEL_ATOL, make_voice, open_stream, run_rounds, stream_tokens
 from tests.cosyvoice3.test_flow_graphs import recording
 
@@ -64,6 +64,8 @@ def test_the_final_chunk_is_the_chunk_mask_solve_with_final_features(chunked, to
         row = stream.flow_row(final)
         assert row.streaming == over_cache and (row.start > 0) == over_cache
         assert row.new_frames == row.inputs.frames - (stream.flow_cache.committed if over_cache else 0)
+        # either way the stream's last call keeps no cache (nothing reads it again)
+        assert batched_solve(engine.flow, [row])[0][1] == FlowCache()
 
 
 def test_final_chunks_over_caches_batch_as_they_run_alone(chunked):
