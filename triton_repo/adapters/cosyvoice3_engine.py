@@ -82,9 +82,10 @@ class CosyVoice3StreamModel(EngineEntryModel):
 
     def load(self, args: dict[str, str]) -> tuple[EngineHandler, Any]:
         params = CosyVoice3EngineEntryParams.from_parameters(model_params(args), args["model_name"])
+        if not params.engine.llm:  # the render hosts the engine here only with the PyTorch LLM
+            raise ValueError(f"{args['model_name']}: an engine without its LLM cannot host the streaming pipeline")
         engine = engine_handler(params.engine)
-        if not isinstance(engine, EngineHandler):  # the render hosts the engine here only with the PyTorch LLM
-            raise TypeError(f"{args['model_name']}: an engine without its LLM cannot host the streaming pipeline")
+        assert isinstance(engine, EngineHandler)
         orchestrator = cosyvoice3_orchestrator(
             params.orchestrator, lambda vocab: EngineClients(engine, vocab, params.orchestrator.models))
         return engine, orchestrator
