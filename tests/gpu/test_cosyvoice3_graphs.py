@@ -31,12 +31,14 @@ def last_gpu(gpus: int) -> torch.device:
     return torch.device("cuda", gpus - 1)
 
 
-def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path) -> None:
+@pytest.mark.parametrize("final_over_cache", [False, True], ids=["cached", "chunked"])
+def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path, final_over_cache) -> None:
+    """Both flow-cache modes: with `final_over_cache` the streams' final chunks replay from the buckets too."""
     device = last_gpu(gpus)
     path = write_tiny_model(tmp_path / "cv3", seed=5, text_frontend=False)
     config = load_config(path)
-    token2wav = CosyVoice3Token2Wav(load_flow(path / "flow.pt", config, device), load_hift(path / "hift.pt", config,
-                                                                                          device))
+    token2wav = CosyVoice3Token2Wav(load_flow(path / "flow.pt", config, device),
+                                    load_hift(path / "hift.pt", config, device), final_over_cache=final_over_cache)
     graphs = FlowStepGraphs(token2wav.flow.estimator, BUCKETS)
     assert graphs.capture_all(device, torch.float32) == len(BUCKETS.shapes())
     for name, plans in MIXES.items():
