@@ -150,13 +150,11 @@ def batched_solve(flow: CosyVoice3Flow, rows: Sequence[FlowRow], graphs: Optiona
             raise CosyVoice3InputError(f"a flow call of {row.inputs.frames} frames exceeds the "
                                        f"{cfm.rand_noise.size(-1)}-frame noise table")
     starts = [row.start for row in rows]
-    like = rows[0].inputs.mu
-    shape = None if graphs is None else graphs.bucket(len(rows), max(row.new_frames for row in rows), max(starts),
-                                                      like)
+    news = [row.new_frames for row in rows]
+    shape = None if graphs is None else graphs.bucket(len(rows), max(news), max(starts), rows[0].inputs.mu)
     if counts is not None:
-        counts.needed += sum(row.new_frames for row in rows)
-        counts.computed += (len(rows) * max(row.new_frames for row in rows) if shape is None
-                            else shape[0] * shape[1])
+        counts.needed += sum(news)
+        counts.computed += len(rows) * max(news) if shape is None else shape[0] * shape[1]
     if graphs is None or shape is None:
         return _solve(flow, rows, None, None)
     with graphs.lock:

@@ -183,8 +183,9 @@ def render_stack(
     ``cosyvoice3_dir`` is. A benchmark ratio of None picks the realistic one for that model's tokenizer; 0 turns
     benchmark mode off (real weights stop by themselves)."""
     own, nested = nested_fields(render_fields(render_args))
+    rendered = {"spark": spark_dir is not None, "cosyvoice3": cosyvoice3_dir is not None}
     for part, given in nested.items():
-        if given and {"spark": spark_dir, "cosyvoice3": cosyvoice3_dir}[part] is None:
+        if given and not rendered[part]:
             raise SystemExit(f"stack-bench: render items {', '.join(f'{part}.{k}' for k in given)} need --{part}")
     ratio = benchmark_speech_ratio
     if ratio is None:
