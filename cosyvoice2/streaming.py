@@ -329,13 +329,16 @@ class Token2Wav(FlowAndVocoder):
     """
 
     def __init__(self, flow: "torch.nn.Module", hift: "torch.nn.Module", config: "EngineConfig",
-                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None) -> None:
+                 flow_cache: str = "exact", prefix_capacity: int = 8, cache_budget_bytes: int | None = None,
+                 max_rows: int | None = None) -> None:
+        """`max_rows`: the rows (streams' chunks) one call's CUDA graphs take at most (default: the packed solve's
+        `PACKED_ROWS`); a call of more runs eagerly."""
         from cosyvoice2.flow.cached import CachedFlowRunner
 
         if flow_cache not in FLOW_CACHE_MODES:
             raise ValueError(f"flow_cache must be one of {FLOW_CACHE_MODES}, got {flow_cache!r}")
         self.flow_cache = flow_cache
-        self.cached = CachedFlowRunner(flow)
+        self.cached = CachedFlowRunner(flow, max_rows=max_rows)
         self.prefix_capacity = prefix_capacity
         self.book = FlowCacheBook(cache_budget_bytes)
         super().__init__(flow, hift, config.streaming.mel_cache_len, config.hift.samples_per_frame,

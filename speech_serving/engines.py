@@ -199,11 +199,13 @@ class BatchedToken2Wav(_BatchedStreams):
 
     def __init__(self, flow: torch.nn.Module, hift: torch.nn.Module, config: EngineConfig, schedule: ChunkSchedule,
                  flow_cache: str = "exact", flow_cache_gb: float | None = None,
-                 schedules: Sequence[ChunkSchedule] = ()):
+                 schedules: Sequence[ChunkSchedule] = (), max_rows: int | None = None):
         """`schedule`: the streams' own (`open`); `schedules`: every schedule the orchestrator may cut a stream's
-        chunks by (none given: `schedule`), which HiFT's graph buckets cover for every prompt length."""
+        chunks by (none given: `schedule`), which HiFT's graph buckets cover for every prompt length; `max_rows`:
+        jobs per call at most, the largest row bucket of every CUDA graph (default: the packed solve's own)."""
         budget = None if flow_cache_gb is None else int(flow_cache_gb * 2**30)
-        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget)
+        self.engine = Token2Wav(flow, hift, config, flow_cache=flow_cache, cache_budget_bytes=budget,
+                                max_rows=max_rows)
         self.schedule = schedule  # prompt_tokens is set per stream
         self.vocab_size = config.flow.vocab_size
         self.engine.use_hift_buckets(for_every_prompt(schedules or [schedule]), self.max_rows)

@@ -42,9 +42,17 @@ from .estimator import CausalBlock1D, CausalResnetBlock1D
 
 CONV_CONTEXT = 2  # every causal conv of the estimator has kernel 3
 
-# The encoder's CUDA-graph buckets of rows: every count up to 4, then steps of a half (6, 12) between the powers of
-# two, so a call of 5, 9 or 10 rows does not pay for 8 or 16; up to the packed solve's rows (`packed.PACKED_ROWS`).
-ENCODER_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+def encoder_rows(largest: int) -> tuple[int, ...]:
+    """The encoder's CUDA-graph buckets of rows for calls of up to `largest` rows (the packed solve's cap): every
+    count up to 4, then steps of a half between the powers of two (6, 8, 12, 16, 24, 32, ...), so a call of 5, 9 or
+    10 rows does not pay for 8 or 16, and `largest` itself."""
+    if largest < 1:
+        raise ValueError(f"a call takes at least one row, got {largest}")
+    steps, size = [1, 2, 3, 4], 4
+    while size < largest:
+        steps += [size * 3 // 2, size * 2]
+        size *= 2
+    return tuple(r for r in steps if r < largest) + (largest,)
 
 
 
@@ -128,20 +136,23 @@ def _cat(a: Optional[torch.Tensor], b: torch.Tensor, dim: int) -> torch.Tensor:
 class CachedFlowRunner:
     """Runs `CausalFlow` over new frames with caches. Stateless apart from the flow; any number of streams."""
 
-    def __init__(self, flow: torch.nn.Module, graphs: bool = True) -> None:
+    def __init__(self, flow: torch.nn.Module, graphs: bool = True, max_rows: Optional[int] = None) -> None:
+        """`max_rows`: rows per call the CUDA graphs take at most (default `packed.PACKED_ROWS`); a call of more runs
+        eagerly, so a server caps its calls there (`max_rows`)."""
+        from .packed import PACKED_ROWS, PackedFlow  # it builds on this module
+
+        rows = PACKED_ROWS if max_rows is None else max_rows
         self.flow = flow
         # new frames of every call the estimator ran: needed, and computed (the packed frame axis padded up to its
         # CUDA-graph bucket); their ratio is the padding's share of the estimator's work
         self.frames_needed = 0
         self.frames_computed = 0
         # the encoder pass (once per call), from CUDA graphs of its own buckets (`cached_encoder.EncoderGraphs`)
-        self.encoder = CachedEncoder(flow, graphs, row_buckets=ENCODER_ROWS)
+        self.encoder = CachedEncoder(flow, graphs, row_buckets=encoder_rows(rows))
         self.config = flow.config
         self.fused = _FusedWeights.of(flow.decoder.estimator)
-        from .packed import PackedFlow  # it builds on this module
-
         # the Euler solve over the call's rows packed on one frame axis, from CUDA graphs where the call fits
-        self.solver = PackedFlow(self, graphs)
+        self.solver = PackedFlow(self, graphs, rows)
         self.stride = flow.config.token_mel_ratio
         self.lookahead = flow.config.pre_lookahead_len
         self.grid = flow.config.encoder.static_chunk_size

@@ -240,7 +240,7 @@ class EncoderGraphs(GridGraphs[_EncoderStatics, tuple[torch.Tensor, torch.Tensor
     """CUDA graphs of the cached encoder pass, per (rows, new tokens, history tokens) bucket.
 
     The buckets cover every call of the served schedules (`tests/engine/test_encoder_graphs.py`): rows as the
-    `cached.ENCODER_ROWS`, new tokens 32/64/128 (a first chunk is at most 77 tokens, a later or final one at most
+    `cached.encoder_rows`, new tokens 32/64/128 (a first chunk is at most 77 tokens, a later or final one at most
     126), history every 128 tokens up to 1024 (2048 frames, `packed.LONGEST_HISTORY`). The rows' history is copied before
     each replay into one static key buffer per layer stack that every graph views; outputs (mu, seq) live in the
     graphs' own pool and are copied out under the lock, before the next replay. Calls that fit no bucket run eagerly.

@@ -281,6 +281,14 @@ def packed_keys(rows: int = PACKED_ROWS) -> int:
     return rows * PACKED_KEYS_PER_ROW + _TRASH
 
 
+def packed_frames(rows: int = PACKED_ROWS) -> tuple[int, ...]:
+    """The packed-frames buckets of graphs for calls of up to `rows` rows: `PACKED_FRAMES`, and with more rows than
+    `PACKED_ROWS` every 512 frames from 4096 up to what their streaming calls reach (rows x `LONGEST_NEW`), so a
+    burst of first chunks in one large call is not padded by up to half to 6144 or 8192."""
+    wider = range(4096 + 512, rows * LONGEST_NEW + 1, 512) if rows > PACKED_ROWS else ()
+    return tuple(sorted({*PACKED_FRAMES, *wider}))
+
+
 _PackedStatics = tuple[torch.Tensor, ...]  # x, mask, mu, t, spks, cond, then the index tensors of `PackedIndex`
 
 
@@ -290,10 +298,12 @@ class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor],
     every graph reads (filled before each step: the rows' histories, their last conv inputs); a graph's outputs
     (velocity, new conv tails) are valid until the next replay."""
 
-    def __init__(self, packed: "PackedFlow", frames: Sequence[int] = PACKED_FRAMES, rows: int = PACKED_ROWS) -> None:
+    def __init__(self, packed: "PackedFlow", frames: Optional[Sequence[int]] = None, rows: int = PACKED_ROWS) -> None:
+        """`frames`: the packed-frames buckets (default `packed_frames(rows)`)."""
         super().__init__()
         self.packed = packed
-        self.frame_sizes, self.row_count, self.key_count = tuple(frames), rows, packed_keys(rows)
+        self.frame_sizes = tuple(packed_frames(rows) if frames is None else frames)
+        self.row_count, self.key_count = rows, packed_keys(rows)
 
     def sizes(self) -> tuple[Sequence[int], Sequence[int], Sequence[int]]:
         return (self.row_count,), self.frame_sizes, (self.key_count,)
@@ -350,7 +360,7 @@ class PackedFlow:
     """`CachedFlowRunner`'s Euler solve with the call's rows packed (`solve`), from
     CUDA graphs (`PackedGraphs`) where the call fits one and runs on a GPU."""
 
-    def __init__(self, runner: CachedFlowRunner, graphs: bool = True) -> None:
+    def __init__(self, runner: CachedFlowRunner, graphs: bool = True, rows: int = PACKED_ROWS) -> None:
         self.runner = runner
         est = runner.flow.decoder.estimator
         # causal conv weights as (out, 3 x in) with the tap major: the gathered windows' (tap, channel) order
@@ -360,7 +370,7 @@ class PackedFlow:
         self.blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
         self.tail_channels = sum(m.in_channels for m in est.modules()
                                  if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3)
-        self.graphs: Optional[PackedGraphs] = PackedGraphs(self) if graphs else None
+        self.graphs: Optional[PackedGraphs] = PackedGraphs(self, rows=rows) if graphs else None
 
     def bucket(self, news: Sequence[int], hists: Sequence[int], like: torch.Tensor):
         """The graph bucket of a call, or None (eager): off a GPU, or beyond the buckets."""

@@ -16,7 +16,7 @@ import torch
 
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow.cached import CachedFlowRunner, CachedRow, CachedSegment
-from cosyvoice2.flow.packed import LONGEST_HISTORY, PackedGraphs, keys_needed
+from cosyvoice2.flow.packed import LONGEST_HISTORY, PACKED_ROWS, PackedGraphs, keys_needed
 from cosyvoice2.streaming import ChunkSchedule, Token2Wav
 from tests.conftest import FIXTURES_DIR
 
@@ -333,7 +333,8 @@ def test_a_row_beyond_the_buckets_runs_apart_from_the_rows_that_fit(oracle) -> N
                                              {"first_hop": 15, "align_first_hop": "never"},
                                              {"align_first_hop": "busy", "lone_first_hop": 12}],
                          ids=["upstream", "unaligned", "unaligned-15", "busy-lone-12"])
-def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> None:
+@pytest.mark.parametrize("max_rows", [None, 32], ids=["rows-default", "rows-32"])
+def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params, max_rows) -> None:
     """Every cached call the token2wav service can form - at most `max_rows` streams' chunks of the served schedule
     (flow caches `chunked`: the final chunk over the caches too), for every alignment of the voice prompt - fits a
     captured packed-frames bucket of the solve and (rows, new tokens, history tokens) encoder bucket of the engine,
@@ -349,7 +350,8 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
     params = StreamScheduleParams(**schedule_params)
     engine = BatchedToken2Wav(load_flow(tiny_model_dir / FLOW_FILE, config, torch.device("cpu"), torch.float32),
                               load_hift(tiny_model_dir / HIFT_FILE, config, torch.device("cpu")), config,
-                              params.schedule(config), flow_cache="chunked", schedules=params.schedules(config))
+                              params.schedule(config), flow_cache="chunked", schedules=params.schedules(config),
+                              max_rows=max_rows)
     runner = engine.engine.cached
     graphs, encoder_graphs = runner.solve_graphs, runner.encoder.graphs
     assert max(encoder_graphs.history_tokens) * runner.stride == LONGEST_HISTORY  # one history limit for both
@@ -378,7 +380,8 @@ def test_buckets_cover_the_served_schedule(tiny_model_dir, schedule_params) -> N
                     own.encoder.tokens += row.kept_tokens(runner.grid)
                     checked += 1
     assert checked > 30_000
-    assert engine.max_rows == graphs.row_count == max(encoder_graphs.rows)  # the service's cap: the largest bucket
+    # the service's cap: the largest bucket of both graphs, the one asked for
+    assert engine.max_rows == graphs.row_count == max(encoder_graphs.rows) == (max_rows or PACKED_ROWS)
     assert graphs.bucket(engine.max_rows + 1, min(graphs.frame_sizes), keys_needed([1], [0])) is None
     assert encoder_graphs.bucket(engine.max_rows + 1, 1, 0) is None
 
@@ -387,13 +390,16 @@ def test_encoder_row_buckets_pad_rows_little_and_chunks_are_whole_grid_chunks(ti
     """The encoder's row buckets pad a call's rows by at most half again; the calls most streams make (every stream
     but a lone one pads its first hop to the grid) are whole grid chunks of new frames."""
     from cosyvoice2.config import EngineConfig
-    from cosyvoice2.flow.cached import ENCODER_ROWS
+    from cosyvoice2.flow.cached import encoder_rows
     from speech_serving.schedule import StreamScheduleParams, for_prompt
 
     config = EngineConfig.for_model_dir(tiny_model_dir)
     stride, grid, lookahead = config.flow.token_mel_ratio, config.flow.encoder.static_chunk_size, config.flow.pre_lookahead_len
-    for rows in range(1, max(ENCODER_ROWS) + 1):
-        assert min(r for r in ENCODER_ROWS if r >= rows) <= 1.5 * rows, rows
+    for cap in (1, 5, 16, 20, 32, 48):
+        buckets = encoder_rows(cap)
+        assert max(buckets) == cap and list(buckets) == sorted(set(buckets)), cap
+        for rows in range(1, cap + 1):
+            assert min(r for r in buckets if r >= rows) <= 1.5 * rows, (cap, rows)
     schedule = StreamScheduleParams(align_first_hop="always").schedule(config)
     seen = set()
     for prompt_tokens in range(lookahead, lookahead + 2 * grid):

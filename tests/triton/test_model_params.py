@@ -85,7 +85,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
          "align_first_hop": "never", "busy_streams": 8},
         {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048, "llm_yield": "first_chunks"},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
-        {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "flow_cache_gb": 4.5},
+        {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "flow_cache_gb": 4.5, "token2wav_rows": 32},
     ],
     ids=["colocated", "single", "benchmark", "single-cuda", "colocated-cuda"],
 )
@@ -99,7 +99,8 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     read_token2wav = _params_class(opts, token2wav.name).from_parameters(parameters(token2wav))
     read_token2wav = read_token2wav.engine.token2wav if isinstance(read_token2wav, EngineEntryParams) else read_token2wav
     # the options reach token2wav, through the engine's entry model where it is colocated
-    assert (read_token2wav.flow_cache, read_token2wav.flow_cache_gb) == (opts.flow_cache, opts.flow_cache_gb)
+    assert (read_token2wav.flow_cache, read_token2wav.flow_cache_gb, read_token2wav.token2wav_rows) == (
+        opts.flow_cache, opts.flow_cache_gb, opts.token2wav_rows)
     engine_or_llm = configs.get("llm") or configs[contract.STREAMING_MODEL]
     benchmark = _params_class(opts, engine_or_llm.name).from_parameters(parameters(engine_or_llm))
     llm = benchmark.engine.llm if isinstance(benchmark, EngineEntryParams) else benchmark
@@ -195,7 +196,7 @@ def test_booleans_nested_checks_and_shared_keys_are_strict():
     guard = {"loop_max_run": "1", "loop_max_period": "4", "loop_max_cycle_tokens": "50"}
     with pytest.raises(ParameterError, match="loop guard limits"):  # the class's own check, reported as a parameter error
         OrchestratorParams.from_parameters({**params, **guard})
-    token2wav = Token2WavParams(Path("/m"), "cuda:1", "fp32", StreamScheduleParams(), "chunked", 32.0)
+    token2wav = Token2WavParams(Path("/m"), "cuda:1", "fp32", StreamScheduleParams(), "chunked", 32.0, 16)
     with pytest.raises(ParameterError, match="device has two values"):
         EngineParams(_llm(device="cuda:0"), token2wav).to_parameters()
 
@@ -280,5 +281,23 @@ def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm(tiny_model_di
         assert calls is not None and handler.llm.scheduler.observed_token2wav is calls
         assert handler.llm.scheduler.yield_to is (calls if llm_yield != "off" else None)
         assert handler.llm.scheduler.yield_mode == llm_yield
+    finally:
+        handler.close()
+
+
+@pytest.mark.parametrize("rows", [16, 32, 5])
+def test_token2wav_rows_cap_the_service_and_size_every_graph_bucket(tiny_model_dir, adapters, rows):
+    """`token2wav_rows` reaches the UNet engine: the service forms calls of at most that many jobs, and the packed
+    solve's, the encoder's and HiFT's graphs have it as their largest row bucket (a call the service forms is never
+    one that runs eagerly for its rows)."""
+    Token2WavHandler = adapters("token2wav").Token2WavHandler  # noqa: N806 - a class
+    opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), layout="single", token2wav_rows=rows)
+    handler = Token2WavHandler.from_params(render_models.token2wav_params(opts))
+    try:
+        engine = handler.service.engine.engine  # the stream wrapper's BatchedToken2Wav's Token2Wav
+        runner = engine.cached
+        assert handler.service.policy.max_rows == rows
+        assert runner.solve_graphs.row_count == max(runner.encoder.graphs.rows) == rows
+        assert max(engine.hift.cuda_graphs.buckets.rows) == rows
     finally:
         handler.close()

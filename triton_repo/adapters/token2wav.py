@@ -63,7 +63,7 @@ class Token2WavHandler:
             # the orchestrator may cut a stream's chunks by any of these schedules: HiFT's graph buckets cover them
             engine = BatchedToken2Wav(
                 flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb,
-                schedules=params.schedule.schedules(config),
+                schedules=params.schedule.schedules(config), max_rows=params.token2wav_rows,
             )
         return cls(engine, device, calls)
 
