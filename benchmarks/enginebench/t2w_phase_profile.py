@@ -16,6 +16,7 @@ the operators that launched the most kernel time are listed with their shapes: a
 names (a strided `elementwise_kernel` can come from any of a hundred call sites), an eager call shows the caller.
 
     PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --streams 1 8 16 [--by-op] [--eager-encoder]
+    PYTHONUNBUFFERED=1 python -m enginebench.t2w_phase_profile --rows 32 --streams 16 24 32
 """
 
 from __future__ import annotations
@@ -106,12 +107,17 @@ def main() -> int:
     parser.add_argument("--by-op", action="store_true", help="also list the costliest operators of an eager call")
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
+    parser.add_argument("--rows", type=int, default=None,
+                        help="rows per call the graphs take at most (the served --token2wav-rows; default 16)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)
     config = EngineConfig()
     engine = Token2Wav(random_flow(config.flow, device, dtype), random_hift(config.hift, device), config,
-                       flow_cache="chunked")
+                       flow_cache="chunked", max_rows=args.rows)
+    if max(args.streams) > engine.cached.max_rows:
+        parser.error(f"--streams {max(args.streams)} is more than the {engine.cached.max_rows} rows a call's graphs "
+                     "take: raise --rows")
     start = time.perf_counter()
     graphs = engine.cached.solve_graphs
     count = graphs.capture_all(device, dtype) if graphs is not None and device.type == "cuda" else 0
