@@ -88,18 +88,20 @@ def staggered_calls(runner: CachedFlowRunner, flow, prompt_tokens: int, tokens: 
 
 @pytest.mark.parametrize("config", [tiny_config().flow, pytest.param(FlowConfig(), marks=pytest.mark.slow)],
                          ids=["tiny", "released"])
-def test_packed_graphs_in_bf16_follow_the_fp32_calls(gpus, config, no_tf32) -> None:
+@pytest.mark.parametrize(("max_rows", "streams"), [(None, 3), (32, 20)], ids=["3-streams", "20-streams-rows-32"])
+def test_packed_graphs_in_bf16_follow_the_fp32_calls(gpus, config, max_rows, streams, no_tf32) -> None:
     """The packed CUDA graphs (bf16: flash attention pieces, replayed with each call's index tensors) against the
-    same calls eager in fp32 (the pieces as a mask), on the last GPU."""
+    same calls eager in fp32 (the pieces as a mask), on the last GPU; also calls of more than 16 rows, with the
+    graphs of `--token2wav-rows 32`."""
     device = torch.device("cuda", gpus - 1)
     reference_flow = random_flow(config, device)
     reference = staggered_calls(CachedFlowRunner(reference_flow), reference_flow, prompt_tokens=60, tokens=250,
-                                streams=3)
+                                streams=streams)
     flow = copy.deepcopy(reference_flow).bfloat16()
     flow.decoder.rand_noise = flow.decoder.rand_noise.float()  # as loaded for serving: noise cast per call
-    runner = CachedFlowRunner(flow)
+    runner = CachedFlowRunner(flow, max_rows=max_rows)
     assert runner.solve_graphs.capture_all(device, torch.bfloat16) > 0
-    replayed = staggered_calls(runner, flow, prompt_tokens=60, tokens=250, streams=3)
+    replayed = staggered_calls(runner, flow, prompt_tokens=60, tokens=250, streams=streams)
     # the calls replayed graphs: their frames were padded up to the frame buckets (eager calls pad nothing)
     assert runner.frames_computed > runner.frames_needed
     scale = max(a.abs().max().item() for a in reference)
