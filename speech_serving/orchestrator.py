@@ -369,15 +369,19 @@ class _Run:
 @asynccontextmanager
 async def accounted(stats: Stats, release: Callable[[], Awaitable[None]]) -> AsyncIterator[None]:
     """One request's run in the orchestrator counters (requests, active; cancelled or failed by how it ended).
-    However it ends, `release` frees what it holds downstream before it stops counting as active."""
+    However it ends, `release` frees what it holds downstream before it stops counting as active.
+
+    Cancelled: its task was cancelled (the client left), or its consumer closed the stream before the end
+    (GeneratorExit: it stopped reading, e.g. because sending a chunk to a client that had just left failed).
+    Failed: the orchestrator's own work raised."""
     stats.add("orchestrator_requests_total")
     stats.add("orchestrator_active_requests")
     try:
         yield
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, GeneratorExit):
         stats.add("orchestrator_cancelled_total")
         raise
-    except BaseException:  # an error, or the consumer closing the stream early (GeneratorExit)
+    except BaseException:
         stats.add("orchestrator_failed_total")
         raise
     finally:

@@ -223,6 +223,22 @@ async def test_cancel_mid_stream_stops_the_llm_and_closes_the_stream():
     assert stats["orchestrator_active_requests"] == 0 and stats["orchestrator_cancelled_total"] == 1
 
 
+async def test_a_consumer_that_stops_reading_cancels_the_request_it_does_not_fail_it():
+    """The entry model stops reading a stream when sending a chunk to a client that just left fails: closing the
+    stream early frees the request downstream and counts it cancelled, not failed."""
+    clients = FakeClients(list(range(100)), batch=4, hold_after=40)
+    orch = orchestrator(clients)
+    stream = orch.synthesize(request(), streaming=True)
+    first = await stream.__anext__()
+    assert not first.final
+    await stream.aclose()
+    request_id = clients.calls[0][0]
+    assert clients.stopped == [request_id] and clients.closed == [request_id]
+    stats = orch.stats.snapshot()
+    assert stats["orchestrator_active_requests"] == 0
+    assert (stats["orchestrator_cancelled_total"], stats["orchestrator_failed_total"]) == (1, 0)
+
+
 async def test_a_failing_llm_releases_the_open_stream():
     class Failing(FakeClients):
         async def llm(self, request_id, request):

@@ -6,6 +6,7 @@ Imported only inside tritonserver's python stub (it needs `triton_python_backend
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import json
 import logging
@@ -324,9 +325,12 @@ class PipelineEntryModel:
     async def _handle(self, request: Any, sender: Any) -> None:
         synthesis: SpeechRequest = parse_request(read_inputs(request, contract.INPUTS))
         chunk: SpeechChunk
-        async for chunk in self.orchestrator.synthesize(synthesis, self.streaming):
-            # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
-            sender.send(response(contract.encode_response(chunk)), flags=FINAL if chunk.final else 0)
+        # closed here however the sends end, not whenever the garbage collector finds the generator: its clean-up
+        # frees the request's LLM sequence and token2wav stream
+        async with contextlib.aclosing(self.orchestrator.synthesize(synthesis, self.streaming)) as chunks:
+            async for chunk in chunks:
+                # FINAL rides on the last data response (the grpc.aio client cannot ask for an empty one)
+                sender.send(response(contract.encode_response(chunk)), flags=FINAL if chunk.final else 0)
 
     def finalize(self) -> None:
         release_bls_streams()
