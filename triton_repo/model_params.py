@@ -220,9 +220,9 @@ class Token2WavParams(_TorchModelParams):
     schedule: StreamScheduleParams
     flow_cache: str
     flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
-    token2wav_rows: int  # unet: jobs per call at most, the largest row bucket of its CUDA graphs
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
+    token2wav_rows: int | None = None  # unet: jobs per call at most, its graphs' largest row bucket (None: the engine's)
 
     @property
     def flow_cache_budget_gb(self) -> float | None:

@@ -108,7 +108,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=8, help="operators listed per case with --by-op")
     parser.add_argument("--eager-encoder", action="store_true", help="run the encoder pass eagerly (no graphs)")
     parser.add_argument("--rows", type=int, default=None,
-                        help="rows per call the graphs take at most (the served --token2wav-rows; default 16)")
+                        help="rows per call the graphs take at most (the served --token2wav-rows; default: the "
+                             "engine's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype)

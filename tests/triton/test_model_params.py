@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import pipeline_contract as contract
+from cosyvoice2.flow.packed import PACKED_ROWS
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import StreamScheduleParams
 from triton_repo import render_models
@@ -196,7 +197,7 @@ def test_booleans_nested_checks_and_shared_keys_are_strict():
     guard = {"loop_max_run": "1", "loop_max_period": "4", "loop_max_cycle_tokens": "50"}
     with pytest.raises(ParameterError, match="loop guard limits"):  # the class's own check, reported as a parameter error
         OrchestratorParams.from_parameters({**params, **guard})
-    token2wav = Token2WavParams(Path("/m"), "cuda:1", "fp32", StreamScheduleParams(), "chunked", 32.0, 16)
+    token2wav = Token2WavParams(Path("/m"), "cuda:1", "fp32", StreamScheduleParams(), "chunked", 32.0)
     with pytest.raises(ParameterError, match="device has two values"):
         EngineParams(_llm(device="cuda:0"), token2wav).to_parameters()
 
@@ -285,7 +286,7 @@ def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm(tiny_model_di
         handler.close()
 
 
-@pytest.mark.parametrize("rows", [16, 32, 5])
+@pytest.mark.parametrize("rows", [None, 32, 5])
 def test_token2wav_rows_cap_the_service_and_size_every_graph_bucket(tiny_model_dir, adapters, rows):
     """`token2wav_rows` reaches the UNet engine: the service forms calls of at most that many jobs, and the packed
     solve's, the encoder's and HiFT's graphs have it as their largest row bucket (a call the service forms is never
@@ -296,8 +297,9 @@ def test_token2wav_rows_cap_the_service_and_size_every_graph_bucket(tiny_model_d
     try:
         engine = handler.service.engine.engine  # the stream wrapper's BatchedToken2Wav's Token2Wav
         runner = engine.cached
-        assert handler.service.policy.max_rows == rows
-        assert runner.solve_graphs.row_count == max(runner.encoder.graphs.rows) == rows
-        assert max(engine.hift.cuda_graphs.buckets.rows) == rows
+        expected = PACKED_ROWS if rows is None else rows  # left open: the engine's own
+        assert handler.service.policy.max_rows == expected
+        assert runner.solve_graphs.row_count == max(runner.encoder.graphs.rows) == expected
+        assert max(engine.hift.cuda_graphs.buckets.rows) == expected
     finally:
         handler.close()
