@@ -256,9 +256,8 @@ class RenderOptions(_Options):
                                   "like upstream), off (every chunk recomputed)")
     flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
     # The UNet token2wav's jobs per call (its CUDA graphs' largest row bucket; the service never forms a larger
-    # call). None: the engine's own (`cosyvoice2.flow.packed.PACKED_ROWS`, the measured one); 32 lets a burst of
-    # 17-32 new streams' first chunks share one call instead of waiting for a whole call before theirs, for ~8 GiB
-    # more of the packed flow's key buffer.
+    # call). None: the engine's own (`cosyvoice2.flow.packed.PACKED_ROWS`, 32, measured against 16); fewer rows take
+    # 504 MiB less key buffer each, for smaller GPUs (docs/deploy.md, "Resource needs").
     token2wav_rows: int | None = option(None, minimum=1, help="unet: jobs (streams' chunks) per token2wav call at "
                                         "most, the largest row bucket of its CUDA graphs (default: the engine's)")
     # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
