@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipeline_contract as contract
 from cosyvoice2.flow.packed import PACKED_ROWS
@@ -303,3 +304,17 @@ def test_token2wav_rows_cap_the_service_and_size_every_graph_bucket(tiny_model_d
         assert max(engine.hift.cuda_graphs.buckets.rows) == expected
     finally:
         handler.close()
+
+
+def test_token2wav_graphs_that_do_not_fit_the_gpu_stop_the_start_naming_the_settings(adapters):
+    """Out of GPU memory while capturing token2wav's graphs at start is a setting too large for the GPU: the model
+    fails to load with a message naming the render options that shrink it, not a bare allocator error."""
+    Token2WavHandler = adapters("token2wav").Token2WavHandler  # noqa: N806 - a class
+
+    class EngineTooLarge:
+        def capture_graphs(self):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.75 GiB")
+
+    with pytest.raises(ParameterError, match="--token2wav-rows.*--flow-cache-gb") as raised:
+        Token2WavHandler(EngineTooLarge(), torch.device("cpu"))
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)

@@ -29,6 +29,14 @@ from triton_repo.model_params import ParameterError, Token2WavParams
 logger = logging.getLogger(__name__)
 
 
+def _memory_of(device: torch.device) -> str:
+    """The GPU's memory as its driver reports it now, for a message."""
+    if device.type != "cuda":
+        return f"{device}'s memory"
+    free, total = torch.cuda.mem_get_info(device)
+    return f"{device}'s memory ({free / 2**30:.1f} of {total / 2**30:.1f} GiB free after the failure)"
+
+
 class Token2WavHandler:
     """A token2wav engine behind the token2wav service (its worker on its own CUDA stream), and the answer to one
     request. CosyVoice2's engines come from the model's parameters (`from_params`); CosyVoice3's from its own
@@ -36,7 +44,14 @@ class Token2WavHandler:
 
     def __init__(self, engine: Token2WavEngine, device: torch.device, calls: Token2WavCalls | None = None) -> None:
         """`calls`: marks each engine call for the LLM scheduler of the same process (`gpu_yield`)."""
-        graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
+        try:
+            graphs, seconds = engine.capture_graphs()  # in initialize: the model is not ready before this is done
+        except torch.OutOfMemoryError as error:  # a setting too large for this GPU: no retry will heal it
+            raise ParameterError(
+                f"token2wav: its CUDA graphs and their buffers do not fit in {_memory_of(device)}; render with fewer "
+                "--token2wav-rows (each row of the packed flow's key axis takes 504 MiB at the released size) or a "
+                "smaller --flow-cache-gb, or serve from a GPU with more memory (docs/deploy.md, \"Resource needs\")"
+            ) from error
         if graphs:
             logger.info("token2wav: captured %d CUDA graphs in %.1f s", graphs, seconds)
         self.stats = Stats(TOKEN2WAV_STATS)
