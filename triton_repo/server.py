@@ -79,10 +79,19 @@ PORT_CONFLICT_MARK = "already in use"
 PORT_CONFLICT_ATTEMPTS = 3
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free now. Their sockets are held open together while chosen: ports chosen one at a
+    time (each socket closed before the next bind) can be the same port twice, and tritonserver refuses the same
+    port for two of its endpoints."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def stop_process(proc: subprocess.Popen, grace: float, sig: int = signal.SIGTERM) -> None:
@@ -295,8 +304,8 @@ class TritonServer:
             raise TritonLaunchError("server already started")
         chosen = [attr for attr in ("http_port", "grpc_port", "metrics_port") if not getattr(self, attr)]
         for attempt in range(1, PORT_CONFLICT_ATTEMPTS + 1):
-            for attr in chosen:
-                setattr(self, attr, free_port())
+            for attr, port in zip(chosen, free_ports(len(chosen))):
+                setattr(self, attr, port)
             log_start = self.log_size()
             try:
                 return self._start_once(ready_timeout)

@@ -14,7 +14,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_repo.server import PORT_CONFLICT_MARK, REPO_ROOT, free_port, process_tree
+from triton_repo.server import PORT_CONFLICT_MARK, REPO_ROOT, free_ports, process_tree
 
 #: Starts on fresh ports after a port conflict before giving up.
 PORT_CONFLICT_ATTEMPTS = 3
@@ -84,6 +84,10 @@ def triton_active_requests(metrics_port: int) -> float:
     return sum(float(v) for v in gauges)
 
 
+#: The stack's ports, chosen together.
+PORTS = ("gateway_port", "http_port", "grpc_port", "metrics_port")
+
+
 @dataclass
 class StackProcess:
     """``python -m triton_repo.local_stack`` with pinned ports; stopped (TERM, then KILL of its group) by ``stop``."""
@@ -92,11 +96,18 @@ class StackProcess:
     work_dir: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
-    gateway_port: int = field(default_factory=free_port)
-    http_port: int = field(default_factory=free_port)
-    grpc_port: int = field(default_factory=free_port)
-    metrics_port: int = field(default_factory=free_port)
+    gateway_port: int = 0  # 0: chosen at construction, the four distinct (`free_ports`)
+    http_port: int = 0
+    grpc_port: int = 0
+    metrics_port: int = 0
     proc: subprocess.Popen | None = None
+
+    def __post_init__(self) -> None:
+        self._choose_ports(*(name for name in PORTS if not getattr(self, name)))
+
+    def _choose_ports(self, *names: str) -> None:
+        for name, port in zip(names, free_ports(len(names))):
+            setattr(self, name, port)
 
     @property
     def url(self) -> str:
@@ -120,8 +131,7 @@ class StackProcess:
             self.stop()
             if not conflict or attempt == PORT_CONFLICT_ATTEMPTS:
                 raise RuntimeError(f"the stack did not become ready; log tail:\n{log}")
-            for name in ("gateway_port", "http_port", "grpc_port", "metrics_port"):
-                setattr(self, name, free_port())
+            self._choose_ports(*PORTS)
         raise AssertionError("unreachable")
 
     def _log_since(self, offset: int) -> str:
