@@ -264,7 +264,9 @@ class _PackedBlocks:
 #: of the estimator's frames from 16 streams on (H200); 6144 and 8192 take offline calls (whole utterances of a few
 #: hundred frames each). The graphs share one memory pool (captured largest first), so more of them cost capture
 #: time at start (~0.85 s each), not activation memory.
-PACKED_FRAMES = (*range(128, 2048 + 1, 128), *range(2304, 4096 + 1, 256), 6144, 8192)
+#: The frames of the largest streaming call of 16 rows (16 x `LONGEST_NEW`), where the 256-frame steps end.
+_STREAMING_FRAMES_16 = 4096
+PACKED_FRAMES = (*range(128, 2048 + 1, 128), *range(2304, _STREAMING_FRAMES_16 + 1, 256), 6144, 8192)
 #: Rows per call: a burst of up to 32 new streams' first chunks shares one call instead of the last ones waiting a
 #: whole call behind the first 16 (one H100, c=32 first chunk p90 419-423 ms against 476-515 at 16; docs/experiments/
 #: 2026-12-07-h100-token2wav-rows.md), for 504 MiB of key axis per row.
@@ -288,7 +290,7 @@ def packed_frames(rows: int = PACKED_ROWS) -> tuple[int, ...]:
     """The packed-frames buckets of graphs for calls of up to `rows` rows: `PACKED_FRAMES`, and with more than 16
     rows every 512 frames from 4096 up to what their streaming calls reach (rows x `LONGEST_NEW`), so a burst of
     first chunks in one large call is not padded by up to half to 6144 or 8192."""
-    wider = range(4096 + 512, rows * LONGEST_NEW + 1, 512)  # empty up to 16 rows (16 x 256 = 4096)
+    wider = range(_STREAMING_FRAMES_16 + 512, rows * LONGEST_NEW + 1, 512)  # empty up to 16 rows
     return tuple(sorted({*PACKED_FRAMES, *wider}))
 
 
