@@ -10,12 +10,9 @@ already handed over its first chunk and no other request waits: a lone listener'
 a second of audio, which the next chunk's tokens (25 steps) and call need a fraction of. A request that arrives
 while the LLM waits ends the wait (its prefill goes ahead at once), and a wait never outlasts `max_wait_s`.
 
-`first_chunks`: the LLM waits while a token2wav call that carries a first chunk runs, whenever none of its own
-sequences is still decoding its first chunk and no request waits. Then the most urgent work of the GPU is token2wav's
-(a listener hears nothing until that call ends) and the LLM's is not (every stream it decodes is already playing, and
-it decodes far faster than listeners play: at 64 streams ~300 steps a second against the 25 tokens a second each
-stream plays); a burst of new streams' first chunks, which all the LLM's other streams would otherwise slow, runs as
-if alone. Unmeasured in the stack: the default stays `lone`.
+Those are the two modes. A third (waiting for any call that carries a new stream's first chunk while all the LLM's
+streams are past theirs) gained little in a model of the engine, was never measured in the stack, and left the
+product once the targets were met without it (docs/experiments/2026-12-07-llm-yield-first-chunks.md).
 """
 
 from __future__ import annotations
@@ -26,21 +23,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 #: off: the LLM never waits; lone: it waits for the running token2wav call while it decodes one stream past its
-#: first chunk; first_chunks: for a running call that carries a first chunk while all its streams are past theirs
-#: (above).
-LLM_YIELD_MODES = ("off", "lone", "first_chunks")
+#: first chunk (above).
+LLM_YIELD_MODES = ("off", "lone")
 
 
 class Token2WavCalls:
     """The token2wav worker's calls as the LLM scheduler of the same process sees them: the worker marks each
-    call (`running`, saying whether it carries a first chunk), the scheduler waits for the running one to end
-    (`wait_while_running`) and counts its steps that ran beside one (`busy` at a step's start, or `started` changed
-    during it)."""
+    call (`running`), the scheduler waits for the running one to end (`wait_while_running`) and counts its steps
+    that ran beside one (`busy` at a step's start, or `started` changed during it)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._running = False
-        self._first_chunks = False  # the running call carries a first chunk
         #: Calls started so far. A step that sees it change ran beside a call that started during it, even one
         #: that also ended there (which `busy`, read at the step's ends, would miss). A reader takes `started`
         #: before `busy`: a call that starts between the two reads is then seen by one or the other.
@@ -51,35 +45,28 @@ class Token2WavCalls:
         """Whether a call runs now."""
         return self._running
 
-    @property
-    def first_chunks_running(self) -> bool:
-        """Whether a call that carries a first chunk runs now."""
-        return self._running and self._first_chunks
-
     @contextmanager
-    def running(self, first_chunks: bool = False) -> Iterator[None]:
-        """Mark one call for the duration of the block; `first_chunks`: it carries a new stream's first chunk."""
+    def running(self) -> Iterator[None]:
+        """Mark one call for the duration of the block."""
         with self._cond:
             self.started += 1
-            self._running, self._first_chunks = True, first_chunks
+            self._running = True
         try:
             yield
         finally:
             with self._cond:
-                self._running = self._first_chunks = False
+                self._running = False
                 self._cond.notify_all()
 
-    def wait_while_running(self, max_wait_s: float, stop: Callable[[], bool], poll_s: float = 0.002,
-                           first_chunks_only: bool = False) -> float:
+    def wait_while_running(self, max_wait_s: float, stop: Callable[[], bool], poll_s: float = 0.002) -> float:
         """Wait until no call runs, `stop()` is true (checked every `poll_s`) or `max_wait_s` has passed; returns
-        the seconds waited (0.0 when no call ran: the common case, no lock taken). `first_chunks_only`: wait only
-        for a call that carries a first chunk."""
-        if not self._running or (first_chunks_only and not self._first_chunks):
+        the seconds waited (0.0 when no call ran: the common case, no lock taken)."""
+        if not self._running:
             return 0.0
         started = time.perf_counter()
         deadline = started + max_wait_s
         with self._cond:  # a call may end and the next start between two wake-ups: that one is waited for too
-            while self._running and (self._first_chunks or not first_chunks_only) and not stop():
+            while self._running and not stop():
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break

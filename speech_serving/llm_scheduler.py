@@ -261,9 +261,8 @@ class ContinuousBatchingScheduler(Generic[R]):
     def __init__(self, decoder: SlotDecoder[R], max_waiting: int, stats: Stats | None = None,
                  yield_to: Token2WavCalls | None = None, max_yield_s: float = 0.25, yield_mode: str = "lone") -> None:
         """`yield_to`: the token2wav calls of this process to wait for (`gpu_yield`, at most `max_yield_s` a step)
-        when `yield_mode` says: "lone", while the LLM decodes one stream past its first chunk; "first_chunks", while
-        a call with a first chunk runs and every sequence is past its own; "off" (or `yield_to` None): never. The
-        steps beside the calls are counted too (`observe_token2wav`)."""
+        when `yield_mode` says: "lone", while the LLM decodes one stream past its first chunk; "off" (or `yield_to`
+        None): never. The steps beside the calls are counted too (`observe_token2wav`)."""
         if yield_mode not in LLM_YIELD_MODES:
             raise ValueError(f"yield_mode must be one of {LLM_YIELD_MODES}, got {yield_mode!r}")
         self.decoder = decoder
@@ -389,25 +388,15 @@ class ContinuousBatchingScheduler(Generic[R]):
         if admit:  # prefill outside the lock: submit/cancel stay responsive
             self._admit(admit)
         if self._active:
-            if self.yield_to is not None and self._may_yield(self.yield_to):
+            if self.yield_to is not None and self._lone_past_first_chunk():
                 waited = self.yield_to.wait_while_running(
-                    self.max_yield_s, lambda: bool(self._waiting or self._cancels or self._closed),
-                    first_chunks_only=self.yield_mode == "first_chunks")
+                    self.max_yield_s, lambda: bool(self._waiting or self._cancels or self._closed))
                 if waited:
                     self.stats.add("llm_yield_seconds_total", waited)
                 if self._waiting or self._cancels or self._closed:
                     return True  # admit, cancel or close before the step
             self._step()
         return True
-
-    def _may_yield(self, calls: Token2WavCalls) -> bool:
-        """Whether the next step may wait for the running token2wav call (`yield_mode`). Worker thread only."""
-        if self.yield_mode == "lone":
-            return self._lone_past_first_chunk()
-        # first_chunks: plain reads first (no call with a first chunk runs: the common case), then the sequences
-        if not calls.first_chunks_running or self._waiting:
-            return False
-        return all(job.first_chunk is None for job in self._active.values())
 
     def _lone_past_first_chunk(self) -> bool:
         """One streaming sequence active, its first chunk handed over, nothing waiting: its next tokens can wait

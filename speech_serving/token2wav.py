@@ -344,8 +344,7 @@ class Token2WavService(Generic[S]):
             job.started_at, job.rows = opened, len(work)
         started = time.monotonic()
         try:
-            first_chunks = any(job.is_first_chunk for job in runnable)
-            with self.calls.running(first_chunks) if self.calls is not None else contextlib.nullcontext():
+            with self.calls.running() if self.calls is not None else contextlib.nullcontext():
                 results: list[np.ndarray | Exception] = engine.run(work)
         except Exception as exc:
             results = [exc] * len(work)

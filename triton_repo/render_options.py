@@ -262,12 +262,10 @@ class RenderOptions(_Options):
                                         "most, the largest row bucket of its CUDA graphs (default: the engine's)")
     # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
     # stream's first chunk from 111-113 ms to 100-104 (its token2wav call 64 -> 56 ms) and changed nothing measurable
-    # from 4 streams up. first_chunks is not measured in the stack yet.
+    # from 4 streams up.
     llm_yield: str | None = option(None, choices=LLM_YIELD_MODES,
                                    help="colocated layout: the LLM waits for the running token2wav call while it "
-                                        "decodes one stream past its first chunk (lone), while the call carries a "
-                                        "first chunk and all its streams are past theirs (first_chunks), or never "
-                                        "(off); default: lone when colocated on a GPU, else off")
+                                        "decodes one stream past its first chunk (lone) or never (off); default: lone when colocated on a GPU, else off")
     # Which flow + HiFT turns speech tokens into audio; dit needs `dit_dir`, the released `token2wav/` directory
     # (the LLM, the voice frontend and the chunk schedule stay CosyVoice2's; flow_cache* apply to unet only).
     token2wav: str = option("unet", choices=TOKEN2WAVS, help="unet: CosyVoice2's flow from --model-dir; dit: the DiT "

@@ -57,23 +57,21 @@ class Model:
     t2w_scale: float
     step_beside: float = 1.0  # an LLM step during a token2wav call against one alone
 
-    def call_s(self, new_tokens: list[int], alone: bool = False) -> float:
-        """A call's seconds; `alone`: the LLM waits meanwhile (`llm_yield`), so it runs at token2wav-alone speed."""
+    def call_s(self, new_tokens: list[int]) -> float:
+        """A call's seconds in the stack (its time alone x `t2w_scale`)."""
         ms = self.call_ms + sum(self.row_ms + self.token_ms * n for n in new_tokens)
-        return (1.0 if alone else self.t2w_scale) * ms / 1000.0
+        return self.t2w_scale * ms / 1000.0
 
 
 def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, model: Model, seed: int = 0,
-             closed: bool = False, llm_yield: str = "off", ramp_s: float = 1.0,
+             closed: bool = False, ramp_s: float = 1.0,
              per_client: int = 0) -> dict[str, float]:
     """One run: open loop, `load` Poisson arrivals per second for `seconds`; closed loop (`closed`), `load` clients
     that each start a new stream when their last one's final chunk is answered, until `seconds` (the clients'
     first streams start within `ramp_s`; 0: all at once, as tts-bench's levels start; `per_client` > 0: each client
     runs that many streams, as a tts-bench level of `--requests`, and the run ends with them). The LLM and the
-    token2wav worker each keep their own clock; whichever is behind moves next. `llm_yield`
-    "first_chunks": the LLM waits during a call that carries a first chunk while all its streams are past theirs
-    (`gpu_yield`; a new arrival ends the wait), and that call runs as if alone; an LLM step during any other call
-    takes `step_beside` times its time alone."""
+    token2wav worker each keep their own clock; whichever is behind moves next. An LLM step
+    during a call takes `step_beside` times its time alone."""
     rng = random.Random(seed)
     arrivals: list[float] = []  # open loop: all of them now; closed loop: appended as streams end
     if closed:
@@ -90,10 +88,10 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
     llm_t = worker_t = 0.0
     call_times = CallTimes(INITIAL_CALL_S, CALL_MEAN_WEIGHT)
     admitted = llm_late = 0
-    calls: list[tuple[float, float, bool]] = []  # (start, end, the LLM waits) of every call, in order
+    calls: list[tuple[float, float]] = []  # (start, end) of every call, in order
     seen_call = 0  # calls[:seen_call] ended before the LLM's clock
 
-    def call_at(t: float) -> tuple[float, float, bool] | None:
+    def call_at(t: float) -> tuple[float, float] | None:
         nonlocal seen_call
         while seen_call < len(calls) and calls[seen_call][1] <= t:
             seen_call += 1
@@ -114,12 +112,7 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
         if not active:
             llm_t = max(llm_t, arrivals[admitted])
             return
-        call = call_at(llm_t)
-        if call is not None and call[2]:  # it waits for the call, or for the next arrival if that comes first
-            upcoming = arrivals[admitted] if admitted < len(arrivals) else call[1]
-            llm_t = max(llm_t, min(call[1], upcoming))
-            return
-        beside = model.step_beside if call is not None else 1.0
+        beside = model.step_beside if call_at(llm_t) is not None else 1.0
         llm_t += beside * (model.step_ms + model.step_ms_per_stream * len(active)) / 1000.0
         for index in list(active):
             stream = streams[index]
@@ -144,11 +137,8 @@ def simulate(load: float, seconds: float, tokens: int, policy: SchedulePolicy, m
         views = [PendingJob(job[0], job[2] == 0, answered.get(job[1])) for job in jobs]
         chosen = [jobs[i] for i in policy.next_call(views, worker_t, call_times.expected(policy.call_rows(len(jobs))))]
         new_tokens = [streams[j[1]].chunks[j[2]][1] - streams[j[1]].chunks[j[2]][0] for j in chosen]
-        waits = (llm_yield == "first_chunks" and any(j[2] == 0 for j in chosen) and bool(active)
-                 and all(streams[i].next_chunk > 0 for i in active)
-                 and not (admitted < len(arrivals) and arrivals[admitted] <= worker_t))
-        took = model.call_s(new_tokens, alone=waits)
-        calls.append((worker_t, worker_t + took, waits))
+        took = model.call_s(new_tokens)
+        calls.append((worker_t, worker_t + took))
         worker_t += took
         call_times.observe(len(chosen), took)
         for job in chosen:
@@ -195,14 +185,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=125,
                         help="mean speech tokens per stream (5 s of audio; each 0.4-1.6x that)")
     parser.add_argument("--starving-calls", type=float, nargs="+", default=[1.0, 2.0])
-    parser.add_argument("--llm-yield", nargs="+", choices=("off", "first_chunks"), default=["off"],
-                        help="whether the LLM waits during calls with first chunks (each a row of the table)")
     parser.add_argument("--step-beside", type=float, default=1.0,
                         help="an LLM step during a token2wav call against alone (H200, c=32: 4.9 / 3.05 ms)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--ramp", type=float, default=1.0,
                         help="closed loop: the clients' first streams start within this many seconds (0: at once)")
-    parser.add_argument("--max-rows", type=int, default=16, help="jobs per token2wav call at most (the row cap)")
+    parser.add_argument("--max-rows", type=int, default=32,
+                        help="jobs per token2wav call at most (the row cap; the engine's default is 32)")
     parser.add_argument("--per-client", type=int, default=0,
                         help="closed loop: streams per client, then the run ends (stack-bench's levels: 2); "
                              "0: until --seconds")
@@ -217,21 +206,19 @@ def main() -> int:
     model = Model(args.step_ms, args.step_ms_per_stream, args.prefill_ms, args.call_ms, args.row_ms, args.token_ms,
                   args.t2w_scale, args.step_beside)
     closed = args.closed is not None
-    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | llm_yield | streams "
+    print(f"| {'clients' if closed else 'rate (req/s)'} | starving_calls | streams "
           "| stalled streams | of them at chunk 2 | late chunks whose tokens came too late | first chunk p50 (ms) | p90 "
-          "| p95 |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| p95 |\n|---|---|---|---|---|---|---|---|---|")
     for load in args.closed if closed else args.rates:
         for calls in args.starving_calls:
-            for llm_yield in args.llm_yield:
-                runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=args.max_rows,
-                                                                                starving_calls=calls),
-                                 model, seed, closed, llm_yield=llm_yield, ramp_s=args.ramp,
-                                 per_client=args.per_client)
-                        for seed in range(args.seeds)]
-                cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
-                         ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",
-                          "first_p95_ms")]
-                print(f"| {load:g} | {calls:g} | {llm_yield} | " + " | ".join(cells) + " |")
+            runs = [simulate(load, args.seconds, args.tokens, SchedulePolicy(max_rows=args.max_rows,
+                                                                            starving_calls=calls),
+                             model, seed, closed, ramp_s=args.ramp, per_client=args.per_client)
+                    for seed in range(args.seeds)]
+            cells = [" / ".join(f"{run[key]:.0f}" for run in runs) for key in
+                     ("streams", "stalled", "late_second", "llm_late", "first_p50_ms", "first_p90_ms",
+                      "first_p95_ms")]
+            print(f"| {load:g} | {calls:g} | " + " | ".join(cells) + " |")
     return 0
 
 

@@ -59,19 +59,17 @@ def test_llm_step_paths_loads_the_llm_as_the_served_engine_does(tmp_path):
 
 
 def test_the_token2wav_policy_model_compares_settings_under_the_same_arrivals():
-    """A row per (rate, starving_calls, llm_yield), every setting offered the same streams; at a rate
-    this low nothing stalls."""
+    """A row per (rate, starving_calls), every setting offered the same streams; at a rate this low nothing
+    stalls."""
     out = subprocess.run(
         [sys.executable, "-m", "enginebench.t2w_policy_sim", "--rates", "4", "--seconds", "10", "--seeds", "2",
-         "--starving-calls", "1", "3", "--llm-yield", "off", "first_chunks",
-         "--step-beside", "1.5"],
+         "--starving-calls", "1", "3", "--step-beside", "1.5"],
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 4 | ")]
-    assert [tuple(row[1:3]) for row in rows] == [(calls, llm_yield) for calls in ("1", "3")
-                                                 for llm_yield in ("off", "first_chunks")]
-    assert len({row[3] for row in rows}) == 1 and int(rows[0][3].split(" / ")[0]) > 20  # the same streams for all
-    assert all(row[4] == "0 / 0" for row in rows)
+    assert [row[1] for row in rows] == ["1", "3"]
+    assert len({row[2] for row in rows}) == 1 and int(rows[0][2].split(" / ")[0]) > 20  # the same streams for all
+    assert all(row[3] == "0 / 0" for row in rows)
 
 
 def test_the_token2wav_policy_model_runs_closed_loop_clients_too():
@@ -83,7 +81,7 @@ def test_the_token2wav_policy_model_runs_closed_loop_clients_too():
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 4 | ")]
-    assert len(rows) == 1 and rows[0][2] == "off" and int(rows[0][3]) > 2 * 4 and float(rows[0][7]) > 0
+    assert len(rows) == 1 and rows[0][1] == "1" and int(rows[0][2]) > 2 * 4 and float(rows[0][6]) > 0
 
 
 def test_the_token2wav_policy_model_runs_a_level_like_stack_bench():
@@ -95,4 +93,4 @@ def test_the_token2wav_policy_model_runs_a_level_like_stack_bench():
         capture_output=True, text=True, timeout=300, check=True,
     ).stdout
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 8 | ")]
-    assert len(rows) == 1 and rows[0][3] == "16 / 16", rows
+    assert len(rows) == 1 and rows[0][2] == "16 / 16", rows

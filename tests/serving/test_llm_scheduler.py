@@ -295,13 +295,12 @@ async def test_the_steps_of_a_stream_are_counted_before_its_end_is_handed_over()
 
 
 @contextmanager
-def token2wav_call(calls: Token2WavCalls, first_chunks: bool = False) -> Iterator[None]:
-    """A token2wav call running in another thread (as the token2wav worker's) for the body of the block;
-    `first_chunks`: it carries a first chunk."""
+def token2wav_call(calls: Token2WavCalls) -> Iterator[None]:
+    """A token2wav call running in another thread (as the token2wav worker's) for the body of the block."""
     started, may_end = threading.Event(), threading.Event()
 
     def run() -> None:
-        with calls.running(first_chunks):
+        with calls.running():
             started.set()
             may_end.wait(10)
 
@@ -362,43 +361,7 @@ async def test_the_lone_stream_waits_at_most_max_yield_s_and_two_streams_never_w
         assert scheduler.stats.get("llm_yield_seconds_total") == 0
 
 
-async def test_first_chunks_mode_waits_for_a_first_chunk_call_once_every_stream_is_past_its_first_chunk():
-    """`yield_mode="first_chunks"` (llm_yield=first_chunks): two streams past their first chunks wait for a running
-    call that carries a first chunk; a stream still decoding its first chunk, or a call without one, does not."""
-    decoder = ScriptedDecoder(num_slots=4)
-    calls = Token2WavCalls()
-    with scheduling(decoder, max_waiting=8, yield_to=calls, max_yield_s=10.0, yield_mode="first_chunks") as scheduler:
-        streams = [scheduler.submit(name, Script(base=base, count=None), deliver_at=(2, 1000)).deliveries().__aiter__()
-                   for name, base in (("a", 0), ("b", 100))]
-        for stream in streams:
-            await stream.__anext__()  # both past their first chunks
-        with token2wav_call(calls):  # later chunks only: the LLM goes on
-            assert await steps_while(decoder, 0.1) > 0
-        with token2wav_call(calls, first_chunks=True):
-            await asyncio.sleep(0.05)  # the step in flight, if any, ends
-            assert await steps_while(decoder, 0.2) == 0  # a new listener waits on this call: the LLM yields
-            new = scheduler.submit("new", Script(base=200, count=None), deliver_at=(3, 1000)).deliveries().__aiter__()
-            assert (await new.__anext__()).tokens == [200, 201, 202]  # its first chunk is decoded during the call
-            assert await steps_while(decoder, 0.1) == 0  # then all are past their first chunks again: waiting
-        assert await steps_while(decoder, 0.05) > 0  # the call ended
-        assert scheduler.stats.get("llm_yield_seconds_total") >= 0.3
-        for name in ("a", "b", "new"):
-            assert scheduler.cancel(name)
-
-
-async def test_in_first_chunks_mode_an_offline_sequence_waits_too_and_max_yield_s_bounds_it():
-    """An offline request (no first chunk of its own) yields to a first-chunk call; no wait outlasts `max_yield_s`."""
-    decoder = ScriptedDecoder(num_slots=4)
-    calls = Token2WavCalls()
-    with scheduling(decoder, max_waiting=8, yield_to=calls, max_yield_s=0.02, yield_mode="first_chunks") as scheduler:
-        offline = scheduler.submit("offline", Script(base=0, count=None), deliver_at=(), streaming=False)
-        await asyncio.sleep(0.05)
-        with token2wav_call(calls, first_chunks=True):
-            assert await steps_while(decoder, 0.2) > 0  # each wait ends after 20 ms: steps go on between them
-        assert scheduler.stats.get("llm_yield_seconds_total") > 0
-        offline.cancel()
-
-
-def test_an_unknown_yield_mode_is_refused():
+@pytest.mark.parametrize("mode", ["always", "first_chunks"])
+def test_an_unknown_yield_mode_is_refused(mode):
     with pytest.raises(ValueError, match="yield_mode"):
-        ContinuousBatchingScheduler(ScriptedDecoder(num_slots=1), max_waiting=0, yield_mode="always")
+        ContinuousBatchingScheduler(ScriptedDecoder(num_slots=1), max_waiting=0, yield_mode=mode)

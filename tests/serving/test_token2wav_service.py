@@ -342,12 +342,12 @@ async def test_each_engine_call_is_marked_running_for_the_llm_of_the_process():
     calls = Token2WavCalls()
     seen = []
     run = engine.run
-    engine.run = lambda work: seen.append((calls.busy, calls.first_chunks_running)) or run(work)
+    engine.run = lambda work: seen.append(calls.busy) or run(work)
     service = Token2WavService(engine, calls=calls)
     try:
         await service.process("s", np.arange(8), PROMPT, chunk(0, 5), seed=1)
         await service.process("s", np.arange(8, 12), None, chunk(5, 9))
-        # running inside the call, not after it; the first chunk's call says it carries one (`llm_yield=first_chunks`)
-        assert seen == [(True, True), (True, False)] and not calls.busy and not calls.first_chunks_running
+        # running inside each call, not after it
+        assert seen == [True, True] and not calls.busy and calls.started == 2
     finally:
         service.shutdown()

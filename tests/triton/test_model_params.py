@@ -85,7 +85,7 @@ def _expected(opts: RenderOptions, model: str) -> object:
         {},
         {"layout": "single", "first_hop": 10, "chunk_growth": 3, "flow_cache": "exact", "flow_cache_gb": 0.0,
          "align_first_hop": "never", "busy_streams": 8},
-        {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048, "llm_yield": "first_chunks"},
+        {"benchmark_speech_ratio": 3.5, "voice_cache": 7, "max_seq_len": 2048, "llm_yield": "off"},
         {"layout": "single", "device": "cuda", "dtype": "fp16"},
         {"device": "cuda", "dtype": "bf16", "llm_yield": "lone", "flow_cache_gb": 4.5, "token2wav_rows": 32},
     ],
@@ -269,10 +269,10 @@ def test_the_llm_yields_by_default_only_where_it_shares_a_process_with_token2wav
     assert rendered(device="cuda", llm_yield="off") == "off"
 
 
-@pytest.mark.parametrize("llm_yield", ["off", "lone", "first_chunks"])
+@pytest.mark.parametrize("llm_yield", ["off", "lone"])
 def test_the_colocated_engine_shares_token2wavs_calls_with_its_llm(tiny_model_dir, adapters, llm_yield):
     """The engine's LLM scheduler counts its steps beside the very calls its token2wav service marks
-    (`speech_serving.gpu_yield`), and with `llm_yield` lone or first_chunks it waits on them as that mode says;
+    (`speech_serving.gpu_yield`), and with `llm_yield` lone it waits on them as that mode says;
     `off`: it never waits."""
     EngineHandler = adapters("engine").EngineHandler  # noqa: N806 - a class
     opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), llm_yield=llm_yield)

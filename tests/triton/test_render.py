@@ -80,7 +80,7 @@ def test_every_rendered_config_parses_and_both_pipeline_models_are_present(tiny_
         ({"token2wav": "dit", "dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir: .* does not exist"),
         ({"dit_dir": Path("/nonexistent/token2wav")}, "--dit-dir is only used with --token2wav dit"),
         ({"layout": "single", "llm_yield": "lone"}, "--llm-yield lone needs --layout colocated"),
-        ({"llm_yield": "always"}, "--llm-yield must be one of off, lone"),
+        ({"llm_yield": "first_chunks"}, "--llm-yield must be one of off, lone, got .first_chunks."),
     ],
 )
 def test_bad_options_are_refused_with_a_clear_message(tiny_model_dir, tmp_path, change, message):
