@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from triton_repo import server as server_module
-from triton_repo.server import TritonLaunchError, TritonServer, free_port, process_tree_cpu_seconds
+from triton_repo.server import TritonLaunchError, TritonServer, free_ports, process_tree_cpu_seconds
 
 BUSY = "while True: pass"
 IDLE = "import time; time.sleep(600)"
@@ -22,7 +22,8 @@ IDLE = "import time; time.sleep(600)"
 
 def _never_ready(tmp_path: Path, code: str) -> TritonServer:
     """A TritonServer whose process is `code` (a child that never answers on the ports) instead of tritonserver."""
-    server = TritonServer(model_repository=tmp_path, http_port=free_port(), metrics_port=free_port())
+    http_port, metrics_port = free_ports(2)
+    server = TritonServer(model_repository=tmp_path, http_port=http_port, metrics_port=metrics_port)
     # a child of a child, as the model processes are tritonserver's: the whole tree's CPU counts
     server._proc = subprocess.Popen(
         [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {code!r}])"],
