@@ -219,15 +219,11 @@ class Token2WavParams(_TorchModelParams):
 
     schedule: StreamScheduleParams
     flow_cache: str
-    flow_cache_gb: float  # the live streams' flow caches' budget; 0: no limit
+    # unet, these two: None sized to the GPU at start (`cosyvoice2.flow.memory`)
+    flow_cache_gb: float | None  # the live streams' flow caches' budget; 0: no limit
     token2wav: str = "unet"  # unet (CosyVoice2's flow) or dit (`dit_dir`)
     dit_dir: Path | None = None
-    token2wav_rows: int | None = None  # unet: jobs per call at most, its graphs' largest row bucket (None: the engine's)
-
-    @property
-    def flow_cache_budget_gb(self) -> float | None:
-        """The flow caches' budget as the engine takes it; None: no limit."""
-        return self.flow_cache_gb or None
+    token2wav_rows: int | None = None  # unet: jobs per call at most, its graphs' largest row bucket
 
 
 @dataclass(frozen=True)

@@ -254,12 +254,15 @@ class RenderOptions(_Options):
     flow_cache: str = option("chunked", choices=FLOW_CACHE_MODES,
                              help="streaming flow: chunked (all chunks over caches), exact (final chunk recomputed "
                                   "like upstream), off (every chunk recomputed)")
-    flow_cache_gb: float = option(32.0, minimum=0, help="memory for live streams' flow caches (0: no limit)")
+    # None (this and the rows below): sized to the GPU at start (`cosyvoice2.flow.memory`): 32 GiB and 32 rows, the
+    # values measured on 80 GB-class GPUs, where they fit; less on smaller GPUs (docs/deploy.md, "Resource needs").
+    flow_cache_gb: float | None = option(None, minimum=0, help="memory for live streams' flow caches (0: no limit; "
+                                         "default: sized to the GPU, 32 on 80 GB-class GPUs)")
     # The UNet token2wav's jobs per call (its CUDA graphs' largest row bucket; the service never forms a larger
-    # call). None: the engine's own (`cosyvoice2.flow.packed.PACKED_ROWS`, 32, measured against 16); fewer rows take
-    # 504 MiB less key buffer each, for smaller GPUs (docs/deploy.md, "Resource needs").
+    # call); 32 measured against 16 on one H100; each row takes 504 MiB of key buffer.
     token2wav_rows: int | None = option(None, minimum=1, help="unet: jobs (streams' chunks) per token2wav call at "
-                                        "most, the largest row bucket of its CUDA graphs (default: the engine's)")
+                                        "most, the largest row bucket of its CUDA graphs (default: sized to the "
+                                        "GPU, 32 on 80 GB-class GPUs)")
     # None: lone in the colocated layout on a GPU, else off. Measured on one H200 (docs/PERFORMANCE.md): lone took a lone
     # stream's first chunk from 111-113 ms to 100-104 (its token2wav call 64 -> 56 ms) and changed nothing measurable
     # from 4 streams up.

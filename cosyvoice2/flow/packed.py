@@ -281,6 +281,19 @@ LONGEST_HISTORY, LONGEST_NEW = 2048, 256
 PACKED_KEYS_PER_ROW = LONGEST_HISTORY + LONGEST_NEW
 
 
+def transformer_blocks(estimator: torch.nn.Module) -> int:
+    """The estimator's transformer blocks, each with a slice of the packed graphs' key buffer."""
+    return sum(len(stage[1]) for stage in (*estimator.down_blocks, *estimator.mid_blocks, *estimator.up_blocks))
+
+
+def key_bytes_per_row(estimator: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The packed graphs' key buffer per row of `PackedGraphs` (keys and values of both guidance rows in every
+    block): 504 MiB at the released size in bf16."""
+    cfg = estimator.config
+    elements = transformer_blocks(estimator) * 2 * 2 * PACKED_KEYS_PER_ROW * cfg.num_heads * cfg.attention_head_dim
+    return elements * torch.empty(0, dtype=dtype).element_size()
+
+
 def packed_keys(rows: int = PACKED_ROWS) -> int:
     """The key axis of the packed graphs."""
     return rows * PACKED_KEYS_PER_ROW + _TRASH
@@ -372,7 +385,7 @@ class PackedFlow:
         self.conv_weights = {id(m): m.weight.detach().permute(0, 2, 1).reshape(m.out_channels, -1)
                              for m in est.modules() if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3}
         self.chunk = est.config.static_chunk_size
-        self.blocks = sum(len(stage[1]) for stage in (*est.down_blocks, *est.mid_blocks, *est.up_blocks))
+        self.blocks = transformer_blocks(est)
         self.tail_channels = sum(m.in_channels for m in est.modules()
                                  if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3)
         self.graphs: Optional[PackedGraphs] = PackedGraphs(self, rows=rows) if graphs else None

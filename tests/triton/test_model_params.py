@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import pipeline_contract as contract
+from cosyvoice2.flow.memory import FlowMemoryPlan
 from cosyvoice2.flow.packed import PACKED_ROWS
 from speech_serving.repetition import LoopGuardConfig
 from speech_serving.schedule import StreamScheduleParams
@@ -121,11 +122,11 @@ def test_every_rendered_model_reads_back_what_render_wrote(tiny_model_dir, tmp_p
     assert devices == {"cpu" if opts.device == "cpu" else "cuda:0"}
 
 
-def test_the_flow_cache_budget_reaches_token2wav(tiny_model_dir, tmp_path):
-    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout="single", flow_cache_gb=10.0)
+@pytest.mark.parametrize("given", [10.0, 0.0, None], ids=["set", "no-limit", "sized-to-the-gpu"])
+def test_the_flow_cache_budget_reaches_token2wav(tiny_model_dir, tmp_path, given):
+    opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", layout="single", flow_cache_gb=given)
     read = Token2WavParams.from_parameters(parameters(parsed_configs(write_repository(opts))["token2wav"]))
-    assert (read.flow_cache_gb, read.flow_cache_budget_gb) == (10.0, 10.0)
-    assert replace(read, flow_cache_gb=0.0).flow_cache_budget_gb is None  # 0: no limit
+    assert read.flow_cache_gb == given  # None: left out of the parameters, sized at start (cosyvoice2.flow.memory)
 
 
 @pytest.mark.parametrize(("given", "budget"), [({}, 16 * 2**30), ({"flow_cache_gb": 0.5}, 2**29),
@@ -302,6 +303,30 @@ def test_token2wav_rows_cap_the_service_and_size_every_graph_bucket(tiny_model_d
         assert handler.service.policy.max_rows == expected
         assert runner.solve_graphs.row_count == max(runner.encoder.graphs.rows) == expected
         assert max(engine.hift.cuda_graphs.buckets.rows) == expected
+    finally:
+        handler.close()
+
+
+def test_token2wav_sizes_what_the_render_left_open_to_its_gpu(tiny_model_dir, adapters, monkeypatch):
+    """Rows and the flow caches' budget left open are sized to the model's device at start (`plan_flow_memory`,
+    given the flow's key bytes per row) and both reach the engine: the service's calls, every graph's largest row
+    bucket and the flow caches' book."""
+    module = adapters("token2wav")
+    asked = []
+
+    def plan(device, row_bytes, rows, flow_cache_gib):
+        asked.append((device, row_bytes, rows, flow_cache_gib))
+        return FlowMemoryPlan(rows=4, flow_cache_gib=1.5, key_buffer_gib=0.0, device_gib=22.0)
+
+    monkeypatch.setattr(module, "plan_flow_memory", plan)
+    opts = RenderOptions(model_dir=tiny_model_dir, out=Path("unused"), layout="single")
+    handler = module.Token2WavHandler.from_params(render_models.token2wav_params(opts))
+    try:
+        engine = handler.service.engine.engine
+        (device, row_bytes, rows, flow_cache_gib), = asked
+        assert (device, rows, flow_cache_gib) == (torch.device("cpu"), None, None) and row_bytes > 0
+        assert handler.service.policy.max_rows == engine.cached.solve_graphs.row_count == 4
+        assert engine.book.budget_bytes == int(1.5 * 2**30)
     finally:
         handler.close()
 

@@ -16,6 +16,8 @@ import torch
 
 from cosyvoice2.config import EngineConfig, resolve_dtype
 from cosyvoice2.dit.loading import load_dit_token2wav
+from cosyvoice2.flow.memory import plan_flow_memory
+from cosyvoice2.flow.packed import key_bytes_per_row
 from cosyvoice2.loading import FLOW_FILE, HIFT_FILE, load_flow, load_hift
 from speech_serving.cuda_streams import TOKEN2WAV_STREAM_PRIORITY, StreamToken2Wav, worker_stream
 from speech_serving.engines import BatchedToken2Wav, DiTBatchedToken2Wav
@@ -75,10 +77,13 @@ class Token2WavHandler:
             config = EngineConfig.for_model_dir(model_dir)
             flow = load_flow(model_dir / FLOW_FILE, config, device, dtype)
             hift = load_hift(model_dir / HIFT_FILE, config, device)
+            plan = plan_flow_memory(device, key_bytes_per_row(flow.decoder.estimator, dtype), params.token2wav_rows,
+                                    params.flow_cache_gb)
+            logger.info("token2wav: %s", plan.describe())
             # the orchestrator may cut a stream's chunks by any of these schedules: HiFT's graph buckets cover them
             engine = BatchedToken2Wav(
-                flow, hift, config, params.schedule.schedule(config), params.flow_cache, params.flow_cache_budget_gb,
-                schedules=params.schedule.schedules(config), max_rows=params.token2wav_rows,
+                flow, hift, config, params.schedule.schedule(config), params.flow_cache, plan.flow_cache_gib,
+                schedules=params.schedule.schedules(config), max_rows=plan.rows,
             )
         return cls(engine, device, calls)
 
