@@ -52,6 +52,9 @@ from .hift import CausalHiFT, VocoderState
 
 #: Doubling hops without a cap: `max_hop` only has to exceed any stream's length.
 _UNCAPPED = 1 << 30
+#: The live cached streams' flow-cache budget a server gives them on an 80 GB-class GPU, and the most it gives them
+#: when it sizes the budget to a smaller GPU (`cosyvoice2.flow.memory.flow_cache_budget_bytes`).
+FLOW_CACHE_MOST_GIB = 16.0
 
 
 def runtime_schedule(first_hop: int = 15, second_hop: int = 25, lookahead: int = 3) -> DiTChunkSchedule:
@@ -317,6 +320,13 @@ class CosyVoice3Token2Wav:
     def use_graph_buckets(self, buckets: FlowGraphBuckets) -> None:
         """Replace the step graphs by an empty set with these buckets (before capturing them)."""
         self.graphs = FlowStepGraphs(self.flow.estimator, buckets)
+
+    def limit_flow_caches(self, budget_bytes: Optional[int]) -> None:
+        """Replace the live cached streams' flow-cache budget (None: no limit) before any stream opens: a server
+        sizes it beside the step graphs' planned buffers (`graphs.plan`)."""
+        if self.budget.nbytes:
+            raise RuntimeError("the flow-cache budget changes only before any stream holds caches")
+        self.budget = CacheBudget(budget_bytes)
 
     def memory_plan(self) -> str:
         """What this engine holds or may hold beyond its weights, for the start-up log: the step graphs' shared

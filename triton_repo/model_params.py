@@ -312,18 +312,14 @@ class CosyVoice3EngineParams(DecoderParams):
     # every chunk re-runs the flow (the reference)
     flow_cache: str
     flow_voices: int  # voices whose prompt flow cache the cached streams start from (least recently used dropped)
-    flow_cache_gb: float  # the live cached streams' own flow caches together (voices not counted); 0: no limit
+    # the live cached streams' own flow caches together (voices not counted); 0: no limit; None: sized to the GPU
+    flow_cache_gb: float | None
     # the orchestrators' streaming schedule (tokens of the first chunk, then second_hop doubling per chunk): the
     # flow's CUDA-graph buckets are made to cover its chunks
     first_hop: int
     second_hop: int
     benchmark: BenchmarkMode | None = field(default=None, metadata=_prefixed("benchmark_"))
     llm: bool = True  # False with a TensorRT-LLM engine (`cosyvoice3_llm` decodes): token2wav only, no PyTorch LLM
-
-    @property
-    def flow_cache_budget_bytes(self) -> int | None:
-        """The streams' flow-cache budget in bytes; None: no limit."""
-        return int(self.flow_cache_gb * 2**30) if self.flow_cache_gb else None
 
 
 @dataclass(frozen=True)

@@ -195,9 +195,11 @@ class CosyVoice3RenderOptions(_Options):
                               "kept (about 1.8 GB each for a 10 s prompt in fp32)")
     # What the live cached streams' own flow caches may hold together (~1.8 MB per frame in bf16 at the released
     # size: ~0.9 GB for 10 s of speech); a stream whose next cache would pass it recomputes from then on (the same
-    # audio, only slower). The voices' prompt caches are bounded by flow_voices and not counted.
-    flow_cache_gb: float = option(16.0, minimum=0, help="CosyVoice3 cached streaming: memory for live streams' flow "
-                                  "caches (0: no limit); a stream over it recomputes from then on")
+    # audio, only slower). The voices' prompt caches are bounded by flow_voices and not counted. None: sized to the
+    # GPU at start beside the step graphs' buffers, at most 16 GiB (`cosyvoice2.flow.memory`).
+    flow_cache_gb: float | None = option(None, minimum=0, help="CosyVoice3 cached streaming: memory for live streams' "
+                                         "flow caches (0: no limit; default: sized to the GPU, 16 on 80 GB-class "
+                                         "GPUs); a stream over it recomputes from then on")
     first_hop: int = option(15, minimum=4, help="CosyVoice3 streaming: tokens in the first chunk")
     second_hop: int = option(25, minimum=4, help="CosyVoice3 streaming: tokens in the second chunk, doubling after")
     # Benchmark mode for random weights: every request generates exactly round(ratio x text tokens) speech tokens

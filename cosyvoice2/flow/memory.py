@@ -12,7 +12,8 @@ leaves open is sized to the GPU's memory here, and one the operator gives is kep
   24 GB. The rest holds the LLM (weights, KV cache), the other weights, the graphs' pools and the allocator's slack.
 
 A stream past the budget recomputes instead of caching (slower, the same audio); a call of more rows than the
-graphs take never forms (the service caps its calls at the rows).
+graphs take never forms (the service caps its calls at the rows). CosyVoice3's token2wav sizes its flow-cache budget
+by the same rule beside its step graphs' buffers, at most its own 16 GiB (`flow_cache_budget_bytes`).
 """
 
 from __future__ import annotations
@@ -57,10 +58,24 @@ def rows_for(device_bytes: int, row_bytes: int, most: int = PACKED_ROWS) -> int:
     return rows
 
 
-def flow_cache_gib_for(device_bytes: int, key_buffer_bytes: int) -> float:
-    """The flow caches' budget a GPU gives them: `FLOW_CACHE_SHARE` of what the key buffer leaves, at most
-    `FLOW_CACHE_MOST_GIB`."""
-    return min(FLOW_CACHE_MOST_GIB, FLOW_CACHE_SHARE * max(0, device_bytes - key_buffer_bytes) / GIB)
+def flow_cache_gib_for(device_bytes: int, fixed_bytes: int, most: float = FLOW_CACHE_MOST_GIB) -> float:
+    """The flow caches' budget a GPU gives them: `FLOW_CACHE_SHARE` of what the token2wav's fixed buffers (here the
+    key buffer) leave, at most `most`."""
+    return min(most, FLOW_CACHE_SHARE * max(0, device_bytes - fixed_bytes) / GIB)
+
+
+def device_bytes(device: torch.device) -> int | None:
+    """The GPU's memory as its driver reports it; None off a GPU."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def flow_cache_budget_bytes(device: torch.device, fixed_bytes: int, given_gib: float | None, most: float) -> int | None:
+    """A flow-cache budget in bytes (None: no limit): `given_gib` as given (0: no limit), left open (None) sized to
+    the GPU beside `fixed_bytes` of buffers (`flow_cache_gib_for`), `most` off a GPU."""
+    if given_gib is None:
+        total = device_bytes(device)
+        given_gib = most if total is None else flow_cache_gib_for(total, fixed_bytes, most)
+    return int(given_gib * GIB) if given_gib else None
 
 
 def plan_flow_memory(device: torch.device, row_bytes: int, rows: int | None = None,
@@ -68,13 +83,11 @@ def plan_flow_memory(device: torch.device, row_bytes: int, rows: int | None = No
     """The plan for a flow on `device` whose key buffer takes `row_bytes` a row (`packed.key_bytes_per_row`):
     `rows` and `flow_cache_gib` as given (flow caches 0: no limit), what is left open sized to the GPU's memory.
     Off a GPU nothing is sized: `PACKED_ROWS` and `FLOW_CACHE_MOST_GIB`."""
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    sized = device_bytes is not None and (rows is None or flow_cache_gib is None)
+    total = device_bytes(device)
+    sized = total is not None and (rows is None or flow_cache_gib is None)
     if rows is None:
-        rows = PACKED_ROWS if device_bytes is None else rows_for(device_bytes, row_bytes)
+        rows = PACKED_ROWS if total is None else rows_for(total, row_bytes)
     key_buffer = rows * row_bytes
-    if flow_cache_gib is None:
-        flow_cache_gib = FLOW_CACHE_MOST_GIB if device_bytes is None else flow_cache_gib_for(device_bytes, key_buffer)
-    elif flow_cache_gib == 0:
-        flow_cache_gib = None
-    return FlowMemoryPlan(rows, flow_cache_gib, key_buffer / GIB, device_bytes / GIB if sized else None)
+    budget = flow_cache_budget_bytes(device, key_buffer, flow_cache_gib, FLOW_CACHE_MOST_GIB)
+    return FlowMemoryPlan(rows, None if budget is None else budget / GIB, key_buffer / GIB,
+                          total / GIB if sized else None)

@@ -11,7 +11,8 @@ import torch
 from cosyvoice2.flow import CausalFlow, FlowConfig
 from cosyvoice2.flow import memory
 from cosyvoice2.flow.cached import CachedFlowRunner
-from cosyvoice2.flow.memory import FLOW_CACHE_MOST_GIB, GIB, KEY_BUFFER_SHARE, plan_flow_memory, rows_for
+from cosyvoice2.flow.memory import (FLOW_CACHE_MOST_GIB, GIB, KEY_BUFFER_SHARE, flow_cache_budget_bytes,
+                                     plan_flow_memory, rows_for)
 from cosyvoice2.flow.packed import PACKED_ROWS, PackedGraphs, key_bytes_per_row, packed_keys
 
 MIB = 2**20
@@ -92,3 +93,15 @@ def test_rows_are_powers_of_two_within_the_cap() -> None:
     for gib in (0.5, 3, 9, 17, 33, 70, 1000):
         rows = rows_for(int(gib * GIB), 504 * MIB, most=16)
         assert rows & (rows - 1) == 0 and 1 <= rows <= 16
+
+
+def test_a_budget_beside_other_fixed_buffers(monkeypatch) -> None:
+    """`flow_cache_budget_bytes`, as CosyVoice3 uses it beside its step graphs' buffers (~7.8 GiB) with 16 GiB at
+    most: 16 on an 80 GB-class GPU, less where the GPU leaves less, given values kept (0: no limit)."""
+    fixed = int(7.84 * GIB)
+    assert flow_cache_budget_bytes(fake_gpu(monkeypatch, 79.2), fixed, None, 16.0) == 16 * GIB
+    small = flow_cache_budget_bytes(fake_gpu(monkeypatch, 22.0), fixed, None, 16.0)
+    assert 0.4 * (22.0 * GIB - fixed) < small < 0.6 * (22.0 * GIB - fixed)
+    assert flow_cache_budget_bytes(fake_gpu(monkeypatch, 22.0), fixed, 20.0, 16.0) == 20 * GIB
+    assert flow_cache_budget_bytes(fake_gpu(monkeypatch, 22.0), fixed, 0.0, 16.0) is None
+    assert flow_cache_budget_bytes(torch.device("cpu"), fixed, None, 16.0) == 16 * GIB

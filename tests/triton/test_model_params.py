@@ -29,6 +29,7 @@ from triton_repo.model_params import (
     Token2WavParams,
     VoicePromptParams,
 )
+from cosyvoice3.loading import load_config as load_cosyvoice3_config
 from cosyvoice3.testing import write_tiny_model as write_tiny_cosyvoice3
 from spark_tts.streaming import ChunkSchedule
 from spark_tts.testing import write_tiny_model
@@ -131,9 +132,10 @@ def test_the_flow_cache_budget_reaches_token2wav(tiny_model_dir, tmp_path, given
 
 @pytest.mark.parametrize(("given", "budget"), [({}, 16 * 2**30), ({"flow_cache_gb": 0.5}, 2**29),
                                               ({"flow_cache_gb": 0.0}, None)], ids=["default", "set", "no-limit"])
-def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp_path, given, budget):
+def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp_path, given, budget, adapters):
     """CosyVoice3's own `flow_cache_gb`, not CosyVoice2's option of that name (set apart here), reaches the
-    engine's parameters (in `cosyvoice3_stream`, the engine's process); 0 means no limit."""
+    engine's parameters (in `cosyvoice3_stream`, the engine's process) and its token2wav's budget; 0 means no
+    limit, left open it is sized to the GPU (off a GPU: 16 GiB, the 80 GB-class default)."""
     cv3_dir = write_tiny_cosyvoice3(tmp_path / "cv3", seed=3)
     opts = RenderOptions(model_dir=tiny_model_dir, out=tmp_path / "repo", flow_cache_gb=7.0,
                          cosyvoice3=CosyVoice3RenderOptions(cv3_dir, **given))
@@ -142,7 +144,14 @@ def test_the_cosyvoice3_flow_cache_budget_reaches_its_engine(tiny_model_dir, tmp
     assert hosted.orchestrator == cosyvoice3_render.orchestrator_params(opts)
     read = hosted.engine
     assert read == cosyvoice3_render.engine_params(opts)
-    assert read.flow_cache_gb == given.get("flow_cache_gb", 16.0) and read.flow_cache_budget_bytes == budget
+    assert read.flow_cache_gb == given.get("flow_cache_gb")
+    handler = adapters("cosyvoice3_engine")._token2wav(replace(read, device="cpu", dtype="fp32"),
+                                                      load_cosyvoice3_config(cv3_dir), torch.device("cpu"),
+                                                      torch.float32)
+    try:
+        assert handler.service.engine.engine.budget.budget_bytes == budget
+    finally:
+        handler.close()
 
 
 def test_the_tensorrt_llm_orchestrator_reads_back_its_logits_bias_penalty_and_loop_guard(tiny_model_dir, tmp_path):

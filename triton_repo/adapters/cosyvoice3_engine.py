@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from cosyvoice2.config import resolve_dtype
+from cosyvoice2.flow.memory import flow_cache_budget_bytes
 from cosyvoice3.config import CosyVoice3Config
 from cosyvoice3.frontend import PROMPT_MEL_FMAX
 from cosyvoice3.layout import FLOW_FILE, HIFT_FILE, LLM_FILE, SPEECH_TOKENIZER_FILE
 from cosyvoice3.llm import SilentTokenFilter, sampling_params
 from cosyvoice3.loading import load_config, load_flow, load_hift, load_llm
-from cosyvoice3.token2wav import CosyVoice3Token2Wav, runtime_schedule
+from cosyvoice3.token2wav import FLOW_CACHE_MOST_GIB, CosyVoice3Token2Wav, runtime_schedule
 from speech_serving.cosyvoice3 import cosyvoice3_vocab
 from speech_serving.engines import CosyVoice3BatchedToken2Wav
 from speech_serving.gpu_yield import Token2WavCalls
@@ -67,8 +68,10 @@ def _token2wav(params: CosyVoice3EngineParams, config: CosyVoice3Config, device:
     # the orchestrators' schedule: the flow's step-graph buckets cover its chunks (captured by Token2WavHandler)
     schedule = runtime_schedule(params.first_hop, params.second_hop, lookahead=config.flow.pre_lookahead_len)
     engine = CosyVoice3Token2Wav(flow, hift, schedule, voice_capacity=params.flow_voices,
-                                 cache_budget_bytes=params.flow_cache_budget_bytes,
                                  final_over_cache=params.flow_cache == "chunked")
+    # left open, the budget is what the GPU leaves beside the step graphs' buffers, at most the 80 GB-class default
+    engine.limit_flow_caches(flow_cache_budget_bytes(device, engine.graphs.plan(dtype).total, params.flow_cache_gb,
+                                                     FLOW_CACHE_MOST_GIB))
     cached = params.flow_cache != "recompute"
     return Token2WavHandler(CosyVoice3BatchedToken2Wav(engine, cached=cached), device, calls)
 
