@@ -72,8 +72,11 @@ def device_bytes(device: torch.device) -> int | None:
 def flow_cache_budget_bytes(device: torch.device, fixed_bytes: int, given_gib: float | None, most: float) -> int | None:
     """A flow-cache budget in bytes (None: no limit): `given_gib` as given (0: no limit), left open (None) sized to
     the GPU beside `fixed_bytes` of buffers (`flow_cache_gib_for`), `most` off a GPU."""
+    return _budget_bytes(device_bytes(device), fixed_bytes, given_gib, most)
+
+
+def _budget_bytes(total: int | None, fixed_bytes: int, given_gib: float | None, most: float) -> int | None:
     if given_gib is None:
-        total = device_bytes(device)
         given_gib = most if total is None else flow_cache_gib_for(total, fixed_bytes, most)
     return int(given_gib * GIB) if given_gib else None
 
@@ -88,6 +91,6 @@ def plan_flow_memory(device: torch.device, row_bytes: int, rows: int | None = No
     if rows is None:
         rows = PACKED_ROWS if total is None else rows_for(total, row_bytes)
     key_buffer = rows * row_bytes
-    budget = flow_cache_budget_bytes(device, key_buffer, flow_cache_gib, FLOW_CACHE_MOST_GIB)
+    budget = _budget_bytes(total, key_buffer, flow_cache_gib, FLOW_CACHE_MOST_GIB)
     return FlowMemoryPlan(rows, None if budget is None else budget / GIB, key_buffer / GIB,
                           total / GIB if sized else None)

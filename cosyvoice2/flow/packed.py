@@ -24,6 +24,7 @@ stays packed from the first step to the last.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -286,12 +287,16 @@ def transformer_blocks(estimator: torch.nn.Module) -> int:
     return sum(len(stage[1]) for stage in (*estimator.down_blocks, *estimator.mid_blocks, *estimator.up_blocks))
 
 
-def key_bytes_per_row(estimator: torch.nn.Module, dtype: torch.dtype) -> int:
-    """The packed graphs' key buffer per row of `PackedGraphs` (keys and values of both guidance rows in every
-    block): 504 MiB at the released size in bf16."""
+def key_buffer_shape(estimator: torch.nn.Module, keys: int) -> tuple[int, ...]:
+    """The packed graphs' key buffer of `keys` slots: (blocks, keys and values, both guidance rows, slots, heads,
+    head_dim)."""
     cfg = estimator.config
-    elements = transformer_blocks(estimator) * 2 * 2 * PACKED_KEYS_PER_ROW * cfg.num_heads * cfg.attention_head_dim
-    return elements * torch.empty(0, dtype=dtype).element_size()
+    return (transformer_blocks(estimator), 2, 2, keys, cfg.num_heads, cfg.attention_head_dim)
+
+
+def key_bytes_per_row(estimator: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The packed graphs' key buffer per row of `PackedGraphs`: 504 MiB at the released size in bf16."""
+    return math.prod(key_buffer_shape(estimator, PACKED_KEYS_PER_ROW)) * dtype.itemsize
 
 
 def packed_keys(rows: int = PACKED_ROWS) -> int:
@@ -344,9 +349,8 @@ class PackedGraphs(GridGraphs[_PackedStatics, tuple[torch.Tensor, torch.Tensor],
         return captured, self._buffers
 
     def _allocate(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.packed.runner.flow.decoder.estimator.config
-        return (torch.zeros(self.packed.blocks, 2, 2, self.key_count, cfg.num_heads, cfg.attention_head_dim,
-                            device=device, dtype=dtype),
+        estimator = self.packed.runner.flow.decoder.estimator
+        return (torch.zeros(key_buffer_shape(estimator, self.key_count), device=device, dtype=dtype),
                 torch.zeros(2, CONV_CONTEXT * self.row_count, self.packed.tail_channels, device=device, dtype=dtype))
 
     def _inputs(self, shape, device: torch.device, dtype: torch.dtype) -> _PackedStatics:
@@ -385,7 +389,6 @@ class PackedFlow:
         self.conv_weights = {id(m): m.weight.detach().permute(0, 2, 1).reshape(m.out_channels, -1)
                              for m in est.modules() if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3}
         self.chunk = est.config.static_chunk_size
-        self.blocks = transformer_blocks(est)
         self.tail_channels = sum(m.in_channels for m in est.modules()
                                  if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] == 3)
         self.graphs: Optional[PackedGraphs] = PackedGraphs(self, rows=rows) if graphs else None
@@ -441,8 +444,7 @@ class PackedFlow:
         lock = self.graphs.lock if shape is not None else contextlib.nullcontext()
         with lock:
             if shape is None:
-                cfg = runner.flow.decoder.estimator.config
-                keys = like.new_zeros(self.blocks, 2, 2, layout.keys, cfg.num_heads, cfg.attention_head_dim)
+                keys = like.new_zeros(key_buffer_shape(runner.flow.decoder.estimator, layout.keys))
                 tails = like.new_zeros(2, CONV_CONTEXT * layout.rows, self.tail_channels)
                 index, captured = layout.index(), None
             else:
