@@ -39,12 +39,14 @@ class StreamScheduleParams:
     #: its later chunks come back long before its first one has played. Streams that start beside others keep
     #: `first_hop`: with many streams a short first chunk plays out before the next one arrives.
     lone_first_hop: int | None = None
-    #: Where "busy" starts. Measured on one H200 (docs/experiments/2026-11-28-four-h200s-settings.md): unpadded
-    #: first hops took the first chunk at 16 streams from 369-389 ms to 270-345 ms (25 decode steps before it
-    #: against 37), but at 32 and 64 streams the shorter first chunk plays out before the next one arrives (0-6 %
-    #: and 41-60 % of the streams stalled, against 0 % and 5-21 % padded). The count is the streaming
-    #: orchestrator's own requests (one instance by default).
-    busy_streams: int = 24
+    #: Where "busy" starts. Padding buys a longer first chunk to play while the next one is made; a stream only
+    #: needs it where the next chunk may come late. On one H200 with 16 rows per token2wav call
+    #: (docs/experiments/2026-11-28-four-h200s-settings.md) unpadded first chunks stalled 0-6 % of the streams at 32
+    #: and 41-60 % at 64, so 24 was the default. With 32 rows the next chunk comes in time: on one H100 48 took the
+    #: first chunk at 32 streams from 427-428 ms p90 to 400-422 with no stall at 16-64 streams and the same open-loop
+    #: rate (docs/experiments/2026-12-07-h100-busy-streams.md); at 64 streams most still start padded. The count is
+    #: the streaming orchestrator's own requests (one instance by default).
+    busy_streams: int = 48
 
     def __post_init__(self) -> None:
         if self.align_first_hop not in FIRST_HOP_ALIGNMENTS:
