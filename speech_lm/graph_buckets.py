@@ -376,3 +376,162 @@ class SolverStepGraphs(BucketGraphs[CapturedBucket[InputsT, OutputsT], BuffersT]
     def _pass(self, inputs: InputsT, outputs: Optional[OutputsT]) -> Callable[[], OutputsT]:
         """The step over a bucket's static inputs (static shapes, no host syncs: what a graph captures)."""
         raise NotImplementedError
+
+
+Layout = dict  # name -> (dims, dtype): a bucket's static tensors, its inputs then its outputs (`PaddedCallGraphs`)
+
+
+class PrefixBuffers:
+    """The static inputs and outputs of every graph of a `PaddedCallGraphs`: one flat buffer per tensor name, sized
+    for its largest bucket, each bucket's tensor a contiguous view of its start. All graphs read and write the same
+    memory (replays run one at a time), so it is held once, not once per graph."""
+
+    def __init__(self, layouts: "Sequence[Layout]", device: "torch.device") -> None:
+        import torch
+
+        sizes: dict[str, int] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for layout in layouts:
+            for name, (dims, dtype) in layout.items():
+                sizes[name], dtypes[name] = max(sizes.get(name, 0), math.prod(dims)), dtype
+        self.device = device
+        self._flat = {name: torch.zeros(size, device=device, dtype=dtypes[name]) for name, size in sizes.items()}
+
+    def views(self, layout: Layout) -> tuple["torch.Tensor", ...]:
+        """A bucket's static tensors, in `layout`'s order."""
+        return tuple(self._flat[name][:math.prod(dims)].view(dims) for name, (dims, _) in layout.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+
+def fill(static: "torch.Tensor", value: "torch.Tensor") -> None:
+    """`static` = `value` zero-padded at the end of every dimension."""
+    if static.shape != value.shape:
+        static.zero_()
+    static[tuple(slice(0, n) for n in value.shape)].copy_(value)
+
+
+class PaddedCallGraphs(BucketGraphs["torch.cuda.CUDAGraph", PrefixBuffers]):
+    """Graphs of one whole pass (a vocoder call), one per bucket of a padded call's shape, all captured at once
+    (`capture_all`, before a server reports ready) on the device they are given, none while serving: a call that
+    fits no captured bucket runs eagerly and is counted (`eager_calls`). The graphs share one memory pool and the
+    static buffers (`PrefixBuffers`); a lock orders the replays of threads, `ReplayOrder` those of CUDA streams.
+    `emulate` (tests) runs the padded path - the static buffers, each bucket's pass - eagerly on any device.
+
+    A subclass gives the buckets (`shapes`), a bucket's static tensors (`_layout`: its inputs, then its `outputs`
+    last ones) and the pass over its inputs (`_pass`: static shapes, no host syncs); `replay` fills the inputs,
+    replays and reads the outputs out."""
+
+    outputs = 1  # how many of a layout's tensors, the last ones, a pass writes
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self._order = ReplayOrder()
+        self.replayed_calls = 0  # calls replayed (emulated) from a bucket
+        self.eager_calls = 0  # calls that fit no captured bucket
+
+    def shapes(self) -> "list[tuple[int, ...]]":
+        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
+        raise NotImplementedError
+
+    def _layout(self, shape: tuple[int, ...], dtype: "torch.dtype") -> Layout:
+        raise NotImplementedError
+
+    def _pass(self, shape: tuple[int, ...]) -> "Callable[..., Sequence[torch.Tensor]]":
+        raise NotImplementedError
+
+    @property
+    def count(self) -> int:
+        """Graphs captured."""
+        return len(self._captured)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the static input and output buffers (0 before the capture)."""
+        return self._buffers.nbytes if self._buffers is not None else 0
+
+    def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
+        """Capture every bucket now, on `device` (the model's own, any GPU), the costliest first into one pool;
+        returns how many were new."""
+        import torch
+
+        device = concrete_device(device)
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        if not self.shapes():
+            return 0
+        with self._lock, torch.inference_mode():
+            before = len(self._captured)
+            buffers = self._buffers_on(device, dtype)
+            for shape in self.shapes():
+                if shape not in self._captured:
+                    self._captured[shape], _ = self._capture(self._forward(shape, buffers, dtype), device)
+            return len(self._captured) - before
+
+    def replays_on(self, device: "torch.device") -> bool:
+        """Whether a call on `device` may replay (emulating, or graphs captured there)."""
+        return self.emulate or bool(self._captured and self._buffers is not None and self._buffers.device == device)
+
+    def replay(self, shape: Optional[tuple[int, ...]], inputs: "Sequence[torch.Tensor]",
+               read: "Callable[[tuple[torch.Tensor, ...]], T]") -> Optional[T]:
+        """The pass of bucket `shape` over `inputs` (each zero-padded into its static tensor): replayed from its graph
+        (emulation: run eagerly on the static tensors) and its outputs given to `read`, which must copy what it keeps
+        (the next replay overwrites them); None, counted in `eager_calls`, when the call fits no captured bucket on
+        its device: the caller runs it eagerly."""
+        like = inputs[0]
+        with self._lock:
+            buffers = self._buffers_for(shape, like.device, like.dtype)
+            if buffers is None or shape is None:
+                self.eager_calls += 1
+                return None
+            self.replayed_calls += 1
+            views = buffers.views(self._layout(shape, like.dtype))
+            graph = self._captured.get(shape)
+            device = buffers.device
+            with on_device(device):
+                if graph is not None:
+                    self._order.wait(device)
+                for static, value in zip(views, inputs):
+                    fill(static, value)
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._forward(shape, buffers, like.dtype)()
+                result = read(views[len(views) - self.outputs:])
+                if graph is not None:
+                    self._order.record(device)
+            return result
+
+    def _buffers_on(self, device: "torch.device", dtype: "torch.dtype") -> PrefixBuffers:
+        """The static buffers on `device`; new ones drop the graphs that read the old. Caller holds the lock."""
+        if self._buffers is None or self._buffers.device != device:
+            self._clear()
+            self._buffers = PrefixBuffers([self._layout(shape, dtype) for shape in self.shapes()], device)
+        return self._buffers
+
+    def _buffers_for(self, shape: Optional[tuple[int, ...]], device: "torch.device",
+                     dtype: "torch.dtype") -> Optional[PrefixBuffers]:
+        """The static buffers a call of bucket `shape` on `device` replays with, or None: it runs eagerly. Caller
+        holds the lock."""
+        if shape is None:
+            return None
+        if self.emulate:
+            return self._buffers_on(device, dtype)
+        if shape in self._captured and self._buffers is not None and self._buffers.device == device:
+            return self._buffers
+        return None
+
+    def _forward(self, shape: tuple[int, ...], buffers: PrefixBuffers, dtype: "torch.dtype") -> Callable[[], None]:
+        """One bucket's pass over its static inputs, its results copied into its static outputs (so the graph's own
+        outputs are pool memory that the next capture may reuse)."""
+        views = buffers.views(self._layout(shape, dtype))
+        inputs, outputs = views[:len(views) - self.outputs], views[len(views) - self.outputs:]
+        run = self._pass(shape)
+
+        def forward() -> None:
+            for out, result in zip(outputs, run(*inputs), strict=True):
+                out.copy_(result)
+
+        return forward

@@ -5,8 +5,6 @@ State-dict keys are exactly those of the released `hift.pt` (weight norm as torc
 
 from __future__ import annotations
 
-import math
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -17,8 +15,7 @@ from torch import nn
 
 from cosyvoice2.host_copies import to_device
 
-from speech_lm.graph_buckets import (BucketGraphs, ReplayOrder, concrete_device, costliest_first, fit, on_device,
-                                     round_up)
+from speech_lm.graph_buckets import PaddedCallGraphs, costliest_first, fit, round_up
 from .config import HiFTConfig
 from .f0_predictor import F0Predictor
 from .layers import ResBlock, fold_weight_norm, wn_conv1d, wn_conv_transpose1d
@@ -308,67 +305,20 @@ class HiFTBuckets:
         return costliest_first((self.rows, self.frames))  # type: ignore[return-value]
 
 
-class _VocodeBuffers:
-    """Static inputs and outputs of every HiFT graph: one flat buffer per tensor, sized for the largest bucket; a
-    bucket's tensors are contiguous views of their starts. All graphs read and write the same memory (replays run
-    one at a time), so the sine noise - (rows, 480 x frames, 9) fp32, 59 MiB at 16 rows x 224 frames - is held once,
-    not once per graph."""
-
-    NAMES = ("speech_feat", "frames", "initial_phase", "sine_noise", "cache_source", "cache_samples", "audio",
-             "source")
-
-    def __init__(self, config: HiFTConfig, buckets: HiFTBuckets, device: torch.device, dtype: torch.dtype) -> None:
-        self.config, self.cache_samples, self.device = config, buckets.cache_samples, device
-        largest = self.shapes((max(buckets.rows), max(buckets.frames)))
-        self._flat = {name: torch.zeros(math.prod(dims), device=device,
-                                        dtype=torch.long if name in ("frames", "cache_samples") else dtype)
-                      for name, dims in largest.items()}
-
-    def shapes(self, shape: Shape) -> dict[str, tuple[int, ...]]:
-        rows, frames = shape
-        c = self.config
-        samples = frames * c.samples_per_frame
-        harmonics = c.num_harmonic_channels
-        return {"speech_feat": (rows, c.in_channels, frames), "frames": (rows,), "initial_phase": (rows, harmonics),
-                "sine_noise": (rows, samples, harmonics), "cache_source": (rows, 1, self.cache_samples),
-                "cache_samples": (rows,), "audio": (rows, samples), "source": (rows, 1, samples)}
-
-    def views(self, shape: Shape) -> tuple[torch.Tensor, ...]:
-        """The `vocode` inputs, then its outputs (audio, source), of a bucket, in `NAMES` order."""
-        dims = self.shapes(shape)
-        return tuple(self._flat[name][: math.prod(dims[name])].view(dims[name]) for name in self.NAMES)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._flat.values())
-
-
-def _fill(static: torch.Tensor, value: torch.Tensor) -> None:
-    """`static` = `value` zero-padded at the end of every dimension (padded rows have 0 frames: all masked)."""
-    if static.shape != value.shape:
-        static.zero_()
-    static[tuple(slice(0, n) for n in value.shape)].copy_(value)
-
-
-class HiFTGraphs(BucketGraphs["torch.cuda.CUDAGraph", "_VocodeBuffers"]):
+class HiFTGraphs(PaddedCallGraphs):
     """CUDA graphs of `HiFTGenerator.vocode`, one per bucket (`HiFTBuckets`: rows x mel frames). Eagerly HiFT is
     launch-bound at a few rows (its time hardly depends on the size there), and padding is exact (masks), so a
     call is padded to its bucket - rows with 0 frames, zero mel frames, the cache source to the buckets' fixed
-    length - and replays that bucket's graph.
+    length - and replays that bucket's graph (`PaddedCallGraphs`: captured all at once, eager and counted
+    outside them). The static buffers hold the sine noise - (rows, 480 x frames, 9) fp32, 59 MiB at 16 rows x
+    224 frames - once, not once per graph."""
 
-    Every graph is captured at once (`capture_all`, before a server reports ready), on the device it is given,
-    none while serving: a call that fits no bucket, or comes before the capture, runs eagerly and is counted
-    (`eager_calls`). The graphs share one memory pool and the static buffers (`_VocodeBuffers`); a lock orders
-    the replays of threads, `ReplayOrder` those of CUDA streams. `emulate` (tests) runs the padded path - the
-    static buffers, each bucket's forward - eagerly on the CPU."""
+    outputs = 2  # audio, source
 
     def __init__(self, hift: HiFTGenerator, buckets: HiFTBuckets = HiFTBuckets()) -> None:
-        super().__init__(threading.Lock())
+        super().__init__()
         self._hift = [hift]  # a list, so the module is not registered as a child
         self.buckets = buckets
-        self._order = ReplayOrder()
-        self.replayed_calls = 0  # calls replayed (emulated) from a bucket
-        self.eager_calls = 0  # calls that fit no captured bucket
 
     # ---- buckets and capture --------------------------------------------------------------------------
     def use_buckets(self, buckets: HiFTBuckets) -> None:
@@ -381,106 +331,44 @@ class HiFTGraphs(BucketGraphs["torch.cuda.CUDAGraph", "_VocodeBuffers"]):
             self.buckets = buckets
             self._clear()
 
-    @property
-    def count(self) -> int:
-        """Graphs captured."""
-        return len(self._captured)
-
-    @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the static input and output buffers (0 before the capture)."""
-        return self._buffers.nbytes if self._buffers is not None else 0
+    def shapes(self) -> list[Shape]:  # type: ignore[override]
+        return self.buckets.shapes()
 
     def capture_all(self, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
         """Capture every bucket now, on `device` (the HiFT's own), largest first into one pool; returns how many
         were new."""
-        device = concrete_device(device)
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
-        if not self.buckets.shapes():
-            return 0
-        with self._lock, torch.inference_mode():
-            before = len(self._captured)
-            buffers = self._buffers_on(device, dtype)
-            for shape in self.buckets.shapes():
-                if shape not in self._captured:
-                    self._captured[shape], _ = self._capture(self._forward(buffers.views(shape)), device)
-            return len(self._captured) - before
+        return super().capture_all(device, dtype)
 
-    def _buffers_on(self, device: torch.device, dtype: torch.dtype) -> _VocodeBuffers:
-        """The static buffers on `device`; new ones drop the graphs that read the old. Caller holds the lock."""
-        if self._buffers is None or self._buffers.device != device:
-            self._clear()
-            self._buffers = _VocodeBuffers(self._hift[0].config, self.buckets, device, dtype)
-        return self._buffers
+    def _layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+        """The `vocode` inputs of a bucket, then its outputs (audio, source)."""
+        rows, frames = shape
+        c = self._hift[0].config
+        samples = frames * c.samples_per_frame
+        harmonics = c.num_harmonic_channels
+        return {"speech_feat": ((rows, c.in_channels, frames), dtype), "frames": ((rows,), torch.long),
+                "initial_phase": ((rows, harmonics), dtype), "sine_noise": ((rows, samples, harmonics), dtype),
+                "cache_source": ((rows, 1, self.buckets.cache_samples), dtype), "cache_samples": ((rows,), torch.long),
+                "audio": ((rows, samples), dtype), "source": ((rows, 1, samples), dtype)}
 
-    def _forward(self, views: tuple[torch.Tensor, ...]) -> Callable[[], None]:
-        """One bucket's `vocode` over the static inputs, its results copied into the static outputs (so the
-        graph's own outputs are pool memory that the next capture may reuse)."""
-        *inputs, audio_out, source_out = views
-        hift = self._hift[0]
-
-        def forward() -> None:
-            audio, source = hift.vocode(*inputs)
-            audio_out.copy_(audio)
-            source_out.copy_(source)
-
-        return forward
+    def _pass(self, shape: tuple[int, ...]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        return self._hift[0].vocode
 
     # ---- calls ------------------------------------------------------------------------------------------
     def longest_frames(self, device: torch.device) -> Optional[int]:
         """The most mel frames a call on `device` can replay with (None: no call there replays)."""
-        if not self.buckets.frames or not (self.emulate or (self._captured and self._buffers is not None
-                                                               and self._buffers.device == device)):
+        if not self.buckets.frames or not self.replays_on(device):
             return None
         return max(self.buckets.frames)
 
     def run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`vocode` of these inputs: replayed from their bucket's graph, else eagerly (counted)."""
+        """`vocode` of these inputs: replayed from their bucket's graph (padded rows have 0 frames: all masked),
+        else eagerly (counted)."""
         speech_feat, cache_source = inputs[0], inputs[4]
         batch, _, length = speech_feat.shape
-        shape = self.buckets.fit(batch, length, cache_source.shape[2])
-        with self._lock:
-            buffers = self._buffers_for(shape, speech_feat.device, speech_feat.dtype)
-            if buffers is not None:
-                self.replayed_calls += 1
-                return self._replay(shape, buffers, inputs)  # type: ignore[arg-type]
-            self.eager_calls += 1
-        return self._hift[0].vocode(*inputs)
-
-    def _buffers_for(self, shape: Optional[Shape], device: torch.device,
-                     dtype: torch.dtype) -> Optional[_VocodeBuffers]:
-        """The static buffers a call of bucket `shape` on `device` replays with, or None: it runs eagerly.
-        Caller holds the lock."""
-        if shape is None:
-            return None
-        if self.emulate:
-            return self._buffers_on(device, dtype)
-        if shape in self._captured and self._buffers is not None and self._buffers.device == device:
-            return self._buffers
-        return None
-
-    def _replay(self, shape: Shape, buffers: _VocodeBuffers,
-                inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill the bucket's static inputs, replay its graph (emulation: run its forward), copy the real rows and
-        samples out. Caller holds the lock."""
-        batch, samples = inputs[0].shape[0], inputs[0].shape[2] * self._hift[0].config.samples_per_frame
-        views = buffers.views(shape)
-        graph = self._captured.get(shape)
-        device = buffers.device
-        with on_device(device):
-            if graph is not None:
-                self._order.wait(device)
-            for static, value in zip(views, inputs):
-                _fill(static, value)
-            if graph is not None:
-                graph.replay()
-            else:
-                self._forward(views)()
-            audio, source = views[-2][:batch, :samples].clone(), views[-1][:batch, :, :samples].clone()
-            if graph is not None:
-                self._order.record(device)
-        return audio, source
+        samples = length * self._hift[0].config.samples_per_frame
+        replayed = self.replay(self.buckets.fit(batch, length, cache_source.shape[2]), inputs,
+                               lambda out: (out[0][:batch, :samples].clone(), out[1][:batch, :, :samples].clone()))
+        return replayed if replayed is not None else self._hift[0].vocode(*inputs)
 
 
 def _periodic_hann(n: int) -> torch.Tensor:
