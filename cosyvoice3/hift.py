@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ from cosyvoice2.hift.source import HarmonicSource, SourceNoise
 
 from .config import CausalHiFTConfig
 from .errors import CosyVoice3InputError
+
+if TYPE_CHECKING:
+    from .vocoder_graphs import WindowGraphs
 
 
 class CausalF0Predictor(nn.Module):
@@ -319,8 +322,8 @@ class CausalHiFT(HiFTGenerator):
         return audio, VocoderState(whole, whole.shape[2], state.sent + audio.shape[0])
 
     @torch.inference_mode()
-    def stream_chunks(self, rows: Sequence[tuple[VocoderState, torch.Tensor, bool]]
-                      ) -> list[tuple[torch.Tensor, VocoderState]]:
+    def stream_chunks(self, rows: Sequence[tuple[VocoderState, torch.Tensor, bool]],
+                      graphs: Optional["WindowGraphs"] = None) -> list[tuple[torch.Tensor, VocoderState]]:
         """Each row: a stream's state, its chunk's new mel (1, 80, n) and whether the chunk is final -> the samples
         after those already sent (what `reference_chunk` returns, up to float rounding) and the next state.
 
@@ -330,15 +333,19 @@ class CausalHiFT(HiFTGenerator):
         handling (the final padding and reflection, the non-final truncation) is each row's own; what the padding
         changes stays within the window's discarded head. The first chunks of a stream (its window would start
         before frame 0, where the network's zero padding and reflections are part of the result) run from frame 0,
-        unpadded: together only with rows of as many frames (the first chunks of streams of one hop, say)."""
+        unpadded: together only with rows of as many frames (the first chunks of streams of one hop, say).
+
+        `graphs` (`cosyvoice3.vocoder_graphs`): a non-final batch that fits one of their buckets on this device is
+        padded to it (more rows, a window further left-padded) and replayed from its CUDA graph (emulated: run on
+        its static buffers); the rest runs eagerly."""
         out: list[Optional[tuple[torch.Tensor, VocoderState]]] = [None] * len(rows)
         groups: dict[tuple[bool, bool, int], list[int]] = {}
         for i, (state, mel, finalize) in enumerate(rows):
-            windowed = self._window_start(state.sent) >= self.f0_context
-            key = (finalize, windowed, 0 if windowed else state.frames + mel.shape[2])
+            windowed, frames = self.window_frames(state.frames + mel.shape[2], state.sent)
+            key = (finalize, windowed, 0 if windowed else frames)
             groups.setdefault(key, []).append(i)
         for (finalize, windowed, _), group in groups.items():
-            for i, result in zip(group, self._run_windows([rows[i][:2] for i in group], finalize, windowed)):
+            for i, result in zip(group, self._run_windows([rows[i][:2] for i in group], finalize, windowed, graphs)):
                 out[i] = result
         return out  # type: ignore[return-value]
 
@@ -348,8 +355,27 @@ class CausalHiFT(HiFTGenerator):
             self._decoder_context = self.decoder_context()
         return sent // self.config.samples_per_frame - self._decoder_context
 
-    def _run_windows(self, rows: Sequence[tuple[VocoderState, torch.Tensor]], finalize: bool,
-                     windowed: bool) -> list[tuple[torch.Tensor, VocoderState]]:
+    def window_frames(self, frames: int, sent: int) -> tuple[bool, int]:
+        """A chunk of a stream that has `frames` mel frames with it and `sent` samples before it: whether it runs
+        windowed (its window starts after its f0 context; else it runs from frame 0), and the mel frames it
+        vocodes (f0 context included)."""
+        start = self._window_start(sent)
+        windowed = start >= self.f0_context
+        return windowed, frames - (start - self.f0_context if windowed else 0)
+
+    def window_pass(self, mel: torch.Tensor, noise: torch.Tensor, phases: torch.Tensor, pads: torch.Tensor,
+                    windowed: bool, finalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The network over a batch of windows (static shapes, no host syncs: what `WindowGraphs` captures): mel
+        (B, 80, W), every row ending at frame W, f0 context included when `windowed`; noise (B, 480 N, H), phases
+        (B, H) float64 and pads (B,) as `CausalHarmonicSource.window` takes them, for the N f0 frames after the f0
+        context -> audio (B, samples) and the running phase sums (B, N + 1, H) float64."""
+        skip = self.f0_context if windowed else 0
+        f0 = self.predict_f0(mel, finalize)[:, skip:]
+        source, sums = self.m_source.window(f0, noise, phases, pads)
+        return self.decode_causal(mel[:, :, skip:skip + f0.shape[1]], source, finalize), sums
+
+    def _run_windows(self, rows: Sequence[tuple[VocoderState, torch.Tensor]], finalize: bool, windowed: bool,
+                     graphs: Optional["WindowGraphs"]) -> list[tuple[torch.Tensor, VocoderState]]:
         c = self.config
         spf, skip = c.samples_per_frame, self.f0_context if windowed else 0
         device = self.stft_window.device
@@ -368,18 +394,24 @@ class CausalHiFT(HiFTGenerator):
         if not finalize and not windowed and ends[0] <= c.held_back_frames:  # nothing to vocode yet (rows alike)
             return [(whole.new_zeros(0), VocoderState(whole, end, state.sent))
                     for (state, _), whole, end in zip(rows, wholes, ends)]
-        width = max(mel.shape[2] for mel in mels)
+        batch, width = len(rows), max(mel.shape[2] for mel in mels)
+        if graphs is not None and device.type != "cuda" and not graphs.emulate:
+            graphs = None  # off a GPU the graphs are only emulated
+        shape = None if graphs is None else graphs.bucket(batch, width, windowed, finalize, device)
+        width = width if shape is None else shape[1]
         padded = torch.cat([F.pad(mel, (width - mel.shape[2], 0)) for mel in mels])
-        f0 = self.predict_f0(padded, finalize)[:, skip:]
-        frames = f0.shape[1]
+        frames = width - skip - (0 if finalize else c.f0_lookahead)  # the f0 frames after the f0 context
         f0_ends = [end - (0 if finalize else c.f0_lookahead) for end in ends]  # one past each row's last f0 frame
         pads = [frames - (f0_end - start) for f0_end, start in zip(f0_ends, starts)]
         noise = torch.cat([F.pad(self.noise_tables.noise(spf * f0_end, device).sine_noise[:, spf * start:],
                                  (0, 0, spf * pad, 0)) for f0_end, start, pad in zip(f0_ends, starts, pads)])
         zero = torch.zeros(1, c.num_harmonic_channels, dtype=torch.float64, device=device)
         phases = torch.cat([state.phase if windowed else zero for state, _ in rows])  # type: ignore[misc]
-        source, sums = self.m_source.window(f0, noise, phases, to_device(pads, device))
-        audio = self.decode_causal(padded[:, :, skip:skip + frames], source, finalize)
+        # padded rows (zeros: finite, and rows never mix) are only in the static buffers, which `fill` zero-pads
+        inputs = (padded, noise, phases, to_device(pads, device))
+        result = None if graphs is None else graphs.replay(  # None: the call runs eagerly (counted)
+            shape, inputs, lambda out: (out[0][:batch].clone(), out[1][:batch].clone()))
+        audio, sums = result if result is not None else self.window_pass(*inputs, windowed, finalize)
         out = []
         for i, ((state, mel), whole, start, end, pad) in enumerate(zip(rows, wholes, starts, ends, pads)):
             emitted = spf * (end if finalize else end - c.held_back_frames)

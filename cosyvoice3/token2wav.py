@@ -47,8 +47,9 @@ from speech_lm.graph_buckets import fitting_first
 
 from .errors import CosyVoice3InputError
 from .flow import CosyVoice3Flow, FlowInputs
-from .graphs import FlowGraphBuckets, FlowStepGraphs, HopSchedule, Shape, StepInputs
+from .graphs import ROW_BUCKETS, FlowGraphBuckets, FlowStepGraphs, HopSchedule, Shape, StepInputs
 from .hift import CausalHiFT, VocoderState
+from .vocoder_graphs import WindowBuckets, WindowGraphs
 
 #: Doubling hops without a cap: `max_hop` only has to exceed any stream's length.
 _UNCAPPED = 1 << 30
@@ -281,7 +282,9 @@ class CosyVoice3Token2Wav:
 
     The batched flow solves replay the estimator's step graphs (`graphs`, `cosyvoice3.graphs`) once they are
     captured (`graphs.capture_all`), with buckets for this engine's own chunk schedule unless `use_graph_buckets`
-    sets others; until then, and for calls outside the buckets, they run eagerly."""
+    sets others, and the windowed vocoder's non-final calls replay its graphs (`vocoder_graphs`,
+    `cosyvoice3.vocoder_graphs`) once those are captured, with buckets for the same schedule and rows; until then,
+    and for calls outside the buckets, both run eagerly."""
 
     def __init__(self, flow: CosyVoice3Flow, hift: CausalHiFT, schedule: Optional[DiTChunkSchedule] = None,
                  voice_capacity: int = 8, cache_budget_bytes: Optional[int] = None,
@@ -306,6 +309,7 @@ class CosyVoice3Token2Wav:
         self.schedule = schedule or runtime_schedule(lookahead=flow.config.pre_lookahead_len)
         self.lookahead = flow.config.pre_lookahead_len
         self.graphs = FlowStepGraphs(flow.estimator, self.graph_buckets([self.schedule]))
+        self.vocoder_graphs = WindowGraphs(hift, self.vocoder_buckets([self.schedule], self.graphs.buckets.rows))
         weight = flow.input_embedding.weight
         self.flow_device, self.flow_dtype = weight.device, weight.dtype
         self.hift_device = hift.stft_window.device
@@ -317,9 +321,16 @@ class CosyVoice3Token2Wav:
                                          self.flow.estimator.config.static_chunk_size,
                                          final_chunks=self.final_over_cache)
 
+    def vocoder_buckets(self, schedules: Sequence[HopSchedule], rows: Sequence[int] = ROW_BUCKETS) -> WindowBuckets:
+        """Vocoder-graph buckets covering the non-final calls of `schedules`' streams, of up to max(rows) rows
+        (`cosyvoice3.vocoder_graphs`)."""
+        return WindowBuckets.covering(self.hift, schedules, self.flow.config.token_mel_ratio, rows)
+
     def use_graph_buckets(self, buckets: FlowGraphBuckets) -> None:
-        """Replace the step graphs by an empty set with these buckets (before capturing them)."""
+        """Replace the step graphs by an empty set with these buckets, and the vocoder graphs by an empty set for
+        the engine's schedule with their rows (before capturing them)."""
         self.graphs = FlowStepGraphs(self.flow.estimator, buckets)
+        self.vocoder_graphs = WindowGraphs(self.hift, self.vocoder_buckets([self.schedule], buckets.rows))
 
     def limit_flow_caches(self, budget_bytes: Optional[int]) -> None:
         """Replace the live cached streams' flow-cache budget (None: no limit) before any stream opens: a server
@@ -331,15 +342,19 @@ class CosyVoice3Token2Wav:
     def memory_plan(self) -> str:
         """What this engine holds or may hold beyond its weights, for the start-up log: the step graphs' shared
         static buffers (`StaticPlan`, allocated when they are captured; their pool adds about one pass of the
-        largest bucket), the live cached streams' flow-cache budget, and the voices whose prompt caches are kept
-        (bounded in number, not bytes: each holds its committed prompt frames' keys/values of every Euler step)."""
+        largest bucket), the vocoder graphs' (likewise, with their own pool), the live cached streams' flow-cache
+        budget, and the voices whose prompt caches are kept (bounded in number, not bytes: each holds its committed
+        prompt frames' keys/values of every Euler step)."""
         dit = self.flow.estimator.config
         per_frame = len(self.flow.decoder.schedule) * dit.depth * 2 * 2 * dit.inner_dim * self.flow_dtype.itemsize
         budget = self.budget.budget_bytes
         streams = "no limit" if budget is None else f"{budget / 2**30:.2f} GiB at most"
         graphs = f"{len(self.graphs.buckets.shapes())} buckets): {self.graphs.plan(self.flow_dtype).describe()}"
-        return (f"flow step graphs ({graphs}; live streams' flow caches: {streams}; prompt caches of up to "
-                f"{self.voice_caches.capacity} voices, {per_frame / 2**20:.2f} MiB per cached prompt frame")
+        vocoder = self.vocoder_graphs
+        vocoder_plan = f"{len(vocoder.shapes())} buckets): {vocoder.planned_bytes(torch.float32) / 2**30:.2f} GiB"
+        return (f"flow step graphs ({graphs}; vocoder graphs ({vocoder_plan}; live streams' flow caches: {streams}; "
+                f"prompt caches of up to {self.voice_caches.capacity} voices, {per_frame / 2**20:.2f} MiB per cached "
+                "prompt frame")
 
     @property
     def sample_rate(self) -> int:
@@ -445,7 +460,7 @@ class CosyVoice3Token2Wav:
         rows = [(stream.vocoder, mel.to(self.hift_device, torch.float32), chunk.final)
                 for (stream, chunk), (mel, _) in zip(work, mels) if mel is not None]
         if self.windowed_vocoder:
-            vocoded = self.hift.stream_chunks(rows) if rows else []
+            vocoded = self.hift.stream_chunks(rows, self.vocoder_graphs) if rows else []
         else:
             vocoded = [self.hift.reference_chunk(*row) for row in rows]
         # one copy to the host for the whole call

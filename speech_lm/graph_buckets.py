@@ -389,13 +389,18 @@ class PrefixBuffers:
     def __init__(self, layouts: "Sequence[Layout]", device: "torch.device") -> None:
         import torch
 
-        sizes: dict[str, int] = {}
-        dtypes: dict[str, torch.dtype] = {}
+        self.device = device
+        self._flat = {name: torch.zeros(size, device=device, dtype=dtype)
+                      for name, (size, dtype) in self.sizes(layouts).items()}
+
+    @staticmethod
+    def sizes(layouts: "Sequence[Layout]") -> "dict[str, tuple[int, torch.dtype]]":
+        """Per name the elements of its flat buffer (its largest bucket's tensor) and its dtype."""
+        sizes: dict = {}
         for layout in layouts:
             for name, (dims, dtype) in layout.items():
-                sizes[name], dtypes[name] = max(sizes.get(name, 0), math.prod(dims)), dtype
-        self.device = device
-        self._flat = {name: torch.zeros(size, device=device, dtype=dtypes[name]) for name, size in sizes.items()}
+                sizes[name] = (max(sizes.get(name, (0,))[0], math.prod(dims)), dtype)
+        return sizes
 
     def views(self, layout: Layout) -> tuple["torch.Tensor", ...]:
         """A bucket's static tensors, in `layout`'s order."""
@@ -451,6 +456,11 @@ class PaddedCallGraphs(BucketGraphs["torch.cuda.CUDAGraph", PrefixBuffers]):
     def buffer_bytes(self) -> int:
         """Bytes of the static input and output buffers (0 before the capture)."""
         return self._buffers.nbytes if self._buffers is not None else 0
+
+    def planned_bytes(self, dtype: "torch.dtype") -> int:
+        """Bytes the static buffers of these buckets take once allocated (at the capture), from the shapes alone."""
+        sizes = PrefixBuffers.sizes([self._layout(shape, dtype) for shape in self.shapes()])
+        return sum(size * dtype.itemsize for size, dtype in sizes.values())
 
     def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
         """Capture every bucket now, on `device` (the model's own, any GPU), the costliest first into one pool;

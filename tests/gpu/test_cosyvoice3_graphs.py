@@ -3,8 +3,10 @@ and audio, for mixed streams (different prompts, chunk and history lengths; rows
 machine's last GPU (so a machine with several checks a device other than the current one). TF32 is off: fp32
 compares fp32. The tiny model with small buckets checks the padding and the static buffers fast; the released size
 (marked slow) captures every bucket a server captures and compares calls of 1 and 16 streams at the real shapes,
-then hands its GPU memory back (`frees_cuda_memory`).
-tests/cosyvoice3/test_flow_graphs.py checks the same buckets emulated on the CPU."""
+then hands its GPU memory back (`frees_cuda_memory`). The windowed vocoder's graphs (`cosyvoice3.vocoder_graphs`),
+captured there with the served schedule's buckets, replay what its eager calls give (samples and stream states).
+tests/cosyvoice3/test_flow_graphs.py and tests/cosyvoice3/test_vocoder_graphs.py check the same buckets emulated on
+the CPU."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ from cosyvoice3.graphs import FlowStepGraphs
 from cosyvoice3.hift import CausalHiFT
 from cosyvoice3.loading import load_config, load_flow, load_hift
 from cosyvoice3.testing import write_tiny_model
-from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt
+from cosyvoice3.token2wav import CosyVoice3Token2Wav, VoicePrompt, runtime_schedule
+from cosyvoice3.vocoder_graphs import WindowBuckets, WindowGraphs
 from tests.cosyvoice3.test_flow_graphs import BUCKETS, MIXES, recording, run_plans
+from tests.cosyvoice3.test_vocoder_graphs import ROWS, STREAMS, run_streams
+from tests.cosyvoice3.test_vocoder_graphs import recording as vocoder_recording
+from tests.cosyvoice3.test_windowed_vocoder import tiny_hift
 
 REPLAY_ATOL = 1e-4  # fp32 mel
 AUDIO_OF_SCALE = 5e-3
@@ -51,6 +57,32 @@ def test_replayed_graphs_equal_eager_on_the_tiny_model(gpus, no_tf32, tmp_path, 
                 assert a.shape == b.shape and float((a - b).abs().max()) <= REPLAY_ATOL, name
             ours, theirs = np.concatenate(replayed.pieces[stream]), np.concatenate(eager.pieces[stream])
             assert float(np.abs(ours - theirs).max()) <= AUDIO_OF_SCALE * float(np.abs(theirs).max()), name
+
+
+def test_vocoder_graphs_replay_the_eager_calls_on_the_tiny_model(gpus, no_tf32) -> None:
+    """Every bucket of the served schedule (rows 1, 2, 4) captured on the last GPU; streams of several chunks in
+    shared calls (rows and windows padded) replay the eager calls' samples and leave the same stream states; only
+    the final calls run eagerly."""
+    device = last_gpu(gpus)
+    hift = tiny_hift(voiced=True).to(device)
+    graphs = WindowGraphs(hift, WindowBuckets.covering(hift, [runtime_schedule()], 2, ROWS))
+    assert graphs.capture_all(device) == len(graphs.shapes()) == graphs.count
+    eager_audio, eager_states = run_streams(hift, None)
+    calls = vocoder_recording(graphs)
+    audio, states = run_streams(hift, graphs)
+    non_final = [shape for (_, _, _, final), shape in calls if not final]
+    assert non_final and all(shape is not None for shape in non_final)
+    assert (graphs.replayed_calls, graphs.eager_calls) == (len(non_final), len(calls) - len(non_final))
+    for name in STREAMS:
+        for k, (ours, theirs) in enumerate(zip(audio[name], eager_audio[name], strict=True)):
+            assert ours.device == device and ours.shape == theirs.shape, (name, k)
+            worst = float((ours - theirs).abs().max()) if ours.numel() else 0.0
+            assert worst <= 1e-3 * float(theirs.abs().max()), (name, k, worst)
+        for ours, theirs in zip(states[name], eager_states[name], strict=True):
+            assert (ours.frames, ours.sent, ours.phase_frame) == (theirs.frames, theirs.sent, theirs.phase_frame)
+            assert torch.equal(ours.mel, theirs.mel) and (ours.phase is None) == (theirs.phase is None)
+            if ours.phase is not None:
+                torch.testing.assert_close(ours.phase, theirs.phase, rtol=0, atol=1e-5)
 
 
 @pytest.fixture
