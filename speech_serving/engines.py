@@ -377,8 +377,9 @@ class CosyVoice3BatchedToken2Wav(_StepGraphStreams):
         return counts.needed, counts.computed
 
     def capture_graphs(self) -> tuple[int, float]:
-        """Capture the flow's step graphs of every bucket now, on the engine's own device (before the server
-        reports ready): (graphs, seconds). A capture that fails is logged and leaves the flow eager."""
+        """Capture the flow's step graphs and the windowed vocoder's graphs of every bucket now, each on its own
+        model's device (before the server reports ready): (graphs, seconds). A capture that fails is logged and
+        leaves that part eager."""
         engine = self.engine
         if engine.flow_device.type != "cuda":
             return 0, 0.0
@@ -388,11 +389,24 @@ class CosyVoice3BatchedToken2Wav(_StepGraphStreams):
         count = capture_or_stay_eager(
             "CosyVoice3's flow step graphs", lambda: engine.graphs.capture_all(engine.flow_device, engine.flow_dtype),
             engine.graphs.clear, engine.flow_device)
-        logger.info("cosyvoice3 token2wav: %d step graphs, %.2f GiB of static buffers; this process now has %.2f GiB "
-                    "allocated and %.2f GiB reserved on %s", count, engine.graphs.static_bytes() / 2**30,
+        vocoder = engine.vocoder_graphs
+        vocoder_count = 0
+        if engine.hift_device.type == "cuda":
+            vocoder_count = capture_or_stay_eager("CosyVoice3's vocoder graphs",
+                                                  lambda: vocoder.capture_all(engine.hift_device),
+                                                  vocoder.clear, engine.hift_device)
+        logger.info("cosyvoice3 token2wav: %d step graphs, %.2f GiB of static buffers; %d vocoder graphs, %.2f GiB of "
+                    "static buffers; this process now has %.2f GiB allocated and %.2f GiB reserved on %s", count,
+                    engine.graphs.static_bytes() / 2**30, vocoder_count, vocoder.buffer_bytes / 2**30,
                     torch.cuda.memory_allocated(engine.flow_device) / 2**30,
                     torch.cuda.memory_reserved(engine.flow_device) / 2**30, engine.flow_device)
-        return count, time.perf_counter() - started
+        return count + vocoder_count, time.perf_counter() - started
+
+    def hift_calls(self) -> tuple[int, int]:
+        """Vocoder calls so far on the GPU: (replayed from a CUDA graph, eager: final calls and calls fitting no
+        captured bucket)."""
+        graphs = self.engine.vocoder_graphs
+        return graphs.replayed_calls, graphs.eager_calls
 
     def open(self, prompt: PromptTensors, seed: int | None) -> CosyVoice3StreamState:
         """A stream of `prompt`'s voice; a cached one starts from the voice's prompt flow cache (computed here on

@@ -8,10 +8,11 @@ time is time the GPU waited for the host) and the operators whose own kernels to
 input shapes (on the CPU: their own CPU time). `--chunks` picks the chunk indices timed (0: first chunks; later
 ones show that a chunk's cost no longer grows with the stream: the vocoder runs over a bounded window).
 
-Without `--graphs` the flow runs eagerly, so every kernel keeps the operator that launched it; with `--graphs` the
-flow's step graphs of the engine's buckets are captured first (their count, time and static memory are printed)
-and the calls replay them (a replayed kernel is listed under the graph launch); on the CPU `--graphs` emulates the
-buckets (padded calls, run eagerly), which only checks the padded path.
+Without `--graphs` the flow and the vocoder run eagerly, so every kernel keeps the operator that launched it; with
+`--graphs` the flow's step graphs and the vocoder's graphs of the engine's buckets are captured first (their counts,
+time and the step graphs' static memory are printed) and the calls replay them (a replayed kernel is listed under
+the graph launch); on the CPU `--graphs` emulates the buckets (padded calls, run eagerly), which only checks the
+padded path.
 
     PYTHONUNBUFFERED=1 python -m enginebench.cosyvoice3_token2wav --streams 1 16 --chunks 0 1 4 [--graphs] [--top 12]
     python -m enginebench.cosyvoice3_token2wav --tiny --device cpu --dtype fp32 --streams 1 --repeats 1  # smoke
@@ -92,7 +93,7 @@ def main() -> int:
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1],
                         help="chunk indices timed (0: first chunks)")
     parser.add_argument("--graphs", action="store_true",
-                        help="capture the flow's step graphs first (CPU: emulate the buckets)")
+                        help="capture the flow's step graphs and the vocoder's graphs first (CPU: emulate the buckets)")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model (a smoke run of this tool)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype)
@@ -101,13 +102,17 @@ def main() -> int:
     if args.graphs and device.type == "cuda":
         started = time.perf_counter()
         count = engine.graphs.capture_all(device, dtype)
+        vocoder = engine.vocoder_graphs.capture_all(engine.hift_device)
         sync(device)
-        print(f"captured {count} flow step graphs in {time.perf_counter() - started:.1f} s "
-              f"({engine.graphs.static_bytes() / 2**30:.2f} GiB static keys/values)", flush=True)
+        print(f"captured {count} flow step graphs and {vocoder} vocoder graphs in "
+              f"{time.perf_counter() - started:.1f} s ({engine.graphs.static_bytes() / 2**30:.2f} GiB static "
+              "keys/values)", flush=True)
     elif args.graphs:
         engine.graphs.emulate = True
-    else:
-        engine.graphs = None  # type: ignore[assignment]  # eager: every kernel keeps its operator
+        engine.vocoder_graphs.emulate = True
+    else:  # eager: every kernel keeps its operator
+        engine.graphs = None  # type: ignore[assignment]
+        engine.vocoder_graphs = None  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(1)
     vocab = config.flow.vocab_size
     voice = VoicePrompt(torch.randint(0, vocab, (PROMPT_TOKENS,), generator=gen),

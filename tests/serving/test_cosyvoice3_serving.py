@@ -183,6 +183,37 @@ def test_a_bad_job_fails_alone(engine):
     assert isinstance(results[1], InvalidInput) and isinstance(results[2], Exception)
 
 
+def test_the_served_vocoder_calls_are_counted(engine):
+    """The served token2wav reports its vocoder calls as HiFT calls (replayed, eager): on the CPU it captures nothing
+    and its calls run eagerly, uncounted; with its vocoder graphs emulated every non-final call of a stream cut by the
+    engine's schedule replays and the final call runs eagerly."""
+    token2wav: CosyVoice3Token2Wav = engine.token2wav_engine
+    batched = CosyVoice3BatchedToken2Wav(token2wav, cached=True)
+    assert batched.capture_graphs() == (0, 0.0)
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(0, 6561, 95).astype(np.int32)
+    plan = token2wav.schedule.chunks(tokens.size)
+    graphs = token2wav.vocoder_graphs
+
+    def run() -> None:
+        state = batched.open(voice(rng, 9), 1)
+        sent = 0
+        for chunk in plan:
+            assert isinstance(batched.run([Work(state, tokens[sent:chunk.feed], chunk)])[0], np.ndarray)
+            sent = chunk.feed
+
+    before = batched.hift_calls()
+    run()
+    assert batched.hift_calls() == before
+    graphs.emulate = True
+    try:
+        run()
+    finally:
+        graphs.emulate = False
+    replayed, eager = (now - was for now, was in zip(batched.hift_calls(), before))
+    assert len(plan) == 4 and (replayed, eager) == (3, 1)
+
+
 @pytest.mark.parametrize("tokens", [0, 3, 17, 18, 43, 44, 150, 1000])
 def test_the_orchestrators_schedule_is_the_engines_served_schedule(tokens):
     """The orchestrator's chunks (CosyVoice2's `ChunkSchedule` with a second hop, torch-free) are exactly the
