@@ -117,14 +117,6 @@ class WindowGraphs(PaddedCallGraphs):
         self._hift = [hift]  # a list, so the module is not registered as a child
         self.buckets = buckets
 
-    def shapes(self) -> list[Shape]:  # type: ignore[override]
-        return self.buckets.shapes()
-
-    def capture_all(self, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
-        """Capture every bucket now, on `device` (the vocoder's own: any GPU), largest first into one pool; returns
-        how many were new."""
-        return super().capture_all(device, dtype)
-
     def bucket(self, rows: int, frames: int, windowed: bool, finalize: bool, device: torch.device) -> Optional[Shape]:
         """The bucket a call of `rows` rows of `frames` mel frames on `device` is padded to, or None: it runs
         eagerly (a final call, no bucket fits, or nothing captured there and not emulating)."""

@@ -425,9 +425,9 @@ class PaddedCallGraphs(BucketGraphs["torch.cuda.CUDAGraph", PrefixBuffers]):
     static buffers (`PrefixBuffers`); a lock orders the replays of threads, `ReplayOrder` those of CUDA streams.
     `emulate` (tests) runs the padded path - the static buffers, each bucket's pass - eagerly on any device.
 
-    A subclass gives the buckets (`shapes`), a bucket's static tensors (`_layout`: its inputs, then its `outputs`
-    last ones) and the pass over its inputs (`_pass`: static shapes, no host syncs); `replay` fills the inputs,
-    replays and reads the outputs out."""
+    A subclass gives the buckets (`buckets`, whose `shapes()` lists them), a bucket's static tensors (`_layout`: its
+    inputs, then its `outputs` last ones) and the pass over its inputs (`_pass`: static shapes, no host syncs);
+    `replay` fills the inputs, replays and reads the outputs out."""
 
     outputs = 1  # how many of a layout's tensors, the last ones, a pass writes
 
@@ -438,8 +438,9 @@ class PaddedCallGraphs(BucketGraphs["torch.cuda.CUDAGraph", PrefixBuffers]):
         self.eager_calls = 0  # calls that fit no captured bucket
 
     def shapes(self) -> "list[tuple[int, ...]]":
-        """Every bucket, the costliest first: a smaller capture then reuses the pool blocks a larger one freed."""
-        raise NotImplementedError
+        """Every bucket (the subclass's `buckets`), the costliest first: a smaller capture then reuses the pool blocks
+        a larger one freed."""
+        return self.buckets.shapes()  # type: ignore[attr-defined]
 
     def _layout(self, shape: tuple[int, ...], dtype: "torch.dtype") -> Layout:
         raise NotImplementedError
@@ -462,11 +463,12 @@ class PaddedCallGraphs(BucketGraphs["torch.cuda.CUDAGraph", PrefixBuffers]):
         sizes = PrefixBuffers.sizes([self._layout(shape, dtype) for shape in self.shapes()])
         return sum(size * dtype.itemsize for size, dtype in sizes.values())
 
-    def capture_all(self, device: "torch.device", dtype: "torch.dtype") -> int:
-        """Capture every bucket now, on `device` (the model's own, any GPU), the costliest first into one pool;
-        returns how many were new."""
+    def capture_all(self, device: "torch.device", dtype: "Optional[torch.dtype]" = None) -> int:
+        """Capture every bucket now, on `device` (the model's own, any GPU), the costliest first into one pool, with
+        floating-point buffers of `dtype` (default fp32: the vocoders run in fp32); returns how many were new."""
         import torch
 
+        dtype = torch.float32 if dtype is None else dtype
         device = concrete_device(device)
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")

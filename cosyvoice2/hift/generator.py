@@ -331,14 +331,6 @@ class HiFTGraphs(PaddedCallGraphs):
             self.buckets = buckets
             self._clear()
 
-    def shapes(self) -> list[Shape]:  # type: ignore[override]
-        return self.buckets.shapes()
-
-    def capture_all(self, device: torch.device, dtype: torch.dtype = torch.float32) -> int:
-        """Capture every bucket now, on `device` (the HiFT's own), largest first into one pool; returns how many
-        were new."""
-        return super().capture_all(device, dtype)
-
     def _layout(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
         """The `vocode` inputs of a bucket, then its outputs (audio, source)."""
         rows, frames = shape
